@@ -1,0 +1,117 @@
+"""The algorithm seam (DESIGN.md): client update, server aggregation, evaluation.
+
+An algorithm never knows which engine runs it. Messages are ``dict[str, numpy.ndarray]``; their
+size is the communication cost (:func:`message_size`). Client state (the personal model) never
+leaves the client.
+
+:meth:`Algorithm.client_update` is the reference composition of the client step
+(``prepare`` -> ``objective`` -> local training -> ``finish``); the simulation engine may run the
+training part of many clients at once (:func:`fedproto.training.train_group`) between the same
+``prepare``/``finish`` calls, so both paths share every algorithm-specific line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedproto.models.base import ProtoModel
+from fedproto.training import (
+    Objective,
+    OptimConfig,
+    Phase,
+    TrainResult,
+    make_plan,
+    predict,
+    train_client,
+)
+
+Message = dict[str, np.ndarray]
+
+
+def message_size(msg: Message) -> tuple[int, int]:
+    """(number of elements, bytes) of a message: the communication cost of sending it once."""
+    n = sum(int(np.asarray(v).size) for v in msg.values())
+    b = sum(int(np.asarray(v).nbytes) for v in msg.values())
+    return n, b
+
+
+@dataclass
+class ClientData:
+    """A client's data held in memory. x: (n, C, H, W) float32; y: (n,) int64; same for test."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+@dataclass
+class ClientState:
+    """What a client keeps between rounds: its id, personal model, own classes (sorted (n_i,)
+    int64) and algorithm-specific extras (e.g. a FeSEM cluster id)."""
+
+    cid: int
+    model: ProtoModel
+    classes: np.ndarray
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class. Subclasses override the hooks; see module docstring.
+
+    Attributes:
+        name: registry name. shares_weights: True if messages carry model weights (such
+            algorithms refuse heterogeneous client models).
+    """
+
+    name = "base"
+    shares_weights = False
+
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
+        self.num_classes = num_classes
+        self.opt = opt
+        self.local_epochs = local_epochs
+
+    # -- server side ------------------------------------------------------------------------
+    def initial_message(self, states: list[ClientState]) -> Message:
+        """The server's first broadcast (default: empty)."""
+        return {}
+
+    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+        """Combine client messages into the next server message."""
+        raise NotImplementedError
+
+    # -- client side ------------------------------------------------------------------------
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Apply the server message to the client before training (e.g. load global weights)."""
+
+    def objective(self, state: ClientState, message: Message) -> Objective:
+        """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
+        return Objective(phases=[Phase(self.local_epochs)])
+
+    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        """Build the client's message after local training."""
+        return {}
+
+    def client_update(
+        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
+    ) -> tuple[Message, TrainResult]:
+        """Reference client step: prepare, train (sequential path), finish."""
+        self.prepare(state, message)
+        obj = self.objective(state, message)
+        m = state.model
+        plan = make_plan(len(data.x), obj.phases, self.opt, m.noise_widths(), m.dropout, rng)
+        res = train_client(m, data.x, data.y, plan, obj, self.opt)
+        return self.finish(state, message, data, res), res
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1]."""
+        logits, _ = predict(state.model, data.test_x)
+        n = len(data.test_y)
+        acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
+        return {"acc": acc}

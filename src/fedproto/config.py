@@ -1,0 +1,136 @@
+"""Validated run configuration: defaults < TOML file (``--config``) < command-line flags.
+
+Every value is checked before any training starts; errors are :class:`fedproto.errors.ConfigError`
+naming the field, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedproto.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DATASETS = {
+    # name: (num_classes, default λ (app. A), default rounds (tab. 1))
+    "mnist": (10, 1.0, 100),
+    "femnist": (62, 1.0, 120),
+    "cifar10": (10, 0.1, 110),
+    "digits": (10, 1.0, 20),
+}
+
+
+class RunConfig(BaseModel):
+    """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # data and partition
+    dataset: str = "mnist"
+    data_dir: Optional[str] = None
+    download: bool = True
+    clients: int = Field(20, ge=1)
+    ways: int = Field(3, ge=1)
+    shots: int = Field(100, ge=1)
+    stdev: int = Field(2, ge=0)
+    test_shots: int = Field(40, ge=1)
+    noise: Literal["uniform", "gaussian"] = "uniform"
+    # method and model
+    algorithm: Literal["fedproto"] = "fedproto"
+    model: str = "cnn"
+    embedding_dim: int = Field(50, ge=1)
+    dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    # training
+    rounds: int = Field(100, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(0.01, gt=0.0)
+    momentum: float = Field(0.5, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    drop_last: bool = False
+    # FedProto
+    lambda_proto: Optional[float] = Field(None, ge=0.0)
+    distance: Literal["mse", "squared_l2", "l2"] = "mse"
+    proto_source: Literal["last_epoch", "after_training"] = "last_epoch"
+    aggregation: Literal["mean", "weighted", "median"] = "mean"
+    proto_classes: Literal["own", "all"] = "own"
+    # engine and output
+    execution: Literal["auto", "sequential", "batched"] = "auto"
+    eval_every: int = Field(10, ge=0)
+    seed: int = 1234
+    out_dir: str = "runs"
+    name: Optional[str] = None
+    threads: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        C = DATASETS[self.dataset][0]
+        if self.ways > C:
+            raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
+        return self
+
+    @property
+    def num_classes(self) -> int:
+        return DATASETS[self.dataset][0]
+
+    @property
+    def lam(self) -> float:
+        """λ in force: the given value, or the paper's for the dataset (app. A)."""
+        return self.lambda_proto if self.lambda_proto is not None else DATASETS[self.dataset][1]
+
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.algorithm}-{self.dataset}-n{self.ways}-k{self.shots}-s{self.seed}"
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            known = ", ".join(RunConfig.model_fields)
+            lines.append(f"unknown option {loc!r}; known options: {known}")
+        elif "input" in e and e["loc"]:
+            lines.append(f"{loc}={e['input']!r}: {msg}")
+        else:
+            lines.append(msg)
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Merge defaults, an optional TOML file and overrides (None values are ignored).
+
+    TOML keys are the field names of :class:`RunConfig` (top level, or under a ``[run]`` table).
+    Raises:
+        ConfigError: missing/unreadable/invalid TOML, unknown keys, or invalid values.
+    """
+    data: dict[str, Any] = {}
+    if file is not None:
+        p = Path(file)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file to --config")
+        try:
+            data = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        if "run" in data and isinstance(data["run"], dict):
+            data = {**{k: v for k, v in data.items() if k != "run"}, **data["run"]}
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            data[k] = v
+    try:
+        return RunConfig(**data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

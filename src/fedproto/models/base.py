@@ -1,0 +1,112 @@
+"""The model seam: every client model is a :class:`ProtoModel` (embedding + head).
+
+``embed(x) -> (B, d)``, ``head(h) -> (B, C)`` logits, ``forward(x) -> (logits, h)``.
+The embedding size ``d`` must be equal across clients (FedProto, app. B); the engine
+checks this once at start (:func:`check_embedding_dims`).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from fedproto.errors import ModelError
+
+Noise = Mapping[str, torch.Tensor]
+"""Explicit dropout masks keyed by layer name, each (B, width), already scaled by 1/(1-p).
+
+Models of the CNN family take their dropout randomness from these masks when given, so the
+sequential and the client-batched execution paths draw identical noise from per-client
+generators (see :mod:`fedproto.training`). ``None`` means ordinary dropout from torch's RNG.
+"""
+
+
+class ProtoModel(nn.Module):
+    """Base class: a backbone producing a d-dim embedding and a head producing logits.
+
+    Subclasses implement :meth:`embed` and :meth:`head`. ``embedding_dim`` and
+    ``num_classes`` are ints set by the subclass.
+    """
+
+    embedding_dim: int
+    num_classes: int
+
+    def embed(self, x: torch.Tensor, noise: Noise | None = None) -> torch.Tensor:
+        """Map inputs (B, C, H, W) to embeddings (B, d), float32."""
+        raise NotImplementedError
+
+    def head(self, h: torch.Tensor, noise: Noise | None = None) -> torch.Tensor:
+        """Map embeddings (B, d) to logits (B, num_classes)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, noise: Noise | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(logits (B, C), embedding (B, d))`` from one pass."""
+        h = self.embed(x, noise)
+        return self.head(h, noise), h
+
+    def noise_widths(self) -> dict[str, int]:
+        """Widths of the explicit dropout masks this model consumes (empty: none)."""
+        return {}
+
+    @property
+    def dropout(self) -> float:
+        """Dropout probability used with explicit masks (0 when the model has none)."""
+        return 0.0
+
+    def arch_key(self) -> tuple | None:
+        """Hashable architecture description for client batching; None: not batchable."""
+        return None
+
+
+class WrappedModel(ProtoModel):
+    """Wrap any ``backbone: nn.Module`` (x -> (B, ...)) and ``head: nn.Module`` ((B, d) -> (B, C)).
+
+    The backbone output is flattened to (B, d). ``embedding_dim`` must be given (it is checked
+    on the first forward pass: a mismatch raises :class:`ModelError`).
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Module, embedding_dim: int, num_classes: int):
+        super().__init__()
+        self.backbone = backbone
+        self.classifier = head
+        self.embedding_dim = int(embedding_dim)
+        self.num_classes = int(num_classes)
+
+    def embed(self, x, noise=None):
+        h = self.backbone(x).flatten(1)
+        if h.shape[1] != self.embedding_dim:
+            raise ModelError(
+                f"backbone produced embeddings of size {h.shape[1]}, declared embedding_dim="
+                f"{self.embedding_dim}; fix the declaration or add a projection layer"
+            )
+        return h
+
+    def head(self, h, noise=None):
+        return self.classifier(h)
+
+
+def check_embedding_dims(models: Sequence[ProtoModel]) -> int:
+    """Return the shared embedding size d, or raise :class:`ModelError` naming the clients that differ.
+
+    FedProto averages prototypes across clients, so d must be equal (app. B).
+    """
+    dims = [int(m.embedding_dim) for m in models]
+    if not dims:
+        raise ModelError("no client models were built")
+    values = sorted(set(dims))
+    if len(values) > 1:
+        groups = "; ".join(
+            f"d={v}: clients {[i for i, x in enumerate(dims) if x == v]}" for v in values
+        )
+        raise ModelError(
+            f"clients have different embedding sizes ({groups}); FedProto needs one embedding "
+            "size for all clients: give every model the same embedding_dim (add a projection layer)"
+        )
+    return values[0]
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters (elements)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

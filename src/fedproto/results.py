@@ -1,0 +1,105 @@
+"""The run directory: resolved config, per-round metrics (JSON lines), summary, per-client CSV,
+global prototypes and checkpoints. Every whole-file write is atomic (temp file + ``os.replace``),
+so an interrupted run never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (same-folder temp file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return _clean(obj.tolist())
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        f = float(obj)
+        return None if math.isnan(f) or math.isinf(f) else f
+    return obj
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """JSON (NaN written as null) via :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
+
+
+class RunDir:
+    """A run's output folder. ``metrics.jsonl`` gets one line per round (appended and flushed)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._metrics = self.path / "metrics.jsonl"
+        self._metrics.write_text("")
+
+    def write_config(self, cfg: dict) -> None:
+        atomic_write_json(self.path / "config.json", cfg)
+
+    def log_round(self, row: dict) -> None:
+        with open(self._metrics, "a") as f:
+            f.write(json.dumps(_clean(row)) + "\n")
+            f.flush()
+
+    def write_summary(self, summary: dict) -> None:
+        atomic_write_json(self.path / "summary.json", summary)
+
+    def write_clients(self, rows: Iterable[dict]) -> None:
+        rows = list(rows)
+        buf = io.StringIO()
+        if rows:
+            w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
+        atomic_write_bytes(self.path / "clients.csv", buf.getvalue().encode())
+
+    def write_prototypes(self, classes: np.ndarray, protos: np.ndarray, contributors: np.ndarray | None) -> None:
+        buf = io.BytesIO()
+        np.savez(buf, classes=classes, protos=protos,
+                 contributors=contributors if contributors is not None else np.zeros(0, np.int64))
+        atomic_write_bytes(self.path / "prototypes.npz", buf.getvalue())
+
+    def write_checkpoint(self, state: dict, name: str = "checkpoint.pt") -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(self.path / name, buf.getvalue())
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -1,0 +1,241 @@
+"""The in-process round engine (DESIGN.md "Engines").
+
+Owns rounds, seeding, client batching, timing, progress, metrics and the run directory. It never
+knows which algorithm it runs beyond the :class:`~fedproto.algorithms.base.Algorithm` hooks.
+
+Seeding: the partition, each client's model initialisation and each client's per-round
+randomness (batch order, dropout masks) come from ``numpy.random.SeedSequence([seed, round,
+client])``-style streams, so results do not depend on execution mode or client order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
+from fedproto.algorithms.fedproto import FedProto
+from fedproto.config import RunConfig
+from fedproto.data.datasets import Dataset, load_dataset
+from fedproto.data.partition import Partition, fewshot_partition
+from fedproto.errors import ConfigError
+from fedproto.models.base import check_embedding_dims, count_parameters
+from fedproto.models.zoo import build_client_models
+from fedproto.results import RunDir
+from fedproto.training import OptimConfig, Objective, can_batch, make_plan, train_client, train_group
+
+log = logging.getLogger(__name__)
+
+
+def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
+    """The configured algorithm (raises :class:`ConfigError` for an unknown name)."""
+    opt = OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last)
+    if cfg.algorithm == "fedproto":
+        return FedProto(
+            cfg.num_classes, opt, cfg.local_epochs, cfg.lam, cfg.distance, cfg.proto_source,
+            cfg.aggregation, cfg.proto_classes, embedding_dim,
+        )
+    raise ConfigError(f"unknown algorithm {cfg.algorithm!r}")
+
+
+def client_rng(seed: int, round: int, cid: int) -> np.random.Generator:
+    """The generator of client ``cid`` in ``round`` (independent of order and execution mode)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, round, cid, 0xC1]))
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation over clients (each counted once), NaNs dropped."""
+    v = np.asarray([x for x in values if x == x], dtype=np.float64)
+    if len(v) == 0:
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std())
+
+
+@dataclass
+class Setup:
+    """Everything built before round 1 (all config errors surface while building it)."""
+
+    dataset: Dataset
+    partition: Partition
+    states: list[ClientState]
+    data: list[ClientData]
+    algorithm: Algorithm
+    embedding_dim: int
+
+
+def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
+    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses."""
+    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
+    part = fewshot_partition(
+        ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
+        cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset,
+    )
+    C, H, _ = ds.input_shape
+    models = build_client_models(cfg.model, cfg.clients, C, ds.num_classes, H, cfg.embedding_dim,
+                                 cfg.dropout, cfg.seed)
+    d = check_embedding_dims(models)
+    states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
+    data = [
+        ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
+                   ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
+        for tr, te in zip(part.train_idx, part.test_idx)
+    ]
+    return Setup(ds, part, states, data, build_algorithm(cfg, d), d)
+
+
+class Simulation:
+    """Run a configured experiment in-process.
+
+    Args:
+        cfg: the validated :class:`RunConfig`.
+        setup: a prebuilt :class:`Setup` (else built from cfg).
+        out: run directory path (None: ``cfg.out_dir / cfg.run_name()``; False: write nothing).
+        on_round: optional callback(row) after each round (used for the progress bar).
+    """
+
+    def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
+                 on_round: Callable[[dict], None] | None = None, progress: bool = False):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.setup = setup or prepare(cfg, progress=progress)
+        self.on_round = on_round
+        if out is False:
+            self.run_dir = None
+        else:
+            self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
+        self.message: Message = {}
+        self.history: list[dict] = []
+
+    # -------------------------------------------------------------------------------------------
+    def _groups(self, ids: list[int]) -> list[list[int]]:
+        mode = self.cfg.execution
+        if mode == "sequential":
+            return [[i] for i in ids]
+        by_arch: dict = defaultdict(list)
+        for i in ids:
+            by_arch[self.setup.states[i].model.arch_key()].append(i)
+        groups = []
+        for key, members in by_arch.items():
+            models = [self.setup.states[i].model for i in members]
+            if len(members) > 1 and can_batch(models):
+                groups.append(members)
+            else:
+                groups.extend([[i] for i in members])
+        return groups
+
+    def _client_step(self, round: int, ids: list[int]) -> dict[int, tuple[Message, object]]:
+        alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        out = {}
+        for group in self._groups(ids):
+            if len(group) == 1:
+                i = group[0]
+                torch.manual_seed(hash((self.cfg.seed, round, i)) % (2**31))
+                out[i] = alg.client_update(S[i], self.message, D[i], round, client_rng(self.cfg.seed, round, i))
+                continue
+            objs: list[Objective] = []
+            plans = []
+            for i in group:
+                alg.prepare(S[i], self.message)
+                objs.append(alg.objective(S[i], self.message))
+                m = S[i].model
+                plans.append(make_plan(len(D[i].x), objs[-1].phases, alg.opt, m.noise_widths(), m.dropout,
+                                       client_rng(self.cfg.seed, round, i)))
+            results = train_group([S[i].model for i in group], [D[i].x for i in group],
+                                  [D[i].y for i in group], plans, objs[0], alg.opt, objs)
+            for i, res in zip(group, results):
+                out[i] = (alg.finish(S[i], self.message, D[i], res), res)
+        return out
+
+    def evaluate(self) -> list[dict]:
+        """Per-client metrics on each client's own test set (list indexed by client id)."""
+        alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        return [alg.evaluate(S[i], self.message, D[i]) for i in range(len(S))]
+
+    def run(self) -> dict:
+        """Run all rounds; returns the summary dict (also written to ``summary.json``)."""
+        cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        if self.run_dir:
+            self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
+                                       "partition": self.setup.partition.summary()})
+        self.message = alg.initial_message(S)
+        ids = list(range(len(S)))
+        t_start = time.perf_counter()
+        totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
+        train_time = 0.0
+        per_client: list[dict] = []
+        for r in range(1, cfg.rounds + 1):
+            t0 = time.perf_counter()
+            down_n, down_b = message_size(self.message)
+            results = self._client_step(r, ids)
+            msgs = [results[i][0] for i in ids]
+            tr = [results[i][1] for i in ids]
+            up = [message_size(m) for m in msgs]
+            self.message = alg.aggregate(r, msgs, S)
+            t_train = time.perf_counter() - t0
+            train_time += t_train
+            row = {
+                "round": r,
+                "loss_ce": float(np.mean([x.loss_ce for x in tr])),
+                "loss_proto": float(np.mean([x.loss_proto for x in tr])),
+                "up_params": sum(u[0] for u in up),
+                "up_bytes": sum(u[1] for u in up),
+                "down_params": down_n * len(ids),
+                "down_bytes": down_b * len(ids),
+                "train_time_s": t_train,
+            }
+            for k in totals:
+                totals[k] += row[k]
+            if r == cfg.rounds or (cfg.eval_every and r % cfg.eval_every == 0):
+                t1 = time.perf_counter()
+                per_client = self.evaluate()
+                for key in per_client[0]:
+                    row[f"{key}_mean"], row[f"{key}_std"] = summarize([m[key] for m in per_client])
+                row["eval_time_s"] = time.perf_counter() - t1
+            self.history.append(row)
+            if self.run_dir:
+                self.run_dir.log_round(row)
+            if self.on_round:
+                self.on_round(row)
+        wall = time.perf_counter() - t_start
+        last = self.history[-1]
+        summary = {
+            "algorithm": cfg.algorithm,
+            "dataset": cfg.dataset,
+            "model": cfg.model,
+            "clients": len(S),
+            "rounds": cfg.rounds,
+            "ways": cfg.ways,
+            "shots": cfg.shots,
+            "seed": cfg.seed,
+            "test_set": f"per client: {cfg.test_shots} test-split samples of each own class",
+            "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
+                         for k in last if k.endswith("_mean")},
+            "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
+            "bytes_total": {"up": totals["up_bytes"], "down": totals["down_bytes"]},
+            "model_params": [count_parameters(s.model) for s in S],
+            "wall_time_s": wall,
+            "train_time_s": train_time,
+            "execution": cfg.execution,
+        }
+        if self.run_dir:
+            self.run_dir.write_summary(summary)
+            rows = []
+            for i, s in enumerate(S):
+                row = {"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
+                       "train_samples": len(self.setup.data[i].x), "test_samples": len(self.setup.data[i].test_y),
+                       "params": count_parameters(s.model)}
+                row.update(per_client[i])
+                rows.append(row)
+            self.run_dir.write_clients(rows)
+            if "protos" in self.message:
+                self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
+                                              getattr(alg, "last_contributors", None))
+        return summary

@@ -1,0 +1,398 @@
+"""Local training: one client step as a function of (model, data, plan, objective).
+
+Two execution paths share every definition in this module:
+
+* :func:`train_client` — the reference: a plain ``nn.Module`` loop with ``torch.optim.SGD``.
+* :func:`train_group` — clients of one CNN architecture trained as one batched computation:
+  their weights are stacked along a client axis, convolutions become grouped convolutions over
+  clients stacked on the channel axis (channels-last), linear layers become batched matmuls,
+  and SGD with momentum is applied per client with a mask, so a client whose data has run out
+  keeps its weights and momentum untouched.
+
+Both draw their randomness (batch order and dropout masks) from the same per-client plan
+(:func:`make_plan`), so they give the same weights up to float rounding.
+
+Loss per step and client (eq. 7): mean cross-entropy over the batch + ``lambda_proto`` x
+:func:`fedproto.prototypes.proto_loss` + ``prox_mu``/2 x ||w - w_ref||² (FedProx).
+The optimizer is created anew at each call (official code: a fresh ``torch.optim.SGD`` per round,
+so momentum does not carry across rounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedproto.models.base import ProtoModel
+from fedproto.prototypes import proto_loss
+
+
+@dataclass
+class OptimConfig:
+    """SGD settings (paper, app. A: lr 0.01, momentum 0.5; batch size 8; one local epoch)."""
+
+    lr: float = 0.01
+    momentum: float = 0.5
+    weight_decay: float = 0.0
+    batch_size: int = 8
+    drop_last: bool = False
+
+
+@dataclass
+class Phase:
+    """A run of local epochs that trains the parameters whose names pass ``trains`` (None: all)."""
+
+    epochs: int
+    trains: Callable[[str], bool] | None = None
+
+
+@dataclass
+class Objective:
+    """What a client minimizes in one round (configured by the algorithm).
+
+    Attributes:
+        phases: local epochs, in order (FedRep: head epochs, then body epochs).
+        lambda_proto: λ, weight of the prototype regularizer (0: none).
+        table: (C, d) global prototypes; mask: (C,) bool rows that exist.
+        form: distance form, see :func:`fedproto.prototypes.proto_loss`.
+        prox_mu: FedProx μ (0: none); prox_ref: name -> tensor of the global weights.
+        collect: collect the embeddings of the last epoch's training passes per class
+            (official code's local prototypes).
+    """
+
+    phases: list[Phase]
+    lambda_proto: float = 0.0
+    table: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    form: str = "mse"
+    prox_mu: float = 0.0
+    prox_ref: dict[str, torch.Tensor] | None = None
+    collect: bool = False
+
+
+@dataclass
+class Plan:
+    """One client's randomness for one round, per phase.
+
+    order[p]: (S, B) int64 local sample indices; weight[p]: (S, B) float32, 0 on padding;
+    last_epoch[p]: (S,) bool, steps of the phase's last epoch; noise[p]: name -> (S, B, width)
+    float32 dropout masks scaled by 1/(1-p).
+    """
+
+    order: list[torch.Tensor]
+    weight: list[torch.Tensor]
+    last_epoch: list[torch.Tensor]
+    noise: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    """Per client: class sums (C, d) and counts (C,) of last-epoch embeddings (None if not
+    collected), mean losses over steps, and the number of optimizer steps taken."""
+
+    sums: torch.Tensor | None
+    counts: torch.Tensor | None
+    loss_ce: float
+    loss_proto: float
+    steps: int
+
+
+def make_plan(
+    n: int, phases: Sequence[Phase], opt: OptimConfig, noise_widths: dict[str, int], p_drop: float,
+    rng: np.random.Generator,
+) -> Plan:
+    """Draw a client's batch order and dropout masks for one round.
+
+    Args:
+        n: number of local training samples. phases: epochs per phase. opt: batch size, drop_last.
+        noise_widths: mask widths the model consumes (:meth:`ProtoModel.noise_widths`).
+        p_drop: dropout probability. rng: the client's generator for this round.
+    Returns:
+        A :class:`Plan`. With ``drop_last`` the trailing partial batch of each epoch is skipped
+        (official code); otherwise it is kept and padded with weight 0.
+    """
+    B = opt.batch_size
+    orders, weights, lasts, noises = [], [], [], []
+    for ph in phases:
+        rows, wrows, last = [], [], []
+        for e in range(ph.epochs):
+            perm = rng.permutation(n)
+            full = n // B
+            steps = full if (opt.drop_last or n % B == 0) else full + 1
+            if steps == 0 and n > 0 and not opt.drop_last:
+                steps = 1
+            padded = np.zeros(steps * B, np.int64)
+            w = np.zeros(steps * B, np.float32)
+            m = min(n, steps * B)
+            padded[:m] = perm[:m]
+            w[:m] = 1.0
+            rows.append(padded.reshape(steps, B))
+            wrows.append(w.reshape(steps, B))
+            last.append(np.full(steps, e == ph.epochs - 1))
+        order = np.concatenate(rows) if rows else np.zeros((0, B), np.int64)
+        S = order.shape[0]
+        noise = {}
+        if p_drop > 0:
+            keep = 1.0 - p_drop
+            for name, width in noise_widths.items():
+                noise[name] = torch.from_numpy(
+                    ((rng.random((S, B, width)) < keep) / keep).astype(np.float32)
+                )
+        orders.append(torch.from_numpy(order))
+        weights.append(torch.from_numpy(np.concatenate(wrows) if wrows else np.zeros((0, B), np.float32)))
+        lasts.append(torch.from_numpy(np.concatenate(last) if last else np.zeros(0, bool)))
+        noises.append(noise)
+    return Plan(orders, weights, lasts, noises)
+
+
+def _step_terms(logits, h, y, w, obj: Objective):
+    """Cross-entropy (weighted mean) and prototype loss for (..., B) batches."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+    if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
+        lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w)
+    else:
+        lp = torch.zeros_like(ce)
+    return ce, lp
+
+
+def train_client(
+    model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
+) -> TrainResult:
+    """Reference local training of one client (sequential path).
+
+    Args:
+        model: the client's model (trained in place). x: (n, C, H, W) local inputs; y: (n,) labels.
+        plan: from :func:`make_plan`. obj: the round's objective. opt: SGD settings.
+    Returns:
+        :class:`TrainResult`.
+    """
+    model.train()
+    C = model.num_classes
+    sums = counts = None
+    if obj.collect:
+        sums = torch.zeros(C, model.embedding_dim)
+        counts = torch.zeros(C, dtype=torch.long)
+    ce_total = lp_total = 0.0
+    steps = 0
+    named = dict(model.named_parameters())
+    for pi, ph in enumerate(obj.phases):
+        params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
+        for n_, p in named.items():
+            p.requires_grad_(ph.trains is None or ph.trains(n_))
+        optim = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+        order, weight, last = plan.order[pi], plan.weight[pi], plan.last_epoch[pi]
+        noise = plan.noise[pi] if plan.noise else {}
+        is_last_phase = pi == len(obj.phases) - 1
+        for s in range(order.shape[0]):
+            valid = weight[s] > 0
+            idx = order[s][valid]
+            xb, yb = x[idx], y[idx]
+            nb = {k: v[s][valid] for k, v in noise.items()} if noise else None
+            logits, h = model(xb, nb)
+            ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb)), obj)
+            loss = ce + obj.lambda_proto * lp
+            if obj.prox_mu > 0 and obj.prox_ref is not None:
+                loss = loss + 0.5 * obj.prox_mu * sum(
+                    ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
+                )
+            optim.zero_grad(set_to_none=True)
+            loss.backward()
+            optim.step()
+            ce_total += float(ce.detach())
+            lp_total += float(lp.detach())
+            steps += 1
+            if obj.collect and is_last_phase and bool(last[s]):
+                hd = h.detach()
+                sums.index_add_(0, yb, hd)
+                counts += torch.bincount(yb, minlength=C)
+    for p in named.values():
+        p.requires_grad_(True)
+    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Client-batched path for the paper CNN family.
+
+
+_CNN_PARAMS = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
+               "fc2.weight", "fc2.bias")
+
+
+def can_batch(models: Sequence[ProtoModel]) -> bool:
+    """True when all models share one batchable architecture (see :meth:`ProtoModel.arch_key`)."""
+    keys = {m.arch_key() for m in models}
+    return len(keys) == 1 and None not in keys and next(iter(keys))[0] == "paper_cnn"
+
+
+def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise, p_drop: float, arch):
+    """Forward pass of G stacked paper CNNs.
+
+    Args:
+        P: name -> stacked parameter (G, *shape). xb: (B, G*Cin, H, W) channels-last.
+        noise: name -> (G, B, width) masks or None (eval mode).
+    Returns:
+        logits (G, B, C), h (G, B, d).
+    """
+    B = xb.shape[0]
+    w1 = P["conv1.weight"].reshape(-1, *P["conv1.weight"].shape[2:])
+    a = F.conv2d(xb, w1, P["conv1.bias"].reshape(-1), groups=G)
+    a = F.relu(F.max_pool2d(a, 2))
+    w2 = P["conv2.weight"].reshape(-1, *P["conv2.weight"].shape[2:])
+    a = F.conv2d(a, w2, P["conv2.bias"].reshape(-1), groups=G)
+    if noise:
+        c2 = P["conv2.weight"].shape[1]
+        a = a * noise["conv2"].permute(1, 0, 2).reshape(B, G * c2, 1, 1)
+    a = F.relu(F.max_pool2d(a, 2))
+    a = a.reshape(B, G, -1).transpose(0, 1)  # (G, B, c2*side*side)
+    h = F.relu(torch.baddbmm(P["fc1.bias"].unsqueeze(1), a, P["fc1.weight"].transpose(1, 2)))
+    hd = h * noise["fc1"] if noise else h
+    logits = torch.baddbmm(P["fc2.bias"].unsqueeze(1), hd, P["fc2.weight"].transpose(1, 2))
+    return logits, h
+
+
+def train_group(
+    models: Sequence[ProtoModel],
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    plans: Sequence[Plan],
+    obj: Objective,
+    opt: OptimConfig,
+    objs: Sequence[Objective] | None = None,
+) -> list[TrainResult]:
+    """Train G clients with one architecture as one batched computation (see module docstring).
+
+    Args:
+        models: G models with equal :meth:`arch_key` (checked by :func:`can_batch`); updated in place.
+        xs, ys: per client local data (n_g, Cin, H, W) and (n_g,).
+        plans: per client plans with the same phase structure.
+        obj: the shared objective (global prototypes are the same for all clients of a round).
+        opt: SGD settings.
+        objs: optional per-client objectives, used only for their ``prox_ref`` (FeSEM/FedProx
+            reference weights may differ per client).
+    Returns:
+        One :class:`TrainResult` per client, as :func:`train_client` would give.
+    """
+    G = len(models)
+    m0 = models[0]
+    C, d = m0.num_classes, m0.embedding_dim
+    p_drop = m0.dropout
+    arch = m0.arch_key()
+    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in _CNN_PARAMS}
+    ref = None
+    if obj.prox_mu > 0:
+        src = objs if objs is not None else [obj] * G
+        ref = {k: torch.stack([o.prox_ref[k] for o in src]) for k in _CNN_PARAMS}
+    offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
+    X = torch.cat(list(xs)).contiguous()
+    Y = torch.cat(list(ys))
+    Cin = X.shape[1]
+    sums = torch.zeros(G * C, d) if obj.collect else None
+    counts = torch.zeros(G * C, dtype=torch.long) if obj.collect else None
+    ce_tot = torch.zeros(G)
+    lp_tot = torch.zeros(G)
+    nsteps = torch.zeros(G)
+    off = torch.as_tensor(offsets, dtype=torch.long)
+    for pi, ph in enumerate(obj.phases):
+        train_names = [k for k in _CNN_PARAMS if ph.trains is None or ph.trains(k)]
+        for k in _CNN_PARAMS:
+            P[k].requires_grad_(k in train_names)
+        bufs = {k: torch.zeros_like(P[k]) for k in train_names}
+        S = [pl.order[pi].shape[0] for pl in plans]
+        Smax = max(S) if S else 0
+        B = opt.batch_size
+        order = torch.zeros(Smax, B, G, dtype=torch.long)
+        weight = torch.zeros(Smax, G, B)
+        last = torch.zeros(Smax, G, dtype=torch.bool)
+        noise = {}
+        for g, pl in enumerate(plans):
+            order[: S[g], :, g] = pl.order[pi] + off[g]
+            order[S[g]:, :, g] = off[g]
+            weight[: S[g], g] = pl.weight[pi]
+            last[: S[g], g] = pl.last_epoch[pi]
+        if plans[0].noise and plans[0].noise[pi]:
+            for name in plans[0].noise[pi]:
+                width = plans[0].noise[pi][name].shape[-1]
+                t = torch.ones(Smax, G, B, width)
+                for g, pl in enumerate(plans):
+                    t[: S[g], g] = pl.noise[pi][name]
+                noise[name] = t
+        active_all = torch.arange(Smax).unsqueeze(1) < torch.as_tensor(S).unsqueeze(0)  # (Smax, G)
+        is_last_phase = pi == len(obj.phases) - 1
+        for s in range(Smax):
+            idx = order[s].reshape(-1)
+            xb = X[idx].reshape(B, G * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
+            yb = Y[idx].reshape(B, G).t()
+            w = weight[s]
+            nz = {k: v[s] for k, v in noise.items()} if noise else None
+            logits, h = _grouped_forward(P, xb, G, nz, p_drop, arch)
+            ce, lp = _step_terms(logits, h, yb, w, obj)
+            loss_g = ce + obj.lambda_proto * lp
+            if ref is not None:
+                for k in train_names:
+                    loss_g = loss_g + 0.5 * obj.prox_mu * ((P[k] - ref[k]) ** 2).flatten(1).sum(1)
+            grads = torch.autograd.grad(loss_g.sum(), [P[k] for k in train_names])
+            act = active_all[s]
+            with torch.no_grad():
+                for k, gr in zip(train_names, grads):
+                    a = act.view(G, *([1] * (gr.dim() - 1))).to(gr.dtype)
+                    if opt.weight_decay:
+                        gr = gr + opt.weight_decay * P[k]
+                    buf = bufs[k]
+                    if opt.momentum:
+                        buf.mul_(1 - a * (1 - opt.momentum)).add_(gr * a)
+                    else:
+                        buf.copy_(gr * a)
+                    P[k].sub_(opt.lr * buf * a)
+                ce_tot += ce.detach() * act
+                lp_tot += lp.detach() * act
+                nsteps += act
+                if obj.collect and is_last_phase:
+                    sel = (last[s] & act).to(h.dtype).unsqueeze(1) * w  # (G, B)
+                    flat = (yb + torch.arange(G).unsqueeze(1) * C).reshape(-1)
+                    sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
+                    counts.index_add_(0, flat, sel.reshape(-1).long())
+    with torch.no_grad():
+        for g, m in enumerate(models):
+            named = dict(m.named_parameters())
+            for k in _CNN_PARAMS:
+                named[k].copy_(P[k][g])
+    out = []
+    for g in range(G):
+        n = max(float(nsteps[g]), 1.0)
+        out.append(
+            TrainResult(
+                sums[g * C : (g + 1) * C].clone() if obj.collect else None,
+                counts[g * C : (g + 1) * C].clone() if obj.collect else None,
+                float(ce_tot[g]) / n,
+                float(lp_tot[g]) / n,
+                int(nsteps[g]),
+            )
+        )
+    return out
+
+
+@torch.no_grad()
+def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
+    """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference)."""
+    model.eval()
+    out = [model.embed(x[i : i + batch]) for i in range(0, len(x), batch)]
+    return torch.cat(out) if out else torch.zeros(0, model.embedding_dim)
+
+
+@torch.no_grad()
+def predict(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (n, C) and embeddings (n, d) in eval mode."""
+    model.eval()
+    logits, hs = [], []
+    for i in range(0, len(x), batch):
+        lo, h = model(x[i : i + batch])
+        logits.append(lo)
+        hs.append(h)
+    if not logits:
+        return torch.zeros(0, model.num_classes), torch.zeros(0, model.embedding_dim)
+    return torch.cat(logits), torch.cat(hs)
