@@ -1,4 +1,4 @@
-"""Datasets: loading (with download and checksum verification) of MNIST, digits, FEMNIST, CIFAR-10."""
+"""Datasets: MNIST, digits, FEMNIST and CIFAR-10, with download and checksum verification."""
 
 from fedproto.data.datasets import Dataset, load_dataset
 

@@ -25,11 +25,11 @@ import importlib
 import json
 import os
 import pickle
+import secrets
 import shutil
 import stat
 import string
 import tarfile
-import tempfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -188,7 +188,8 @@ def load_dataset(
     * femnist: LEAF JSON in ``R/femnist/{train,test}/*.json`` or
       ``R/femnist/femnist/{train,test}/*.json``, or the archive
       ``R/femnist/femnist-leaf-niid-sf0.05.tar.gz`` (extracted once next to it, or into the
-      cache folder when that is read-only). Standardized with the train mean/std;
+      cache folder when that is read-only; delete the extracted ``femnist-leaf-niid-sf0.05/``
+      folder to re-extract). Standardized with the train mean/std;
       ``(N, 1, 28, 28)``, 62 classes, ``train_groups``/``test_groups`` give the writer.
     * cifar10: the pickle batches in ``R/cifar10/cifar-10-batches-py/`` or
       ``R/cifar-10-batches-py/``, or the archive ``cifar-10-python.tar.gz`` in ``R/cifar10/``
@@ -441,7 +442,10 @@ def _read_idx(path: Path, expected_dims: tuple[int | None, ...], md5: str) -> np
 
     Returns a read-only uint8 array of the header's dimensions.
     """
-    fix = "Delete it and load again with download=True to re-download it, or replace it with a good copy."
+    fix = (
+        "Delete it and load again with download=True to re-download it, "
+        "or replace it with a good copy."
+    )
     try:
         if path.name.endswith(".gz"):
             with gzip.open(path, "rb") as f:
@@ -449,7 +453,9 @@ def _read_idx(path: Path, expected_dims: tuple[int | None, ...], md5: str) -> np
         else:
             data = path.read_bytes()
     except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"Cannot read {path}: {exc}. The file is corrupt or not gzip data. {fix}") from exc
+        raise DataError(
+            f"Cannot read {path}: {exc}. The file is corrupt or not gzip data. {fix}"
+        ) from exc
 
     ndim = len(expected_dims)
     header = 4 + 4 * ndim
@@ -556,7 +562,8 @@ def _extract_femnist(archive: Path) -> Path:
             continue
         try:
             base.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".extracting", dir=base))
+            tmp = base / f".{name}.{secrets.token_hex(6)}.extracting"
+            tmp.mkdir()  # not mkdtemp: keep the usual umask permissions on the final folder
         except OSError as exc:
             failures.append(f"{base}: {exc}")
             continue
@@ -637,7 +644,8 @@ def _read_leaf_split(folder: Path) -> tuple[np.ndarray, np.ndarray, list[str], l
                         f"{x.shape} and {y.shape}"
                     )
                 if len(y) and (y.min() < 0 or y.max() >= len(_FEMNIST_CLASSES)):
-                    raise ValueError(f"user {user!r}: labels outside 0..{len(_FEMNIST_CLASSES) - 1}")
+                    last = len(_FEMNIST_CLASSES) - 1
+                    raise ValueError(f"user {user!r}: labels outside 0..{last}")
                 xs.append(x)
                 ys.append(y)
                 users.append(str(user))
@@ -645,7 +653,8 @@ def _read_leaf_split(folder: Path) -> tuple[np.ndarray, np.ndarray, list[str], l
         except (OSError, ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
             raise DataError(
                 f"{path} is not a valid LEAF FEMNIST JSON file ({exc}). Replace it with a "
-                "good copy (regenerate with LEAF: ./preprocess.sh -s niid --sf 0.05 -k 0 -t sample)."
+                "good copy (regenerate with LEAF: "
+                "./preprocess.sh -s niid --sf 0.05 -k 0 -t sample)."
             ) from exc
     if not xs:
         raise DataError(f"No samples in {folder}/*.json; replace the folder with LEAF's output.")
@@ -754,7 +763,9 @@ def _load_cifar10(root: str | Path | None, download: bool, progress: bool) -> Da
                 f"on a machine with internet access (the archive goes to {target})."
             )
         try:
-            download_file(list(CIFAR10_URLS), target, CIFAR10_MD5, decompressed_md5=False, progress=progress)
+            download_file(
+                list(CIFAR10_URLS), target, CIFAR10_MD5, decompressed_md5=False, progress=progress
+            )
         except DataError as exc:
             raise DataError(f"{missing}\nDownloading it failed:\n{exc}") from exc
         source = target
@@ -770,9 +781,13 @@ def _read_cifar10(source: Path) -> Dataset:
         try:
             obj = _NumpyUnpickler(f, encoding="bytes").load()
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-            raise DataError(f"{where} is not a valid CIFAR-10 pickle ({exc}). Replace it with a good copy.") from exc
+            raise DataError(
+                f"{where} is not a valid CIFAR-10 pickle ({exc}). Replace it with a good copy."
+            ) from exc
         if not isinstance(obj, dict):
-            raise DataError(f"{where} is not a CIFAR-10 batch (a dict). Replace it with a good copy.")
+            raise DataError(
+                f"{where} is not a CIFAR-10 batch (a dict). Replace it with a good copy."
+            )
         batches[member] = {k.decode() if isinstance(k, bytes) else k: v for k, v in obj.items()}
 
     if source.is_dir():
@@ -808,7 +823,8 @@ def _read_cifar10(source: Path) -> Dataset:
         for m in members:
             batch = batches[m]
             data, labels = batch.get("data"), batch.get("labels")
-            if not isinstance(data, np.ndarray) or data.shape != (10000, 3072) or data.dtype != np.uint8:
+            ok = isinstance(data, np.ndarray) and data.shape == (10000, 3072)
+            if not ok or data.dtype != np.uint8:
                 got = getattr(data, "shape", type(data).__name__)
                 raise DataError(f"{where(m)}: 'data' must be a 10000x3072 uint8 array, got {got}.")
             labels = np.asarray(labels, dtype=np.int64) if labels is not None else None

@@ -11,7 +11,7 @@ import gzip
 import hashlib
 import http.client
 import os
-import tempfile
+import secrets
 import urllib.error
 import urllib.request
 import zlib
@@ -164,16 +164,16 @@ def download_file(
 
     with _progress_bar(progress) as bar:
         for url in urls:
+            # A unique hidden name; touch() (unlike mkstemp) keeps the usual umask permissions.
+            tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.part"
             try:
-                fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+                tmp.touch(exist_ok=False)
             except OSError as exc:
                 raise DataError(
                     f"Cannot write a temporary file in {dest.parent} to download {dest.name} "
                     f"({exc}). Choose a writable data folder (root=... or FEDPROTO_DATA) or "
                     f"download the file by hand from {url} and place it at {dest}."
                 ) from exc
-            os.close(fd)
-            tmp = Path(tmp_name)
             try:
                 _fetch(url, tmp, timeout, bar, dest.name)
                 if md5 is not None:

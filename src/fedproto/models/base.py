@@ -46,6 +46,13 @@ class ProtoModel(nn.Module):
         h = self.embed(x, noise)
         return self.head(h, noise), h
 
+    head_prefixes: tuple[str, ...] = ()
+    """Parameter-name prefixes of the decision layers g (the rest is the representation f)."""
+
+    def is_head_param(self, name: str) -> bool:
+        """True if parameter ``name`` belongs to the head (FedPer/FedRep split body and head)."""
+        return name.startswith(self.head_prefixes)
+
     def noise_widths(self) -> dict[str, int]:
         """Widths of the explicit dropout masks this model consumes (empty: none)."""
         return {}
@@ -66,6 +73,8 @@ class WrappedModel(ProtoModel):
     The backbone output is flattened to (B, d). ``embedding_dim`` must be given (it is checked
     on the first forward pass: a mismatch raises :class:`ModelError`).
     """
+
+    head_prefixes = ("classifier.",)
 
     def __init__(self, backbone: nn.Module, head: nn.Module, embedding_dim: int, num_classes: int):
         super().__init__()

@@ -38,6 +38,8 @@ class PaperCNN(ProtoModel):
     Shapes: x (B, in_channels, input_size, input_size) -> logits (B, C), h (B, embedding_dim).
     """
 
+    head_prefixes = ("fc2.",)
+
     def __init__(
         self,
         in_channels: int = 1,
@@ -107,6 +109,8 @@ class ProjectedCNN(ProtoModel):
     fixed so both share one embedding size): ``channels`` conv3x3+ReLU+maxpool blocks,
     adaptive average pooling to 1x1, then Linear(channels[-1] -> embedding_dim) + ReLU.
     """
+
+    head_prefixes = ("fc.",)
 
     def __init__(self, in_channels=1, num_classes=10, channels=(32, 64), embedding_dim=50, dropout=0.0):
         super().__init__()

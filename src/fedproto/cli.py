@@ -1,0 +1,138 @@
+"""Command line: ``fedproto run`` (and friends).
+
+Every :class:`~fedproto.config.RunConfig` field is a flag; ``--config FILE`` reads a TOML file
+first, flags override it. Any :class:`~fedproto.errors.FedprotoError` ends the program with one
+message on stderr and exit code 2, before training when the cause is the configuration or data.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fedproto.config import build_config
+from fedproto.errors import FedprotoError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Federated prototype learning (FedProto, arXiv 2105.00243).")
+err_console = Console(stderr=True)
+console = Console()
+
+
+@app.callback()
+def _root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level."),
+):
+    """Federated prototype learning (FedProto, arXiv 2105.00243)."""
+    if verbose:
+        logging.getLogger().setLevel(logging.INFO)
+
+
+def _pct(x) -> str:
+    return "-" if x is None or x != x else f"{100 * x:.2f}"
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with run options (flags override it)."),
+    dataset: Optional[str] = typer.Option(None, help="mnist | femnist | cifar10 | digits  [default: mnist]"),
+    data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files (else $FEDPROTO_DATA, else the user cache)."),
+    download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums)  [default: download]"),
+    clients: Optional[int] = typer.Option(None, help="Number of clients m  [default: 20]"),
+    ways: Optional[int] = typer.Option(None, help="Average classes per client n  [default: 3]"),
+    shots: Optional[int] = typer.Option(None, help="Average training samples per class k  [default: 100]"),
+    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients  [default: 2]"),
+    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client  [default: 40]"),
+    noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper)  [default: uniform]"),
+    algorithm: Optional[str] = typer.Option(None, help="fedproto  [default: fedproto]"),
+    model: Optional[str] = typer.Option(None, help="cnn | cnn-mh | projcnn:<c1>-<c2>[,...]  [default: cnn]"),
+    embedding_dim: Optional[int] = typer.Option(None, help="Embedding (prototype) size d  [default: 50]"),
+    dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN  [default: 0.5]"),
+    rounds: Optional[int] = typer.Option(None, help="Communication rounds  [default: 100]"),
+    local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round  [default: 1]"),
+    batch_size: Optional[int] = typer.Option(None, help="Local batch size  [default: 8, paper app. A]"),
+    lr: Optional[float] = typer.Option(None, help="SGD learning rate  [default: 0.01]"),
+    momentum: Optional[float] = typer.Option(None, help="SGD momentum  [default: 0.5]"),
+    weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay  [default: 0]"),
+    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code)  [default: keep]"),
+    lambda_proto: Optional[float] = typer.Option(None, "--lambda-proto", "--lambda", help="λ  [default: 1 MNIST/FEMNIST, 0.1 CIFAR-10]"),
+    distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text)  [default: mse]"),
+    proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3)  [default: last_epoch]"),
+    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median  [default: mean]"),
+    proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes  [default: own]"),
+    execution: Optional[str] = typer.Option(None, help="auto | sequential | batched  [default: auto]"),
+    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last)  [default: 10]"),
+    seed: Optional[int] = typer.Option(None, help="Seed  [default: 1234]"),
+    out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories  [default: runs]"),
+    name: Optional[str] = typer.Option(None, help="Run directory name  [default: derived from the config]"),
+    threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default)  [default: 0]"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+):
+    """Train with the in-process simulator and write a run directory."""
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet")}
+    from fedproto.simulation import Simulation, prepare
+
+    cfg = build_config(config, overrides)
+    setup = prepare(cfg, progress=not quiet)
+    out = Path(cfg.out_dir) / cfg.run_name()
+    show = not quiet and console.is_terminal
+    progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
+    with progress:
+        task = progress.add_task("rounds", total=cfg.rounds, info="")
+
+        def on_round(row):
+            info = f"loss {row['loss_ce']:.3f}"
+            if "acc_mean" in row:
+                info += f"  acc {_pct(row['acc_mean'])}"
+            progress.update(task, advance=1, info=info)
+
+        summary = Simulation(cfg, setup=setup, out=out, on_round=on_round).run()
+    table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, ways {cfg.ways}, "
+                        f"shots {cfg.shots}, {cfg.rounds} rounds (per-client test sets)")
+    table.add_column("inference")
+    table.add_column("accuracy % (mean ± std over clients)", justify="right")
+    for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype (eq. 4)")):
+        if key in summary["accuracy"]:
+            a = summary["accuracy"][key]
+            table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+    console.print(table)
+    ppr = summary["params_per_round"]
+    console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
+                  f"wall time {summary['wall_time_s']:.1f} s; results in {out}")
+
+
+def main() -> None:
+    """Console entry point: run the app, map FedprotoError to exit code 2."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app(standalone_mode=False)
+    except FedprotoError as e:
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (typer.Exit, SystemExit) as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code or 0)
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+    except Exception as e:  # click usage errors in standalone_mode=False
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

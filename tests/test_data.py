@@ -1,0 +1,431 @@
+"""Tests of dataset loading and downloading (fedproto.data).
+
+Real-data tests read the folder named by FEDPROTO_DATA and are skipped without it. Download
+tests use a throw-away HTTP server on 127.0.0.1; nothing here touches the internet.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import os
+import shutil
+import socket
+import stat
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedproto.data import Dataset, load_dataset
+from fedproto.data import datasets as ds
+from fedproto.data import download as dl
+from fedproto.errors import DataError
+
+_ENV_DATA = os.environ.get("FEDPROTO_DATA", "").strip()
+SHARED = Path(_ENV_DATA) if _ENV_DATA else None
+MNIST_NAMES = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+]
+
+
+def _shared(*parts: str) -> Path:
+    """A path under FEDPROTO_DATA, or skip the test when it is unset or missing."""
+    if SHARED is None:
+        pytest.skip("FEDPROTO_DATA is not set")
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+def _shared_mnist_dir() -> Path:
+    folder = _shared("mnist")
+    for name in MNIST_NAMES:
+        if not (folder / f"{name}.gz").is_file():
+            pytest.skip(f"{folder / name}.gz not found")
+    return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Keep every test's cache writes (downloads, extractions) out of the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        mp.delenv(ds.MNIST_MIRRORS_ENV, raising=False)
+        yield
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No FEDPROTO_DATA and an empty cache folder: only an explicit root can hold data."""
+    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path: Path):
+    """Serve tmp_path/www on 127.0.0.1; yields (folder, base URL)."""
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(www))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield www, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/nothing-listens-here"
+
+
+def _regzip_corrupted(src_gz: Path, dest_gz: Path) -> None:
+    """Write a valid gzip whose decompressed content differs from src's in a few bytes."""
+    data = bytearray(gzip.decompress(src_gz.read_bytes()))
+    for i in range(100, len(data), max(1, len(data) // 7)):
+        data[i] ^= 0xFF
+    dest_gz.write_bytes(gzip.compress(bytes(data), compresslevel=1))
+
+
+def _flip_raw_bytes(src: Path, dest: Path) -> None:
+    data = bytearray(src.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 64):
+        data[i] ^= 0xFF
+    dest.write_bytes(bytes(data))
+
+
+def _leftovers(folder: Path, expected: set[str]) -> list[str]:
+    if not folder.exists():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name not in expected)
+
+
+# --- download_file ------------------------------------------------------------------------
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert dl.default_cache_dir() == tmp_path / "fedproto"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert dl.default_cache_dir() == Path.home() / ".cache" / "fedproto"
+
+
+def test_download_file_falls_back_to_next_mirror(http_root, tmp_path: Path) -> None:
+    www, base = http_root
+    payload = os.urandom(50_000)
+    (www / "good").mkdir()
+    (www / "good" / "blob.bin").write_bytes(payload)
+    dest = tmp_path / "out" / "blob.bin"
+
+    got = dl.download_file(
+        [_closed_port_url(), f"{base}/missing/blob.bin", f"{base}/good/blob.bin"],
+        dest,
+        md5=hashlib.md5(payload).hexdigest(),
+        progress=False,
+        timeout=5,
+    )
+    assert got == dest
+    assert dest.read_bytes() == payload
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+    assert _leftovers(dest.parent, {"blob.bin"}) == []
+    assert dl.md5_of(dest, decompress_gz=False) == hashlib.md5(payload).hexdigest()
+
+
+def test_download_file_md5_of_decompressed_or_raw(http_root, tmp_path: Path) -> None:
+    www, base = http_root
+    content = b"fedproto " * 1000
+    (www / "f.gz").write_bytes(gzip.compress(content))
+    raw_md5 = hashlib.md5((www / "f.gz").read_bytes()).hexdigest()
+
+    url = [f"{base}/f.gz"]
+    a = dl.download_file(url, tmp_path / "a" / "f.gz", hashlib.md5(content).hexdigest(), progress=False)
+    b = dl.download_file(url, tmp_path / "b" / "f.gz", raw_md5, decompressed_md5=False, progress=False)
+    assert gzip.decompress(a.read_bytes()) == content
+    assert b.read_bytes() == (www / "f.gz").read_bytes()
+    assert dl.md5_of(a, decompress_gz=True) == hashlib.md5(content).hexdigest()
+
+
+def test_download_file_all_mirrors_fail(http_root, tmp_path: Path) -> None:
+    www, base = http_root
+    (www / "blob.bin").write_bytes(b"not what was expected")
+    dest = tmp_path / "out" / "blob.bin"
+    urls = [f"{base}/missing/blob.bin", f"{base}/blob.bin"]
+
+    with pytest.raises(DataError) as info:
+        dl.download_file(urls, dest, md5="0" * 32, progress=False)
+    msg = str(info.value)
+    assert all(u in msg for u in urls)
+    assert "404" in msg and "checksum mismatch" in msg
+    assert str(dest) in msg  # where to put the file by hand
+    assert not dest.exists()
+    assert _leftovers(dest.parent, set()) == []
+
+
+def test_download_file_cleans_up_on_keyboard_interrupt(
+    http_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    www, base = http_root
+    (www / "blob.bin").write_bytes(b"x" * 1000)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dl, "_verify", interrupted)
+    dest = tmp_path / "out" / "blob.bin"
+    with pytest.raises(KeyboardInterrupt):
+        dl.download_file([f"{base}/blob.bin"], dest, md5="0" * 32, progress=False)
+    assert not dest.exists()
+    assert _leftovers(dest.parent, set()) == []
+
+
+# --- MNIST: download ---------------------------------------------------------------------
+
+
+def _serve_mnist(www: Path, folder: str) -> Path:
+    target = www / folder
+    target.mkdir()
+    for name in MNIST_NAMES:
+        shutil.copyfile(_shared_mnist_dir() / f"{name}.gz", target / f"{name}.gz")
+    return target
+
+
+def test_mnist_download_with_mirror_fallback(isolated: Path, http_root, monkeypatch) -> None:
+    www, base = http_root
+    _serve_mnist(www, "good")
+    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/missing/,{base}/good")
+    root = isolated / "root"
+
+    data = load_dataset("mnist", root=root, progress=False)
+    assert (len(data.train_y), len(data.test_y)) == (60000, 10000)
+    assert _leftovers(root / "mnist", {f"{n}.gz" for n in MNIST_NAMES}) == []
+    assert all((root / "mnist" / f"{n}.gz").is_file() for n in MNIST_NAMES)
+
+
+@pytest.mark.parametrize("corruption", ["content", "gzip-bytes"])
+def test_mnist_download_corrupt_file(
+    isolated: Path, http_root, monkeypatch: pytest.MonkeyPatch, corruption: str
+) -> None:
+    www, base = http_root
+    served = _serve_mnist(www, "bad")
+    bad = served / "train-labels-idx1-ubyte.gz"
+    if corruption == "content":
+        _regzip_corrupted(bad, bad)
+    else:
+        _flip_raw_bytes(bad, bad)
+    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/bad/")
+    root = isolated / "root"
+
+    with pytest.raises(DataError) as info:
+        load_dataset("mnist", root=root, progress=False)
+    msg = str(info.value)
+    assert "checksum" in msg
+    assert "train-labels-idx1-ubyte.gz" in msg
+    target = root / "mnist"
+    assert not (target / "train-labels-idx1-ubyte.gz").exists()
+    # Files verified before the failure may stay; nothing else (no temporary files).
+    assert _leftovers(target, {"train-images-idx3-ubyte.gz"}) == []
+
+
+def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> None:
+    www, base = http_root
+    served = _serve_mnist(www, "partial")
+    (served / "t10k-labels-idx1-ubyte.gz").unlink()
+    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/partial/")
+    root = isolated / "root"
+
+    with pytest.raises(DataError) as info:
+        load_dataset("mnist", root=root, progress=False)
+    msg = str(info.value)
+    assert "t10k-labels-idx1-ubyte.gz" in msg and "404" in msg
+    target = root / "mnist"
+    assert not (target / "t10k-labels-idx1-ubyte.gz").exists()
+    expected = {f"{n}.gz" for n in MNIST_NAMES if n != "t10k-labels-idx1-ubyte"}
+    assert _leftovers(target, expected) == []
+
+
+def test_mnist_offline_without_files(isolated: Path) -> None:
+    root = isolated / "empty"
+    with pytest.raises(DataError) as info:
+        load_dataset("mnist", root=root, download=False)
+    msg = str(info.value)
+    for name in MNIST_NAMES:
+        assert name in msg
+    for folder in (root / "mnist", root, dl.default_cache_dir() / "mnist", dl.default_cache_dir()):
+        assert str(folder) in msg
+    assert not root.exists()  # nothing created when not downloading
+
+
+# --- MNIST: local files ------------------------------------------------------------------
+
+
+def _local_mnist_copy(root: Path) -> Path:
+    folder = root / "mnist"
+    folder.mkdir(parents=True)
+    for name in MNIST_NAMES:
+        shutil.copyfile(_shared_mnist_dir() / f"{name}.gz", folder / f"{name}.gz")
+    return folder
+
+
+def test_mnist_corrupt_local_file(isolated: Path) -> None:
+    folder = _local_mnist_copy(isolated / "root")
+    bad = folder / "t10k-images-idx3-ubyte.gz"
+    _regzip_corrupted(bad, bad)
+    with pytest.raises(DataError) as info:
+        load_dataset("mnist", root=isolated / "root", download=False)
+    msg = str(info.value)
+    assert str(bad) in msg and "corrupt" in msg and "Delete it" in msg
+
+
+def test_mnist_truncated_raw_local_file(isolated: Path) -> None:
+    folder = _local_mnist_copy(isolated / "root")
+    labels = gzip.decompress((folder / "train-labels-idx1-ubyte.gz").read_bytes())
+    raw = folder / "train-labels-idx1-ubyte"  # an uncompressed file is preferred over .gz
+    raw.write_bytes(labels[:-10])
+    with pytest.raises(DataError) as info:
+        load_dataset("mnist", root=isolated / "root", download=False)
+    assert str(raw) in str(info.value) and "truncated" in str(info.value)
+
+    raw.write_bytes(b"\x00\x00\x0d\x01" + labels[4:])  # wrong IDX type code
+    with pytest.raises(DataError, match="not an unsigned-byte IDX file"):
+        load_dataset("mnist", root=isolated / "root", download=False)
+
+
+def test_mnist_from_shared_data() -> None:
+    _shared_mnist_dir()
+    data = load_dataset("mnist", download=False)
+    assert isinstance(data, Dataset)
+    assert data.train_x.shape == (60000, 1, 28, 28) and data.train_x.dtype == torch.float32
+    assert data.test_x.shape == (10000, 1, 28, 28)
+    assert data.train_y.dtype == torch.int64 and data.input_shape == (1, 28, 28)
+    assert data.num_classes == 10 and data.class_names == [str(i) for i in range(10)]
+    assert set(data.train_y.unique().tolist()) == set(range(10))
+    counts = torch.bincount(data.train_y, minlength=10)
+    assert counts.sum() == 60000
+    assert counts.tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+    assert torch.bincount(data.test_y, minlength=10).sum() == 10000
+    # (x/255 - 0.1307) / 0.3081: the constants are MNIST's own mean/std.
+    assert abs(data.train_x.mean().item()) < 1e-3
+    assert abs(data.train_x.std().item() - 1.0) < 1e-3
+    assert data.train_x.min().item() == pytest.approx(-0.1307 / 0.3081, abs=1e-5)
+    assert data.train_x.max().item() == pytest.approx((1 - 0.1307) / 0.3081, abs=1e-5)
+    assert data.train_groups is None and data.test_groups is None
+    assert load_dataset("mnist", download=False) is data  # in-process cache
+
+
+# --- digits, unknown names ---------------------------------------------------------------
+
+
+def test_digits_shapes_and_determinism() -> None:
+    data = load_dataset("digits")
+    assert data.train_x.shape == (1257, 1, 8, 8) and data.test_x.shape == (540, 1, 8, 8)
+    assert data.num_classes == 10 and data.input_shape == (1, 8, 8)
+    assert set(data.train_y.tolist()) == set(range(10)) == set(data.test_y.tolist())
+    assert abs(data.train_x.mean().item()) < 1e-4
+    assert data.train_x.std().item() == pytest.approx(1.0, abs=1e-3)
+    ds.clear_dataset_cache()
+    again = load_dataset("DIGITS")
+    assert again is not data
+    assert torch.equal(again.train_x, data.train_x) and torch.equal(again.test_y, data.test_y)
+
+
+def test_unknown_dataset_lists_known_names() -> None:
+    with pytest.raises(DataError) as info:
+        load_dataset("imagenet")
+    for name in ("mnist", "digits", "femnist", "cifar10"):
+        assert name in str(info.value)
+
+
+# --- FEMNIST -----------------------------------------------------------------------------
+
+
+def test_femnist_from_shared_data() -> None:
+    _shared("femnist")
+    data = load_dataset("femnist", download=False)
+    assert data.train_x.shape == (14640, 1, 28, 28) and data.test_x.shape == (1677, 1, 28, 28)
+    assert data.num_classes == 62 and len(data.class_names) == 62
+    assert data.class_names[:11] == [*"0123456789", "A"] and data.class_names[-1] == "z"
+    assert int(data.train_y.max()) < 62 and int(data.train_y.min()) >= 0
+    assert abs(data.train_x.mean().item()) < 1e-3
+    assert data.train_x.std().item() == pytest.approx(1.0, abs=1e-3)
+    assert data.train_groups is not None and data.test_groups is not None
+    assert data.train_groups.shape == (14640,) and data.test_groups.shape == (1677,)
+    assert len(np.unique(data.train_groups)) == 105 and len(data.group_names or []) == 105
+    assert set(np.unique(data.test_groups)) <= set(np.unique(data.train_groups))
+
+    unpaired = ds.load_femnist_unpaired()
+    assert len(unpaired.train_y) == 0 and unpaired.test_x.shape == (2493, 1, 28, 28)
+    assert len(unpaired.group_names or []) == 85
+    assert not set(unpaired.group_names or []) & set(data.group_names or [])
+
+
+def test_femnist_archive_extraction_location(isolated: Path) -> None:
+    archive = _shared("femnist", "femnist-leaf-niid-sf0.05.tar.gz")
+    writable = isolated / "w" / "femnist"
+    writable.mkdir(parents=True)
+    shutil.copyfile(archive, writable / archive.name)
+    folder = ds._find_femnist(isolated / "w")
+    assert folder.is_relative_to(writable) and (folder / "train").is_dir()
+    assert _leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
+
+    readonly = isolated / "r" / "femnist"
+    readonly.mkdir(parents=True)
+    shutil.copyfile(archive, readonly / archive.name)
+    readonly.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
+    try:
+        folder = ds._find_femnist(isolated / "r")
+        assert folder.is_relative_to(dl.default_cache_dir())
+        assert sorted(os.listdir(readonly)) == [archive.name]
+    finally:
+        readonly.chmod(stat.S_IRWXU)
+
+
+def test_femnist_missing_explains_leaf(isolated: Path) -> None:
+    with pytest.raises(DataError) as info:
+        load_dataset("femnist", root=isolated / "nothing")
+    msg = str(info.value)
+    assert "./preprocess.sh -s niid --sf 0.05 -k 0 -t sample" in msg
+    assert str(isolated / "nothing" / "femnist") in msg
+
+
+# --- CIFAR-10 ----------------------------------------------------------------------------
+
+
+def test_cifar10_from_shared_data() -> None:
+    _shared("cifar10")
+    data = load_dataset("cifar10", download=False)
+    assert data.train_x.shape == (50000, 3, 32, 32) and data.test_x.shape == (10000, 3, 32, 32)
+    assert data.train_x.dtype == torch.float32 and data.input_shape == (3, 32, 32)
+    assert data.class_names[0] == "airplane" and data.class_names[-1] == "truck"
+    assert torch.bincount(data.train_y, minlength=10).tolist() == [5000] * 10
+    channel_means = data.train_x.mean(dim=(0, 2, 3))
+    assert torch.all(channel_means.abs() < 0.01), channel_means
+
+
+def test_cifar10_offline_without_files(isolated: Path) -> None:
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", root=isolated / "empty", download=False)
+    msg = str(info.value)
+    assert "cifar-10-python.tar.gz" in msg and str(isolated / "empty" / "cifar10") in msg
