@@ -44,7 +44,7 @@ class RunConfig(BaseModel):
     test_shots: int = Field(40, ge=1)
     noise: Literal["uniform", "gaussian"] = "uniform"
     # method and model
-    algorithm: Literal["fedproto"] = "fedproto"
+    algorithm: str = "fedproto"
     model: str = "cnn"
     embedding_dim: int = Field(50, ge=1)
     dropout: float = Field(0.5, ge=0.0, lt=1.0)
@@ -74,6 +74,10 @@ class RunConfig(BaseModel):
     def _check(self) -> "RunConfig":
         if self.dataset not in DATASETS:
             raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+        from fedproto.algorithms import ALGORITHMS
+
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         C = DATASETS[self.dataset][0]
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
-from fedproto.algorithms.fedproto import FedProto
+from fedproto.algorithms import ALGORITHMS
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, fewshot_partition
@@ -29,20 +29,16 @@ from fedproto.errors import ConfigError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import RunDir
-from fedproto.training import OptimConfig, Objective, can_batch, make_plan, train_client, train_group
+from fedproto.training import Objective, can_batch, make_plan, train_client, train_group
 
 log = logging.getLogger(__name__)
 
 
 def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (raises :class:`ConfigError` for an unknown name)."""
-    opt = OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last)
-    if cfg.algorithm == "fedproto":
-        return FedProto(
-            cfg.num_classes, opt, cfg.local_epochs, cfg.lam, cfg.distance, cfg.proto_source,
-            cfg.aggregation, cfg.proto_classes, embedding_dim,
-        )
-    raise ConfigError(f"unknown algorithm {cfg.algorithm!r}")
+    if cfg.algorithm not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {cfg.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[cfg.algorithm].from_config(cfg, embedding_dim)
 
 
 def client_rng(seed: int, round: int, cid: int) -> np.random.Generator:

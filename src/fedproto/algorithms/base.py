@@ -32,6 +32,11 @@ from fedproto.training import (
 Message = dict[str, np.ndarray]
 
 
+def optim_config(cfg: Any) -> OptimConfig:
+    """The :class:`OptimConfig` of a run configuration."""
+    return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last)
+
+
 def message_size(msg: Message) -> tuple[int, int]:
     """(number of elements, bytes) of a message: the communication cost of sending it once."""
     n = sum(int(np.asarray(v).size) for v in msg.values())
@@ -75,6 +80,11 @@ class Algorithm:
         self.num_classes = num_classes
         self.opt = opt
         self.local_epochs = local_epochs
+
+    @classmethod
+    def from_config(cls, cfg: Any, embedding_dim: int) -> "Algorithm":
+        """Build from a :class:`fedproto.config.RunConfig` (subclasses read their own fields)."""
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
 
     # -- server side ------------------------------------------------------------------------
     def initial_message(self, states: list[ClientState]) -> Message:

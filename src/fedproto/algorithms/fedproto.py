@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.prototypes import (
     aggregate_prototypes,
     class_sums,
@@ -60,6 +60,11 @@ class FedProto(Algorithm):
         self.proto_classes = proto_classes
         self.embedding_dim = embedding_dim
         self.last_contributors: np.ndarray | None = None
+
+    @classmethod
+    def from_config(cls, cfg, embedding_dim: int) -> "FedProto":
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
+                   cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
