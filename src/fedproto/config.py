@@ -62,6 +62,10 @@ class RunConfig(BaseModel):
     proto_source: Literal["last_epoch", "after_training"] = "last_epoch"
     aggregation: Literal["mean", "weighted", "median"] = "mean"
     proto_classes: Literal["own", "all"] = "own"
+    # baselines (tab. 1)
+    prox_mu: float = Field(0.01, ge=0)  # FedProx mu (arXiv 1812.06127)
+    rep_head_epochs: int = Field(9, ge=1)  # FedRep head epochs per round (official code: 9 head + 1 body)
+    fesem_clusters: int = Field(3, ge=1)  # FeSEM K (arXiv 2005.01026)
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = "auto"
     eval_every: int = Field(10, ge=0)

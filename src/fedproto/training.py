@@ -229,7 +229,7 @@ def can_batch(models: Sequence[ProtoModel]) -> bool:
     return len(keys) == 1 and None not in keys and next(iter(keys))[0] == "paper_cnn"
 
 
-def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise, p_drop: float, arch):
+def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise, pad: int):
     """Forward pass of G stacked paper CNNs.
 
     Args:
@@ -240,10 +240,10 @@ def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise
     """
     B = xb.shape[0]
     w1 = P["conv1.weight"].reshape(-1, *P["conv1.weight"].shape[2:])
-    a = F.conv2d(xb, w1, P["conv1.bias"].reshape(-1), groups=G)
+    a = F.conv2d(xb, w1, P["conv1.bias"].reshape(-1), padding=pad, groups=G)
     a = F.relu(F.max_pool2d(a, 2))
     w2 = P["conv2.weight"].reshape(-1, *P["conv2.weight"].shape[2:])
-    a = F.conv2d(a, w2, P["conv2.bias"].reshape(-1), groups=G)
+    a = F.conv2d(a, w2, P["conv2.bias"].reshape(-1), padding=pad, groups=G)
     if noise:
         c2 = P["conv2.weight"].shape[1]
         a = a * noise["conv2"].permute(1, 0, 2).reshape(B, G * c2, 1, 1)
@@ -280,8 +280,6 @@ def train_group(
     G = len(models)
     m0 = models[0]
     C, d = m0.num_classes, m0.embedding_dim
-    p_drop = m0.dropout
-    arch = m0.arch_key()
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in _CNN_PARAMS}
     ref = None
     if obj.prox_mu > 0:
@@ -329,7 +327,7 @@ def train_group(
             yb = Y[idx].reshape(B, G).t()
             w = weight[s]
             nz = {k: v[s] for k, v in noise.items()} if noise else None
-            logits, h = _grouped_forward(P, xb, G, nz, p_drop, arch)
+            logits, h = _grouped_forward(P, xb, G, nz, m0.pad)
             ce, lp = _step_terms(logits, h, yb, w, obj)
             loss_g = ce + obj.lambda_proto * lp
             if ref is not None:

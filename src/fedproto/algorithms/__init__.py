@@ -4,8 +4,17 @@ builds one from a :class:`~fedproto.config.RunConfig`."""
 from __future__ import annotations
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
+from fedproto.algorithms.fedavg import FedAvg
+from fedproto.algorithms.fedper import FedPer
 from fedproto.algorithms.fedproto import FedProto
+from fedproto.algorithms.fedprox import FedProx
+from fedproto.algorithms.fedrep import FedRep
+from fedproto.algorithms.fesem import FeSEM
+from fedproto.algorithms.local import Local
 
-ALGORITHMS: dict[str, type[Algorithm]] = {"fedproto": FedProto}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (FedProto, Local, FedAvg, FedProx, FedPer, FedRep, FeSEM)
+}
 
-__all__ = ["ALGORITHMS", "Algorithm", "ClientData", "ClientState", "FedProto", "Message", "message_size"]
+__all__ = ["ALGORITHMS", "Algorithm", "ClientData", "ClientState", "FeSEM", "FedAvg", "FedPer", "FedProto",
+           "FedProx", "FedRep", "Local", "Message", "message_size"]

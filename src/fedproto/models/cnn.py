@@ -51,15 +51,17 @@ class PaperCNN(ProtoModel):
         conv1_channels: int = 10,
     ):
         super().__init__()
-        k = 5 if input_size >= 20 else 3
-        side = ((input_size - k + 1) // 2 - k + 1) // 2
+        # 5x5 valid convolutions as in the paper; small inputs (8x8 digits) use 3x3 "same" ones
+        k, pad = (5, 0) if input_size >= 20 else (3, 1)
+        side = ((input_size - k + 1 + 2 * pad) // 2 - k + 1 + 2 * pad) // 2
         if side < 1:
             raise ValueError(f"input_size={input_size} is too small for the paper CNN")
         self.kernel = k
+        self.pad = pad
         self.side = side
         self.in_channels = in_channels
-        self.conv1 = nn.Conv2d(in_channels, conv1_channels, k)
-        self.conv2 = nn.Conv2d(conv1_channels, conv2_channels, k)
+        self.conv1 = nn.Conv2d(in_channels, conv1_channels, k, padding=pad)
+        self.conv2 = nn.Conv2d(conv1_channels, conv2_channels, k, padding=pad)
         self.fc1 = nn.Linear(conv2_channels * side * side, embedding_dim)
         self.fc2 = nn.Linear(embedding_dim, num_classes)
         self.embedding_dim = embedding_dim
@@ -84,6 +86,7 @@ class PaperCNN(ProtoModel):
             self.embedding_dim,
             self.num_classes,
             self.kernel,
+            self.pad,
             self.side,
             self._p,
         )

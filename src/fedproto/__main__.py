@@ -1,0 +1,3 @@
+from fedproto.cli import main
+
+main()

@@ -1,0 +1,160 @@
+"""FedAvg (McMahan et al., arXiv 1602.05629), the weight-averaging baseline of tab. 1.
+
+Client: load the global weights, train with cross-entropy for ``local_epochs`` epochs, send the
+weights back. Server: average them weighted by the clients' numbers of training samples
+(eq. 1 of the FedProto paper: |D_i|/N), broadcast the average.
+
+What is sent:
+    up (per client): ``w/<name>`` float32 array for every shared tensor of the model (all
+        parameters, plus floating-point buffers such as BatchNorm running statistics when the
+        model has them; the paper CNN has none) and ``n``: (1,) int64, the number of local
+        training samples (the aggregation weight).
+    down (broadcast): ``w/<name>`` for every shared tensor (no count).
+The first broadcast (:meth:`FedAvg.initial_message`) is client 0's initial weights, so all clients
+start round 1 from one global model.
+
+Evaluation (personalized, as for every method here): each client's model *after its local
+training of the last round*, on the client's own test set (:meth:`Algorithm.evaluate`; the engine
+evaluates after aggregation, before the next ``prepare``). This is the "FedAvg + one round of
+local fine-tuning" reading of tab. 1, matching how the personalized numbers of the other methods
+are taken; evaluating the averaged global model instead would score one model on every client's
+label subset.
+
+The helpers here (:func:`check_same_shapes`, :func:`weights_message`, :func:`load_weights`,
+:func:`weighted_average`) are shared by the other weight-sharing baselines (FedProx, FedPer,
+FedRep, FeSEM), which subclass :class:`FedAvg` and change only what they share or how they train.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.errors import ConfigError
+from fedproto.models.base import ProtoModel
+from fedproto.training import TrainResult
+
+WEIGHT_PREFIX = "w/"
+COUNT_KEY = "n"
+
+
+def shared_tensors(model: ProtoModel, include=None) -> "OrderedDict[str, torch.Tensor]":
+    """Name -> tensor of the parameters and floating-point buffers that pass ``include(name)``
+    (None: all), in ``named_parameters`` then ``named_buffers`` order."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, p in model.named_parameters():
+        if include is None or include(name):
+            out[name] = p
+    for name, b in model.named_buffers():
+        if b.is_floating_point() and (include is None or include(name)):
+            out[name] = b
+    return out
+
+
+def weights_message(model: ProtoModel, include=None) -> Message:
+    """``{"w/<name>": float32 copy}`` of the shared tensors of ``model``."""
+    return {
+        WEIGHT_PREFIX + name: t.detach().cpu().numpy().astype(np.float32, copy=True)
+        for name, t in shared_tensors(model, include).items()
+    }
+
+
+@torch.no_grad()
+def load_weights(model: ProtoModel, message: Message, include=None) -> None:
+    """Copy every ``w/<name>`` of ``message`` into the model's shared tensor ``name``.
+
+    Tensors without an entry are left alone (e.g. an empty message). Raises ``ValueError`` on a
+    shape mismatch (the heterogeneity check at start should make that impossible).
+    """
+    for name, t in shared_tensors(model, include).items():
+        arr = message.get(WEIGHT_PREFIX + name)
+        if arr is None:
+            continue
+        if tuple(arr.shape) != tuple(t.shape):
+            raise ValueError(f"server weight {name!r} has shape {tuple(arr.shape)}, model has {tuple(t.shape)}")
+        t.copy_(torch.as_tensor(np.asarray(arr), dtype=t.dtype))
+
+
+def check_same_shapes(states: list[ClientState], method: str, include=None) -> None:
+    """Raise :class:`ConfigError` unless all clients share tensor names and shapes.
+
+    The message groups the clients by architecture and names the first tensor that differs.
+    """
+    sigs = [tuple((n, tuple(t.shape)) for n, t in shared_tensors(s.model, include).items()) for s in states]
+    if len(set(sigs)) <= 1:
+        return
+    groups: dict[tuple, list[int]] = {}
+    for s, sig in zip(states, sigs):
+        groups.setdefault(sig, []).append(s.cid)
+    ref = sigs[0]
+    parts = []
+    for sig, cids in groups.items():
+        if sig == ref:
+            parts.append(f"clients {cids} (like client {states[0].cid})")
+            continue
+        a, b = dict(ref), dict(sig)
+        diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
+        parts.append(f"clients {cids} (differ at {diff!r}: {b.get(diff)} vs {a.get(diff)})")
+    raise ConfigError(
+        f"{method} averages model weights, so every client needs the same architecture, but the "
+        f"client models differ: {'; '.join(parts)}. Use one model for all clients (e.g. model='cnn'), "
+        "or an algorithm for heterogeneous models: algorithm='fedproto' (shares prototypes) or "
+        "algorithm='local' (no communication)"
+    )
+
+
+def client_count(message: Message) -> float:
+    """The sample count ``n`` of a client message (1 when absent)."""
+    n = message.get(COUNT_KEY)
+    return float(np.asarray(n).reshape(-1)[0]) if n is not None else 1.0
+
+
+def weighted_average(messages: list[Message], weights: np.ndarray | None = None) -> Message:
+    """Average the ``w/`` arrays of ``messages`` with ``weights`` (default: their counts ``n``),
+    normalised to sum 1 (equal weights when all are 0). Computed in float64, returned float32."""
+    if not messages:
+        return {}
+    w = np.asarray([client_count(m) for m in messages] if weights is None else weights, dtype=np.float64)
+    w = w / w.sum() if w.sum() > 0 else np.full(len(messages), 1.0 / len(messages))
+    keys = [k for k in messages[0] if k.startswith(WEIGHT_PREFIX)]
+    out = {}
+    for k in keys:
+        acc = np.zeros(messages[0][k].shape, np.float64)
+        for wi, m in zip(w, messages):
+            acc += wi * m[k]
+        out[k] = acc.astype(np.float32)
+    return out
+
+
+class FedAvg(Algorithm):
+    """FedAvg: share all weights, sample-weighted average on the server (see module docstring)."""
+
+    name = "fedavg"
+    shares_weights = True
+
+    def include(self, model: ProtoModel):
+        """Predicate on tensor names: which tensors are shared (FedAvg: all; None means all)."""
+        return None
+
+    # -- server ---------------------------------------------------------------------------------
+    def initial_message(self, states: list[ClientState]) -> Message:
+        """Check that all client models match, then broadcast client 0's initial weights."""
+        check_same_shapes(states, self.name, self.include(states[0].model))
+        return weights_message(states[0].model, self.include(states[0].model))
+
+    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+        """Sample-weighted average (weights n_i / sum n)."""
+        return weighted_average(messages)
+
+    # -- client ---------------------------------------------------------------------------------
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Load the global weights into the client model."""
+        load_weights(state.model, message, self.include(state.model))
+
+    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        msg = weights_message(state.model, self.include(state.model))
+        msg[COUNT_KEY] = np.array([len(data.x)], dtype=np.int64)
+        return msg

@@ -1,0 +1,126 @@
+"""FeSEM (Xie et al., "Multi-center federated learning", arXiv 2005.01026), a baseline of tab. 1.
+
+Federated stochastic expectation maximization over K cluster centres in weight space
+(``fesem_clusters``, default 3). Each round:
+
+* client: load the centre of its cluster, train with cross-entropy for ``local_epochs`` epochs,
+  upload all its weights (``w/<name>``) and its sample count ``n`` (as FedAvg);
+* server, E-step: assign each uploading client to the nearest centre by the L2 distance between
+  its full weight vector (all shared tensors concatenated) and each centre (ties: lowest index);
+* server, M-step: each centre becomes the sample-weighted average of its members' weights; a
+  centre with no members keeps its weights.
+
+Initialisation: the centres are the initial weights of K distinct clients drawn with the run seed
+(deterministic), and every client starts in the cluster of its nearest centre (the K drawn clients
+in their own).
+
+What is sent: up, per client, ``w/<name>`` for all weights + ``n`` (as FedAvg). Down, the server
+message holds all centres stacked, ``w/<name>``: (K, *shape), plus ``assign``: (m,) int64 cluster
+ids, and :meth:`FeSEM.prepare` picks row ``assign[cid]``. A client needs only its own centre, so the
+downlink cost per client is one model (:meth:`FeSEM.downlink` gives that per-client view, which
+:meth:`prepare` also accepts as is — as a per-client transport would deliver it).
+
+Evaluation: the client's model after the last round's local training, on its own test set.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedproto.algorithms.base import ClientState, Message, optim_config
+from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average, weights_message
+from fedproto.errors import ConfigError
+from fedproto.training import OptimConfig
+
+ASSIGN_KEY = "assign"
+
+
+def centre_distances(messages: list[Message], centres: dict[str, np.ndarray]) -> np.ndarray:
+    """Squared L2 distances (n_messages, K) between each message's full weight vector (its ``w/``
+    arrays concatenated) and each centre (``centres[key]``: (K, *shape)), in float64."""
+    K = len(next(iter(centres.values()))) if centres else 0
+    d = np.zeros((len(messages), K), np.float64)
+    for key, c in centres.items():
+        c64 = c.reshape(K, -1).astype(np.float64)
+        for i, m in enumerate(messages):
+            diff = c64 - np.asarray(m[key], np.float64).reshape(1, -1)
+            d[i] += np.einsum("kp,kp->k", diff, diff)
+    return d
+
+
+class FeSEM(FedAvg):
+    """K weight-space centres, nearest-centre assignment, per-cluster weighted averages.
+
+    Args:
+        num_classes, opt, local_epochs: as :class:`FedAvg`. clusters: K >= 1.
+        seed: draws the K clients whose initial weights seed the centres.
+    Attributes (server state): centres: key -> (K, *shape) float32; assign: (m,) int64 cluster of
+        each client; last_distances: (m, K) squared distances of the latest E-step.
+    """
+
+    name = "fesem"
+
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0):
+        super().__init__(num_classes, opt, local_epochs)
+        if clusters < 1:
+            raise ValueError(f"fesem_clusters must be >= 1, got {clusters}")
+        self.clusters = int(clusters)
+        self.seed = int(seed)
+        self.centres: dict[str, np.ndarray] = {}
+        self.assign = np.zeros(0, np.int64)
+        self.last_distances: np.ndarray | None = None
+
+    @classmethod
+    def from_config(cls, cfg, embedding_dim: int) -> "FeSEM":
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed)
+
+    def _message(self) -> Message:
+        return {**self.centres, ASSIGN_KEY: self.assign.copy()}
+
+    # -- server ---------------------------------------------------------------------------------
+    def initial_message(self, states: list[ClientState]) -> Message:
+        super().initial_message(states)  # the same-architecture check
+        m, K = len(states), self.clusters
+        if K > m:
+            raise ConfigError(f"fesem_clusters={K} is more than the {m} clients; use fesem_clusters <= {m}")
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xFE5E]))
+        seeds = sorted(int(i) for i in rng.choice(m, K, replace=False))
+        msgs = [weights_message(s.model) for s in states]
+        self.centres = {k: np.stack([msgs[i][k] for i in seeds]) for k in msgs[0]}
+        self.assign = np.zeros(max(s.cid for s in states) + 1, np.int64)
+        d = centre_distances(msgs, self.centres)
+        self.assign[[s.cid for s in states]] = d.argmin(1)
+        self.last_distances = d
+        return self._message()
+
+    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+        """E-step (nearest centre) then M-step (sample-weighted average per cluster)."""
+        cids = [s.cid for s in states] if len(states) == len(messages) else list(range(len(messages)))
+        d = centre_distances(messages, self.centres)
+        a = d.argmin(1)
+        self.assign[cids] = a
+        self.last_distances = d
+        new = {k: v.copy() for k, v in self.centres.items()}
+        for k in range(self.clusters):
+            members = [messages[j] for j in np.flatnonzero(a == k)]
+            if not members:
+                continue  # empty cluster: keep its centre
+            avg = weighted_average(members)
+            for key in new:
+                new[key][k] = avg[key]
+        self.centres = new
+        return self._message()
+
+    def downlink(self, message: Message, cid: int) -> Message:
+        """The part of the server message client ``cid`` needs: its centre, ``w/<name>``: shape."""
+        if ASSIGN_KEY not in message:
+            return message
+        k = int(message[ASSIGN_KEY][cid])
+        return {key: v[k] for key, v in message.items() if key.startswith(WEIGHT_PREFIX)}
+
+    # -- client ---------------------------------------------------------------------------------
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Load the centre of the client's cluster (full server message or per-client view)."""
+        if ASSIGN_KEY in message:
+            state.extra["cluster"] = int(message[ASSIGN_KEY][state.cid])
+        load_weights(state.model, self.downlink(message, state.cid))

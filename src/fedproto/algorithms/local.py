@@ -1,0 +1,21 @@
+"""Local training: the no-communication baseline of tab. 1 ("Local", 0 parameters per round).
+
+Every client trains its own model with plain cross-entropy for ``local_epochs`` epochs each round
+and never sends or receives anything: client and server messages are empty (``{}``), so the
+engine counts 0 parameters in both directions. Evaluation: the client's own model on its own
+test set (:meth:`Algorithm.evaluate`). Works with heterogeneous client models.
+"""
+
+from __future__ import annotations
+
+from fedproto.algorithms.base import Algorithm, ClientState, Message
+
+
+class Local(Algorithm):
+    """Each client alone (tab. 1 "Local"): cross-entropy only, messages ``{}`` both ways."""
+
+    name = "local"
+    shares_weights = False
+
+    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+        return {}

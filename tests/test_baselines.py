@@ -1,0 +1,250 @@
+"""The six baselines of tab. 1 (Local, FedAvg, FedProx, FedPer, FedRep, FeSEM) on the engine.
+
+End-to-end runs use the tiny real dataset ``digits`` (scikit-learn 8x8), 6 clients with about
+3 classes each; unit tests check each method's defining mechanism on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fedproto.algorithms import ALGORITHMS, FedAvg, FedProx, FedRep, FeSEM, Local
+from fedproto.algorithms.base import ClientState
+from fedproto.algorithms.fedavg import weights_message
+from fedproto.config import build_config
+from fedproto.errors import ConfigError
+from fedproto.models.base import count_parameters
+from fedproto.models.cnn import PaperCNN
+from fedproto.simulation import Simulation
+from fedproto.training import Objective, OptimConfig, make_plan, train_client, train_group
+
+BASELINES = ("local", "fedavg", "fedprox", "fedper", "fedrep", "fesem")
+# lr 0.05 and 20 rounds: enough local steps on ~75 samples per client to be far above chance
+# (1/3 for a 3-way client) for every method; threads=1 keeps these tiny runs fast on shared CPUs.
+BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=20, model="cnn",
+            eval_every=0, lr=0.05, threads=1)
+MIN_ACC = 0.75
+
+
+def _cfg(**kw):
+    return build_config(overrides={**BASE, **kw})
+
+
+_RUNS: dict[str, Simulation] = {}
+
+
+def _run(algorithm: str) -> Simulation:
+    if algorithm not in _RUNS:
+        sim = Simulation(_cfg(algorithm=algorithm), out=False)
+        sim.run()
+        _RUNS[algorithm] = sim
+    return _RUNS[algorithm]
+
+
+def _head_and_total(model) -> tuple[int, int]:
+    head = sum(p.numel() for n, p in model.named_parameters() if model.is_head_param(n))
+    return head, count_parameters(model)
+
+
+def test_all_baselines_registered():
+    for name in BASELINES:
+        assert ALGORITHMS[name].name == name
+        assert ALGORITHMS[name].shares_weights == (name != "local")
+
+
+@pytest.mark.parametrize("algorithm", BASELINES)
+def test_accuracy_well_above_chance(algorithm):
+    sim = _run(algorithm)
+    acc = sim.history[-1]["acc_mean"]
+    assert acc > MIN_ACC, (algorithm, acc)
+
+
+@pytest.mark.parametrize("algorithm", BASELINES)
+def test_up_message_size_matches_method(algorithm):
+    sim = _run(algorithm)
+    m = len(sim.setup.states)
+    head, total = _head_and_total(sim.setup.states[0].model)
+    body = total - head
+    expected_up = {
+        "local": 0,
+        "fedavg": m * (total + 1),  # all weights + the sample count n
+        "fedprox": m * (total + 1),
+        "fesem": m * (total + 1),
+        "fedper": m * (body + 1),  # body only, head stays local
+        "fedrep": m * (body + 1),
+    }[algorithm]
+    row = sim.history[-1]
+    assert row["up_params"] == expected_up
+    if algorithm in ("local", "fedavg", "fedprox", "fedper", "fedrep"):
+        expected_down = {"local": 0, "fedper": m * body, "fedrep": m * body}.get(algorithm, m * total)
+        assert row["down_params"] == expected_down
+    if algorithm == "fesem":  # what each client needs: its own centre, one model
+        alg = sim.setup.algorithm
+        assert sum(sum(v.size for v in alg.downlink(sim.message, c).values()) for c in range(m)) == m * total
+
+
+# -- mechanisms ------------------------------------------------------------------------------------
+
+def _cnn_clients(G, seed=0, n=16, size=16):
+    torch.manual_seed(seed)
+    models = [PaperCNN(input_size=size) for _ in range(G)]
+    xs = [torch.randn(n, 1, size, size) for _ in range(G)]
+    ys = [torch.randint(0, 10, (n,)) for _ in range(G)]
+    return models, xs, ys
+
+
+def _plan(model, n, obj, opt, seed=0):
+    return make_plan(n, obj.phases, opt, model.noise_widths(), model.dropout, np.random.default_rng(seed))
+
+
+def _dist(model, ref_msg):
+    return sum(float(((p.detach() - torch.from_numpy(ref_msg["w/" + k])) ** 2).sum())
+               for k, p in model.named_parameters()) ** 0.5
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_fedprox_term_reaches_the_gradient(batched):
+    """One SGD step with lr * mu = 0.9 from weights displaced by 0.05 moves them ~90% back to the
+    reference; with mu = 0 they stay ~where they are (only the small CE gradient acts)."""
+    opt = OptimConfig(lr=0.009, momentum=0.0, batch_size=16)
+    finals = {}
+    for mu in (0.0, 100.0):
+        models, xs, ys = _cnn_clients(2)
+        ref = weights_message(models[0])
+        for m in models:
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    p.copy_(torch.from_numpy(ref["w/" + name]) + 0.05)
+        alg = FedProx(10, opt, 1, prox_mu=mu)
+        states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
+        objs = [alg.objective(s, ref) for s in states]
+        assert (objs[0].prox_mu, objs[0].prox_ref is not None) == ((mu, True) if mu else (0.0, False))
+        before = _dist(models[0], ref)
+        if batched:
+            plans = [_plan(m, len(x), o, opt, i) for i, (m, x, o) in enumerate(zip(models, xs, objs))]
+            train_group(models, xs, ys, plans, objs[0], opt, objs)
+        else:
+            train_client(models[0], xs[0], ys[0], _plan(models[0], len(xs[0]), objs[0], opt), objs[0], opt)
+        finals[mu] = _dist(models[0], ref) / before
+    assert finals[100.0] < 0.15, finals
+    assert finals[0.0] > 0.95, finals
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_fedrep_phases_train_head_then_body(batched):
+    opt = OptimConfig(lr=0.05, momentum=0.5, batch_size=8)
+    models, xs, ys = _cnn_clients(2)
+    alg = FedRep(10, opt, local_epochs=1, rep_head_epochs=2)
+    states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
+    full = alg.objective(states[0], {})
+    assert [p.epochs for p in full.phases] == [2, 1]
+    for phase_idx in (0, 1):
+        objs = [Objective(phases=[alg.objective(s, {}).phases[phase_idx]]) for s in states]
+        before = [copy.deepcopy(dict(m.named_parameters())) for m in models]
+        if batched:
+            plans = [_plan(m, len(x), o, opt, i) for i, (m, x, o) in enumerate(zip(models, xs, objs))]
+            train_group(models, xs, ys, plans, objs[0], opt, objs)
+        else:
+            train_client(models[0], xs[0], ys[0], _plan(models[0], len(xs[0]), objs[0], opt), objs[0], opt)
+        m = models[0]
+        for name, p in m.named_parameters():
+            trained = m.is_head_param(name) == (phase_idx == 0)
+            unchanged = torch.equal(p.detach(), before[0][name].detach())
+            assert unchanged != trained, (phase_idx, name)
+
+
+def test_fedavg_aggregation_is_sample_weighted():
+    alg = FedAvg(10, OptimConfig())
+    msgs = [
+        {"w/a": np.zeros((2, 3), np.float32), "w/b": np.full(4, 10.0, np.float32), "n": np.array([10])},
+        {"w/a": np.ones((2, 3), np.float32), "w/b": np.zeros(4, np.float32), "n": np.array([90])},
+    ]
+    out = alg.aggregate(1, msgs, [])
+    assert set(out) == {"w/a", "w/b"}
+    assert out["w/a"].dtype == np.float32
+    np.testing.assert_allclose(out["w/a"], 0.9)
+    np.testing.assert_allclose(out["w/b"], 1.0)
+
+
+def test_fesem_assigns_nearest_centre_and_averages_members():
+    alg = FeSEM(10, OptimConfig(), clusters=2)
+    alg.centres = {"w/a": np.array([[0.0, 0.0], [10.0, 10.0]], np.float32)}
+    alg.assign = np.zeros(4, np.int64)
+    pts = [(1.0, 0.0), (9.0, 9.0), (6.0, 6.0), (0.0, 2.0)]  # (6, 6) is nearer to (10, 10)
+    ns = [1, 1, 3, 1]
+    msgs = [{"w/a": np.array(p, np.float32), "n": np.array([n])} for p, n in zip(pts, ns)]
+    states = [ClientState(c, None, np.arange(2)) for c in range(4)]
+    out = alg.aggregate(1, msgs, states)
+    np.testing.assert_array_equal(out["assign"], [0, 1, 1, 0])
+    np.testing.assert_allclose(out["w/a"][0], [0.5, 1.0])
+    np.testing.assert_allclose(out["w/a"][1], [(9 + 18) / 4, (9 + 18) / 4])
+    # each client loads its own centre
+    assert alg.downlink(out, 2)["w/a"].tolist() == [6.75, 6.75]
+
+
+def test_fesem_initial_centres_and_prepare_pick_own_centre():
+    models, _, _ = _cnn_clients(5)
+    states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
+    alg = FeSEM(10, OptimConfig(), clusters=3, seed=7)
+    msg = alg.initial_message(states)
+    again = FeSEM(10, OptimConfig(), clusters=3, seed=7).initial_message(states)
+    assert all(np.array_equal(msg[k], again[k]) for k in msg)  # deterministic
+    K = msg["w/fc1.weight"].shape[0]
+    assert K == 3 and msg["assign"].shape == (5,)
+    own = [i for i, s in enumerate(states) if any(
+        np.array_equal(weights_message(s.model)["w/fc1.weight"], msg["w/fc1.weight"][k]) for k in range(K))]
+    assert len(own) == 3 and all(msg["assign"][i] == k for k, i in enumerate(own))  # seeds sit in own cluster
+    for s in states:
+        alg.prepare(s, msg)
+        k = int(msg["assign"][s.cid])
+        assert s.extra["cluster"] == k
+        for name, p in s.model.named_parameters():
+            np.testing.assert_array_equal(p.detach().numpy(), msg["w/" + name][k])
+    with pytest.raises(ConfigError, match="fesem_clusters"):
+        FeSEM(10, OptimConfig(), clusters=6).initial_message(states)
+
+
+def test_local_sends_nothing():
+    alg = Local(10, OptimConfig())
+    assert alg.aggregate(1, [{}, {}], []) == {}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedper", "fedrep", "fesem"])
+def test_weight_sharing_refuses_heterogeneous_models(algorithm):
+    sim = Simulation(_cfg(algorithm=algorithm, model="cnn-mh", rounds=1), out=False)
+    with pytest.raises(ConfigError, match="fedproto") as e:
+        sim.run()
+    assert "clients [2, 3]" in str(e.value) and "local" in str(e.value)
+
+
+def test_local_accepts_heterogeneous_models():
+    sim = Simulation(_cfg(algorithm="local", model="cnn-mh", rounds=1), out=False)
+    sim.run()
+    assert sim.history[-1]["up_params"] == 0
+
+
+def test_config_fields_and_from_config():
+    cfg = _cfg(algorithm="fedprox", prox_mu=0.5, rep_head_epochs=3, fesem_clusters=2)
+    assert ALGORITHMS["fedprox"].from_config(cfg, 50).prox_mu == 0.5
+    assert ALGORITHMS["fedrep"].from_config(cfg, 50).rep_head_epochs == 3
+    assert ALGORITHMS["fesem"].from_config(cfg, 50).clusters == 2
+    for bad in (dict(prox_mu=-1), dict(rep_head_epochs=0), dict(fesem_clusters=0)):
+        with pytest.raises(ConfigError):
+            _cfg(**bad)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedrep"])
+def test_batched_matches_sequential(algorithm):
+    accs, weights = {}, {}
+    for mode in ("sequential", "batched"):
+        sim = Simulation(_cfg(algorithm=algorithm, rounds=2, execution=mode), out=False)
+        sim.run()
+        accs[mode] = [r["acc"] for r in sim.evaluate()]
+        weights[mode] = [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in sim.setup.states]
+    np.testing.assert_allclose(accs["batched"], accs["sequential"], atol=1e-6)
+    for a, b in zip(weights["batched"], weights["sequential"]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,129 @@
+"""FedProto algorithm and engine: evaluation bookkeeping, reproducibility, real-data runs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import needs_mnist
+from fedproto.algorithms.base import ClientData, ClientState
+from fedproto.algorithms.fedproto import FedProto
+from fedproto.config import build_config
+from fedproto.models.base import WrappedModel, check_embedding_dims
+from fedproto.simulation import Simulation
+from fedproto.training import OptimConfig
+from fedproto.errors import ModelError
+
+
+class Fixed(torch.nn.Module):
+    """A 'model' whose embedding is its 2-d input and whose head returns fixed logits."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, x):
+        return x.flatten(1)
+
+
+def _state(cid, logits, classes):
+    head = torch.nn.Linear(2, 3)
+    m = WrappedModel(Fixed(logits), head, 2, 3)
+    m.head = lambda h, noise=None: logits[: len(h)]
+    return ClientState(cid, m, np.array(classes))
+
+
+def test_accuracy_is_per_client_and_per_mode():
+    """No running totals across clients or across classifier/prototype passes (official fault)."""
+    alg = FedProto(3, OptimConfig(), embedding_dim=2)
+    msg = {"classes": np.array([0, 1, 2]), "protos": np.array([[0, 0], [10, 0], [0, 10]], np.float32)}
+    # client 0: classifier all right, prototypes all wrong; client 1: the opposite
+    x0 = torch.tensor([[0.0, 10.0], [0.0, 10.0]]).view(2, 1, 1, 2)  # near class 2
+    y0 = torch.tensor([0, 0])
+    s0 = _state(0, torch.tensor([[5.0, 0, 0], [5.0, 0, 0]]), [0, 2])
+    x1 = torch.tensor([[10.0, 0.0], [10.0, 0.0], [10.0, 0.0]]).view(3, 1, 1, 2)  # near class 1
+    y1 = torch.tensor([1, 1, 1])
+    s1 = _state(1, torch.tensor([[5.0, 0, 0]] * 3), [0, 1])
+    r0 = alg.evaluate(s0, msg, ClientData(x0, y0, x0, y0))
+    r1 = alg.evaluate(s1, msg, ClientData(x1, y1, x1, y1))
+    assert (r0["acc"], r0["acc_proto"]) == (1.0, 0.0)
+    assert (r1["acc"], r1["acc_proto"]) == (0.0, 1.0)
+    # evaluating again in the other order gives the same values (no state carried)
+    assert alg.evaluate(s0, msg, ClientData(x0, y0, x0, y0)) == r0
+
+
+def test_proto_inference_restricted_to_own_classes():
+    msg = {"classes": np.array([0, 1, 2]), "protos": np.array([[0, 0], [10, 0], [0, 10]], np.float32)}
+    x = torch.tensor([[9.0, 0.0]]).view(1, 1, 1, 2)
+    y = torch.tensor([0])
+    s = _state(0, torch.tensor([[5.0, 0, 0]]), [0, 2])  # class 1 is not the client's own
+    own = FedProto(3, OptimConfig(), embedding_dim=2, proto_classes="own").evaluate(s, msg, ClientData(x, y, x, y))
+    everything = FedProto(3, OptimConfig(), embedding_dim=2, proto_classes="all").evaluate(s, msg, ClientData(x, y, x, y))
+    assert own["acc_proto"] == 1.0 and everything["acc_proto"] == 0.0
+
+
+def test_embedding_dims_must_match():
+    a = WrappedModel(torch.nn.Flatten(), torch.nn.Linear(4, 2), 4, 2)
+    b = WrappedModel(torch.nn.Flatten(), torch.nn.Linear(8, 2), 8, 2)
+    with pytest.raises(ModelError, match=r"d=4: clients \[0, 2\]; d=8: clients \[1\]"):
+        check_embedding_dims([a, b, a])
+
+
+def _digits_cfg(**kw):
+    base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=3, eval_every=1)
+    base.update(kw)
+    return build_config(overrides=base)
+
+
+def test_prototype_loss_positive_after_round_one_and_reproducible():
+    a = Simulation(_digits_cfg(), out=False)
+    a.run()
+    h = a.history
+    assert h[0]["loss_proto"] == 0.0  # round 1 has no global prototypes (official code)
+    assert h[1]["loss_proto"] > 0.0 and h[2]["loss_proto"] > 0.0
+    assert h[0]["down_params"] == 0 and h[1]["down_params"] > 0
+    b = Simulation(_digits_cfg(), out=False)
+    b.run()
+    assert [r["loss_ce"] for r in a.history] == [r["loss_ce"] for r in b.history]
+    assert a.history[-1]["acc_mean"] == b.history[-1]["acc_mean"]
+
+
+def test_batched_and_sequential_runs_give_equal_accuracies():
+    res = {}
+    for mode in ("sequential", "batched"):
+        sim = Simulation(_digits_cfg(rounds=2, execution=mode), out=False)
+        sim.run()
+        res[mode] = sim
+    s, b = res["sequential"], res["batched"]
+    for i in range(6):
+        for (n, p), (_, q) in zip(s.setup.states[i].model.named_parameters(), b.setup.states[i].model.named_parameters()):
+            assert ((p - q).norm() / p.norm()).item() < 1e-5, (i, n)
+    assert s.history[-1]["acc_mean"] == pytest.approx(b.history[-1]["acc_mean"], abs=1e-9)
+    assert s.history[-1]["acc_proto_mean"] == pytest.approx(b.history[-1]["acc_proto_mean"], abs=1e-9)
+
+
+def test_up_message_size_is_classes_times_embedding():
+    sim = Simulation(_digits_cfg(rounds=1), out=False)
+    sim.run()
+    ways = sum(len(s.classes) for s in sim.setup.states)
+    # per client: protos (ways_i x 50) + class ids (ways_i) + counts (ways_i)
+    assert sim.history[0]["up_params"] == ways * (50 + 2)
+
+
+@needs_mnist
+@pytest.mark.slow
+def test_end_to_end_real_mnist_beats_chance(tmp_path):
+    cfg = build_config(overrides=dict(clients=6, rounds=4, eval_every=2, out_dir=str(tmp_path), name="e2e"))
+    summary = Simulation(cfg).run()
+    acc = summary["accuracy"]
+    # clients hold 2-5 classes (chance <= 0.5); after 4 rounds FedProto is far above it
+    assert acc["acc"]["mean"] > 0.85 and acc["acc_proto"]["mean"] > 0.8
+    run = tmp_path / "e2e"
+    for f in ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz"):
+        assert (run / f).is_file(), f
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    protos = np.load(run / "prototypes.npz")
+    assert protos["protos"].shape[1] == 50 and len(protos["classes"]) == len(protos["contributors"])
+    assert (run / "clients.csv").read_text().count("\n") == 7

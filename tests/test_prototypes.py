@@ -1,0 +1,78 @@
+import numpy as np
+import pytest
+import torch
+
+from fedproto.prototypes import (
+    aggregate_prototypes,
+    class_sums,
+    local_prototypes,
+    nearest_prototype,
+    prototype_table,
+    proto_loss,
+)
+
+
+def test_weighted_vs_mean_aggregation():
+    # client A: 10 samples of class 2 at prototype (0, 0); client B: 90 samples at (10, 20)
+    cls = [np.array([2]), np.array([2])]
+    protos = [np.array([[0.0, 0.0]]), np.array([[10.0, 20.0]])]
+    counts = [np.array([10]), np.array([90])]
+    c, p, n = aggregate_prototypes(cls, protos, counts, 5, "weighted")
+    assert c.tolist() == [2] and n.tolist() == [2]
+    np.testing.assert_allclose(p[0], [9.0, 18.0])  # 0.1 * A + 0.9 * B
+    c, p, _ = aggregate_prototypes(cls, protos, counts, 5, "mean")
+    np.testing.assert_allclose(p[0], [5.0, 10.0])  # 0.5 / 0.5
+
+
+def test_absent_classes_are_not_averaged_as_zeros():
+    # class 0 held by both, class 1 only by A, class 3 by nobody
+    cls = [np.array([0, 1]), np.array([0])]
+    protos = [np.array([[2.0, 2.0], [4.0, 4.0]]), np.array([[6.0, 6.0]])]
+    counts = [np.array([5, 5]), np.array([5])]
+    c, p, n = aggregate_prototypes(cls, protos, counts, 4, "mean")
+    assert c.tolist() == [0, 1]
+    np.testing.assert_allclose(p, [[4.0, 4.0], [4.0, 4.0]])  # class 1 not halved by a zero from B
+    assert n.tolist() == [2, 1]
+    c, p, _ = aggregate_prototypes(cls, protos, counts, 4, "median")
+    np.testing.assert_allclose(p, [[4.0, 4.0], [4.0, 4.0]])
+
+
+def test_local_prototypes_are_class_means():
+    h = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 5.0]])
+    y = torch.tensor([1, 1, 3])
+    s, n = class_sums(h, y, 4)
+    c, p, cnt = local_prototypes(s, n)
+    assert c.tolist() == [1, 3] and cnt.tolist() == [2, 1]
+    np.testing.assert_allclose(p, [[2.0, 0.0], [0.0, 5.0]])
+
+
+def test_proto_loss_forms_values():
+    table, mask = prototype_table(np.array([0]), np.array([[1.0, 1.0]]), 3, 2)
+    h = torch.tensor([[3.0, 1.0], [0.0, 0.0]])
+    y = torch.tensor([0, 2])  # second sample's class has no global prototype
+    # squared distances: sample 0 -> 4, sample 1 -> not covered
+    assert proto_loss(h, y, table, mask, "mse").item() == pytest.approx(4.0 / (2 * 2))
+    assert proto_loss(h, y, table, mask, "squared_l2").item() == pytest.approx(4.0 / 2)
+    assert proto_loss(h, y, table, mask, "l2").item() == pytest.approx(2.0, rel=1e-5)
+    # no covered sample -> zero
+    assert proto_loss(h, torch.tensor([2, 2]), table, mask, "mse").item() == 0.0
+    with pytest.raises(ValueError):
+        proto_loss(h, y, table, mask, "cosine")
+
+
+def test_proto_loss_positive_when_embeddings_differ_and_has_gradient():
+    table, mask = prototype_table(np.array([0, 1]), np.zeros((2, 4), np.float32), 2, 4)
+    h = torch.ones(3, 4, requires_grad=True)
+    loss = proto_loss(h, torch.tensor([0, 1, 1]), table, mask, "mse")
+    assert loss.item() == pytest.approx(1.0)
+    loss.backward()
+    assert torch.allclose(h.grad, torch.full((3, 4), 2.0 / 12))
+
+
+def test_nearest_prototype_respects_allowed_classes():
+    table = torch.tensor([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]])
+    h = torch.tensor([[0.9, 0.0], [4.0, 4.0]])
+    allowed = torch.tensor([True, True, True])
+    assert nearest_prototype(h, table, allowed).tolist() == [1, 2]
+    allowed = torch.tensor([True, False, True])
+    assert nearest_prototype(h, table, allowed).tolist() == [0, 2]
