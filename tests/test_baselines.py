@@ -24,7 +24,9 @@ from fedproto.training import Objective, OptimConfig, make_plan, train_client, t
 
 BASELINES = ("local", "fedavg", "fedprox", "fedper", "fedrep", "fesem")
 # lr 0.05 and 20 rounds: enough local steps on ~75 samples per client to be far above chance
-# (1/3 for a 3-way client) for every method; threads=1 keeps these tiny runs fast on shared CPUs.
+# (clients hold 2-4 classes: chance 1/4 to 1/2) for every method; threads=1 keeps these tiny runs
+# fast on shared CPUs. Measured mean accuracy at seed 1234: local .957, fedavg .911, fedprox .907,
+# fedper .928, fedrep .900, fesem .957; the lowest over seeds 1-5 was .811 (fedprox, seed 3).
 BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=20, model="cnn",
             eval_every=0, lr=0.05, threads=1)
 MIN_ACC = 0.75
@@ -35,6 +37,14 @@ def _cfg(**kw):
 
 
 _RUNS: dict[str, Simulation] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """``threads=1`` sets torch's process-wide thread count; give it back to later test modules."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 def _run(algorithm: str) -> Simulation:
@@ -108,30 +118,35 @@ def _dist(model, ref_msg):
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_fedprox_term_reaches_the_gradient(batched):
-    """One SGD step with lr * mu = 0.9 from weights displaced by 0.05 moves them ~90% back to the
-    reference; with mu = 0 they stay ~where they are (only the small CE gradient acts)."""
+    """One plain SGD step from weights displaced by 0.05 from the reference: with mu the step
+    differs from the mu = 0 step by exactly -lr * mu * (w - w_ref) (same batch, same dropout), so
+    with lr * mu = 0.9 the weights land ~90% of the way back to the reference."""
     opt = OptimConfig(lr=0.009, momentum=0.0, batch_size=16)
-    finals = {}
-    for mu in (0.0, 100.0):
+    disp, mu = 0.05, 100.0
+    finals, ratio = {}, {}
+    for m_ in (0.0, mu):
         models, xs, ys = _cnn_clients(2)
         ref = weights_message(models[0])
         for m in models:
             with torch.no_grad():
                 for name, p in m.named_parameters():
-                    p.copy_(torch.from_numpy(ref["w/" + name]) + 0.05)
-        alg = FedProx(10, opt, 1, prox_mu=mu)
+                    p.copy_(torch.from_numpy(ref["w/" + name]) + disp)
+        alg = FedProx(10, opt, 1, prox_mu=m_)
         states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
         objs = [alg.objective(s, ref) for s in states]
-        assert (objs[0].prox_mu, objs[0].prox_ref is not None) == ((mu, True) if mu else (0.0, False))
+        assert (objs[0].prox_mu > 0, objs[0].prox_ref is not None) == (m_ > 0, m_ > 0)
         before = _dist(models[0], ref)
         if batched:
             plans = [_plan(m, len(x), o, opt, i) for i, (m, x, o) in enumerate(zip(models, xs, objs))]
             train_group(models, xs, ys, plans, objs[0], opt, objs)
         else:
             train_client(models[0], xs[0], ys[0], _plan(models[0], len(xs[0]), objs[0], opt), objs[0], opt)
-        finals[mu] = _dist(models[0], ref) / before
-    assert finals[100.0] < 0.15, finals
-    assert finals[0.0] > 0.95, finals
+        finals[m_] = {k: p.detach().clone() for k, p in models[0].named_parameters()}
+        ratio[m_] = _dist(models[0], ref) / before
+    for k in finals[mu]:
+        torch.testing.assert_close(finals[mu][k] - finals[0.0][k],
+                                   torch.full_like(finals[mu][k], -opt.lr * mu * disp), atol=2e-5, rtol=0)
+    assert ratio[mu] < 0.5 < 0.9 < ratio[0.0], ratio
 
 
 @pytest.mark.parametrize("batched", [False, True])
@@ -237,8 +252,10 @@ def test_config_fields_and_from_config():
             _cfg(**bad)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "fedrep"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedper", "fedrep", "fesem"])
 def test_batched_matches_sequential(algorithm):
+    """Same final per-client accuracies (measured: identical) and weights (measured: max abs
+    difference <= 3e-7 after 2 rounds) from the client-batched and the sequential path."""
     accs, weights = {}, {}
     for mode in ("sequential", "batched"):
         sim = Simulation(_cfg(algorithm=algorithm, rounds=2, execution=mode), out=False)
@@ -247,4 +264,4 @@ def test_batched_matches_sequential(algorithm):
         weights[mode] = [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in sim.setup.states]
     np.testing.assert_allclose(accs["batched"], accs["sequential"], atol=1e-6)
     for a, b in zip(weights["batched"], weights["sequential"]):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

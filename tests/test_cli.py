@@ -1,0 +1,90 @@
+"""The command line: bad input exits with code 2 and one clear message, no traceback."""
+
+import gzip
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DATA, needs_mnist
+from fedproto.cli import main
+
+
+def run_cli(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedproto", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["--ways", "11"], "ways=11 is more than the 10 classes of mnist"),
+        (["--lambda-proto", "-1"], "lambda_proto=-1.0"),
+        (["--rounds", "0"], "rounds=0"),
+        (["--distance", "cosine"], "distance='cosine'"),
+        (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
+    ],
+)
+def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "--out-dir", str(tmp_path), *args], capsys, monkeypatch)
+    assert code == 2
+    assert expect in text
+    assert "Traceback" not in text
+    assert not any(tmp_path.iterdir())  # nothing written before validation passed
+
+
+def test_bad_toml_and_unknown_key(capsys, monkeypatch, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = [\n")
+    code, text = run_cli(["run", "--config", str(bad)], capsys, monkeypatch)
+    assert code == 2 and "not valid TOML" in text
+    unk = tmp_path / "unk.toml"
+    unk.write_text("roundz = 3\n")
+    code, text = run_cli(["run", "--config", str(unk)], capsys, monkeypatch)
+    assert code == 2 and "unknown option 'roundz'" in text
+
+
+def test_missing_data_exits_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, text = run_cli(["run", "--data-dir", str(tmp_path / "nodata"), "--no-download", "--rounds", "1"],
+                         capsys, monkeypatch)
+    assert code == 2 and "train-images-idx3-ubyte" in text and "Traceback" not in text
+
+
+@needs_mnist
+def test_corrupt_data_and_capacity_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "data" / "mnist"
+    shutil.copytree(Path(DATA) / "mnist", folder)
+    code, text = run_cli(["run", "--data-dir", str(tmp_path / "data"), "--clients", "200", "--shots", "400",
+                          "--rounds", "1", "--out-dir", str(tmp_path / "runs")], capsys, monkeypatch)
+    assert code == 2 and "runs short" in text and "short by" in text
+    raw = bytearray(gzip.decompress((folder / "t10k-labels-idx1-ubyte.gz").read_bytes()))
+    raw[100] ^= 0xFF
+    (folder / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(raw)))
+    code, text = run_cli(["run", "--data-dir", str(tmp_path / "data"), "--no-download", "--rounds", "1"],
+                         capsys, monkeypatch)
+    assert code == 2 and "t10k-labels-idx1-ubyte" in text and "Traceback" not in text
+
+
+def test_toml_config_and_flag_override(capsys, monkeypatch, tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('dataset = "digits"\nclients = 4\nways = 2\nshots = 20\nstdev = 1\ntest_shots = 8\nrounds = 5\n')
+    code, text = run_cli(["run", "--config", str(cfg), "--rounds", "2", "--out-dir", str(tmp_path / "runs"),
+                          "--name", "t", "-q"], capsys, monkeypatch)
+    assert code == 0, text
+    assert "nearest prototype" in text
+    import json
+
+    conf = json.loads((tmp_path / "runs" / "t" / "config.json").read_text())
+    assert conf["rounds"] == 2 and conf["clients"] == 4 and conf["dataset"] == "digits"
