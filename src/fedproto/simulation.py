@@ -127,33 +127,33 @@ class Simulation:
                 groups.extend([[i] for i in members])
         return groups
 
-    def _client_step(self, round: int, ids: list[int]) -> dict[int, tuple[Message, object]]:
+    def _client_step(self, round: int, ids: list[int], msgs: dict[int, Message]) -> dict[int, tuple[Message, object]]:
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         out = {}
         for group in self._groups(ids):
             if len(group) == 1:
                 i = group[0]
-                torch.manual_seed(hash((self.cfg.seed, round, i)) % (2**31))
-                out[i] = alg.client_update(S[i], self.message, D[i], round, client_rng(self.cfg.seed, round, i))
+                torch.manual_seed(int(np.random.SeedSequence([self.cfg.seed, round, i]).generate_state(1)[0]))
+                out[i] = alg.client_update(S[i], msgs[i], D[i], round, client_rng(self.cfg.seed, round, i))
                 continue
             objs: list[Objective] = []
             plans = []
             for i in group:
-                alg.prepare(S[i], self.message)
-                objs.append(alg.objective(S[i], self.message))
+                alg.prepare(S[i], msgs[i])
+                objs.append(alg.objective(S[i], msgs[i]))
                 m = S[i].model
                 plans.append(make_plan(len(D[i].x), objs[-1].phases, alg.opt, m.noise_widths(), m.dropout,
                                        client_rng(self.cfg.seed, round, i)))
             results = train_group([S[i].model for i in group], [D[i].x for i in group],
                                   [D[i].y for i in group], plans, objs[0], alg.opt, objs)
             for i, res in zip(group, results):
-                out[i] = (alg.finish(S[i], self.message, D[i], res), res)
+                out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
         return out
 
     def evaluate(self) -> list[dict]:
         """Per-client metrics on each client's own test set (list indexed by client id)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
-        return [alg.evaluate(S[i], self.message, D[i]) for i in range(len(S))]
+        return [alg.evaluate(S[i], alg.downlink(self.message, i), D[i]) for i in range(len(S))]
 
     def run(self) -> dict:
         """Run all rounds; returns the summary dict (also written to ``summary.json``)."""
@@ -169,8 +169,9 @@ class Simulation:
         per_client: list[dict] = []
         for r in range(1, cfg.rounds + 1):
             t0 = time.perf_counter()
-            down_n, down_b = message_size(self.message)
-            results = self._client_step(r, ids)
+            received = {i: alg.downlink(self.message, i) for i in ids}
+            down = [message_size(received[i]) for i in ids]
+            results = self._client_step(r, ids, received)
             msgs = [results[i][0] for i in ids]
             tr = [results[i][1] for i in ids]
             up = [message_size(m) for m in msgs]
@@ -183,8 +184,8 @@ class Simulation:
                 "loss_proto": float(np.mean([x.loss_proto for x in tr])),
                 "up_params": sum(u[0] for u in up),
                 "up_bytes": sum(u[1] for u in up),
-                "down_params": down_n * len(ids),
-                "down_bytes": down_b * len(ids),
+                "down_params": sum(d[0] for d in down),
+                "down_bytes": sum(d[1] for d in down),
                 "train_time_s": t_train,
             }
             for k in totals:

@@ -95,6 +95,11 @@ class Algorithm:
         """Combine client messages into the next server message."""
         raise NotImplementedError
 
+    def downlink(self, message: Message, cid: int) -> Message:
+        """What client ``cid`` receives of the server message (default: all of it). The engine
+        counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
+        return message
+
     # -- client side ------------------------------------------------------------------------
     def prepare(self, state: ClientState, message: Message) -> None:
         """Apply the server message to the client before training (e.g. load global weights)."""
