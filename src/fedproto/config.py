@@ -43,9 +43,12 @@ class RunConfig(BaseModel):
     stdev: int = Field(2, ge=0)
     test_shots: int = Field(40, ge=1)
     noise: Literal["uniform", "gaussian"] = "uniform"
+    partition: Literal["fewshot", "natural"] = "fewshot"
+    augment: bool = False
     # method and model
     algorithm: str = "fedproto"
     model: str = "cnn"
+    pretrained: Optional[str] = None
     embedding_dim: int = Field(50, ge=1)
     dropout: float = Field(0.5, ge=0.0, lt=1.0)
     # training
