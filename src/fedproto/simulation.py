@@ -24,7 +24,7 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms import ALGORITHMS
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
-from fedproto.data.partition import Partition, fewshot_partition
+from fedproto.data.partition import Partition, fewshot_partition, natural_partition
 from fedproto.errors import ConfigError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
@@ -67,15 +67,33 @@ class Setup:
 
 
 def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
-    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses."""
+    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+
+    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
+    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
+    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
+    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    """
     ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
-    part = fewshot_partition(
-        ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
-        cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset,
-    )
+    if cfg.partition == "natural":
+        if ds.train_groups is None or ds.test_groups is None:
+            raise ConfigError(
+                f"partition='natural' needs a dataset with writer ids (femnist); {cfg.dataset!r} has "
+                "none: use partition='fewshot'"
+            )
+        part = natural_partition(ds.train_groups, ds.test_groups, ds.train_y.numpy(), ds.test_y.numpy(),
+                                 cfg.clients, cfg.seed)
+    else:
+        part = fewshot_partition(
+            ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
+            cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset,
+        )
+    if cfg.augment and ds.input_shape[0] != 3:
+        log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
+                    "digits or letters", cfg.dataset)
     C, H, _ = ds.input_shape
-    models = build_client_models(cfg.model, cfg.clients, C, ds.num_classes, H, cfg.embedding_dim,
-                                 cfg.dropout, cfg.seed)
+    models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
+                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     d = check_embedding_dims(models)
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [

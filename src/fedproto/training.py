@@ -9,7 +9,8 @@ Two execution paths share every definition in this module:
   and SGD with momentum is applied per client with a mask, so a client whose data has run out
   keeps its weights and momentum untouched.
 
-Both draw their randomness (batch order and dropout masks) from the same per-client plan
+Both draw their randomness (batch order, dropout masks and, with ``OptimConfig.augment``, the
+crop offsets and flips of :func:`augment_batch`) from the same per-client plan
 (:func:`make_plan`), so they give the same weights up to float rounding.
 
 Loss per step and client (eq. 7): mean cross-entropy over the batch + ``lambda_proto`` x
@@ -31,15 +32,26 @@ from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
 
 
+AUGMENT_PAD = 4
+"""Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
+``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()`` for CIFAR-10 training images)."""
+
+
 @dataclass
 class OptimConfig:
-    """SGD settings (paper, app. A: lr 0.01, momentum 0.5; batch size 8; one local epoch)."""
+    """SGD settings (paper, app. A: lr 0.01, momentum 0.5; batch size 8; one local epoch).
+
+    ``augment``: random crop of the input size from the :data:`AUGMENT_PAD`-padded image plus a
+    random horizontal flip on every training batch (official code for CIFAR-10; the paper does
+    not state augmentation). See :func:`augment_batch`.
+    """
 
     lr: float = 0.01
     momentum: float = 0.5
     weight_decay: float = 0.0
     batch_size: int = 8
     drop_last: bool = False
+    augment: bool = False
 
 
 @dataclass
@@ -80,13 +92,15 @@ class Plan:
 
     order[p]: (S, B) int64 local sample indices; weight[p]: (S, B) float32, 0 on padding;
     last_epoch[p]: (S,) bool, steps of the phase's last epoch; noise[p]: name -> (S, B, width)
-    float32 dropout masks scaled by 1/(1-p).
+    float32 dropout masks scaled by 1/(1-p); aug[p]: (S, B, 3) int64 per-sample augmentation
+    ``(dy, dx, flip)`` for :func:`augment_batch` (empty list: no augmentation).
     """
 
     order: list[torch.Tensor]
     weight: list[torch.Tensor]
     last_epoch: list[torch.Tensor]
     noise: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    aug: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -105,18 +119,21 @@ def make_plan(
     n: int, phases: Sequence[Phase], opt: OptimConfig, noise_widths: dict[str, int], p_drop: float,
     rng: np.random.Generator,
 ) -> Plan:
-    """Draw a client's batch order and dropout masks for one round.
+    """Draw a client's batch order, dropout masks and augmentation for one round.
 
     Args:
-        n: number of local training samples. phases: epochs per phase. opt: batch size, drop_last.
+        n: number of local training samples. phases: epochs per phase. opt: batch size, drop_last,
+            augment.
         noise_widths: mask widths the model consumes (:meth:`ProtoModel.noise_widths`).
         p_drop: dropout probability. rng: the client's generator for this round.
     Returns:
         A :class:`Plan`. With ``drop_last`` the trailing partial batch of each epoch is skipped
-        (official code); otherwise it is kept and padded with weight 0.
+        (official code); otherwise it is kept and padded with weight 0. With ``opt.augment`` the
+        crop offsets (uniform in [0, 2 * AUGMENT_PAD]) and flips (probability 1/2) are drawn
+        after the masks of each phase, so plans without augmentation are unchanged.
     """
     B = opt.batch_size
-    orders, weights, lasts, noises = [], [], [], []
+    orders, weights, lasts, noises, augs = [], [], [], [], []
     for ph in phases:
         rows, wrows, last = [], [], []
         for e in range(ph.epochs):
@@ -146,7 +163,37 @@ def make_plan(
         weights.append(torch.from_numpy(np.concatenate(wrows) if wrows else np.zeros((0, B), np.float32)))
         lasts.append(torch.from_numpy(np.concatenate(last) if last else np.zeros(0, bool)))
         noises.append(noise)
-    return Plan(orders, weights, lasts, noises)
+        if opt.augment:
+            shift = rng.integers(0, 2 * AUGMENT_PAD + 1, size=(S, B, 2))
+            flip = rng.random((S, B, 1)) < 0.5
+            augs.append(torch.from_numpy(np.concatenate([shift, flip], axis=-1).astype(np.int64)))
+    return Plan(orders, weights, lasts, noises, augs)
+
+
+def augment_batch(x: torch.Tensor, params: torch.Tensor, pad: int = AUGMENT_PAD) -> torch.Tensor:
+    """Random crop + horizontal flip of a batch, vectorised (one gather, no per-sample loop).
+
+    Sample b is zero-padded by ``pad`` pixels per side, cropped to its original H x W at row
+    offset ``dy`` and column offset ``dx`` of the padded image, then mirrored left-right if
+    ``flip`` (torchvision order: ``RandomCrop(padding=pad)`` then ``RandomHorizontalFlip``).
+    Padding is zero in the normalised space (the dataset's mean colour), whereas the official
+    code pads the raw image with black before normalising.
+
+    Args:
+        x: (B, C, H, W) float inputs. params: (B, 3) int64 rows ``(dy, dx, flip)`` with
+            dy, dx in [0, 2 * pad] and flip in {0, 1} (from :func:`make_plan`).
+    Returns:
+        (B, C, H, W) augmented copy.
+    """
+    B, C, H, W = x.shape
+    Wp = W + 2 * pad
+    xp = F.pad(x, (pad, pad, pad, pad))
+    dy, dx, flip = params[:, 0], params[:, 1], params[:, 2].bool()
+    j = torch.arange(W)
+    rows = dy[:, None] + torch.arange(H)  # (B, H) rows of the padded image
+    cols = dx[:, None] + torch.where(flip[:, None], W - 1 - j, j)  # (B, W) columns, mirrored if flip
+    flat = (rows[:, :, None] * Wp + cols[:, None, :]).reshape(B, 1, H * W).expand(B, C, H * W)
+    return xp.reshape(B, C, -1).gather(2, flat).reshape(B, C, H, W)
 
 
 def _step_terms(logits, h, y, w, obj: Objective):
@@ -187,11 +234,14 @@ def train_client(
         optim = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
         order, weight, last = plan.order[pi], plan.weight[pi], plan.last_epoch[pi]
         noise = plan.noise[pi] if plan.noise else {}
+        aug = plan.aug[pi] if plan.aug else None
         is_last_phase = pi == len(obj.phases) - 1
         for s in range(order.shape[0]):
             valid = weight[s] > 0
             idx = order[s][valid]
             xb, yb = x[idx], y[idx]
+            if aug is not None:
+                xb = augment_batch(xb, aug[s][valid])
             nb = {k: v[s][valid] for k, v in noise.items()} if noise else None
             logits, h = model(xb, nb)
             ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb)), obj)
@@ -307,11 +357,14 @@ def train_group(
         weight = torch.zeros(Smax, G, B)
         last = torch.zeros(Smax, G, dtype=torch.bool)
         noise = {}
+        aug = torch.zeros(Smax, B, G, 3, dtype=torch.long) if plans[0].aug else None
         for g, pl in enumerate(plans):
             order[: S[g], :, g] = pl.order[pi] + off[g]
             order[S[g]:, :, g] = off[g]
             weight[: S[g], g] = pl.weight[pi]
             last[: S[g], g] = pl.last_epoch[pi]
+            if aug is not None:
+                aug[: S[g], :, g] = pl.aug[pi]
         if plans[0].noise and plans[0].noise[pi]:
             for name in plans[0].noise[pi]:
                 width = plans[0].noise[pi][name].shape[-1]
@@ -323,7 +376,8 @@ def train_group(
         is_last_phase = pi == len(obj.phases) - 1
         for s in range(Smax):
             idx = order[s].reshape(-1)
-            xb = X[idx].reshape(B, G * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
+            xb = X[idx] if aug is None else augment_batch(X[idx], aug[s].reshape(-1, 3))
+            xb = xb.reshape(B, G * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
             yb = Y[idx].reshape(B, G).t()
             w = weight[s]
             nz = {k: v[s] for k, v in noise.items()} if noise else None

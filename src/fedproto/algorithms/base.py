@@ -34,7 +34,8 @@ Message = dict[str, np.ndarray]
 
 def optim_config(cfg: Any) -> OptimConfig:
     """The :class:`OptimConfig` of a run configuration."""
-    return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last)
+    return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last,
+                       augment=bool(getattr(cfg, "augment", False)))
 
 
 def message_size(msg: Message) -> tuple[int, int]:

@@ -14,16 +14,23 @@ Noise models:
         lower end, k - s + 1, where the official code raises).
     ``gaussian`` (the paper's wording): n_i = round(N(n, s)) clipped to [2, C], k_i =
         round(N(k, s)) clipped to [1, inf).
+
+FEMNIST (62 classes) is pooled over writers for the few-shot protocol; the official shots range
+for it is [k - s + 1, k + s] (as for CIFAR-10). :func:`natural_partition` is the alternative that
+keeps LEAF's writer structure: one client per writer.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
 from fedproto.errors import PartitionError
+
+log = logging.getLogger(__name__)
 
 NoiseModel = Literal["uniform", "gaussian"]
 
@@ -37,12 +44,15 @@ class Partition:
         test_idx: per client (n_test_i,) int64 indices into the test split.
         classes: per client sorted (n_i,) int64 class ids.
         shots: per client (n_i,) int64 training samples per class, aligned with ``classes``.
+        writers: per client the writer (group) index it holds (:func:`natural_partition`);
+            empty for partitions that pool writers.
     """
 
     train_idx: list[np.ndarray]
     test_idx: list[np.ndarray]
     classes: list[np.ndarray]
     shots: list[np.ndarray] = field(default_factory=list)
+    writers: list[int] = field(default_factory=list)
 
     @property
     def num_clients(self) -> int:
@@ -52,7 +62,7 @@ class Partition:
         """Counts for logs and the run directory (ways and samples per client)."""
         ways = [len(c) for c in self.classes]
         n = [len(t) for t in self.train_idx]
-        return {
+        out = {
             "clients": self.num_clients,
             "ways_mean": float(np.mean(ways)),
             "ways_min": int(min(ways)),
@@ -61,6 +71,9 @@ class Partition:
             "train_samples_total": int(sum(n)),
             "test_samples_total": int(sum(len(t) for t in self.test_idx)),
         }
+        if self.writers:
+            out["writers"] = [int(w) for w in self.writers]
+        return out
 
 
 def draw_ways_shots(
@@ -88,6 +101,17 @@ def draw_ways_shots(
     else:
         raise ValueError(f"unknown noise model {noise!r}; choose 'uniform' or 'gaussian'")
     return n.astype(np.int64), k.astype(np.int64)
+
+
+def _femnist_note(dataset: str) -> str:
+    if dataset != "femnist":
+        return ""
+    return (
+        ". Note: the FEMNIST copy read here may be a LEAF writer sample (e.g. --sf 0.05: 14,640 "
+        "train / 1,677 test samples; the 52 letter classes hold only ~53-142 train and 3-17 test "
+        "samples each), far from the paper's k=100 shots; with 20 clients about --shots 10 and "
+        "--test-shots 3 fit. Or use --partition natural (one client per writer)"
+    )
 
 
 def fewshot_partition(
@@ -139,18 +163,29 @@ def fewshot_partition(
     short = np.nonzero(need > train_avail)[0]
     if len(short):
         j = int(short[np.argmax((need - train_avail)[short])])
+        # k_i - shots does not depend on ``shots`` (same random draws), so the largest shots that
+        # fits these clients' classes is min_j floor((avail_j - sum offsets_j) / holders_j).
+        held = np.nonzero(holders)[0]
+        offsets = np.zeros(num_classes, np.int64)
+        for c, ki in zip(classes, k):
+            offsets[c] += ki - shots
+        fit = int(np.min((train_avail[held] - offsets[held]) // holders[held]))
+        hint = (f"with this seed and these clients, --shots {fit} is the largest that fits"
+                if fit >= 1 else "no --shots value fits: lower --clients or --ways")
         raise PartitionError(
             f"class {j} runs short: {holders[j]} clients x ~{shots} shots need {need[j]} training "
             f"samples but the train split has {train_avail[j]} (short by {need[j] - train_avail[j]}); "
-            f"{len(short)} class(es) run short in all. Lower --shots, --clients or --ways "
-            f"(capacity is about {int(train_avail.min())} samples per class)"
+            f"{len(short)} class(es) run short in all. The train split holds "
+            f"{int(train_avail.min())}-{int(train_avail.max())} samples per class; {hint}. "
+            f"Lower --shots, --clients or --ways{_femnist_note(dataset)}"
         )
     test_short = [int(j) for j in range(num_classes) if holders[j] and test_avail[j] < test_shots]
     if test_short:
         j = test_short[0]
         raise PartitionError(
             f"class {j} has {test_avail[j]} test samples but test_shots={test_shots}; "
-            f"lower --test-shots to at most {int(test_avail[test_short].min())}"
+            f"lower --test-shots to at most {int(test_avail[test_short].min())} (the test split holds "
+            f"{int(test_avail.min())}-{int(test_avail.max())} samples per class){_femnist_note(dataset)}"
         )
 
     by_class = [np.flatnonzero(train_y == j) for j in range(num_classes)]
@@ -168,3 +203,86 @@ def fewshot_partition(
         test_idx.append(np.sort(np.concatenate(tparts)).astype(np.int64))
         shots_out.append(np.full(len(c), ki, np.int64))
     return Partition(train_idx, test_idx, [c.astype(np.int64) for c in classes], shots_out)
+
+
+def natural_partition(
+    train_groups: np.ndarray,
+    test_groups: np.ndarray,
+    train_y: np.ndarray,
+    test_y: np.ndarray,
+    num_clients: int,
+    seed: int = 0,
+    min_test: int = 1,
+) -> Partition:
+    """One client per writer (LEAF's natural FEMNIST split; not the paper's protocol, which pools
+    FEMNIST and draws n-way k-shot tasks, §Experiments).
+
+    Client i holds all train samples of its writer and all test samples of the same writer.
+    Its ``classes`` are the classes of its train samples and ``shots`` their per-class counts
+    (unequal, as written). A writer's test split may hold classes it never trained on (in the
+    LEAF 5% sample, 412 of 1,677 test samples, 25%); those samples are **kept**: classifier accuracy
+    counts them (the head still has all C outputs), while nearest-prototype accuracy restricted
+    to own classes (``proto_classes="own"``) always misses them. Accuracy numbers on this
+    partition are therefore per writer on that writer's whole test split.
+
+    Args:
+        train_groups: (N_train,) int writer index per train sample. test_groups: (N_test,) int
+            writer index per test sample, same numbering (``Dataset.train_groups/test_groups``).
+        train_y: (N_train,) labels. test_y: (N_test,) labels.
+        num_clients: how many writers to use. Writers are eligible if they have >= 1 train and
+            >= ``min_test`` test samples; if num_clients equals the eligible count all are used,
+            else a seeded random subset. Clients are ordered by writer index.
+        seed: selection seed. min_test: minimum test samples of an eligible writer.
+    Returns:
+        A :class:`Partition` with ``writers`` set (client i -> writer index).
+    Raises:
+        PartitionError: mismatched lengths, num_clients < 1, or more clients asked for than
+            eligible writers exist (names the available count; no silent clipping, so a run
+            never has fewer clients than configured).
+    """
+    train_groups = np.asarray(train_groups, dtype=np.int64)
+    test_groups = np.asarray(test_groups, dtype=np.int64)
+    train_y = np.asarray(train_y, dtype=np.int64)
+    test_y = np.asarray(test_y, dtype=np.int64)
+    if train_groups.shape != train_y.shape or test_groups.shape != test_y.shape:
+        raise PartitionError(
+            f"writer ids and labels differ in length (train {train_groups.shape} vs {train_y.shape}, "
+            f"test {test_groups.shape} vs {test_y.shape})"
+        )
+    if num_clients < 1:
+        raise PartitionError(f"clients must be >= 1 (got {num_clients})")
+    W = int(max(train_groups.max(initial=-1), test_groups.max(initial=-1))) + 1
+    n_train = np.bincount(train_groups, minlength=W)
+    n_test = np.bincount(test_groups, minlength=W)
+    eligible = np.flatnonzero((n_train >= 1) & (n_test >= min_test))
+    if num_clients > len(eligible):
+        raise PartitionError(
+            f"clients={num_clients} but only {len(eligible)} writers are available for the natural "
+            f"partition ({W} writers in all; eligible: >= 1 train and >= {min_test} test samples); "
+            f"use --clients {len(eligible)} or fewer"
+        )
+    if num_clients == len(eligible):
+        chosen = eligible
+    else:
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x4E41]))
+        chosen = np.sort(rng.choice(eligible, size=num_clients, replace=False))
+    train_order = np.argsort(train_groups, kind="stable")
+    test_order = np.argsort(test_groups, kind="stable")
+    train_start = np.concatenate([[0], np.cumsum(n_train)])
+    test_start = np.concatenate([[0], np.cumsum(n_test)])
+    train_idx, test_idx, classes, shots = [], [], [], []
+    unseen = 0
+    for w in chosen:
+        tr = np.sort(train_order[train_start[w] : train_start[w + 1]])
+        te = np.sort(test_order[test_start[w] : test_start[w + 1]])
+        cls, cnt = np.unique(train_y[tr], return_counts=True)
+        unseen += int((~np.isin(test_y[te], cls)).sum())
+        train_idx.append(tr.astype(np.int64))
+        test_idx.append(te.astype(np.int64))
+        classes.append(cls.astype(np.int64))
+        shots.append(cnt.astype(np.int64))
+    total_test = sum(len(t) for t in test_idx)
+    if unseen:
+        log.info("natural partition: %d of %d test samples are of classes their writer never "
+                 "trained on (kept; see natural_partition)", unseen, total_test)
+    return Partition(train_idx, test_idx, classes, shots, [int(w) for w in chosen])

@@ -7,25 +7,43 @@ Names:
         0-6, 7-13, 14-19; exps/federated_main.py).
     ``cnn-small+cnn-large`` style lists: ``"projcnn:16-32,projcnn:32-64"`` assigns the listed
         architectures round-robin; every entry ends in a projection to ``embedding_dim``.
+    ``resnet18``: ResNet18 (CIFAR-10 model, §Experiments), conv1/maxpool strides (2, 2); d = 512
+        whatever ``embedding_dim`` says (the architecture fixes it).
+    ``resnet18-mh``: FedProto-mh for CIFAR-10: strides (1, 4) for the first half of the clients
+        (ceil(m/2); official code for 20 clients: 0-9), (2, 2) for the others.
+
+``pretrained``: a torchvision-layout resnet18 state dict file, loaded into every ResNet18 client
+except conv1/bn1/fc (official code, exps/federated_main.py; :func:`fedproto.models.resnet.load_pretrained`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import logging
+import os
+from collections.abc import Mapping
 
 import torch
 
 from fedproto.errors import ModelError
 from fedproto.models.base import ProtoModel
 from fedproto.models.cnn import PaperCNN, ProjectedCNN
+from fedproto.models.resnet import MH_STRIDES, ResNet18, load_pretrained, read_state_dict
 
-MODEL_NAMES = ("cnn", "cnn-mh", "projcnn:<c1>-<c2>[,...]")
+log = logging.getLogger(__name__)
+
+MODEL_NAMES = ("cnn", "cnn-mh", "resnet18", "resnet18-mh", "projcnn:<c1>-<c2>[,...]")
 
 
 def mh_conv2_channels(cid: int, num_clients: int) -> int:
     """FedProto-mh conv2 width of client ``cid``: 18, 20, 22 by thirds (official: 0-6/7-13/14-19 of 20)."""
     block = -(-num_clients // 3)  # ceil: 20 -> 7
     return (18, 20, 22)[min(cid // block, 2)]
+
+
+def mh_resnet_strides(cid: int, num_clients: int) -> tuple[int, int]:
+    """FedProto-mh (conv1, maxpool) strides of client ``cid``: (1, 4) for the first ceil(m/2)
+    clients, else (2, 2) (official code for 20 clients: clients 0-9 (1, 4))."""
+    return MH_STRIDES[0] if cid < -(-num_clients // 2) else MH_STRIDES[1]
 
 
 def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: int, input_size: int,
@@ -35,6 +53,10 @@ def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: i
     if spec == "cnn-mh":
         return PaperCNN(in_channels, num_classes, mh_conv2_channels(cid, num_clients), embedding_dim,
                         input_size, dropout)
+    if spec == "resnet18":
+        return ResNet18(num_classes, in_channels)
+    if spec == "resnet18-mh":
+        return ResNet18(num_classes, in_channels, *mh_resnet_strides(cid, num_clients))
     if spec.startswith("projcnn:"):
         try:
             chans = tuple(int(c) for c in spec.split(":", 1)[1].split("-"))
@@ -47,13 +69,17 @@ def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: i
 def build_client_models(
     name: str, num_clients: int, in_channels: int, num_classes: int, input_size: int,
     embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0,
+    pretrained: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
 ) -> list[ProtoModel]:
     """Build one model per client, each initialised from its own seed (seed, client id).
 
     Args:
         name: see module docstring; a comma-separated list assigns specs round-robin.
+        pretrained: resnet18 state dict (file path or mapping) for the ResNet18 clients; read once.
     Raises:
-        ModelError: an unknown model name.
+        ModelError: an unknown model name; ``pretrained`` given but no client is a ResNet18; a
+            state dict that does not fit resnet18 (names the key).
+        DataError: the ``pretrained`` file is missing or unreadable.
     """
     specs = [s.strip() for s in name.split(",") if s.strip()]
     if not specs:
@@ -63,6 +89,16 @@ def build_client_models(
         torch.manual_seed(seed * 1_000_003 + cid)
         models.append(_one(specs[cid % len(specs)], cid, num_clients, in_channels, num_classes,
                            input_size, embedding_dim, dropout))
+    if pretrained is not None:
+        targets = [m for m in models if isinstance(m, ResNet18)]
+        if not targets:
+            raise ModelError(f"pretrained weights are for resnet18 models, but model {name!r} has none; "
+                             "use --model resnet18 (or resnet18-mh) or drop --pretrained")
+        state = dict(pretrained) if isinstance(pretrained, Mapping) else read_state_dict(pretrained)
+        origin = None if isinstance(pretrained, Mapping) else str(pretrained)
+        for m in targets:
+            load_pretrained(m, state, origin)
+        log.info("loaded pretrained weights into %d ResNet18 client(s) (all but conv1, bn1, fc)", len(targets))
     return models
 
 

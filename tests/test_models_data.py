@@ -1,0 +1,347 @@
+"""Natural (per-writer) and FEMNIST few-shot partitions, ResNet18 (names, shapes, pretrained
+loading), train-time augmentation (crop + flip, batched == sequential), CIFAR-10 end to end."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import DATA
+from fedproto.config import build_config
+from fedproto.data.partition import fewshot_partition, natural_partition
+from fedproto.errors import ConfigError, DataError, ModelError, PartitionError
+from fedproto.models.cnn import PaperCNN
+from fedproto.models.resnet import ResNet18, load_pretrained
+from fedproto.models.zoo import build_client_models, mh_resnet_strides
+from fedproto.prototypes import prototype_table
+from fedproto.simulation import Simulation, prepare
+from fedproto.training import (
+    AUGMENT_PAD,
+    Objective,
+    OptimConfig,
+    Phase,
+    augment_batch,
+    make_plan,
+    train_client,
+    train_group,
+)
+
+
+def _has(*parts: str) -> bool:
+    return bool(DATA) and Path(DATA, *parts).exists()
+
+
+needs_femnist = pytest.mark.skipif(not _has("femnist"), reason="set FEDPROTO_DATA to a folder with femnist/")
+needs_cifar = pytest.mark.skipif(not _has("cifar10"), reason="set FEDPROTO_DATA to a folder with cifar10/")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: one intra-op thread is as fast, and immune to the 10-50x slowdown of
+    oversubscribed OpenMP threads when other processes share the CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def femnist():
+    from fedproto.data.datasets import load_dataset
+
+    return load_dataset("femnist", DATA, download=False)
+
+
+# --- partitions ---------------------------------------------------------------------------------
+
+
+@needs_femnist
+def test_natural_partition_one_client_per_writer(femnist):
+    ds = femnist
+    tr_g, te_g, tr_y, te_y = ds.train_groups, ds.test_groups, ds.train_y.numpy(), ds.test_y.numpy()
+    W = len(ds.group_names)
+    p = natural_partition(tr_g, te_g, tr_y, te_y, W, seed=0)
+    assert p.num_clients == W and sorted(p.writers) == list(range(W))
+    all_train = np.concatenate(p.train_idx)
+    assert np.array_equal(np.sort(all_train), np.arange(len(tr_y)))  # disjoint and complete
+    assert np.array_equal(np.sort(np.concatenate(p.test_idx)), np.arange(len(te_y)))
+    unseen = 0
+    for tr, te, cls, k, w in zip(p.train_idx, p.test_idx, p.classes, p.shots, p.writers):
+        assert np.all(tr_g[tr] == w) and np.all(te_g[te] == w)
+        assert len(tr) == (tr_g == w).sum() and len(te) == (te_g == w).sum() >= 1
+        assert np.array_equal(cls, np.unique(tr_y[tr]))
+        assert np.array_equal(k, np.bincount(tr_y[tr], minlength=62)[cls]) and k.sum() == len(tr)
+        unseen += int((~np.isin(te_y[te], cls)).sum())
+    assert unseen > 0  # test samples of classes the writer never trained on are kept
+
+    a = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=3)
+    b = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=3)
+    c = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=4)
+    assert a.writers == b.writers and a.writers != c.writers and a.writers == sorted(a.writers)
+    assert len(set(a.writers)) == 20
+    with pytest.raises(PartitionError, match=rf"only {W} writers are available.*--clients {W}"):
+        natural_partition(tr_g, te_g, tr_y, te_y, W + 1, seed=0)
+
+
+@needs_femnist
+def test_natural_partition_through_prepare(femnist):
+    cfg = build_config(overrides=dict(dataset="femnist", partition="natural", clients=5, rounds=1))
+    setup = prepare(cfg, dataset=femnist)
+    assert len(setup.states) == 5 and setup.partition.writers
+    for s, d, w in zip(setup.states, setup.data, setup.partition.writers):
+        assert len(d.x) == (femnist.train_groups == w).sum()
+        assert set(d.y.tolist()) == set(s.classes.tolist())
+
+
+def test_natural_partition_needs_writer_ids():
+    cfg = build_config(overrides=dict(dataset="digits", partition="natural", clients=2))
+    with pytest.raises(ConfigError, match="natural.*writer ids"):
+        prepare(cfg)
+
+
+@needs_femnist
+def test_femnist_fewshot_feasible_and_capacity_error(femnist):
+    tr_y, te_y = femnist.train_y.numpy(), femnist.test_y.numpy()
+    # 20 clients, 3 ways: ~10 shots and <= 3 test shots fit the LEAF 5% writer sample
+    p = fewshot_partition(tr_y, te_y, 62, 20, 3, 10, 1, 3, "uniform", 1234, "femnist")
+    assert p.num_clients == 20
+    assert len(np.unique(np.concatenate(p.train_idx))) == sum(len(t) for t in p.train_idx)
+    for tr, cls, k in zip(p.train_idx, p.classes, p.shots):
+        assert 10 <= k[0] <= 11  # official FEMNIST range [k - s + 1, k + s]
+        assert np.all(np.bincount(tr_y[tr], minlength=62)[cls] == k)
+    with pytest.raises(PartitionError, match=r"runs short.*largest that fits.*LEAF writer sample"):
+        fewshot_partition(tr_y, te_y, 62, 20, 3, 100, 1, 3, "uniform", 1234, "femnist")
+    with pytest.raises(PartitionError, match=r"test_shots=40.*LEAF writer sample"):
+        fewshot_partition(tr_y, te_y, 62, 20, 3, 10, 1, 40, "uniform", 1234, "femnist")
+
+
+def test_capacity_hint_is_the_largest_shots_that_fits():
+    tr_y, te_y = np.repeat(np.arange(10), 60), np.repeat(np.arange(10), 20)
+    with pytest.raises(PartitionError, match=r"--shots (\d+) is the largest") as e:
+        fewshot_partition(tr_y, te_y, 10, 20, 3, 40, 2, 5, "uniform", 5, "cifar10")
+    fit = int(str(e.value).split("--shots ")[1].split()[0])
+    fewshot_partition(tr_y, te_y, 10, 20, 3, fit, 2, 5, "uniform", 5, "cifar10")
+    with pytest.raises(PartitionError):
+        fewshot_partition(tr_y, te_y, 10, 20, 3, fit + 1, 2, 5, "uniform", 5, "cifar10")
+
+
+# --- ResNet18 -----------------------------------------------------------------------------------
+
+
+def _torchvision_resnet18_keys() -> list[str]:
+    """torchvision.models.resnet18().state_dict().keys(), written out (122 keys)."""
+    bn = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    keys = ["conv1.weight", *[f"bn1.{b}" for b in bn]]
+    for layer in (1, 2, 3, 4):
+        for block in (0, 1):
+            p = f"layer{layer}.{block}."
+            keys += [p + "conv1.weight", *[p + f"bn1.{b}" for b in bn]]
+            keys += [p + "conv2.weight", *[p + f"bn2.{b}" for b in bn]]
+            if layer > 1 and block == 0:
+                keys += [p + "downsample.0.weight", *[p + f"downsample.1.{b}" for b in bn]]
+    return keys + ["fc.weight", "fc.bias"]
+
+
+TORCHVISION_SHAPES = {  # a few spot checks of torchvision's shapes
+    "conv1.weight": (64, 3, 7, 7),
+    "layer1.0.conv1.weight": (64, 64, 3, 3),
+    "layer2.0.downsample.0.weight": (128, 64, 1, 1),
+    "layer3.1.bn2.running_var": (256,),
+    "layer4.0.conv1.weight": (512, 256, 3, 3),
+    "layer4.1.conv2.weight": (512, 512, 3, 3),
+    "fc.weight": (1000, 512),
+}
+
+
+def test_resnet18_names_match_torchvision():
+    m = ResNet18(num_classes=1000)
+    sd = m.state_dict()
+    expected = _torchvision_resnet18_keys()
+    assert len(expected) == 122
+    assert list(sd) == expected
+    for k, shape in TORCHVISION_SHAPES.items():
+        assert tuple(sd[k].shape) == shape, k
+    assert sum(p.numel() for p in m.parameters()) == 11_689_512  # torchvision resnet18
+    assert m.is_head_param("fc.weight") and not m.is_head_param("layer4.1.bn2.weight")
+    assert m.arch_key() is None
+
+
+@pytest.mark.parametrize("strides", [(2, 2), (1, 4)])
+def test_resnet18_embedding_is_layer4_output(strides):
+    torch.manual_seed(0)
+    m = ResNet18(10, 3, *strides).eval()
+    x = torch.randn(2, 3, 32, 32)
+    fmap = m.feature_map(x)
+    assert fmap.shape == (2, 512, 1, 1)  # official prototype: layer4 output, 512x1x1 on 32x32
+    logits, h = m(x)
+    assert h.shape == (2, 512) and logits.shape == (2, 10)
+    assert torch.equal(h, fmap.flatten(1))
+    big = torch.randn(2, 3, 64, 64)
+    assert m.feature_map(big).shape == (2, 512, 2, 2) and m.embed(big).shape == (2, 512)  # pooled to 1x1
+
+
+def test_resnet18_single_sample_training_batch():
+    m = ResNet18(10).train()
+    before = m.layer4[1].bn2.running_mean.clone()
+    logits, h = m(torch.randn(1, 3, 32, 32))
+    assert h.shape == (1, 512) and m.training and m.layer4[1].bn2.training
+    assert torch.equal(before, m.layer4[1].bn2.running_mean)
+
+
+def test_resnet18_zoo_names_and_mh_strides():
+    assert [mh_resnet_strides(i, 20) for i in range(20)] == [(1, 4)] * 10 + [(2, 2)] * 10  # official: 0-9
+    assert [m.strides for m in build_client_models("resnet18-mh", 3, 3, 10, 32)] == [(1, 4), (1, 4), (2, 2)]
+    assert all(m.strides == (2, 2) for m in build_client_models("resnet18", 2, 3, 10, 32))
+
+
+def _saved_weights(tmp_path) -> tuple[Path, dict]:
+    torch.manual_seed(1)
+    sd = ResNet18(num_classes=1000).state_dict()
+    sd = {k: (v + 1.0 if v.is_floating_point() else v + 7) for k, v in sd.items()}  # perturbed
+    path = tmp_path / "resnet18.pth"
+    torch.save(sd, path)
+    return path, sd
+
+
+def test_pretrained_loads_all_but_conv1_bn1_fc(tmp_path):
+    path, saved = _saved_weights(tmp_path)
+    torch.manual_seed(2)
+    fresh = ResNet18(num_classes=10)
+    init = copy.deepcopy(fresh.state_dict())
+    loaded = load_pretrained(fresh, path)
+    assert len(loaded) == 114
+    after = fresh.state_dict()
+    for k in after:
+        if k.startswith(("conv1.", "bn1.", "fc.")):
+            assert torch.equal(after[k], init[k]), k
+            assert k.startswith("fc.") or not torch.equal(after[k], saved[k]), k
+        else:
+            assert torch.equal(after[k], saved[k]), k
+    models = build_client_models("resnet18-mh", 3, 3, 10, 32, pretrained=str(path))
+    for m in models:
+        assert torch.equal(m.layer3[0].conv1.weight, saved["layer3.0.conv1.weight"])
+
+
+def test_pretrained_errors(tmp_path):
+    path, saved = _saved_weights(tmp_path)
+    with pytest.raises(DataError, match="does not exist"):
+        load_pretrained(ResNet18(), tmp_path / "nope.pth")
+    bad = tmp_path / "corrupt.pth"
+    bad.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(DataError, match="cannot read pretrained weights"):
+        load_pretrained(ResNet18(), bad)
+    wrong = dict(saved, **{"layer2.1.conv1.weight": torch.zeros(64, 64, 3, 3)})
+    with pytest.raises(ModelError, match=r"'layer2.1.conv1.weight'.*\(64, 64, 3, 3\).*\(128, 128, 3, 3\)"):
+        load_pretrained(ResNet18(), wrong)
+    missing = {k: v for k, v in saved.items() if k != "layer4.1.bn2.running_var"}
+    with pytest.raises(ModelError, match="lack 'layer4.1.bn2.running_var'"):
+        load_pretrained(ResNet18(), missing)
+    with pytest.raises(ModelError, match="'layer5.0.conv1.weight', not a resnet18 key"):
+        load_pretrained(ResNet18(), dict(saved, **{"layer5.0.conv1.weight": torch.zeros(1)}))
+    with pytest.raises(ModelError, match="resnet18"):
+        build_client_models("cnn", 2, 1, 10, 28, pretrained=str(path))
+
+
+# --- augmentation -------------------------------------------------------------------------------
+
+
+def _reference_augment(x, params, pad):
+    out = []
+    for xi, (dy, dx, flip) in zip(x, params.tolist()):
+        xp = torch.nn.functional.pad(xi, (pad, pad, pad, pad))
+        crop = xp[:, dy : dy + x.shape[2], dx : dx + x.shape[3]]
+        out.append(crop.flip(-1) if flip else crop)
+    return torch.stack(out)
+
+
+def test_augmentation_is_a_crop_and_flip_of_the_padded_image():
+    x = torch.arange(1, 6 * 3 * 32 * 32 + 1, dtype=torch.float32).reshape(6, 3, 32, 32)  # distinct values
+    plan = make_plan(6, [Phase(1)], OptimConfig(batch_size=6, augment=True), {}, 0.0, np.random.default_rng(0))
+    params = plan.aug[0][0]
+    assert params.shape == (6, 3)
+    params[0] = torch.tensor([AUGMENT_PAD, AUGMENT_PAD, 0])  # centre crop, no flip: identity
+    params[1] = torch.tensor([AUGMENT_PAD, AUGMENT_PAD, 1])  # centre crop + flip: mirror
+    params[2] = torch.tensor([0, 2 * AUGMENT_PAD, 1])  # corner crop + flip
+    out = augment_batch(x, params)
+    assert torch.equal(out, _reference_augment(x, params, AUGMENT_PAD))
+    assert torch.equal(out[0], x[0]) and torch.equal(out[1], x[1].flip(-1))
+    for xi, oi, (dy, dx, flip) in zip(x, out, params.tolist()):
+        vals = oi[oi != 0]
+        assert len(vals) == len(torch.unique(vals)) and bool(torch.isin(vals, xi).all())  # values moved, not mixed
+        assert (oi == 0).sum() == 3 * (32 * 32 - (32 - abs(dy - AUGMENT_PAD)) * (32 - abs(dx - AUGMENT_PAD)))
+    # the plan's draws cover the offsets and both flip values; no augmentation -> same plan otherwise
+    big = make_plan(400, [Phase(1)], OptimConfig(augment=True), {"fc1": 5}, 0.5, np.random.default_rng(1))
+    plain = make_plan(400, [Phase(1)], OptimConfig(), {"fc1": 5}, 0.5, np.random.default_rng(1))
+    a = big.aug[0]
+    assert set(a[..., :2].unique().tolist()) == set(range(2 * AUGMENT_PAD + 1)) and set(a[..., 2].unique().tolist()) == {0, 1}
+    assert plain.aug == [] and torch.equal(big.order[0], plain.order[0])
+    assert torch.equal(big.noise[0]["fc1"], plain.noise[0]["fc1"])
+
+
+def test_augmented_batched_matches_sequential_on_cifar_sized_cnn():
+    G = 3
+    torch.manual_seed(0)
+    models = [PaperCNN(in_channels=3, input_size=32) for _ in range(G)]
+    xs = [torch.randn(11 + 5 * g, 3, 32, 32) for g in range(G)]
+    ys = [torch.randint(0, 10, (len(x),)) for x in xs]
+    ref = [copy.deepcopy(m) for m in models]
+    opt = OptimConfig(augment=True)
+    table, mask = prototype_table(np.arange(6), np.random.default_rng(1).random((6, 50), dtype=np.float32), 10, 50)
+    obj = Objective([Phase(2)], lambda_proto=1.0, table=table, mask=mask, collect=True)
+    plans = [make_plan(len(x), obj.phases, opt, m.noise_widths(), m.dropout, np.random.default_rng([7, g]))
+             for g, (m, x) in enumerate(zip(models, xs))]
+    seq = [train_client(ref[g], xs[g], ys[g], plans[g], obj, opt) for g in range(G)]
+    bat = train_group(models, xs, ys, plans, obj, opt)
+    for g in range(G):
+        for (name, a), (_, b) in zip(ref[g].named_parameters(), models[g].named_parameters()):
+            assert ((a - b).norm() / a.norm()).item() < 1e-5, (g, name)
+        assert torch.allclose(seq[g].sums, bat[g].sums, rtol=1e-4, atol=1e-4)
+        assert seq[g].loss_ce == pytest.approx(bat[g].loss_ce, rel=1e-5)
+    # augmentation is applied: the same plan without it trains to different weights
+    plain = copy.deepcopy(models[0])
+    torch.manual_seed(0)
+    start = PaperCNN(in_channels=3, input_size=32)
+    plan_plain = make_plan(len(xs[0]), obj.phases, OptimConfig(), start.noise_widths(), start.dropout,
+                           np.random.default_rng([7, 0]))
+    train_client(start, xs[0], ys[0], plan_plain, obj, OptimConfig())
+    assert not torch.allclose(start.fc1.weight, plain.fc1.weight)
+
+
+def test_optim_config_reads_augment():
+    from fedproto.algorithms.base import optim_config
+
+    assert optim_config(build_config(overrides={"augment": True})).augment is True
+    assert optim_config(build_config()).augment is False
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+@needs_cifar
+def test_cifar10_paper_cnn_one_round_end_to_end(tmp_path):
+    cfg = build_config(overrides=dict(dataset="cifar10", model="cnn", clients=4, ways=3, shots=20, stdev=1,
+                                      test_shots=10, rounds=1, augment=True, data_dir=DATA, download=False,
+                                      out_dir=str(tmp_path)))
+    sim = Simulation(cfg, out=False)
+    assert isinstance(sim.setup.states[0].model, PaperCNN) and sim.setup.states[0].model.in_channels == 3
+    summary = sim.run()
+    assert summary["clients"] == 4 and 0.0 <= summary["accuracy"]["acc"]["mean"] <= 1.0
+    assert sim.history[0]["loss_ce"] > 0
+
+
+def test_resnet18_runs_in_the_simulation_sequentially(tmp_path):
+    """resnet18-mh with --pretrained through the engine (8x8 grey digits: conv1 differs from the
+    file's 3-channel conv1, which is never loaded)."""
+    path, saved = _saved_weights(tmp_path)
+    cfg = build_config(overrides=dict(dataset="digits", model="resnet18-mh", clients=2, ways=2, shots=5, stdev=0,
+                                      test_shots=5, rounds=1, pretrained=str(path)))
+    sim = Simulation(cfg, out=False)
+    assert sim.setup.embedding_dim == 512 and sim._groups([0, 1]) == [[0], [1]]
+    assert [s.model.strides for s in sim.setup.states] == [(1, 4), (2, 2)]
+    assert all(torch.equal(s.model.layer2[1].conv2.weight, saved["layer2.1.conv2.weight"]) for s in sim.setup.states)
+    summary = sim.run()
+    assert summary["clients"] == 2 and sim.history[0]["loss_ce"] > 0
+    with pytest.raises(ModelError, match="resnet18"):
+        prepare(cfg.model_copy(update={"model": "cnn"}))
