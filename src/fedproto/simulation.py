@@ -230,7 +230,8 @@ class Simulation:
             "ways": cfg.ways,
             "shots": cfg.shots,
             "seed": cfg.seed,
-            "test_set": f"per client: {cfg.test_shots} test-split samples of each own class",
+            "test_set": (f"per client: {cfg.test_shots} test-split samples of each own class"
+                         if cfg.partition == "fewshot" else "per client: the writer's own test samples"),
             "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
                          for k in last if k.endswith("_mean")},
             "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
