@@ -48,8 +48,8 @@ def run(
     clients: Optional[int] = typer.Option(None, help="Number of clients m  [default: 20]"),
     ways: Optional[int] = typer.Option(None, help="Average classes per client n  [default: 3]"),
     shots: Optional[int] = typer.Option(None, help="Average training samples per class k  [default: 100]"),
-    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients  [default: 2]"),
-    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client  [default: 40]"),
+    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients  [default: MNIST 2, FEMNIST/CIFAR-10 1 (tab. 1)]"),
+    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client  [default: 40; FEMNIST 3]"),
     noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper)  [default: uniform]"),
     partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer)  [default: fewshot]"),
     augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10)  [default: off]"),
@@ -100,7 +100,11 @@ def run(
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)
 
-        summary = Simulation(cfg, setup=setup, out=out, on_round=on_round).run()
+        sim = Simulation(cfg, setup=setup, out=out, on_round=on_round)
+        summary = sim.run()
+    from fedproto.plots import save_embeddings
+
+    save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, ways {cfg.ways}, "
                         f"shots {cfg.shots}, {cfg.rounds} rounds (per-client test sets)")
     table.add_column("inference")
@@ -113,6 +117,69 @@ def run(
     ppr = summary["params_per_round"]
     console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
                   f"wall time {summary['wall_time_s']:.1f} s; results in {out}")
+
+
+@app.command()
+def plot(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `fedproto run` or `fedproto reproduce`."),
+    max_per_client: int = typer.Option(200, help="t-SNE: at most this many test samples per client (0: all)."),
+    tsne: bool = typer.Option(True, "--tsne/--no-tsne", help="Also draw the t-SNE (fig. 2) when embeddings exist."),
+):
+    """Draw curves.png (accuracy and losses per round) and tsne.png (fig. 2) into RUN_DIR."""
+    from fedproto.plots import EMBEDDINGS_FILE, PROTOTYPES_FILE, plot_curves, plot_tsne_run
+
+    if not run_dir.is_dir():
+        raise FedprotoError(f"run directory {str(run_dir)!r} does not exist; pass a folder written by `fedproto run`")
+    console.print(str(plot_curves(run_dir)), highlight=False, soft_wrap=True)
+    if not tsne:
+        return
+    if (run_dir / EMBEDDINGS_FILE).is_file() and (run_dir / PROTOTYPES_FILE).is_file():
+        console.print(str(plot_tsne_run(run_dir, max_per_client=max_per_client or None)), highlight=False,
+                      soft_wrap=True)
+    else:
+        err_console.print(f"no t-SNE: {run_dir} lacks {EMBEDDINGS_FILE} or {PROTOTYPES_FILE} "
+                          "(only prototype methods write prototypes)", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def reproduce(
+    datasets: Optional[str] = typer.Option(None, help="Comma list  [default: mnist,femnist,cifar10; "
+                                                      "a sweep: its figure's dataset]"),
+    ways: Optional[str] = typer.Option(None, help="Comma list of n  [default: 3,4,5; a sweep: 3]"),
+    methods: Optional[str] = typer.Option(None, help="Comma list of local, fesem, fedprox, fedper, fedavg, fedrep, "
+                                                     "fedproto, fedproto-mh  [default: all; a sweep: its figure's]"),
+    seeds: str = typer.Option("1234", help="Comma list of seeds."),
+    rounds: Optional[int] = typer.Option(None, help="Rounds for every cell  [default: the paper's (tab. 1)]"),
+    out: Path = typer.Option(Path("reproduce"), "--out", help="Output folder (run directories under OUT/runs)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="key=value override of any run option "
+                                                                "(repeatable), e.g. --set threads=8"),
+    data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files."),
+    sweep: Optional[str] = typer.Option(None, help="One-parameter sweep instead of the grid, e.g. lambda=0,0.5,1,2,4 "
+                                                   "(fig. 4) or shots=10,25,50,100 (fig. 3)."),
+):
+    """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
+    from fedproto import reproduce as rp
+
+    sets = rp.parse_sets(set_)
+    seed_list = rp.parse_list(seeds, rp.DEFAULT_SEEDS, "seeds", conv=int)
+    known_ds = list(rp.MODELS)
+    if sweep:
+        ds = rp.parse_list(datasets, [], "datasets", known_ds)
+        ns = rp.parse_list(ways, [], "ways", conv=int)
+        ms = rp.parse_list(methods, [], "methods", list(rp.METHODS))
+        if len(ds) > 1 or len(ns) > 1:
+            raise FedprotoError("--sweep runs one dataset and one ways value; give at most one of each")
+        _, csv_path, png = rp.run_sweep(out, sweep, ds[0] if ds else None, ns[0] if ns else None, ms or None,
+                                        seed_list, rounds, sets, data_dir, console=console)
+        console.print(f"wrote {csv_path} and {png}", highlight=False, soft_wrap=True)
+        return
+    ds = rp.parse_list(datasets, rp.DEFAULT_DATASETS, "datasets", known_ds)
+    ns = rp.parse_list(ways, rp.DEFAULT_WAYS, "ways", conv=int)
+    ms = rp.parse_list(methods, list(rp.METHODS), "methods", list(rp.METHODS))
+    results = rp.run_grid(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console)
+    counts = {k: sum(r.status == k for r in results) for k in ("done", "skipped", "failed")}
+    console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed; "
+                  f"wrote {out / 'table.md'} and {out / 'table.csv'}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -178,7 +178,7 @@ class Simulation:
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         if self.run_dir:
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
-                                       "partition": self.setup.partition.summary()})
+                                       "partition_summary": self.setup.partition.summary()})
         self.message = alg.initial_message(S)
         ids = list(range(len(S)))
         t_start = time.perf_counter()

@@ -1,0 +1,633 @@
+"""``fedproto reproduce``: the paper's grid (tab. 1-4) and its sweeps (fig. 3, fig. 4).
+
+A grid is dataset × ways × method × seed. Every cell is an ordinary run directory
+``OUT/runs/<dataset>-n<ways>-<method>-s<seed>/``; a cell whose ``summary.json`` exists and whose
+``config.json`` matches the cell's configuration is skipped, so an interrupted grid resumes where
+it stopped. A cell that fails with a :class:`~fedproto.errors.FedprotoError` (missing data, an
+unknown model, an impossible partition) is recorded as failed with its message and the grid goes
+on. After every cell ``OUT/status.json``, ``OUT/table.md`` and ``OUT/table.csv`` are rewritten
+(atomically).
+
+Per-dataset settings follow the paper: stdev of n is MNIST 2, FEMNIST 1, CIFAR-10 1 (tab. 1);
+λ is :attr:`RunConfig.lam`'s paper default (app. A); rounds are tab. 1's rounds of the method on the
+dataset ("Local" lists 0 rounds, i.e. no communication: it trains for the dataset's FedProto
+rounds of local epochs). ``--rounds`` overrides the rounds of every cell, ``--set key=value``
+any other :class:`RunConfig` field.
+
+A sweep (``--sweep lambda=0,0.5,1,2,4``) varies one field for one dataset and ways value, for each
+method and seed, and writes ``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig. 3: accuracy vs
+shots k for FedProto and FedAvg on MNIST; fig. 4: accuracy and prototype loss vs λ for FedProto
+on FEMNIST, n=3).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from rich.markup import escape
+
+from fedproto import paper
+from fedproto.config import DATASETS, RunConfig, build_config
+from fedproto.errors import ConfigError, FedprotoError
+from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+METHODS: dict[str, str] = {
+    # method key -> algorithm name (ALGORITHMS registry)
+    "local": "local",
+    "fesem": "fesem",
+    "fedprox": "fedprox",
+    "fedper": "fedper",
+    "fedavg": "fedavg",
+    "fedrep": "fedrep",
+    "fedproto": "fedproto",
+    "fedproto-mh": "fedproto",
+}
+"""Method keys of tab. 1 and the algorithm each runs."""
+
+MODELS: dict[str, str] = {"mnist": "cnn", "femnist": "cnn", "cifar10": "resnet18", "digits": "cnn"}
+"""Model of every method except FedProto-mh, per dataset (§Experiments)."""
+
+MH_MODELS: dict[str, str] = {"mnist": "cnn-mh", "femnist": "cnn-mh", "cifar10": "resnet18-mh", "digits": "cnn-mh"}
+"""FedProto-mh's heterogeneous models per dataset (§Experiments: conv channels 18/20/22 for the
+CNN, per-client strides for ResNet18)."""
+
+HETEROGENEOUS = {"fedproto-mh"}
+
+DEFAULT_DATASETS = ("mnist", "femnist", "cifar10")
+DEFAULT_WAYS = (3, 4, 5)
+DEFAULT_SEEDS = (1234,)
+
+SWEEP_ALIASES = {"lambda": "lambda_proto", "lam": "lambda_proto", "k": "shots"}
+SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    # field -> (dataset, ways, methods) of the paper's figure
+    "lambda_proto": ("femnist", 3, ("fedproto",)),  # fig. 4
+    "shots": ("mnist", 3, ("fedproto", "fedavg")),  # fig. 3
+}
+GRID_KEYS = ("dataset", "ways", "algorithm", "model", "seed", "rounds", "name", "out_dir", "data_dir")
+"""Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
+MATCH_IGNORED = ("data_dir", "download", "out_dir", "name", "threads")
+"""Config fields that do not change results and are ignored when deciding whether to skip a cell."""
+
+
+# ------------------------------------------------------------------------------------------------
+# parsing
+
+
+def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence | None = None,
+               conv: Callable[[str], Any] = str) -> list:
+    """A comma-separated option as a list (``default`` when None); raises ConfigError."""
+    if text is None:
+        return list(default)
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"--{kind} is empty; give a comma-separated list")
+    out = []
+    for t in items:
+        try:
+            v = conv(t)
+        except ValueError:
+            raise ConfigError(f"--{kind}: {t!r} is not a valid value") from None
+        if allowed is not None and v not in allowed:
+            raise ConfigError(f"--{kind}: unknown {t!r}; choose from {', '.join(map(str, allowed))}")
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
+    """``key=value`` strings -> overrides; grid keys are refused (they have their own options)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: write key=value, e.g. --set lr=0.05")
+        k, v = item.split("=", 1)
+        k = k.strip().replace("-", "_")
+        if k in GRID_KEYS:
+            raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
+                              "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
+        if k not in RunConfig.model_fields:
+            raise ConfigError(f"--set: unknown option {k!r}; known options: {', '.join(RunConfig.model_fields)}")
+        out[k] = parse_value(v.strip())
+    return out
+
+
+def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
+    """``param=v1,v2,...`` -> (name as given, RunConfig field, values)."""
+    if "=" not in spec:
+        raise ConfigError(f"--sweep {spec!r}: write param=v1,v2,..., e.g. --sweep lambda=0,0.5,1,2,4")
+    name, vals = spec.split("=", 1)
+    name = name.strip()
+    fld = SWEEP_ALIASES.get(name, name).replace("-", "_")
+    if fld in GRID_KEYS and fld != "rounds":
+        raise ConfigError(f"--sweep {name}: cannot sweep {fld!r}; use the grid options for it")
+    if fld not in RunConfig.model_fields:
+        raise ConfigError(f"--sweep: unknown parameter {name!r}; use lambda, shots or a run option name")
+    values = [parse_value(v.strip()) for v in vals.split(",") if v.strip()]
+    if not values:
+        raise ConfigError(f"--sweep {spec!r}: no values")
+    return name, fld, values
+
+
+# ------------------------------------------------------------------------------------------------
+# cells
+
+
+@dataclass
+class Cell:
+    """One run of the grid (or of a sweep: then ``param``/``value`` are set)."""
+
+    dataset: str
+    ways: int
+    method: str
+    seed: int
+    cfg: RunConfig
+    name: str
+    param: str | None = None
+    value: Any = None
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    status: str  # done | skipped | failed
+    summary: dict | None = None
+    message: str = ""
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def default_rounds(dataset: str, method: str) -> int:
+    """Tab. 1's rounds of ``method`` on ``dataset``; the dataset default (FedProto's rounds) for
+    Local (0 rounds: no communication) and for datasets outside the paper."""
+    r = paper.rounds(dataset, method)
+    return r if r else DATASETS[dataset][2]
+
+
+def model_for(dataset: str, method: str) -> str:
+    table = MH_MODELS if method in HETEROGENEOUS else MODELS
+    return table.get(dataset, "cnn-mh" if method in HETEROGENEOUS else "cnn")
+
+
+def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path, name: str,
+                rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None) -> RunConfig:
+    """The RunConfig of one cell: paper stdev < ``sets`` < the grid's own keys (raises ConfigError)."""
+    over: dict[str, Any] = {}
+    if dataset in paper.MAIN_STDEV:
+        over["stdev"] = paper.MAIN_STDEV[dataset]
+    over.update(sets or {})
+    over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model_for(dataset, method), seed=seed,
+                data_dir=data_dir, out_dir=str(runs_dir), name=name)
+    if "rounds" not in over:
+        over["rounds"] = rounds if rounds is not None else default_rounds(dataset, method)
+    try:
+        return build_config(None, over)
+    except ConfigError as e:
+        raise ConfigError(f"cell {name}: {e}") from None
+
+
+def cell_name(dataset: str, ways: int, method: str, seed: int, param: str | None = None, value: Any = None) -> str:
+    base = f"{dataset}-n{ways}-{method}-s{seed}"
+    return base if param is None else f"{base}-{param}{value}"
+
+
+def plan_grid(out: Path, datasets: Sequence[str], ways: Sequence[int], methods: Sequence[str], seeds: Sequence[int],
+              rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None) -> list[Cell]:
+    """All cells of the grid, configurations validated up front (ConfigError before any training)."""
+    runs = Path(out) / "runs"
+    cells = []
+    for ds in datasets:
+        for n in ways:
+            for m in methods:
+                for s in seeds:
+                    name = cell_name(ds, n, m, s)
+                    cells.append(Cell(ds, n, m, s, cell_config(ds, n, m, s, runs, name, rounds, sets, data_dir), name))
+    return cells
+
+
+def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, ways: int, methods: Sequence[str],
+               seeds: Sequence[int], rounds: int | None = None, sets: dict | None = None,
+               data_dir: str | None = None) -> list[Cell]:
+    """Cells of a one-parameter sweep (values × methods × seeds), validated up front."""
+    runs = Path(out) / "runs"
+    cells = []
+    for v in values:
+        for m in methods:
+            for s in seeds:
+                name = cell_name(dataset, ways, m, s, param, v)
+                cells.append(Cell(dataset, ways, m, s,
+                                  cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v},
+                                              data_dir), name, param, v))
+    return cells
+
+
+def _comparable(cfg: dict, like: dict | None = None) -> dict:
+    """The result-relevant RunConfig fields of a config dict. With ``like`` (the stored
+    config.json), fields stored there as a dict (run directories written before the partition
+    summary moved to ``partition_summary``) are left out of the comparison."""
+    out = {k: v for k, v in _clean(cfg).items() if k in RunConfig.model_fields and k not in MATCH_IGNORED}
+    ref = like if like is not None else out
+    return {k: v for k, v in out.items() if not isinstance(ref.get(k), dict)}
+
+
+def finished(cell: Cell) -> dict | None:
+    """The cell's summary when its run directory holds a finished run of the same configuration."""
+    d = Path(cell.cfg.out_dir) / cell.name
+    s, c = d / "summary.json", d / "config.json"
+    if not (s.is_file() and c.is_file()):
+        return None
+    try:
+        stored = json.loads(c.read_text())
+        summary = json.loads(s.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return summary if _comparable(stored) == _comparable(cell.cfg.model_dump(), stored) else None
+
+
+def run_cell(cell: Cell, progress: bool = False) -> CellResult:
+    """Run (or skip) one cell; FedprotoError -> a failed result (other exceptions propagate)."""
+    from fedproto.plots import save_embeddings
+    from fedproto.simulation import Simulation
+
+    summary = finished(cell)
+    if summary is not None:
+        return CellResult(cell, "skipped", summary)
+    d = Path(cell.cfg.out_dir) / cell.name
+    (d / "summary.json").unlink(missing_ok=True)  # a stale summary must never mark a rerun finished
+    t0 = time.perf_counter()
+    try:
+        sim = Simulation(cell.cfg, out=d, progress=progress)
+        summary = sim.run()
+        save_embeddings(sim, d)
+    except FedprotoError as e:
+        return CellResult(cell, "failed", None, str(e), time.perf_counter() - t0)
+    return CellResult(cell, "done", summary, "", time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------------------------
+# aggregation
+
+
+def _acc(summary: dict | None, key: str) -> tuple[float, float]:
+    a = ((summary or {}).get("accuracy") or {}).get(key) or {}
+    m, s = a.get("mean"), a.get("std")
+    return (float("nan") if m is None else float(m), float("nan") if s is None else float(s))
+
+
+def seed_stats(pairs: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Combine per-seed (mean over clients, std over clients).
+
+    Rule: ``mean`` = mean over seeds of the per-seed means; ``std_clients`` = per-seed std over
+    clients, averaged over seeds; ``std_seeds`` = sample std (ddof 1) of the per-seed means (NaN for
+    one seed). Seeds without a value (NaN) are left out.
+    """
+    ok = [(m, s) for m, s in pairs if m == m]
+    if not ok:
+        return {"mean": float("nan"), "std_clients": float("nan"), "std_seeds": float("nan"), "n": 0}
+    ms = np.asarray([m for m, _ in ok])
+    ss = np.asarray([s for _, s in ok if s == s])
+    return {
+        "mean": float(ms.mean()),
+        "std_clients": float(ss.mean()) if len(ss) else float("nan"),
+        "std_seeds": float(ms.std(ddof=1)) if len(ms) > 1 else float("nan"),
+        "n": len(ok),
+    }
+
+
+def proto_mse(run_dir: str | Path) -> float:
+    """Prototype loss on the test embeddings of a finished run: per client, the mean squared error
+    (official form, mean over samples and dimensions) between each embedding and the global
+    prototype of its class, over samples whose class has one; then the mean over clients. NaN
+    when the run has no prototypes. Unlike the training ``loss_proto`` (0 when λ = 0), it is
+    defined for every λ, so fig. 4's curve can start at λ = 0."""
+    d = Path(run_dir)
+    ef, pf = d / "embeddings.npz", d / "prototypes.npz"
+    if not (ef.is_file() and pf.is_file()):
+        return float("nan")
+    e, p = np.load(ef), np.load(pf)
+    if len(p["classes"]) == 0:
+        return float("nan")
+    table = {int(c): v for c, v in zip(p["classes"], p["protos"])}
+    per_client = []
+    for c in np.unique(e["client"]):
+        m = (e["client"] == c) & np.isin(e["y"], list(table))
+        if not m.any():
+            continue
+        target = np.stack([table[int(k)] for k in e["y"][m]])
+        per_client.append(float(((e["h"][m] - target) ** 2).mean()))
+    return float(np.mean(per_client)) if per_client else float("nan")
+
+
+def _last_loss_proto(run_dir: Path) -> float:
+    from fedproto.results import read_metrics
+
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return float("nan")
+    rows = read_metrics(f)
+    v = rows[-1].get("loss_proto") if rows else None
+    return float("nan") if v is None else float(v)
+
+
+def short(message: str, limit: int = 240) -> str:
+    """First line of an error message, cut to ``limit`` characters (full text: status.json)."""
+    line = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _pm(m: float, s: float) -> str:
+    if m != m:
+        return "–"
+    return f"{m:.2f} ± {s:.2f}" if s == s else f"{m:.2f}"
+
+
+def _ordered(values: Sequence, order: Sequence) -> list:
+    seen = list(dict.fromkeys(values))
+    return [v for v in order if v in seen] + [v for v in seen if v not in order]
+
+
+def table_rows(results: Sequence[CellResult]) -> list[dict]:
+    """One row per (dataset, stdev, method, ways): our seed-combined accuracies (%), the paper's,
+    rounds and parameters per round."""
+    groups: dict[tuple, list[CellResult]] = {}
+    for r in results:
+        c = r.cell
+        groups.setdefault((c.dataset, c.cfg.stdev, c.method, c.ways), []).append(r)
+    rows = []
+    for (ds, sd, method, n), rs in groups.items():
+        ok = [r for r in rs if r.status in ("done", "skipped") and r.summary]
+        failed = [r for r in rs if r.status == "failed"]
+        acc = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc")) for r in ok])
+        accp = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_proto")) for r in ok])
+        pp = paper.accuracy(ds, sd, method, n)
+        up = [r.summary["params_per_round"]["up"] for r in ok if r.summary.get("params_per_round")]
+        rows.append({
+            "dataset": ds, "stdev": sd, "method": method, "algorithm": rs[0].cell.cfg.algorithm,
+            "model": rs[0].cell.cfg.model, "ways": n, "seeds": acc["n"] if ok else 0, "failed": len(failed),
+            "acc_mean": acc["mean"], "acc_std_clients": acc["std_clients"], "acc_std_seeds": acc["std_seeds"],
+            "acc_proto_mean": accp["mean"], "acc_proto_std_clients": accp["std_clients"],
+            "acc_proto_std_seeds": accp["std_seeds"],
+            "paper_mean": pp[0] if pp else float("nan"), "paper_std": pp[1] if pp else float("nan"),
+            "rounds": rs[0].cell.cfg.rounds, "paper_rounds": paper.rounds(ds, method),
+            "params_up_per_round": float(np.mean(up)) if up else float("nan"),
+            "paper_params_k": paper.params_k(ds, method),
+            "message": "; ".join(f"{r.cell.name}: {short(r.message)}" for r in failed),
+            "failed_cells": [(r.cell.name, r.message) for r in failed],
+        })
+    return rows
+
+
+CAPTION = (
+    "Accuracy in % on each client's own test classes (test split), after the last round, as "
+    "mean ± std over clients (each client once). **Ours** is the classifier (argmax of the client's "
+    "head); nearest-prototype accuracy (eq. 4) is in the second table and in table.csv. With several "
+    "seeds: the mean over seeds of the per-seed client means ± the per-seed std over clients averaged "
+    "over seeds; `[±x, s seeds]` is the sample std (ddof 1) of the per-seed means. **Paper**: tab. 1 "
+    "(main stdev) or appendix tab. 2–4 (second stdev), 20 clients; n.a. where the paper has no such "
+    "setting. Rounds: ours / paper (tab. 1; Local: 0 rounds, no communication). Params: parameters sent "
+    "up per round summed over clients, ×10³, ours / paper (tab. 1)."
+)
+
+
+def _ours_cell(row: dict, key: str = "acc") -> str:
+    if row["seeds"] == 0:
+        return "failed" if row["failed"] else "–"
+    s = _pm(row[f"{key}_mean"], row[f"{key}_std_clients"])
+    if row["seeds"] > 1 and row[f"{key}_std_seeds"] == row[f"{key}_std_seeds"]:
+        s += f" [±{row[f'{key}_std_seeds']:.2f}, {row['seeds']} seeds]"
+    if row["failed"]:
+        s += f" ({row['failed']} failed)"
+    return s
+
+
+def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(METHODS)) -> str:
+    """The side-by-side table (one block per dataset and stdev)."""
+    out = ["# FedProto reproduction vs the paper", "", CAPTION, ""]
+    blocks: dict[tuple, list[dict]] = {}
+    for r in rows:
+        blocks.setdefault((r["dataset"], r["stdev"]), []).append(r)
+    proto_lines: list[str] = []
+    failures: dict[str, list[str]] = {}
+    for (ds, sd), rs in blocks.items():
+        ways = sorted({r["ways"] for r in rs})
+        by = {(r["method"], r["ways"]): r for r in rs}
+        methods = _ordered([r["method"] for r in rs], methods_order)
+        out += [f"## {ds} (stdev {sd})", ""]
+        head = ["method"] + [f"n={n} {w}" for n in ways for w in ("ours", "paper")] + [
+            "rounds ours / paper", "params ×10³ ours / paper"]
+        out += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["--:"] * (len(head) - 1)) + "|"]
+        for m in methods:
+            cells = [m]
+            rounds, params = [], []
+            for n in ways:
+                r = by.get((m, n))
+                if r is None:
+                    cells += ["–", "–"]
+                    continue
+                cells.append(_ours_cell(r))
+                cells.append(_pm(r["paper_mean"], r["paper_std"]) if r["paper_mean"] == r["paper_mean"] else "n.a.")
+                rounds.append(r["rounds"])
+                if r["params_up_per_round"] == r["params_up_per_round"]:
+                    params.append(r["params_up_per_round"] / 1e3)
+                for name, msg in r.get("failed_cells", []):
+                    failures.setdefault(short(msg), []).append(name)
+            any_r = next(r for r in rs if r["method"] == m)
+            pr = any_r["paper_rounds"]
+            pk = any_r["paper_params_k"]
+            ours_r = (f"{min(rounds)}–{max(rounds)}" if rounds and min(rounds) != max(rounds)
+                      else (str(rounds[0]) if rounds else "–"))
+            if params and f"{min(params):.1f}" != f"{max(params):.1f}":
+                ours_p = f"{min(params):.1f}–{max(params):.1f}"
+            else:
+                ours_p = f"{params[0]:.1f}" if params else "–"
+            cells.append(f"{ours_r} / {pr if pr is not None else 'n.a.'}")
+            cells.append(f"{ours_p} / {('%g' % pk) if pk is not None else 'n.a.'}")
+            out.append("| " + " | ".join(cells) + " |")
+            for n in ways:
+                r = by.get((m, n))
+                if r is not None and r["acc_proto_mean"] == r["acc_proto_mean"]:
+                    proto_lines.append(f"| {ds} (stdev {sd}) | {m} | {n} | {_ours_cell(r, 'acc_proto')} | "
+                                       f"{_ours_cell(r)} |")
+        out.append("")
+    if proto_lines:
+        out += ["## Nearest-prototype accuracy (eq. 4)", "",
+                "Same runs and aggregation rule; classifier accuracy repeated for comparison.", "",
+                "| dataset | method | n | nearest prototype | classifier |", "|---|---|--:|--:|--:|", *proto_lines, ""]
+    if failures:
+        out += ["## Failed cells", "", "First line of each error; full messages in status.json.", ""]
+        out += [f"- {', '.join(names)}: {msg}" for msg, names in failures.items()] + [""]
+    return "\n".join(out)
+
+
+def _csv_bytes(rows: Sequence[dict], fields: Sequence[str]) -> bytes:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if v is None or (isinstance(v, float) and math.isnan(v)) else
+                        (round(v, 4) if isinstance(v, float) else v)) for k, v in r.items()})
+    return buf.getvalue().encode()
+
+
+TABLE_FIELDS = ("dataset", "stdev", "method", "algorithm", "model", "ways", "seeds", "failed", "acc_mean",
+                "acc_std_clients", "acc_std_seeds", "acc_proto_mean", "acc_proto_std_clients", "acc_proto_std_seeds",
+                "paper_mean", "paper_std", "rounds", "paper_rounds", "params_up_per_round", "paper_params_k",
+                "message")
+
+
+def write_status(out: Path, results: Sequence[CellResult]) -> None:
+    atomic_write_json(Path(out) / "status.json", [
+        {"name": r.cell.name, "dataset": r.cell.dataset, "ways": r.cell.ways, "method": r.cell.method,
+         "seed": r.cell.seed, "param": r.cell.param, "value": r.cell.value, "status": r.status,
+         "message": r.message, "wall_s": r.wall_s}
+        for r in results
+    ])
+
+
+def write_table(out: Path, results: Sequence[CellResult], methods_order: Sequence[str] = tuple(METHODS)) -> list[dict]:
+    """Write ``table.md`` and ``table.csv`` (atomically); returns the rows."""
+    rows = table_rows(results)
+    atomic_write_bytes(Path(out) / "table.md", render_markdown(rows, methods_order).encode())
+    atomic_write_bytes(Path(out) / "table.csv", _csv_bytes(rows, TABLE_FIELDS))
+    return rows
+
+
+def describe(r: CellResult) -> str:
+    """One progress line for a finished cell."""
+    if r.status == "failed":
+        return f"[red]failed[/]: {escape(short(r.message))}"
+    m, s = _acc(r.summary, "acc")
+    txt = f"acc {_pm(100 * m, 100 * s)}"
+    mp, sp = _acc(r.summary, "acc_proto")
+    if mp == mp:
+        txt += f", proto {_pm(100 * mp, 100 * sp)}"
+    up = (r.summary.get("params_per_round") or {}).get("up")
+    if up is not None:
+        txt += f", up {up / 1e3:.1f}k/round"
+    if r.status == "skipped":
+        return f"[yellow]skipped[/] (finished earlier): {txt}"
+    return f"[green]done[/] in {r.wall_s:.1f} s: {txt}"
+
+
+def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[list], None] | None = None,
+              progress: bool = False) -> list[CellResult]:
+    """Run cells in order, print one line per cell, call ``after(results)`` after each."""
+    results: list[CellResult] = []
+    total = len(cells)
+    width = len(str(total))
+    try:
+        for i, cell in enumerate(cells, 1):
+            r = run_cell(cell, progress=progress)
+            results.append(r)
+            if console is not None:
+                console.print(f"{escape(f'[{i:>{width}}/{total}]')} {escape(cell.name)}  {describe(r)}",
+                              highlight=False, soft_wrap=True)
+            write_status(out, results)
+            if after:
+                after(results)
+    finally:
+        write_status(out, results)
+    return results
+
+
+def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: Sequence[int] = DEFAULT_WAYS,
+             methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEFAULT_SEEDS,
+             rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
+             console=None, progress: bool = False) -> list[CellResult]:
+    """Run the grid and write the tables; returns every cell's result."""
+    out = Path(out)
+    cells = plan_grid(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress)
+
+
+# ------------------------------------------------------------------------------------------------
+# sweeps
+
+SWEEP_FIELDS = ("param", "value", "method", "dataset", "ways", "seeds", "failed", "acc_mean", "acc_std",
+                "acc_std_seeds", "acc_proto_mean", "acc_proto_std", "loss_proto_train", "proto_mse_test", "rounds",
+                "params_up_per_round", "message")
+
+
+def sweep_rows(results: Sequence[CellResult]) -> list[dict]:
+    """One row per (method, value), seeds combined by :func:`seed_stats` (accuracies in %)."""
+    groups: dict[tuple, list[CellResult]] = {}
+    for r in results:
+        groups.setdefault((r.cell.method, json.dumps(r.cell.value)), []).append(r)
+    rows = []
+    for (method, _), rs in groups.items():
+        ok = [r for r in rs if r.status in ("done", "skipped") and r.summary]
+        acc = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc")) for r in ok])
+        accp = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_proto")) for r in ok])
+        d = [Path(r.cell.cfg.out_dir) / r.cell.name for r in ok]
+        lp = [x for x in (_last_loss_proto(p) for p in d) if x == x]
+        pm = [x for x in (proto_mse(p) for p in d) if x == x]
+        up = [r.summary["params_per_round"]["up"] for r in ok if r.summary.get("params_per_round")]
+        c = rs[0].cell
+        rows.append({
+            "param": c.param, "value": c.value, "method": method, "dataset": c.dataset, "ways": c.ways,
+            "seeds": acc["n"], "failed": sum(r.status == "failed" for r in rs),
+            "acc_mean": acc["mean"], "acc_std": acc["std_clients"], "acc_std_seeds": acc["std_seeds"],
+            "acc_proto_mean": accp["mean"], "acc_proto_std": accp["std_clients"],
+            "loss_proto_train": float(np.mean(lp)) if lp else float("nan"),
+            "proto_mse_test": float(np.mean(pm)) if pm else float("nan"),
+            "rounds": c.cfg.rounds, "params_up_per_round": float(np.mean(up)) if up else float("nan"),
+            "message": "; ".join(f"{r.cell.name}: {short(r.message)}" for r in rs if r.status == "failed"),
+        })
+    return rows
+
+
+def write_sweep(out: Path, param: str, fld: str, results: Sequence[CellResult]) -> tuple[Path, Path]:
+    """``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig. 3 / fig. 4 style)."""
+    from fedproto.plots import plot_sweep
+
+    rows = sweep_rows(results)
+    csv_path = Path(out) / f"sweep_{param}.csv"
+    atomic_write_bytes(csv_path, _csv_bytes(rows, SWEEP_FIELDS))
+    c = results[0].cell if results else None
+    where = f"{c.dataset}, n={c.ways}, {c.cfg.clients} clients" if c else ""
+    is_lambda = fld == "lambda_proto"
+    label = {"lambda_proto": "λ", "shots": "samples per class k"}.get(fld, param)
+    fig = "fig. 4" if is_lambda else ("fig. 3" if fld == "shots" else "sweep")
+    png = plot_sweep(rows, "value", Path(out) / f"sweep_{param}.png", y="acc_mean", yerr="acc_std",
+                     y2="proto_mse_test" if is_lambda else None, group="method", xlabel=label,
+                     y2label="prototype loss (test MSE to global prototypes)" if is_lambda else None,
+                     title=f"{fig}: accuracy vs {label} ({where})", percent=False)
+    return csv_path, png
+
+
+def run_sweep(out: str | Path, spec: str, dataset: str | None = None, ways: int | None = None,
+              methods: Sequence[str] | None = None, seeds: Sequence[int] = DEFAULT_SEEDS,
+              rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
+              console=None, progress: bool = False) -> tuple[list[CellResult], Path, Path]:
+    """Run a one-parameter sweep; dataset/ways/methods default to the paper figure's setting."""
+    out = Path(out)
+    param, fld, values = parse_sweep(spec)
+    d_ds, d_n, d_m = SWEEP_DEFAULTS.get(fld, ("mnist", 3, ("fedproto",)))
+    cells = plan_sweep(out, param, fld, values, dataset or d_ds, ways or d_n, list(methods or d_m), seeds, rounds,
+                       sets, data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_cells(cells, out, console, progress=progress)
+    csv_path, png = write_sweep(out, param, fld, results)
+    return results, csv_path, png

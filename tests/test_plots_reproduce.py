@@ -1,0 +1,190 @@
+"""Plots (`fedproto plot`), the paper's table as data, and `fedproto reproduce` (grid, resume, sweep)
+on the tiny sklearn digits set."""
+
+import csv
+import json
+import sys
+
+from fedproto import paper
+from fedproto.cli import main
+
+TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(args, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fedproto", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def sets(*extra):
+    out = []
+    for kv in (*TINY, *extra):
+        out += ["--set", kv]
+    return out
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG, path
+    assert len(data) > 1024, path
+
+
+# ------------------------------------------------------------------------------------------------
+# paper table
+
+
+def test_paper_table_spot_checks():
+    assert paper.accuracy("mnist", 2, "fedproto", 3) == (97.13, 0.30)
+    assert paper.accuracy("cifar10", 2, "fedper", 5) == (72.43, 4.55)  # printed "72,43" (tab. 4)
+    assert paper.accuracy("femnist", 1, "fedproto-mh", 3) == (97.10, 1.63)
+    assert paper.accuracy("mnist", 3, "fedproto-mh", 5) == (95.56, 0.31)
+    assert paper.accuracy("cifar10", 1, "local", 5) == (58.64, 6.57)
+    assert paper.accuracy("digits", 1, "fedproto", 3) is None
+    assert paper.rounds("femnist", "fedprox") == 300 and paper.rounds("mnist", "local") == 0
+    assert paper.params_k("cifar10", "fedproto") == 41 and paper.params_k("femnist", "fedavg") == 16000
+    # 3 datasets × 2 stdev levels × 8 methods × 3 ways
+    assert len(paper.ACCURACY) == 144
+    assert {m for (_, _, m, _) in paper.ACCURACY} == set(paper.METHODS)
+    assert len(paper.ROUNDS) == len(paper.PARAMS_K) == 24
+
+
+# ------------------------------------------------------------------------------------------------
+# run + plot
+
+
+def test_run_then_plot_writes_pngs(capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "--dataset", "digits", "--clients", "4", "--ways", "2", "--shots", "20",
+                          "--stdev", "1", "--test-shots", "8", "--rounds", "2", "--out-dir", str(tmp_path),
+                          "--name", "r", "-q"], capsys, monkeypatch)
+    assert code == 0, text
+    run = tmp_path / "r"
+    import numpy as np
+
+    e = np.load(run / "embeddings.npz")
+    assert e["h"].shape[0] == len(e["y"]) == len(e["client"]) > 0
+    assert set(e["client"].tolist()) == {0, 1, 2, 3}
+    code, text = run_cli(["plot", str(run)], capsys, monkeypatch)
+    assert code == 0, text
+    assert str(run / "curves.png") in text and str(run / "tsne.png") in text
+    assert_png(run / "curves.png")
+    assert_png(run / "tsne.png")
+
+
+def test_plot_missing_run_dir_exits_2(capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["plot", str(tmp_path / "nope")], capsys, monkeypatch)
+    assert code == 2 and "does not exist" in text and "Traceback" not in text
+
+
+# ------------------------------------------------------------------------------------------------
+# reproduce
+
+
+def test_reproduce_grid_table_and_resume(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "rep"
+    args = ["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto,fedavg", "--seeds", "7",
+            "--rounds", "2", "--out", str(out), *sets()]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    assert text.count(" done in ") == 2 and "2 run, 0 skipped, 0 failed" in text
+    for m in ("fedproto", "fedavg"):
+        assert (out / "runs" / f"digits-n2-{m}-s7" / "summary.json").is_file()
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [(r["dataset"], r["method"], r["ways"]) for r in rows] == [("digits", "fedproto", "2"),
+                                                                        ("digits", "fedavg", "2")]
+    for r in rows:
+        assert r["paper_mean"] == "" and r["seeds"] == "1" and r["rounds"] == "2"
+        assert 0 <= float(r["acc_mean"]) <= 100 and float(r["params_up_per_round"]) > 0
+    assert rows[0]["acc_proto_mean"] != "" and rows[1]["acc_proto_mean"] == ""
+    md = (out / "table.md").read_text()
+    assert "## digits (stdev 1)" in md and "| fedproto |" in md and "| fedavg |" in md
+    assert "n.a." in md and "mean over seeds" in md
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/summary.json")}
+
+    # same grid again: every cell is skipped, nothing is rerun, the table is rewritten the same
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    assert text.count("skipped (finished earlier)") == 2 and "0 run, 2 skipped" in text
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+    assert list(csv.DictReader((out / "table.csv").open())) == rows
+    status = json.loads((out / "status.json").read_text())
+    assert [s["status"] for s in status] == ["skipped", "skipped"]
+
+    # a changed option reruns the cells
+    code, text = run_cli([*args, "--set", "lr=0.02"], capsys, monkeypatch)
+    assert code == 0, text
+    assert "2 run, 0 skipped" in text
+
+
+def test_reproduce_failed_cell_is_recorded_and_grid_goes_on(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "rep"
+    # an impossible partition (40 clients × 2 ways × 100 shots from digits' ~126 images per class)
+    code, text = run_cli(["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto",
+                          "--rounds", "1", "--out", str(out), "--set", "clients=40", "--set", "shots=100",
+                          "--set", "stdev=0", "--set", "test_shots=8"], capsys, monkeypatch)
+    assert code == 0, text
+    assert "failed" in text and "1 failed" in text
+    status = json.loads((out / "status.json").read_text())
+    assert status[0]["status"] == "failed" and status[0]["message"]
+    md = (out / "table.md").read_text()
+    assert "| fedproto | failed |" in md and "## Failed cells" in md
+
+
+def test_reproduce_bad_options_exit_2(capsys, monkeypatch, tmp_path):
+    for extra, expect in ((["--methods", "fedfoo"], "unknown 'fedfoo'"),
+                          (["--set", "ways=3"], "set by the grid"),
+                          (["--set", "roundz=3"], "unknown option 'roundz'"),
+                          (["--set", "lr=-1"], "lr=-1")):
+        code, text = run_cli(["reproduce", "--datasets", "digits", "--out", str(tmp_path / "x"), *extra],
+                             capsys, monkeypatch)
+        assert code == 2 and expect in text and "Traceback" not in text, (extra, text)
+    assert not (tmp_path / "x").exists()  # nothing ran
+
+
+def test_reproduce_lambda_sweep(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "sw"
+    code, text = run_cli(["reproduce", "--sweep", "lambda=0,1", "--datasets", "digits", "--ways", "2",
+                          "--rounds", "2", "--out", str(out), *sets()], capsys, monkeypatch)
+    assert code == 0, text
+    rows = list(csv.DictReader((out / "sweep_lambda.csv").open()))
+    assert [(r["method"], float(r["value"])) for r in rows] == [("fedproto", 0.0), ("fedproto", 1.0)]
+    for r in rows:
+        assert 0 <= float(r["acc_mean"]) <= 100 and float(r["proto_mse_test"]) > 0
+    assert float(rows[0]["loss_proto_train"]) == 0.0  # λ = 0 trains without the prototype term
+    assert_png(out / "sweep_lambda.png")
+    conf = json.loads((out / "runs" / "digits-n2-fedproto-s1234-lambda1" / "config.json").read_text())
+    assert conf["lambda_proto"] == 1
+
+
+def test_plot_sweep_direct(tmp_path):
+    from fedproto.plots import plot_sweep
+
+    rows = [{"value": k, "method": m, "acc_mean": a, "acc_std": 0.02}
+            for m, base in (("fedproto", 0.9), ("fedavg", 0.85)) for k, a in ((10, base - 0.1), (50, base), (100, base + 0.02))]
+    assert_png(plot_sweep(rows, "value", tmp_path / "fig3.png", xlabel="k"))
+
+
+def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
+    from fedproto import reproduce as rp
+
+    cells = rp.plan_grid(tmp_path, ["mnist"], [3], ["fedproto"], [1, 2], sets={"stdev": 3})
+    assert [c.cfg.rounds for c in cells] == [100, 100] and cells[0].cfg.model == "cnn"
+    assert rp.plan_grid(tmp_path, ["cifar10"], [3], ["fedproto-mh"], [1])[0].cfg.model == "resnet18-mh"
+    assert rp.plan_grid(tmp_path, ["femnist"], [3], ["local"], [1])[0].cfg.rounds == 120  # Local: 0 rounds in tab. 1
+
+    def summary(m, s):
+        return {"accuracy": {"acc": {"mean": m, "std": s}}, "params_per_round": {"up": 3000.0}}
+
+    results = [rp.CellResult(cells[0], "done", summary(0.90, 0.02)), rp.CellResult(cells[1], "skipped", summary(0.94, 0.04))]
+    (row,) = rp.table_rows(results)
+    assert (row["paper_mean"], row["paper_std"]) == (96.71, 0.43)  # appendix tab. 2, stdev 3
+    assert abs(row["acc_mean"] - 92.0) < 1e-9 and abs(row["acc_std_clients"] - 3.0) < 1e-9
+    assert abs(row["acc_std_seeds"] - 2 * 2 ** 0.5) < 1e-9  # sample std of (90, 94)
+    assert row["seeds"] == 2 and row["rounds"] == 100 and row["paper_rounds"] == 100
+    assert "92.00 ± 3.00 [±2.83, 2 seeds]" in rp.render_markdown([row])
