@@ -6,8 +6,8 @@ Two execution paths share every definition in this module:
 * :func:`train_group` — clients of one CNN architecture trained as one batched computation:
   their weights are stacked along a client axis, convolutions become grouped convolutions over
   clients stacked on the channel axis (channels-last), linear layers become batched matmuls,
-  and SGD with momentum is applied per client with a mask, so a client whose data has run out
-  keeps its weights and momentum untouched.
+  and SGD with momentum is applied per client; clients whose data has run out leave the stacked
+  computation (compaction), so their weights and momentum stay untouched.
 
 Both draw their randomness (batch order, dropout masks and, with ``OptimConfig.augment``, the
 crop offsets and flips of :func:`augment_batch`) from the same per-client plan
@@ -305,6 +305,15 @@ def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise
     return logits, h
 
 
+@torch.no_grad()
+def _write_back(P, bufs, Pc, bufc, ids) -> None:
+    """Copy the compacted parameters and momentum of clients ``ids`` back into the full stacks."""
+    for k in P:
+        P[k][ids] = Pc[k].detach()
+    for k in bufs:
+        bufs[k][ids] = bufc[k]
+
+
 def train_group(
     models: Sequence[ProtoModel],
     xs: Sequence[torch.Tensor],
@@ -372,42 +381,55 @@ def train_group(
                 for g, pl in enumerate(plans):
                     t[: S[g], g] = pl.noise[pi][name]
                 noise[name] = t
-        active_all = torch.arange(Smax).unsqueeze(1) < torch.as_tensor(S).unsqueeze(0)  # (Smax, G)
         is_last_phase = pi == len(obj.phases) - 1
+        S_t = torch.as_tensor(S)
+        cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
         for s in range(Smax):
-            idx = order[s].reshape(-1)
-            xb = X[idx] if aug is None else augment_batch(X[idx], aug[s].reshape(-1, 3))
-            xb = xb.reshape(B, G * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
-            yb = Y[idx].reshape(B, G).t()
-            w = weight[s]
-            nz = {k: v[s] for k, v in noise.items()} if noise else None
-            logits, h = _grouped_forward(P, xb, G, nz, m0.pad)
+            act = torch.nonzero(S_t > s).flatten()
+            if cur is None or len(act) != len(cur):
+                # compaction: clients whose data ran out leave the batched computation, so their
+                # weights and momentum stay untouched and no compute is spent on padding
+                if cur is not None:
+                    _write_back(P, bufs, Pc, bufc, cur)
+                cur, Gc = act, len(act)
+                Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in _CNN_PARAMS}
+                bufc = {k: bufs[k][cur].clone() for k in train_names}
+                refc = {k: ref[k][cur] for k in train_names} if ref is not None else None
+                ids_C = (cur * C).unsqueeze(1)
+            idx = order[s][:, cur].reshape(-1)
+            xb = X[idx] if aug is None else augment_batch(X[idx], aug[s][:, cur].reshape(-1, 3))
+            xb = xb.reshape(B, Gc * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
+            yb = Y[idx].reshape(B, Gc).t()
+            w = weight[s][cur]
+            nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
+            logits, h = _grouped_forward(Pc, xb, Gc, nz, m0.pad)
             ce, lp = _step_terms(logits, h, yb, w, obj)
             loss_g = ce + obj.lambda_proto * lp
-            if ref is not None:
+            if refc is not None:
                 for k in train_names:
-                    loss_g = loss_g + 0.5 * obj.prox_mu * ((P[k] - ref[k]) ** 2).flatten(1).sum(1)
-            grads = torch.autograd.grad(loss_g.sum(), [P[k] for k in train_names])
-            act = active_all[s]
+                    loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
+            plist = [Pc[k] for k in train_names]
+            grads = list(torch.autograd.grad(loss_g.sum(), plist))
             with torch.no_grad():
-                for k, gr in zip(train_names, grads):
-                    a = act.view(G, *([1] * (gr.dim() - 1))).to(gr.dtype)
-                    if opt.weight_decay:
-                        gr = gr + opt.weight_decay * P[k]
-                    buf = bufs[k]
-                    if opt.momentum:
-                        buf.mul_(1 - a * (1 - opt.momentum)).add_(gr * a)
-                    else:
-                        buf.copy_(gr * a)
-                    P[k].sub_(opt.lr * buf * a)
-                ce_tot += ce.detach() * act
-                lp_tot += lp.detach() * act
-                nsteps += act
+                blist = [bufc[k] for k in train_names]
+                if opt.weight_decay:
+                    torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
+                if opt.momentum:
+                    torch._foreach_mul_(blist, opt.momentum)
+                    torch._foreach_add_(blist, grads)
+                else:
+                    torch._foreach_copy_(blist, grads)
+                torch._foreach_add_(plist, blist, alpha=-opt.lr)
+                ce_tot.index_add_(0, cur, ce.detach())
+                lp_tot.index_add_(0, cur, lp.detach())
+                nsteps[cur] += 1
                 if obj.collect and is_last_phase:
-                    sel = (last[s] & act).to(h.dtype).unsqueeze(1) * w  # (G, B)
-                    flat = (yb + torch.arange(G).unsqueeze(1) * C).reshape(-1)
+                    sel = last[s][cur].to(h.dtype).unsqueeze(1) * w  # (Gc, B)
+                    flat = (yb + ids_C).reshape(-1)
                     sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
                     counts.index_add_(0, flat, sel.reshape(-1).long())
+        if cur is not None:
+            _write_back(P, bufs, Pc, bufc, cur)
     with torch.no_grad():
         for g, m in enumerate(models):
             named = dict(m.named_parameters())
