@@ -74,6 +74,7 @@ def run(
     rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round  [default: 9]"),
     fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K  [default: 3]"),
     execution: Optional[str] = typer.Option(None, help="auto | sequential | batched  [default: auto]"),
+    group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation  [default: 128]"),
     eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last)  [default: 10]"),
     seed: Optional[int] = typer.Option(None, help="Seed  [default: 1234]"),
     out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories  [default: runs]"),

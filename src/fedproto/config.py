@@ -81,6 +81,7 @@ class RunConfig(BaseModel):
     fesem_clusters: int = Field(3, ge=1)  # FeSEM K (arXiv 2005.01026)
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = "auto"
+    group_size: int = Field(128, ge=1)  # most clients trained as one batched computation
     eval_every: int = Field(10, ge=0)
     seed: int = 1234
     out_dir: str = "runs"

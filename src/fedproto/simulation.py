@@ -140,7 +140,10 @@ class Simulation:
         for key, members in by_arch.items():
             models = [self.setup.states[i].model for i in members]
             if len(members) > 1 and can_batch(models):
-                groups.append(members)
+                # chunks: a very wide stack (thousands of clients) outgrows the caches; clients are
+                # independent, so chunking changes no number
+                n = self.cfg.group_size
+                groups.extend(members[i : i + n] for i in range(0, len(members), n))
             else:
                 groups.extend([[i] for i in members])
         return groups
