@@ -176,6 +176,9 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     cells = rp.plan_grid(tmp_path, ["mnist"], [3], ["fedproto"], [1, 2], sets={"stdev": 3})
     assert [c.cfg.rounds for c in cells] == [100, 100] and cells[0].cfg.model == "cnn"
     assert rp.plan_grid(tmp_path, ["cifar10"], [3], ["fedproto-mh"], [1])[0].cfg.model == "resnet18-mh"
+    # --set model=cnn swaps the model family for every method (the -mh variant for fedproto-mh)
+    swapped = rp.plan_grid(tmp_path, ["cifar10"], [3], ["fedavg", "fedproto-mh"], [1], sets={"model": "cnn"})
+    assert [c.cfg.model for c in swapped] == ["cnn", "cnn-mh"]
     assert rp.plan_grid(tmp_path, ["femnist"], [3], ["local"], [1])[0].cfg.rounds == 120  # Local: 0 rounds in tab. 1
 
     def summary(m, s):

@@ -77,7 +77,7 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
     "lambda_proto": ("femnist", 3, ("fedproto",)),  # fig. 4
     "shots": ("mnist", 3, ("fedproto", "fedavg")),  # fig. 3
 }
-GRID_KEYS = ("dataset", "ways", "algorithm", "model", "seed", "rounds", "name", "out_dir", "data_dir")
+GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
 MATCH_IGNORED = ("data_dir", "download", "out_dir", "name", "threads")
 """Config fields that do not change results and are ignored when deciding whether to skip a cell."""
@@ -196,8 +196,13 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
     over: dict[str, Any] = {}
     if dataset in paper.MAIN_STDEV:
         over["stdev"] = paper.MAIN_STDEV[dataset]
-    over.update(sets or {})
-    over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model_for(dataset, method), seed=seed,
+    sets = dict(sets or {})
+    model = model_for(dataset, method)
+    if "model" in sets:  # --set model=cnn: that family for every method, its "-mh" variant for fedproto-mh
+        base = str(sets.pop("model"))
+        model = f"{base}-mh" if method in HETEROGENEOUS and not base.endswith("-mh") else base
+    over.update(sets)
+    over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model, seed=seed,
                 data_dir=data_dir, out_dir=str(runs_dir), name=name)
     if "rounds" not in over:
         over["rounds"] = rounds if rounds is not None else default_rounds(dataset, method)
