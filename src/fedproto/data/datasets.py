@@ -327,7 +327,8 @@ def _to_images(x: np.ndarray, shape: tuple[int, int, int]) -> torch.Tensor:
 
 def _how_to_point(name: str) -> str:
     return (
-        f"pass root=<folder> (files in <folder>/{name}/) or set {DATA_ENV}=<folder>"
+        f"pass --data-dir <folder> (Python: root=<folder>; files in <folder>/{name}/) "
+        f"or set {DATA_ENV}=<folder>"
     )
 
 
@@ -375,7 +376,7 @@ def _load_mnist(root: str | Path | None, download: bool, progress: bool) -> Data
         target = _download_root(root) / "mnist"
         if not download:
             raise DataError(
-                f"{missing}\nTo fix it: {_how_to_point('mnist')}, or call with download=True "
+                f"{missing}\nTo fix it: {_how_to_point('mnist')}, or allow downloading (--download; Python: download=True) "
                 f"on a machine with internet access (files go to {target})."
             )
         try:
@@ -443,7 +444,8 @@ def _read_idx(path: Path, expected_dims: tuple[int | None, ...], md5: str) -> np
     Returns a read-only uint8 array of the header's dimensions.
     """
     fix = (
-        "Delete it and load again with download=True to re-download it, "
+        "Delete it and run again with downloading allowed (--download; Python: download=True) to "
+        "re-download it, "
         "or replace it with a good copy."
     )
     try:
@@ -759,7 +761,7 @@ def _load_cifar10(root: str | Path | None, download: bool, progress: bool) -> Da
         target = _download_root(root) / "cifar10" / _CIFAR10_ARCHIVE
         if not download:
             raise DataError(
-                f"{missing}\nTo fix it: {_how_to_point('cifar10')}, or call with download=True "
+                f"{missing}\nTo fix it: {_how_to_point('cifar10')}, or allow downloading (--download; Python: download=True) "
                 f"on a machine with internet access (the archive goes to {target})."
             )
         try:
@@ -805,7 +807,7 @@ def _read_cifar10(source: Path) -> Dataset:
                         parse(base, f, f"{source}:{info.name}")
         except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             raise DataError(
-                f"Cannot read {source}: {exc}. Delete it and load again with download=True, "
+                f"Cannot read {source}: {exc}. Delete it and run again with downloading allowed (--download; Python: download=True), "
                 "or replace it with a good copy."
             ) from exc
         absent = [m for m in _CIFAR10_MEMBERS if m not in batches]
