@@ -31,6 +31,9 @@ def run_cli(args, capsys, monkeypatch):
         (["--rounds", "0"], "rounds=0"),
         (["--distance", "cosine"], "distance='cosine'"),
         (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
+        (["--model", "foo", "--data-dir", "/nonexistent", "--no-download"], "unknown model 'foo'"),
+        (["--bogus"], "No such option: --bogus"),
+        (["--clients", "abc"], "Invalid value for '--clients'"),
     ],
 )
 def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_path):
@@ -39,6 +42,17 @@ def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_
     assert expect in text
     assert "Traceback" not in text
     assert not any(tmp_path.iterdir())  # nothing written before validation passed
+
+
+def test_usage_errors_exit_2(capsys, monkeypatch):
+    code, text = run_cli(["plot"], capsys, monkeypatch)
+    assert code == 2 and "Missing argument" in text and "Traceback" not in text
+
+
+def test_help_shows_defaults(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, text = run_cli(["run", "--help"], capsys, monkeypatch)
+    assert code == 0 and "(default: mnist)" in text and "(default: 1234)" in text
 
 
 def test_bad_toml_and_unknown_key(capsys, monkeypatch, tmp_path):

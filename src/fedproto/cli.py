@@ -20,7 +20,7 @@ from rich.table import Table
 from fedproto.config import build_config
 from fedproto.errors import FedprotoError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated prototype learning (FedProto, arXiv 2105.00243).")
 err_console = Console(stderr=True)
 console = Console()
@@ -42,44 +42,44 @@ def _pct(x) -> str:
 @app.command()
 def run(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML file with run options (flags override it)."),
-    dataset: Optional[str] = typer.Option(None, help="mnist | femnist | cifar10 | digits  [default: mnist]"),
+    dataset: Optional[str] = typer.Option(None, help="mnist | femnist | cifar10 | digits (default: mnist)"),
     data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files (else $FEDPROTO_DATA, else the user cache)."),
-    download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums)  [default: download]"),
-    clients: Optional[int] = typer.Option(None, help="Number of clients m  [default: 20]"),
-    ways: Optional[int] = typer.Option(None, help="Average classes per client n  [default: 3]"),
-    shots: Optional[int] = typer.Option(None, help="Average training samples per class k  [default: 100]"),
-    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients  [default: MNIST 2, FEMNIST/CIFAR-10 1 (tab. 1)]"),
-    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client  [default: 40; FEMNIST 3]"),
-    noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper)  [default: uniform]"),
-    partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer)  [default: fewshot]"),
-    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10)  [default: off]"),
-    algorithm: Optional[str] = typer.Option(None, help="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem  [default: fedproto]"),
-    model: Optional[str] = typer.Option(None, help="cnn | cnn-mh | resnet18 | resnet18-mh | projcnn:<c1>-<c2>[,...]  [default: cnn]"),
+    download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums) (default: download)"),
+    clients: Optional[int] = typer.Option(None, help="Number of clients m (default: 20)"),
+    ways: Optional[int] = typer.Option(None, help="Average classes per client n (default: 3)"),
+    shots: Optional[int] = typer.Option(None, help="Average training samples per class k (default: 100; digits 10)"),
+    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients (default: MNIST 2, FEMNIST/CIFAR-10 1 (tab. 1))"),
+    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client (default: 40; FEMNIST 3)"),
+    noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper) (default: uniform)"),
+    partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer) (default: fewshot)"),
+    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10) (default: off)"),
+    algorithm: Optional[str] = typer.Option(None, help="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem (default: fedproto)"),
+    model: Optional[str] = typer.Option(None, help="cnn | cnn-mh | resnet18 | resnet18-mh | projcnn:<c1>-<c2>[,...] (default: cnn)"),
     pretrained: Optional[str] = typer.Option(None, help="ResNet18 state dict file (torchvision layout) loaded into all but conv1, bn1, fc"),
-    embedding_dim: Optional[int] = typer.Option(None, help="Embedding (prototype) size d  [default: 50]"),
-    dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN  [default: 0.5]"),
-    rounds: Optional[int] = typer.Option(None, help="Communication rounds  [default: 100]"),
-    local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round  [default: 1]"),
-    batch_size: Optional[int] = typer.Option(None, help="Local batch size  [default: 8, paper app. A]"),
-    lr: Optional[float] = typer.Option(None, help="SGD learning rate  [default: 0.01]"),
-    momentum: Optional[float] = typer.Option(None, help="SGD momentum  [default: 0.5]"),
-    weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay  [default: 0]"),
-    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code)  [default: keep]"),
-    lambda_proto: Optional[float] = typer.Option(None, "--lambda-proto", "--lambda", help="λ  [default: 1 MNIST/FEMNIST, 0.1 CIFAR-10]"),
-    distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text)  [default: mse]"),
-    proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3)  [default: last_epoch]"),
-    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median  [default: mean]"),
-    proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes  [default: own]"),
-    prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu  [default: 0.01]"),
-    rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round  [default: 9]"),
-    fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K  [default: 3]"),
-    execution: Optional[str] = typer.Option(None, help="auto | sequential | batched  [default: auto]"),
-    group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation  [default: 128]"),
-    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last)  [default: 10]"),
-    seed: Optional[int] = typer.Option(None, help="Seed  [default: 1234]"),
-    out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories  [default: runs]"),
-    name: Optional[str] = typer.Option(None, help="Run directory name  [default: derived from the config]"),
-    threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default)  [default: 0]"),
+    embedding_dim: Optional[int] = typer.Option(None, help="Embedding (prototype) size d (default: 50)"),
+    dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN (default: 0.5)"),
+    rounds: Optional[int] = typer.Option(None, help="Communication rounds (default: 100)"),
+    local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round (default: 1)"),
+    batch_size: Optional[int] = typer.Option(None, help="Local batch size (default: 8, paper app. A)"),
+    lr: Optional[float] = typer.Option(None, help="SGD learning rate (default: 0.01)"),
+    momentum: Optional[float] = typer.Option(None, help="SGD momentum (default: 0.5)"),
+    weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay (default: 0)"),
+    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code) (default: keep)"),
+    lambda_proto: Optional[float] = typer.Option(None, "--lambda-proto", "--lambda", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
+    distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text) (default: mse)"),
+    proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3) (default: last_epoch)"),
+    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median (default: mean)"),
+    proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes (default: own)"),
+    prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu (default: 0.01)"),
+    rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round (default: 9)"),
+    fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K (default: 3)"),
+    execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),
+    group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation (default: 128)"),
+    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last) (default: 10)"),
+    seed: Optional[int] = typer.Option(None, help="Seed (default: 1234)"),
+    out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
+    name: Optional[str] = typer.Option(None, help="Run directory name (default: derived from the config)"),
+    threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default) (default: 0)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Train with the in-process simulator and write a run directory."""
@@ -144,13 +144,13 @@ def plot(
 
 @app.command()
 def reproduce(
-    datasets: Optional[str] = typer.Option(None, help="Comma list  [default: mnist,femnist,cifar10; "
-                                                      "a sweep: its figure's dataset]"),
-    ways: Optional[str] = typer.Option(None, help="Comma list of n  [default: 3,4,5; a sweep: 3]"),
+    datasets: Optional[str] = typer.Option(None, help="Comma list (default: mnist,femnist,cifar10; "
+                                                      "a sweep: its figure's dataset)"),
+    ways: Optional[str] = typer.Option(None, help="Comma list of n (default: 3,4,5; a sweep: 3)"),
     methods: Optional[str] = typer.Option(None, help="Comma list of local, fesem, fedprox, fedper, fedavg, fedrep, "
-                                                     "fedproto, fedproto-mh  [default: all; a sweep: its figure's]"),
+                                                     "fedproto, fedproto-mh (default: all; a sweep: its figure's)"),
     seeds: str = typer.Option("1234", help="Comma list of seeds."),
-    rounds: Optional[int] = typer.Option(None, help="Rounds for every cell  [default: the paper's (tab. 1)]"),
+    rounds: Optional[int] = typer.Option(None, help="Rounds for every cell (default: the paper's (tab. 1))"),
     out: Path = typer.Option(Path("reproduce"), "--out", help="Output folder (run directories under OUT/runs)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="key=value override of any run option "
                                                                 "(repeatable), e.g. --set threads=8"),
@@ -184,28 +184,14 @@ def reproduce(
 
 
 def main() -> None:
-    """Console entry point: run the app, map FedprotoError to exit code 2."""
+    """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
+    message on stderr and exit code 2, no traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(standalone_mode=False)
+        app()
     except FedprotoError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
-    except (typer.Exit, SystemExit) as e:
-        code = getattr(e, "exit_code", getattr(e, "code", 0))
-        sys.exit(code or 0)
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
-    except Exception as e:  # click usage errors in standalone_mode=False
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2)
-        if isinstance(e, click.exceptions.Abort):
-            sys.exit(130)
-        raise
 
 
 if __name__ == "__main__":

@@ -103,7 +103,18 @@ def build_client_models(
 
 
 def check_model_name(name: str) -> None:
-    """Validate a model name without building (raises :class:`ModelError`)."""
-    build_client_models(name, 1, 1, 2, 28, 4, 0.0)
+    """Validate a model name without building any model (raises :class:`ModelError`)."""
+    specs = [s.strip() for s in name.split(",") if s.strip()]
+    if not specs:
+        raise ModelError("empty model name; known: " + ", ".join(MODEL_NAMES))
+    for spec in specs:
+        if spec in ("cnn", "cnn-mh", "resnet18", "resnet18-mh"):
+            continue
+        if spec.startswith("projcnn:"):
+            parts = spec.split(":", 1)[1].split("-")
+            if parts and all(p.isdigit() and int(p) > 0 for p in parts):
+                continue
+            raise ModelError(f"bad model spec {spec!r}: write projcnn:<channels>-<channels>, e.g. projcnn:32-64")
+        raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
 
 
