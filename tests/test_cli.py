@@ -33,6 +33,10 @@ def run_cli(args, capsys, monkeypatch):
         (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
         (["--model", "foo", "--data-dir", "/nonexistent", "--no-download"], "unknown model 'foo'"),
         (["--bogus"], "No such option: --bogus"),
+        (["--lr", "inf"], "lr=inf: Input should be a finite number"),
+        (["--seed", "-1"], "seed=-1"),
+        (["--threads", "100000"], "threads=100000"),
+        (["--name", "../escape"], "is not a plain folder name"),
         (["--clients", "abc"], "Invalid value for '--clients'"),
     ],
 )
@@ -102,3 +106,31 @@ def test_toml_config_and_flag_override(capsys, monkeypatch, tmp_path):
 
     conf = json.loads((tmp_path / "runs" / "t" / "config.json").read_text())
     assert conf["rounds"] == 2 and conf["clients"] == 4 and conf["dataset"] == "digits"
+
+
+def test_unwritable_out_dir_and_drop_last_without_batches(capsys, monkeypatch, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, text = run_cli(["run", "--dataset", "digits", "--rounds", "1", "--out-dir", str(afile)], capsys, monkeypatch)
+    assert code == 2 and "cannot write the run directory" in text and "Traceback" not in text
+    code, text = run_cli(["run", "--dataset", "digits", "--rounds", "1", "--batch-size", "1000", "--drop-last",
+                          "--out-dir", str(tmp_path / "r")], capsys, monkeypatch)
+    assert code == 2 and "batch_size=1000 with drop_last" in text
+
+
+def test_rerun_removes_stale_results_and_divergence_is_an_error(capsys, monkeypatch, tmp_path):
+    args = ["run", "--dataset", "digits", "--clients", "3", "--rounds", "1", "--out-dir", str(tmp_path), "--name", "r"]
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    run = tmp_path / "r"
+    assert (run / "summary.json").is_file()
+    # a second run in the same folder that fails part-way must not leave the old summary behind
+    code, text = run_cli(args[:6] + ["3"] + args[7:] + ["--lr", "100", "--weight-decay", "1", "--momentum", "0.99"],
+                         capsys, monkeypatch)
+    assert code == 2 and "training diverged" in text
+    assert not (run / "summary.json").exists() and not (run / "clients.csv").exists()
+
+
+def test_plot_rejects_broken_metrics(capsys, monkeypatch, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n{"round": \n')
+    code, text = run_cli(["plot", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "line 2 is not valid JSON" in text

@@ -86,9 +86,12 @@ def run(
     overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet")}
     from fedproto.simulation import Simulation, prepare
 
+    from fedproto.results import RunDir
+
     cfg = build_config(config, overrides)
-    setup = prepare(cfg, progress=not quiet)
     out = Path(cfg.out_dir) / cfg.run_name()
+    run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written
+    setup = prepare(cfg, progress=not quiet)
     show = not quiet and console.is_terminal
     progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
@@ -101,8 +104,14 @@ def run(
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)
 
-        sim = Simulation(cfg, setup=setup, out=out, on_round=on_round)
-        summary = sim.run()
+        sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
+        try:
+            summary = sim.run()
+        except KeyboardInterrupt:
+            progress.stop()
+            err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
+                              "(no summary.json: the run did not finish)")
+            raise typer.Exit(130)
     from fedproto.plots import save_embeddings
 
     save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
@@ -123,7 +132,7 @@ def run(
 @app.command()
 def plot(
     run_dir: Path = typer.Argument(..., help="A run directory written by `fedproto run` or `fedproto reproduce`."),
-    max_per_client: int = typer.Option(200, help="t-SNE: at most this many test samples per client (0: all)."),
+    max_per_client: int = typer.Option(200, min=0, help="t-SNE: at most this many test samples per client (0: all)."),
     tsne: bool = typer.Option(True, "--tsne/--no-tsne", help="Also draw the t-SNE (fig. 2) when embeddings exist."),
 ):
     """Draw curves.png (accuracy and losses per round) and tsne.png (fig. 2) into RUN_DIR."""
@@ -135,8 +144,12 @@ def plot(
     if not tsne:
         return
     if (run_dir / EMBEDDINGS_FILE).is_file() and (run_dir / PROTOTYPES_FILE).is_file():
-        console.print(str(plot_tsne_run(run_dir, max_per_client=max_per_client or None)), highlight=False,
-                      soft_wrap=True)
+        try:
+            path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
+        except (OSError, ValueError, KeyError) as e:  # a truncated or foreign .npz
+            raise FedprotoError(f"cannot read the embeddings or prototypes in {run_dir}: {e}; "
+                                "run `fedproto run` again to rewrite them") from None
+        console.print(str(path), highlight=False, soft_wrap=True)
     else:
         err_console.print(f"no t-SNE: {run_dir} lacks {EMBEDDINGS_FILE} or {PROTOTYPES_FILE} "
                           "(only prototype methods write prototypes)", highlight=False, soft_wrap=True)
@@ -181,6 +194,8 @@ def reproduce(
     counts = {k: sum(r.status == k for r in results) for k in ("done", "skipped", "failed")}
     console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed; "
                   f"wrote {out / 'table.md'} and {out / 'table.csv'}", highlight=False, soft_wrap=True)
+    if counts["failed"]:
+        raise typer.Exit(1)  # the table is written, but not every cell finished
 
 
 def main() -> None:

@@ -42,13 +42,13 @@ DATASET_DEFAULTS = {
 class RunConfig(BaseModel):
     """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # data and partition
     dataset: str = "mnist"
     data_dir: Optional[str] = None
     download: bool = True
-    clients: int = Field(20, ge=1)
+    clients: int = Field(20, ge=1, le=1_000_000)
     ways: int = Field(3, ge=1)
     shots: int = Field(None, ge=1, validate_default=False)  # None -> 100 (paper), digits 10
     stdev: int = Field(None, ge=0, validate_default=False)  # None -> DATASET_DEFAULTS
@@ -60,34 +60,34 @@ class RunConfig(BaseModel):
     algorithm: str = "fedproto"
     model: str = "cnn"
     pretrained: Optional[str] = None
-    embedding_dim: int = Field(50, ge=1)
+    embedding_dim: int = Field(50, ge=1, le=65_536)
     dropout: float = Field(0.5, ge=0.0, lt=1.0)
     # training
     rounds: int = Field(100, ge=1)
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(8, ge=1)
-    lr: float = Field(0.01, gt=0.0)
+    lr: float = Field(0.01, gt=0.0, le=100.0)
     momentum: float = Field(0.5, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     drop_last: bool = False
     # FedProto
-    lambda_proto: Optional[float] = Field(None, ge=0.0)
+    lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6)
     distance: Literal["mse", "squared_l2", "l2"] = "mse"
     proto_source: Literal["last_epoch", "after_training"] = "last_epoch"
     aggregation: Literal["mean", "weighted", "median"] = "mean"
     proto_classes: Literal["own", "all"] = "own"
     # baselines (tab. 1)
-    prox_mu: float = Field(0.01, ge=0)  # FedProx mu (arXiv 1812.06127)
+    prox_mu: float = Field(0.01, ge=0, le=1e6)  # FedProx mu (arXiv 1812.06127)
     rep_head_epochs: int = Field(9, ge=1)  # FedRep head epochs per round (official code: 9 head + 1 body)
     fesem_clusters: int = Field(3, ge=1)  # FeSEM K (arXiv 2005.01026)
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = "auto"
     group_size: int = Field(128, ge=1)  # most clients trained as one batched computation
     eval_every: int = Field(10, ge=0)
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, lt=2**32)
     out_dir: str = "runs"
     name: Optional[str] = None
-    threads: int = Field(0, ge=0)
+    threads: int = Field(0, ge=0, le=1024)
 
     @model_validator(mode="before")
     @classmethod
@@ -115,6 +115,10 @@ class RunConfig(BaseModel):
             check_model_name(self.model)
         except ModelError as e:
             raise ValueError(str(e)) from None
+        if self.name is not None and (not self.name or "/" in self.name or "\\" in self.name
+                                      or self.name in (".", "..") or len(self.name) > 200):
+            raise ValueError(f"name={self.name!r} is not a plain folder name; use letters, digits, '-', '_' "
+                             "(no '/', not '.' or '..', at most 200 characters)")
         C = DATASETS[self.dataset][0]
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")

@@ -25,3 +25,7 @@ class PartitionError(FedprotoError, ValueError):
 
 class ModelError(FedprotoError, ValueError):
     """Client models are incompatible (e.g. different embedding sizes) or a model name is unknown."""
+
+
+class TrainingError(FedprotoError):
+    """Training cannot go on (e.g. the loss became NaN or infinite)."""

@@ -556,6 +556,13 @@ def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[l
     return results
 
 
+def _make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}; choose another --out") from None
+
+
 def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: Sequence[int] = DEFAULT_WAYS,
              methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEFAULT_SEEDS,
              rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
@@ -563,7 +570,7 @@ def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: 
     """Run the grid and write the tables; returns every cell's result."""
     out = Path(out)
     cells = plan_grid(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out(out)
     return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress)
 
 
@@ -632,7 +639,7 @@ def run_sweep(out: str | Path, spec: str, dataset: str | None = None, ways: int 
     d_ds, d_n, d_m = SWEEP_DEFAULTS.get(fld, ("mnist", 3, ("fedproto",)))
     cells = plan_sweep(out, param, fld, values, dataset or d_ds, ways or d_n, list(methods or d_m), seeds, rounds,
                        sets, data_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out(out)
     results = run_cells(cells, out, console, progress=progress)
     csv_path, png = write_sweep(out, param, fld, results)
     return results, csv_path, png

@@ -58,14 +58,32 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
 
 
+RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
+                "embeddings.npz", "checkpoint.pt", "curves.png", "tsne.png")
+"""Files a run writes; a new run in the same folder first removes the old ones, so a run that is
+interrupted never leaves a mix of two runs behind (no summary.json means: not finished)."""
+
+
 class RunDir:
-    """A run's output folder. ``metrics.jsonl`` gets one line per round (appended and flushed)."""
+    """A run's output folder. ``metrics.jsonl`` gets one line per round (appended and flushed).
+
+    Raises:
+        ConfigError: the folder cannot be created or written (names the path).
+    """
 
     def __init__(self, path: str | Path):
+        from fedproto.errors import ConfigError
+
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._metrics = self.path / "metrics.jsonl"
-        self._metrics.write_text("")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for name in RESULT_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            self._metrics = self.path / "metrics.jsonl"
+            self._metrics.write_text("")
+        except OSError as e:
+            raise ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
+                              "choose another --out-dir or --name") from None
 
     def write_config(self, cfg: dict) -> None:
         atomic_write_json(self.path / "config.json", cfg)
@@ -101,8 +119,25 @@ class RunDir:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a run's ``metrics.jsonl``."""
+    """The rows of a run's ``metrics.jsonl`` (list of dicts).
+
+    Raises:
+        DataError: a line that is not a JSON object (names the file and line).
+    """
+    from fedproto.errors import DataError
+
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{p}: line {n} is not valid JSON ({e.msg}); the run may have been cut short") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{p}: line {n} is not a JSON object")
+        rows.append(row)
+    return rows

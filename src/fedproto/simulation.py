@@ -25,7 +25,7 @@ from fedproto.algorithms import ALGORITHMS
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, fewshot_partition, natural_partition
-from fedproto.errors import ConfigError
+from fedproto.errors import ConfigError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import RunDir
@@ -95,6 +95,13 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     d = check_embedding_dims(models)
+    if cfg.drop_last:
+        small = [i for i, tr in enumerate(part.train_idx) if len(tr) < cfg.batch_size]
+        if small:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
+                f"(client {small[0]} holds {len(part.train_idx[small[0]])} samples); lower --batch-size "
+                "or use --keep-last")
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [
         ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
@@ -123,6 +130,8 @@ class Simulation:
         self.on_round = on_round
         if out is False:
             self.run_dir = None
+        elif isinstance(out, RunDir):
+            self.run_dir = out
         else:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.message: Message = {}
@@ -198,6 +207,11 @@ class Simulation:
             up = [message_size(m) for m in msgs]
             self.message = alg.aggregate(r, msgs, S)
             t_train = time.perf_counter() - t0
+            if not all(np.isfinite([x.loss_ce for x in tr] + [x.loss_proto for x in tr])):
+                bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
+                raise TrainingError(
+                    f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
+                    f"lower --lr (now {cfg.lr}) or --lambda-proto (now {cfg.lam})")
             train_time += t_train
             row = {
                 "round": r,

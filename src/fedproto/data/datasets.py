@@ -660,7 +660,11 @@ def _read_leaf_split(folder: Path) -> tuple[np.ndarray, np.ndarray, list[str], l
             ) from exc
     if not xs:
         raise DataError(f"No samples in {folder}/*.json; replace the folder with LEAF's output.")
-    return np.concatenate(xs), np.concatenate(ys), users, counts
+    x = np.concatenate(xs)
+    if not np.isfinite(x).all():
+        raise DataError(f"{folder}/*.json holds non-finite pixel values (NaN or inf); "
+                        "replace the files with LEAF's output.")
+    return x, np.concatenate(ys), users, counts
 
 
 def _femnist_stats(folder: Path) -> tuple[float, float]:
