@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,3 +12,17 @@ def mnist_available() -> bool:
 
 
 needs_mnist = pytest.mark.skipif(not mnist_available(), reason="set FEDPROTO_DATA to a folder with mnist/")
+
+
+def run_cli(args, capsys, monkeypatch):
+    """Run ``fedproto ARGS`` in-process; returns (exit code, stdout + stderr)."""
+    from fedproto.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fedproto", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out + out.err

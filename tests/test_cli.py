@@ -2,24 +2,13 @@
 
 import gzip
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import DATA, needs_mnist
-from fedproto.cli import main
+from conftest import DATA, needs_mnist, run_cli
 
 
-def run_cli(args, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["fedproto", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 @pytest.mark.parametrize(

@@ -3,24 +3,14 @@ on the tiny sklearn digits set."""
 
 import csv
 import json
-import sys
 
 from fedproto import paper
-from fedproto.cli import main
+from conftest import run_cli
 
 TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def run_cli(args, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["fedproto", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out + out.err
 
 
 def sets(*extra):

@@ -29,7 +29,7 @@ from fedproto.errors import ConfigError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import RunDir
-from fedproto.training import Objective, can_batch, make_plan, train_client, train_group
+from fedproto.training import Objective, can_batch, make_plan, train_group
 
 log = logging.getLogger(__name__)
 

@@ -384,6 +384,8 @@ def train_group(
         is_last_phase = pi == len(obj.phases) - 1
         S_t = torch.as_tensor(S)
         cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
+        Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
+        bufc: dict[str, torch.Tensor] = {}
         for s in range(Smax):
             act = torch.nonzero(S_t > s).flatten()
             if cur is None or len(act) != len(cur):
