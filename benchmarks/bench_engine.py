@@ -78,6 +78,7 @@ def worker(args) -> dict:
         "round_s_median": med, "round_s_all": times, "samples_per_s": n_samples / med,
         "train_samples": n_samples, "eval_s": eval_s, "model_gflops": n_samples * flops / med / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "acc_mean": sim.history[-1].get("acc_mean"), "acc_proto_mean": sim.history[-1].get("acc_proto_mean"),
     }
 
 
@@ -95,6 +96,7 @@ def main() -> None:
     p.add_argument("--shots", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs per mode (default 2)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--scale", default="100,300,1000", help="client counts for the scaling table ('' to skip)")
     p.add_argument("--json", default=None, help="also write all results to this file")
@@ -108,17 +110,33 @@ def main() -> None:
     gf = matmul_gflops()
     print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")
-    rows = [run_worker(mode=m, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
-                       threads=args.threads or None) for m in ("sequential", "batched")]
+    # the modes alternate (seq, batched, seq, batched, ...) so that drift in the machine's speed
+    # hits both alike; each mode's figure is the median over all its timed rounds
+    runs: dict[str, list[dict]] = {"sequential": [], "batched": []}
+    for _ in range(args.repeats):
+        for m in runs:
+            runs[m].append(run_worker(mode=m, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
+                                      threads=args.threads or None))
+    rows = []
+    for m, rs in runs.items():
+        r = dict(rs[0])
+        r["round_s_all"] = [t for x in rs for t in x["round_s_all"]]
+        r["round_s_median"] = statistics.median(r["round_s_all"])
+        r["samples_per_s"] = r["train_samples"] / r["round_s_median"]
+        r["model_gflops"] = rs[0]["model_gflops"] * rs[0]["round_s_median"] / r["round_s_median"]
+        r["eval_s"] = statistics.median(x["eval_s"] for x in rs)
+        r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in rs)
+        rows.append(r)
     seq = rows[0]["round_s_median"]
-    print("\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), "
-          f"median of {args.rounds} rounds after 1 warm-up:")
-    print("| mode | s/round | samples/s | speed-up | model GFLOP/s | % of matmul | eval s | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), median of "
+          f"{args.repeats} x {args.rounds} rounds (each run after 1 warm-up round, modes alternating):")
+    print("| mode | s/round | samples/s | speed-up | model GFLOP/s | % of matmul | eval s | peak RSS MB "
+          f"| acc % after {args.rounds + 1} rounds (classifier / prototype) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | "
               f"{seq / r['round_s_median']:.2f}x | {r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | "
-              f"{r['eval_s']:.3f} | {r['peak_rss_mb']:.0f} |")
+              f"{r['eval_s']:.3f} | {r['peak_rss_mb']:.0f} | {100 * r['acc_mean']:.4f} / {100 * r['acc_proto_mean']:.4f} |")
     scale = []
     if args.scale:
         print("\nScaling (batched, ways 3, shots 10):")
