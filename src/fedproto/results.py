@@ -1,5 +1,5 @@
-"""The run directory: resolved config, per-round metrics (JSON lines), summary, per-client CSV,
-global prototypes and checkpoints. Every whole-file write is atomic (temp file + ``os.replace``),
+"""The run directory: resolved config, per-round metrics (JSON lines), summary, per-client CSV
+and global prototypes. Every whole-file write is atomic (temp file + ``os.replace``),
 so an interrupted run never leaves a half-written file behind.
 """
 
@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-import torch
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -59,7 +58,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "checkpoint.pt", "curves.png", "tsne.png")
+                "embeddings.npz", "curves.png", "tsne.png")
 """Files a run writes; a new run in the same folder first removes the old ones, so a run that is
 interrupted never leaves a mix of two runs behind (no summary.json means: not finished)."""
 
@@ -111,11 +110,6 @@ class RunDir:
         np.savez(buf, classes=classes, protos=protos,
                  contributors=contributors if contributors is not None else np.zeros(0, np.int64))
         atomic_write_bytes(self.path / "prototypes.npz", buf.getvalue())
-
-    def write_checkpoint(self, state: dict, name: str = "checkpoint.pt") -> None:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(self.path / name, buf.getvalue())
 
 
 def read_metrics(path: str | Path) -> list[dict]:

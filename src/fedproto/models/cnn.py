@@ -137,14 +137,4 @@ class ProjectedCNN(ProtoModel):
         return self.fc(self.drop(h))
 
 
-def cnn_param_count(in_channels: int, conv1: int, conv2: int, k: int, side: int, d: int, c: int) -> int:
-    """Parameter count of :class:`PaperCNN` without building it (used in docs/tests)."""
-    return (
-        conv1 * in_channels * k * k + conv1
-        + conv2 * conv1 * k * k + conv2
-        + conv2 * side * side * d + d
-        + d * c + c
-    )
-
-
-__all__ = ["PaperCNN", "ProjectedCNN", "cnn_param_count"]
+__all__ = ["PaperCNN", "ProjectedCNN"]
