@@ -247,13 +247,9 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
     return cells
 
 
-def _comparable(cfg: dict, like: dict | None = None) -> dict:
-    """The result-relevant RunConfig fields of a config dict. With ``like`` (the stored
-    config.json), fields stored there as a dict (run directories written before the partition
-    summary moved to ``partition_summary``) are left out of the comparison."""
-    out = {k: v for k, v in _clean(cfg).items() if k in RunConfig.model_fields and k not in MATCH_IGNORED}
-    ref = like if like is not None else out
-    return {k: v for k, v in out.items() if not isinstance(ref.get(k), dict)}
+def _comparable(cfg: dict) -> dict:
+    """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
+    return {k: v for k, v in _clean(cfg).items() if k in RunConfig.model_fields and k not in MATCH_IGNORED}
 
 
 def finished(cell: Cell) -> dict | None:
@@ -267,7 +263,7 @@ def finished(cell: Cell) -> dict | None:
         summary = json.loads(s.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return summary if _comparable(stored) == _comparable(cell.cfg.model_dump(), stored) else None
+    return summary if _comparable(stored) == _comparable(cell.cfg.model_dump()) else None
 
 
 def run_cell(cell: Cell, progress: bool = False) -> CellResult:
