@@ -316,6 +316,16 @@ def test_optim_config_reads_augment():
     assert optim_config(build_config()).augment is False
 
 
+def test_model_and_rounds_default_to_the_papers_per_dataset():
+    # §Experiments: CNN for MNIST/FEMNIST, ResNet18 for CIFAR-10; tab. 1: 100 / 120 / 110 rounds
+    got = {ds: (c.model, c.rounds, c.lam) for ds in ("mnist", "femnist", "cifar10", "digits")
+           for c in [build_config(overrides={"dataset": ds})]}
+    assert got == {"mnist": ("cnn", 100, 1.0), "femnist": ("cnn", 120, 1.0),
+                   "cifar10": ("resnet18", 110, 0.1), "digits": ("cnn", 20, 1.0)}
+    explicit = build_config(overrides={"dataset": "cifar10", "model": "cnn-mh", "rounds": 3})
+    assert (explicit.model, explicit.rounds) == ("cnn-mh", 3)
+
+
 # --- end to end ---------------------------------------------------------------------------------
 
 

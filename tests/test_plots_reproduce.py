@@ -181,3 +181,7 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     assert abs(row["acc_std_seeds"] - 2 * 2 ** 0.5) < 1e-9  # sample std of (90, 94)
     assert row["seeds"] == 2 and row["rounds"] == 100 and row["paper_rounds"] == 100
     assert "92.00 ± 3.00 [±2.83, 2 seeds]" in rp.render_markdown([row])
+    assert "Models: cnn." in rp.render_markdown([row])  # the paper's MNIST model: no remark
+    assert "Models: resnet18 (not the paper's" not in rp.render_markdown([row])
+    swapped = dict(row, dataset="cifar10", model="cnn")
+    assert "Models: cnn (not the paper's; see the README)." in rp.render_markdown([swapped])

@@ -435,6 +435,11 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
         by = {(r["method"], r["ways"]): r for r in rs}
         methods = _ordered([r["method"] for r in rs], methods_order)
         out += [f"## {ds} (stdev {sd})", ""]
+        models = _ordered([r["model"] for r in rs if r.get("model")], [])
+        if models:
+            paper_models = {model_for(ds, m) for m in methods}
+            note = "" if set(models) <= paper_models else " (not the paper's; see the README)"
+            out += [f"Models: {', '.join(models)}{note}.", ""]
         head = ["method"] + [f"n={n} {w}" for n in ways for w in ("ours", "paper")] + [
             "rounds ours / paper", "params ×10³ ours / paper"]
         out += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["--:"] * (len(head) - 1)) + "|"]
