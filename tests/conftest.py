@@ -5,6 +5,16 @@ from pathlib import Path
 import pytest
 
 DATA = os.environ.get("FEDPROTO_DATA")
+if DATA:  # absolute, so that tests which change the working folder still find the data
+    DATA = str(Path(DATA).resolve())
+    os.environ["FEDPROTO_DATA"] = DATA
+
+
+@pytest.fixture(autouse=True)
+def _work_in_tmp(tmp_path, monkeypatch):
+    """Every test runs in its own empty folder: nothing a test writes (for example a default
+    ``runs/`` folder) can touch the checkout or a user's earlier results."""
+    monkeypatch.chdir(tmp_path)
 
 
 def mnist_available() -> bool:

@@ -1,6 +1,7 @@
 """The command line: bad input exits with code 2 and one clear message, no traceback."""
 
 import gzip
+import json
 import shutil
 from pathlib import Path
 
@@ -62,9 +63,10 @@ def test_bad_toml_and_unknown_key(capsys, monkeypatch, tmp_path):
 def test_missing_data_exits_2(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FEDPROTO_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    code, text = run_cli(["run", "--data-dir", str(tmp_path / "nodata"), "--no-download", "--rounds", "1"],
-                         capsys, monkeypatch)
+    code, text = run_cli(["run", "--data-dir", str(tmp_path / "nodata"), "--no-download", "--rounds", "1",
+                          "--out-dir", str(tmp_path / "runs")], capsys, monkeypatch)
     assert code == 2 and "train-images-idx3-ubyte" in text and "Traceback" not in text
+    assert not (tmp_path / "runs" / "fedproto-mnist-n3-k100-s1234").exists()  # no empty run folder left
 
 
 @needs_mnist
@@ -79,8 +81,8 @@ def test_corrupt_data_and_capacity_exit_2(capsys, monkeypatch, tmp_path):
     raw = bytearray(gzip.decompress((folder / "t10k-labels-idx1-ubyte.gz").read_bytes()))
     raw[100] ^= 0xFF
     (folder / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(raw)))
-    code, text = run_cli(["run", "--data-dir", str(tmp_path / "data"), "--no-download", "--rounds", "1"],
-                         capsys, monkeypatch)
+    code, text = run_cli(["run", "--data-dir", str(tmp_path / "data"), "--no-download", "--rounds", "1",
+                          "--out-dir", str(tmp_path / "runs")], capsys, monkeypatch)
     assert code == 2 and "t10k-labels-idx1-ubyte" in text and "Traceback" not in text
 
 
@@ -112,6 +114,11 @@ def test_rerun_removes_stale_results_and_divergence_is_an_error(capsys, monkeypa
     assert run_cli(args, capsys, monkeypatch)[0] == 0
     run = tmp_path / "r"
     assert (run / "summary.json").is_file()
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    # a run that fails during set-up (an impossible partition) loses nothing of the finished one
+    code, text = run_cli(args + ["--shots", "1000"], capsys, monkeypatch)
+    assert code == 2 and "runs short" in text
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
     # a second run in the same folder that fails part-way must not leave the old summary behind
     code, text = run_cli(args[:6] + ["3"] + args[7:] + ["--lr", "100", "--weight-decay", "1", "--momentum", "0.99"],
                          capsys, monkeypatch)
@@ -123,3 +130,27 @@ def test_plot_rejects_broken_metrics(capsys, monkeypatch, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n{"round": \n')
     code, text = run_cli(["plot", str(tmp_path)], capsys, monkeypatch)
     assert code == 2 and "line 2 is not valid JSON" in text
+
+
+def test_plot_draws_tsne_for_a_weight_sharing_run(capsys, monkeypatch, tmp_path):
+    # fig. 2 also shows FedAvg: embeddings without global prototypes still give a t-SNE
+    code, text = run_cli(["run", "--dataset", "digits", "--algorithm", "fedavg", "--clients", "3", "--rounds", "1",
+                          "--out-dir", str(tmp_path), "--name", "avg"], capsys, monkeypatch)
+    assert code == 0, text
+    assert "ways 3, shots 10, 1 round (" in " ".join(text.split())  # one round, not "1 rounds"
+    assert not (tmp_path / "avg" / "prototypes.npz").exists()
+    code, text = run_cli(["plot", str(tmp_path / "avg")], capsys, monkeypatch)
+    assert code == 0, text
+    assert (tmp_path / "avg" / "tsne.png").stat().st_size > 1000 and "no t-SNE" not in text
+
+
+def test_reproduce_threads_option(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "rep"
+    base = ["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--rounds", "1",
+            "--out", str(out)]
+    code, text = run_cli(base + ["--threads", "1", "--set", "threads=2"], capsys, monkeypatch)
+    assert code == 2 and "disagree" in text
+    code, text = run_cli(base + ["--threads", "1"], capsys, monkeypatch)
+    assert code == 0, text
+    conf = json.loads((out / "runs" / "digits-n2-fedproto-s1234" / "config.json").read_text())
+    assert conf["threads"] == 1

@@ -324,6 +324,11 @@ def test_model_and_rounds_default_to_the_papers_per_dataset():
                    "cifar10": ("resnet18", 110, 0.1), "digits": ("cnn", 20, 1.0)}
     explicit = build_config(overrides={"dataset": "cifar10", "model": "cnn-mh", "rounds": 3})
     assert (explicit.model, explicit.rounds) == ("cnn-mh", 3)
+    # the run name carries the model when it is not the dataset's default, so runs do not collide
+    assert build_config(overrides={"dataset": "cifar10"}).run_name() == "fedproto-cifar10-n3-k100-s1234"
+    assert explicit.run_name() == "fedproto-cifar10-cnn-mh-n3-k100-s1234"
+    odd = build_config(overrides={"model": "projcnn:32-64,projcnn:16-32"})
+    assert odd.run_name() == "fedproto-mnist-projcnn_32-64_projcnn_16-32-n3-k100-s1234"
 
 
 # --- end to end ---------------------------------------------------------------------------------

@@ -47,9 +47,9 @@ def run(
     download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums) (default: download)"),
     clients: Optional[int] = typer.Option(None, help="Number of clients m (default: 20)"),
     ways: Optional[int] = typer.Option(None, help="Average classes per client n (default: 3)"),
-    shots: Optional[int] = typer.Option(None, help="Average training samples per class k (default: 100; digits 10)"),
-    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients (default: MNIST 2, FEMNIST/CIFAR-10 1 (tab. 1))"),
-    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client (default: 40; FEMNIST 3)"),
+    shots: Optional[int] = typer.Option(None, help="Average training samples per class k (default: 100; digits 10; the shared FEMNIST sample needs about 10)"),
+    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients (default: MNIST 2 (tab. 1); FEMNIST, CIFAR-10, digits 1)"),
+    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client (default: 40; FEMNIST 3, digits 10)"),
     noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper) (default: uniform)"),
     partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer) (default: fewshot)"),
     augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10) (default: off)"),
@@ -65,7 +65,7 @@ def run(
     momentum: Optional[float] = typer.Option(None, help="SGD momentum (default: 0.5)"),
     weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay (default: 0)"),
     drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code) (default: keep)"),
-    lambda_proto: Optional[float] = typer.Option(None, "--lambda-proto", "--lambda", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
+    lambda_proto: Optional[float] = typer.Option(None, "--lambda", "--lambda-proto", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
     distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text) (default: mse)"),
     proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3) (default: last_epoch)"),
     aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median (default: mean)"),
@@ -90,8 +90,12 @@ def run(
 
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
-    run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written
-    setup = prepare(cfg, progress=not quiet)
+    run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
+    try:
+        setup = prepare(cfg, progress=not quiet)
+    except BaseException:
+        run_dir.discard_if_unused()  # a failed set-up leaves no empty folder and loses no earlier run
+        raise
     show = not quiet and console.is_terminal
     progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
@@ -115,8 +119,9 @@ def run(
     from fedproto.plots import save_embeddings
 
     save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
-    table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, ways {cfg.ways}, "
-                        f"shots {cfg.shots}, {cfg.rounds} rounds (per-client test sets)")
+    part = f"ways {cfg.ways}, shots {cfg.shots}" if cfg.partition == "fewshot" else "one client per writer"
+    table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
+                        f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")
     table.add_column("accuracy % (mean ± std over clients)", justify="right")
     for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype (eq. 4)")):
@@ -126,7 +131,7 @@ def run(
     console.print(table)
     ppr = summary["params_per_round"]
     console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
-                  f"wall time {summary['wall_time_s']:.1f} s; results in {out}")
+                  f"wall time {summary['wall_time_s']:.1f} s; results in {out}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -136,14 +141,14 @@ def plot(
     tsne: bool = typer.Option(True, "--tsne/--no-tsne", help="Also draw the t-SNE (fig. 2) when embeddings exist."),
 ):
     """Draw curves.png (accuracy and losses per round) and tsne.png (fig. 2) into RUN_DIR."""
-    from fedproto.plots import EMBEDDINGS_FILE, PROTOTYPES_FILE, plot_curves, plot_tsne_run
+    from fedproto.plots import EMBEDDINGS_FILE, plot_curves, plot_tsne_run
 
     if not run_dir.is_dir():
         raise FedprotoError(f"run directory {str(run_dir)!r} does not exist; pass a folder written by `fedproto run`")
     console.print(str(plot_curves(run_dir)), highlight=False, soft_wrap=True)
     if not tsne:
         return
-    if (run_dir / EMBEDDINGS_FILE).is_file() and (run_dir / PROTOTYPES_FILE).is_file():
+    if (run_dir / EMBEDDINGS_FILE).is_file():  # prototypes, when the method has them, are drawn as stars
         try:
             path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
         except (OSError, ValueError, KeyError) as e:  # a truncated or foreign .npz
@@ -151,8 +156,8 @@ def plot(
                                 "run `fedproto run` again to rewrite them") from None
         console.print(str(path), highlight=False, soft_wrap=True)
     else:
-        err_console.print(f"no t-SNE: {run_dir} lacks {EMBEDDINGS_FILE} or {PROTOTYPES_FILE} "
-                          "(only prototype methods write prototypes)", highlight=False, soft_wrap=True)
+        err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
+                          "`fedproto run`)", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -170,11 +175,17 @@ def reproduce(
     data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files."),
     sweep: Optional[str] = typer.Option(None, help="One-parameter sweep instead of the grid, e.g. lambda=0,0.5,1,2,4 "
                                                    "(fig. 4) or shots=10,25,50,100 (fig. 3)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads for every cell (same as --set threads=N; "
+                                                     "0: torch's default)"),
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     from fedproto import reproduce as rp
 
     sets = rp.parse_sets(set_)
+    if threads is not None:
+        if "threads" in sets and sets["threads"] != threads:
+            raise FedprotoError(f"--threads {threads} and --set threads={sets['threads']} disagree; give one of them")
+        sets["threads"] = threads
     seed_list = rp.parse_list(seeds, rp.DEFAULT_SEEDS, "seeds", conv=int)
     known_ds = list(rp.MODELS)
     if sweep:

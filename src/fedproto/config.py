@@ -6,6 +6,7 @@ naming the field, the bad value and what is allowed.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -135,11 +136,17 @@ class RunConfig(BaseModel):
         return self.lambda_proto if self.lambda_proto is not None else DATASETS[self.dataset][1]
 
     def run_name(self) -> str:
+        """The run directory's name: ``name`` if given, else ``algorithm-dataset[-model]-nN-kK-sSEED``
+        (the model only when it is not the dataset's default; other options are not in the name,
+        so give ``--name`` to keep variants apart)."""
         if self.name:
             return self.name
+        model = ""
+        if self.model != DATASET_DEFAULTS[self.dataset]["model"]:
+            model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]
         if self.partition == "natural":
-            return f"{self.algorithm}-{self.dataset}-natural-m{self.clients}-s{self.seed}"
-        return f"{self.algorithm}-{self.dataset}-n{self.ways}-k{self.shots}-s{self.seed}"
+            return f"{self.algorithm}-{self.dataset}{model}-natural-m{self.clients}-s{self.seed}"
+        return f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
 
 
 def _format(err: ValidationError) -> str:

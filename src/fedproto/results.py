@@ -66,6 +66,10 @@ interrupted never leaves a mix of two runs behind (no summary.json means: not fi
 class RunDir:
     """A run's output folder. ``metrics.jsonl`` gets one line per round (appended and flushed).
 
+    Creating it only checks that the folder can be written; the files of an earlier run in the
+    same folder stay untouched until :meth:`begin` (called when training starts), so a run that
+    fails during set-up (missing data, an impossible partition) loses nothing.
+
     Raises:
         ConfigError: the folder cannot be created or written (names the path).
     """
@@ -74,15 +78,42 @@ class RunDir:
         from fedproto.errors import ConfigError
 
         self.path = Path(path)
+        self._metrics = self.path / "metrics.jsonl"
+        self._created = not self.path.exists()
+        self._begun = False
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-check-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
+                              "choose another --out-dir or --name") from None
+
+    def begin(self) -> None:
+        """Remove an earlier run's result files and start an empty ``metrics.jsonl``.
+
+        Raises:
+            ConfigError: the folder cannot be written.
+        """
+        from fedproto.errors import ConfigError
+
+        try:
             for name in RESULT_FILES:
                 (self.path / name).unlink(missing_ok=True)
-            self._metrics = self.path / "metrics.jsonl"
             self._metrics.write_text("")
         except OSError as e:
             raise ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
                               "choose another --out-dir or --name") from None
+        self._begun = True
+
+    def discard_if_unused(self) -> None:
+        """Remove the folder if this object created it and no run began in it (set-up failed)."""
+        if self._created and not self._begun:
+            try:
+                self.path.rmdir()  # only when empty
+            except OSError:
+                pass
 
     def write_config(self, cfg: dict) -> None:
         atomic_write_json(self.path / "config.json", cfg)

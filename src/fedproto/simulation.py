@@ -189,6 +189,7 @@ class Simulation:
         """Run all rounds; returns the summary dict (also written to ``summary.json``)."""
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         if self.run_dir:
+            self.run_dir.begin()
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
                                        "partition_summary": self.setup.partition.summary()})
         self.message = alg.initial_message(S)
