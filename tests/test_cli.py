@@ -63,6 +63,7 @@ def test_bad_toml_and_unknown_key(capsys, monkeypatch, tmp_path):
 def test_missing_data_exits_2(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("FEDPROTO_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    (tmp_path / "nodata").mkdir()
     code, text = run_cli(["run", "--data-dir", str(tmp_path / "nodata"), "--no-download", "--rounds", "1",
                           "--out-dir", str(tmp_path / "runs")], capsys, monkeypatch)
     assert code == 2 and "train-images-idx3-ubyte" in text and "Traceback" not in text
@@ -154,3 +155,37 @@ def test_reproduce_threads_option(capsys, monkeypatch, tmp_path):
     assert code == 0, text
     conf = json.loads((out / "runs" / "digits-n2-fedproto-s1234" / "config.json").read_text())
     assert conf["threads"] == 1
+
+
+def test_huge_batch_is_capped_and_damaged_run_folders_are_clear_errors(capsys, monkeypatch, tmp_path):
+    # reported: --batch-size 20000000 (now above the bound) padded every step to that width (2.98 GiB of dropout masks)
+    args = ["run", "--dataset", "digits", "--clients", "2", "--rounds", "1", "--out-dir", str(tmp_path)]
+    code, text = run_cli(args + ["--name", "big", "--batch-size", "9000000"], capsys, monkeypatch)
+    assert code == 0, text
+    code, text = run_cli(args + ["--name", "ref", "--batch-size", "100000"], capsys, monkeypatch)
+    assert code == 0, text
+    big = json.loads((tmp_path / "big" / "summary.json").read_text())["accuracy"]
+    assert big == json.loads((tmp_path / "ref" / "summary.json").read_text())["accuracy"]  # same batches
+    # plot on damaged files: one message naming the folder, exit 2, no traceback
+    run = tmp_path / "big"
+    (run / "config.json").write_text("[1, 2]")
+    code, text = run_cli(["plot", str(run)], capsys, monkeypatch)
+    assert code == 2 and "its files are damaged" in text and "Traceback" not in text
+    (run / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"loss_ce": 1.0}\n')
+    code, text = run_cli(["plot", str(run)], capsys, monkeypatch)
+    assert code == 2 and "damaged" in text and "KeyError" in text
+
+
+def test_reproduce_reruns_a_cell_whose_summary_is_damaged(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "rep"
+    args = ["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--rounds", "1",
+            "--out", str(out)]
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    (out / "runs" / "digits-n2-fedproto-s1234" / "summary.json").write_text('{"accuracy": {"acc": {"mean": "x"}}}')
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and "1 run, 0 skipped" in text, text
+    (out / "table.md").unlink()
+    (out / "table.md").mkdir()
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 2 and "table.md' is a folder" in text

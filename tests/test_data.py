@@ -268,6 +268,7 @@ def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> 
 
 def test_mnist_offline_without_files(isolated: Path) -> None:
     root = isolated / "empty"
+    root.mkdir()
     with pytest.raises(DataError) as info:
         load_dataset("mnist", root=root, download=False)
     msg = str(info.value)
@@ -275,7 +276,7 @@ def test_mnist_offline_without_files(isolated: Path) -> None:
         assert name in msg
     for folder in (root / "mnist", root, dl.default_cache_dir() / "mnist", dl.default_cache_dir()):
         assert str(folder) in msg
-    assert not root.exists()  # nothing created when not downloading
+    assert list(root.iterdir()) == []  # nothing created when not downloading
 
 
 # --- MNIST: local files ------------------------------------------------------------------
@@ -403,6 +404,7 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
 
 
 def test_femnist_missing_explains_leaf(isolated: Path) -> None:
+    (isolated / "nothing").mkdir()
     with pytest.raises(DataError) as info:
         load_dataset("femnist", root=isolated / "nothing")
     msg = str(info.value)
@@ -425,7 +427,21 @@ def test_cifar10_from_shared_data() -> None:
 
 
 def test_cifar10_offline_without_files(isolated: Path) -> None:
+    (isolated / "empty").mkdir()
     with pytest.raises(DataError) as info:
         load_dataset("cifar10", root=isolated / "empty", download=False)
     msg = str(info.value)
     assert "cifar-10-python.tar.gz" in msg and str(isolated / "empty" / "cifar10") in msg
+
+
+def test_explicit_data_folder_that_is_missing_or_a_file(isolated: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # reported fault: a mistyped --data-dir fell through to $FEDPROTO_DATA without a word
+    monkeypatch.setenv("FEDPROTO_DATA", str(isolated))
+    with pytest.raises(DataError, match=r"data folder '.*typo' does not exist; pass an existing folder"):
+        load_dataset("mnist", root=isolated / "typo", download=False)
+    with pytest.raises(DataError, match="does not exist"):
+        load_dataset("femnist", root=isolated / "typo")
+    afile = isolated / "afile"
+    afile.write_text("x")
+    with pytest.raises(DataError, match=r"is a file, not a folder"):
+        load_dataset("cifar10", root=afile)

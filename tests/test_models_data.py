@@ -2,6 +2,7 @@
 loading), train-time augmentation (crop + flip, batched == sequential), CIFAR-10 end to end."""
 
 import copy
+import re
 from pathlib import Path
 
 import numpy as np
@@ -238,10 +239,50 @@ def test_pretrained_errors(tmp_path):
     missing = {k: v for k, v in saved.items() if k != "layer4.1.bn2.running_var"}
     with pytest.raises(ModelError, match="lack 'layer4.1.bn2.running_var'"):
         load_pretrained(ResNet18(), missing)
+    # reported: a NaN tensor was only caught as "training diverged ... lower --lr"
+    nan = dict(saved, **{"layer3.0.bn1.weight": saved["layer3.0.bn1.weight"].clone().fill_(float("nan"))})
+    with pytest.raises(ModelError, match=r"'layer3.0.bn1.weight' .* holds 256 NaN or infinite value"):
+        load_pretrained(ResNet18(), nan)
+    as_int = dict(saved, **{"layer1.0.conv1.weight": saved["layer1.0.conv1.weight"].long()})
+    with pytest.raises(ModelError, match=r"'layer1.0.conv1.weight' .* dtype torch.int64"):
+        load_pretrained(ResNet18(), as_int)
+    with pytest.raises(DataError, match="is not a regular file"):
+        load_pretrained(ResNet18(), tmp_path)
     with pytest.raises(ModelError, match="'layer5.0.conv1.weight', not a resnet18 key"):
         load_pretrained(ResNet18(), dict(saved, **{"layer5.0.conv1.weight": torch.zeros(1)}))
     with pytest.raises(ModelError, match="resnet18"):
         build_client_models("cnn", 2, 1, 10, 28, pretrained=str(path))
+
+
+def test_projcnn_spec_bounds():
+    from fedproto.models.zoo import check_model_name, projcnn_channels
+
+    assert projcnn_channels("projcnn:16") == (16,) and projcnn_channels("projcnn:32-64") == (32, 64)
+    for bad in ("projcnn:99999999999999999999-2", "projcnn:\u0661\u0666-32", "projcnn:0-4", "projcnn:4-",
+                "projcnn:" + "-".join(["4"] * 9)):
+        with pytest.raises(ModelError, match="bad model spec"):
+            check_model_name(bad)
+
+
+def test_config_is_strict_and_frozen():
+    from pydantic import ValidationError
+
+    from fedproto.errors import ConfigError
+
+    for bad, expect in ((dict(clients=True), "clients=True: Input should be a valid integer"),
+                        (dict(lr="0.1"), "lr='0.1': Input should be a valid number"),
+                        (dict(augment=1), "augment=1: Input should be a valid boolean"),
+                        (dict(dataset=["digits"]), "dataset=['digits']: Input should be a valid string"),
+                        (dict(stdev=10**20), "less than or equal to 10000000"),
+                        (dict(name="a b"), "is not a plain folder name"),
+                        (dict(out_dir=""), "out_dir='': String should have at least 1 character")):
+        with pytest.raises(ConfigError, match=re.escape(expect)):
+            build_config(overrides=bad)
+    cfg = build_config()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.ways = 11
+    assert cfg.ways == 3
+    assert build_config(overrides={"lambda_proto": 1}).lam == 1.0  # an int is a fine float
 
 
 # --- augmentation -------------------------------------------------------------------------------

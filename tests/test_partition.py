@@ -45,6 +45,17 @@ def test_gaussian_noise_model():
     assert set(n.tolist()) == {2, 3, 4} and set(k.tolist()) == {100, 101}
 
 
+def test_uniform_shots_never_reach_below_one():
+    # reported fault: shots=1, stdev=3 drew k in [-1, 4]; a negative k sliced a class backwards
+    # (one client got 17,720 MNIST samples, another none) and the run went on
+    with pytest.raises(PartitionError, match=r"shots=1 with stdev=3: .*\[-1, \.\.\.\].*--shots 3 or more"):
+        draw_ways_shots(6, 3, 1, 3, 10, "uniform", np.random.default_rng(0), "mnist")
+    n, k = draw_ways_shots(500, 3, 3, 3, 10, "uniform", np.random.default_rng(0), "mnist")
+    assert k.min() == 1 and k.max() <= 4
+    with pytest.raises(PartitionError, match="shots=1 with stdev=2"):
+        make(shots=1, stdev=2)
+
+
 def test_capacity_error_names_class_and_shortfall():
     with pytest.raises(PartitionError, match=r"class \d+ runs short: .*\(short by \d+\)"):
         make(shots=400)

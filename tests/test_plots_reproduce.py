@@ -169,6 +169,9 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     # --set model=cnn swaps the model family for every method (the -mh variant for fedproto-mh)
     swapped = rp.plan_grid(tmp_path, ["cifar10"], [3], ["fedavg", "fedproto-mh"], [1], sets={"model": "cnn"})
     assert [c.cfg.model for c in swapped] == ["cnn", "cnn-mh"]
+    custom = rp.plan_grid(tmp_path, ["mnist"], [3], ["fedproto", "fedproto-mh"], [1],
+                          sets={"model": "projcnn:4-8,projcnn:8-8"})
+    assert [c.cfg.model for c in custom] == ["projcnn:4-8,projcnn:8-8"] * 2  # no "projcnn:...-mh"
     assert rp.plan_grid(tmp_path, ["femnist"], [3], ["local"], [1])[0].cfg.rounds == 120  # Local: 0 rounds in tab. 1
 
     def summary(m, s):

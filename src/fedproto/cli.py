@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -144,20 +145,38 @@ def plot(
     from fedproto.plots import EMBEDDINGS_FILE, plot_curves, plot_tsne_run
 
     if not run_dir.is_dir():
-        raise FedprotoError(f"run directory {str(run_dir)!r} does not exist; pass a folder written by `fedproto run`")
-    console.print(str(plot_curves(run_dir)), highlight=False, soft_wrap=True)
+        what = "is a file, not a folder" if run_dir.exists() else "does not exist"
+        raise FedprotoError(f"run directory {str(run_dir)!r} {what}; pass a folder written by `fedproto run`")
+    with _damaged_files(run_dir):
+        console.print(str(plot_curves(run_dir)), highlight=False, soft_wrap=True)
     if not tsne:
         return
-    if (run_dir / EMBEDDINGS_FILE).is_file():  # prototypes, when the method has them, are drawn as stars
-        try:
-            path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
-        except (OSError, ValueError, KeyError) as e:  # a truncated or foreign .npz
-            raise FedprotoError(f"cannot read the embeddings or prototypes in {run_dir}: {e}; "
-                                "run `fedproto run` again to rewrite them") from None
-        console.print(str(path), highlight=False, soft_wrap=True)
-    else:
+    if not (run_dir / EMBEDDINGS_FILE).is_file():  # prototypes, when the method has them, are drawn as stars
         err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
                           "`fedproto run`)", highlight=False, soft_wrap=True)
+        return
+    try:
+        with _damaged_files(run_dir):
+            path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
+    except FedprotoError as e:
+        if "t-SNE needs at least" not in str(e):
+            raise
+        err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
+        return
+    console.print(str(path), highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def _damaged_files(run_dir: Path):
+    """Turn what a damaged or foreign run folder raises (bad JSON, missing keys, wrong types or
+    shapes, unreadable files) into one FedprotoError naming the folder."""
+    try:
+        yield
+    except FedprotoError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError) as e:
+        raise FedprotoError(f"cannot plot {str(run_dir)!r}: its files are damaged or not written by fedproto "
+                            f"({type(e).__name__}: {e}); run `fedproto run` again to rewrite them") from None
 
 
 @app.command()
@@ -179,6 +198,16 @@ def reproduce(
                                                      "0: torch's default)"),
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
+    try:
+        _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads)
+    except KeyboardInterrupt:
+        err_console.print(f"interrupted; the cells finished so far are in {out / 'status.json'} and the table "
+                          "(a sweep: after its last cell); run the same command again to resume",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(130)
+
+
+def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads) -> None:
     from fedproto import reproduce as rp
 
     sets = rp.parse_sets(set_)

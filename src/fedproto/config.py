@@ -6,6 +6,7 @@ naming the field, the bad value and what is allowed.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -41,20 +42,26 @@ DATASET_DEFAULTS = {
 }
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
+"""A run name: one plain folder name (no path separators, spaces or shell-special characters)."""
+
+
 class RunConfig(BaseModel):
     """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # strict: TOML `clients = true` or `lr = "0.1"` is an error, not 1 or 0.1; frozen: a config is
+    # checked once as a whole (derive a new one with build_config(overrides={**cfg.model_dump(), ...}))
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     # data and partition
     dataset: str = "mnist"
     data_dir: Optional[str] = None
     download: bool = True
     clients: int = Field(20, ge=1, le=1_000_000)
-    ways: int = Field(3, ge=1)
-    shots: int = Field(None, ge=1, validate_default=False)  # None -> 100 (paper), digits 10
-    stdev: int = Field(None, ge=0, validate_default=False)  # None -> DATASET_DEFAULTS
-    test_shots: int = Field(None, ge=1, validate_default=False)  # None -> DATASET_DEFAULTS
+    ways: int = Field(3, ge=1, le=100_000)
+    shots: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> 100 (paper), digits 10
+    stdev: int = Field(None, ge=0, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
+    test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
     noise: Literal["uniform", "gaussian"] = "uniform"
     partition: Literal["fewshot", "natural"] = "fewshot"
     augment: bool = False
@@ -65,9 +72,9 @@ class RunConfig(BaseModel):
     embedding_dim: int = Field(50, ge=1, le=65_536)
     dropout: float = Field(0.5, ge=0.0, lt=1.0)
     # training
-    rounds: int = Field(None, ge=1, validate_default=False)  # None -> DATASET_DEFAULTS (tab. 1)
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(8, ge=1)
+    rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS (tab. 1)
+    local_epochs: int = Field(1, ge=1, le=100_000)
+    batch_size: int = Field(8, ge=1, le=10_000_000)
     lr: float = Field(0.01, gt=0.0, le=100.0)
     momentum: float = Field(0.5, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
@@ -80,14 +87,14 @@ class RunConfig(BaseModel):
     proto_classes: Literal["own", "all"] = "own"
     # baselines (tab. 1)
     prox_mu: float = Field(0.01, ge=0, le=1e6)  # FedProx mu (arXiv 1812.06127)
-    rep_head_epochs: int = Field(9, ge=1)  # FedRep head epochs per round (official code: 9 head + 1 body)
-    fesem_clusters: int = Field(3, ge=1)  # FeSEM K (arXiv 2005.01026)
+    rep_head_epochs: int = Field(9, ge=1, le=100_000)  # FedRep head epochs per round (official code: 9 head + 1 body)
+    fesem_clusters: int = Field(3, ge=1, le=1_000_000)  # FeSEM K (arXiv 2005.01026)
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = "auto"
-    group_size: int = Field(128, ge=1)  # most clients trained as one batched computation
-    eval_every: int = Field(10, ge=0)
+    group_size: int = Field(128, ge=1, le=1_000_000)  # most clients trained as one batched computation
+    eval_every: int = Field(10, ge=0, le=10_000_000)
     seed: int = Field(1234, ge=0, lt=2**32)
-    out_dir: str = "runs"
+    out_dir: str = Field("runs", min_length=1)
     name: Optional[str] = None
     threads: int = Field(0, ge=0, le=1024)
 
@@ -95,8 +102,12 @@ class RunConfig(BaseModel):
     @classmethod
     def _dataset_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            defaults = DATASET_DEFAULTS.get(data.get("dataset", "mnist"), DATASET_DEFAULTS["mnist"])
+            ds = data.get("dataset", "mnist")
+            defaults = DATASET_DEFAULTS.get(ds, DATASET_DEFAULTS["mnist"]) if isinstance(ds, str) else {}
             data = dict(data)
+            for k in ("data_dir", "out_dir", "pretrained"):  # "~/data" means the home folder
+                if isinstance(data.get(k), str) and data[k].startswith("~"):
+                    data[k] = os.path.expanduser(data[k])
             for k, v in defaults.items():
                 if data.get(k) is None:
                     data[k] = v
@@ -117,10 +128,10 @@ class RunConfig(BaseModel):
             check_model_name(self.model)
         except ModelError as e:
             raise ValueError(str(e)) from None
-        if self.name is not None and (not self.name or "/" in self.name or "\\" in self.name
-                                      or self.name in (".", "..") or len(self.name) > 200):
-            raise ValueError(f"name={self.name!r} is not a plain folder name; use letters, digits, '-', '_' "
-                             "(no '/', not '.' or '..', at most 200 characters)")
+        if self.name is not None and not _PLAIN_NAME.fullmatch(self.name):
+            raise ValueError(f"name={self.name!r} is not a plain folder name; use letters, digits and "
+                             "'.', '_', '-', '+', '=' (starting with a letter, digit or '_'; at most 200 "
+                             "characters; no '/', spaces or other symbols)")
         C = DATASETS[self.dataset][0]
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
@@ -175,10 +186,11 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     if file is not None:
         p = Path(file)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file to --config")
+            what = "is not a regular file" if p.exists() else "does not exist"
+            raise ConfigError(f"config file {str(p)!r} {what}; pass an existing TOML file to --config")
         try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            data = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a leading BOM is not an error
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         if "run" in data and isinstance(data["run"], dict):
             data = {**{k: v for k, v in data.items() if k != "run"}, **data["run"]}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import sys
 import time
@@ -39,6 +40,8 @@ from fedproto import paper
 from fedproto.config import DATASETS, RunConfig, build_config
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
+
+log = logging.getLogger(__name__)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -200,7 +203,9 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
     model = model_for(dataset, method)
     if "model" in sets:  # --set model=cnn: that family for every method, its "-mh" variant for fedproto-mh
         base = str(sets.pop("model"))
-        model = f"{base}-mh" if method in HETEROGENEOUS and not base.endswith("-mh") else base
+        # the family's "-mh" variant where one exists (cnn, resnet18); other specs (a projcnn
+        # list, already heterogeneous if the user wants it) are used as given
+        model = f"{base}-mh" if method in HETEROGENEOUS and base in ("cnn", "resnet18") else base
     over.update(sets)
     over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model, seed=seed,
                 data_dir=data_dir, out_dir=str(runs_dir), name=name)
@@ -261,9 +266,27 @@ def finished(cell: Cell) -> dict | None:
     try:
         stored = json.loads(c.read_text())
         summary = json.loads(s.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # unreadable, not UTF-8 or not JSON: run the cell again
+        return None
+    if not (isinstance(stored, dict) and _valid_summary(summary)):
         return None
     return summary if _comparable(stored) == _comparable(cell.cfg.model_dump()) else None
+
+
+def _valid_summary(summary: Any) -> bool:
+    """Whether a stored summary has the fields the table reads, with numbers where numbers belong
+    (a damaged or foreign summary.json makes its cell run again instead of crashing the table)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if not isinstance(summary, dict):
+        return False
+    acc, ppr = summary.get("accuracy"), summary.get("params_per_round")
+    if not (isinstance(acc, dict) and isinstance(acc.get("acc"), dict) and isinstance(ppr, dict)):
+        return False
+    entries = [v for v in acc.values()]
+    return (all(isinstance(v, dict) and number(v.get("mean")) and number(v.get("std")) for v in entries)
+            and all(number(v) for v in ppr.values()))
 
 
 def run_cell(cell: Cell, progress: bool = False) -> CellResult:
@@ -275,7 +298,11 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     if summary is not None:
         return CellResult(cell, "skipped", summary)
     d = Path(cell.cfg.out_dir) / cell.name
-    (d / "summary.json").unlink(missing_ok=True)  # a stale summary must never mark a rerun finished
+    try:
+        (d / "summary.json").unlink(missing_ok=True)  # a stale summary must never mark a rerun finished
+    except OSError as e:
+        raise ConfigError(f"cannot clear {str(d / 'summary.json')!r}: {e.strerror or e}; remove it or "
+                          "choose another --out") from None
     t0 = time.perf_counter()
     try:
         sim = Simulation(cell.cfg, out=d, progress=progress)
@@ -326,17 +353,21 @@ def proto_mse(run_dir: str | Path) -> float:
     ef, pf = d / "embeddings.npz", d / "prototypes.npz"
     if not (ef.is_file() and pf.is_file()):
         return float("nan")
-    e, p = np.load(ef), np.load(pf)
-    if len(p["classes"]) == 0:
+    try:
+        e, p = np.load(ef), np.load(pf)
+        if len(p["classes"]) == 0:
+            return float("nan")
+        table = {int(c): v for c, v in zip(p["classes"], p["protos"])}
+        per_client = []
+        for c in np.unique(e["client"]):
+            m = (e["client"] == c) & np.isin(e["y"], list(table))
+            if not m.any():
+                continue
+            target = np.stack([table[int(k)] for k in e["y"][m]])
+            per_client.append(float(((e["h"][m] - target) ** 2).mean()))
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:  # damaged or foreign files
+        log.warning("no prototype distance for %s: %s", d, err)
         return float("nan")
-    table = {int(c): v for c, v in zip(p["classes"], p["protos"])}
-    per_client = []
-    for c in np.unique(e["client"]):
-        m = (e["client"] == c) & np.isin(e["y"], list(table))
-        if not m.any():
-            continue
-        target = np.stack([table[int(k)] for k in e["y"][m]])
-        per_client.append(float(((e["h"][m] - target) ** 2).mean()))
     return float(np.mean(per_client)) if per_client else float("nan")
 
 
@@ -558,10 +589,16 @@ def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[l
 
 
 def _make_out(out: Path) -> None:
+    """Create OUT and OUT/runs; refuse an OUT whose runs/, table or status paths are not files/folders
+    of the right kind (raises ConfigError before any cell runs)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        (out / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}; choose another --out") from None
+        raise ConfigError(f"cannot create the output folder {str(out / 'runs')!r}: {e.strerror or e}; "
+                          "choose another --out") from None
+    for name in ("table.md", "table.csv", "status.json"):
+        if (out / name).is_dir():
+            raise ConfigError(f"{str(out / name)!r} is a folder; remove it or choose another --out")
 
 
 def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: Sequence[int] = DEFAULT_WAYS,

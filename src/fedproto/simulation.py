@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -108,7 +108,13 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
                    ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
         for tr, te in zip(part.train_idx, part.test_idx)
     ]
-    return Setup(ds, part, states, data, build_algorithm(cfg, d), d)
+    alg = build_algorithm(cfg, d)
+    # a batch wider than the largest client only adds padding (and memory for its dropout masks);
+    # every step would hold the same samples, so cap it there
+    largest = max((len(tr) for tr in part.train_idx), default=1)
+    if alg.opt.batch_size > largest > 0:
+        alg.opt = replace(alg.opt, batch_size=largest)
+    return Setup(ds, part, states, data, alg, d)
 
 
 class Simulation:
@@ -188,11 +194,11 @@ class Simulation:
     def run(self) -> dict:
         """Run all rounds; returns the summary dict (also written to ``summary.json``)."""
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
         if self.run_dir:
             self.run_dir.begin()
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
                                        "partition_summary": self.setup.partition.summary()})
-        self.message = alg.initial_message(S)
         ids = list(range(len(S)))
         t_start = time.perf_counter()
         totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}

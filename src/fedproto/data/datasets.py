@@ -202,8 +202,21 @@ def load_dataset(
         DataError: unknown name; files missing (the message names the expected files and
             every folder looked in, and how to obtain them); a file corrupt or malformed (the
             message names it); or the download failed.
+
+    Raises:
+        DataError: files missing (names them and the folders searched) or corrupt; ``root`` is a
+            file, or does not exist while downloading is off (a typo would otherwise fall through
+            to ``$FEDPROTO_DATA`` silently).
     """
     key = name.strip().lower()
+    if root is not None and key != "digits":
+        r = Path(root).expanduser()
+        if r.exists() and not r.is_dir():
+            raise DataError(f"data folder {str(r)!r} is a file, not a folder; pass the folder that holds "
+                            f"{key}/ (or its files) to --data-dir")
+        if not r.exists() and (not download or key == "femnist"):
+            raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to --data-dir, "
+                            "or leave it out to search $FEDPROTO_DATA and the user cache")
     if key == "mnist":
         return _load_mnist(root, download, progress)
     if key == "digits":

@@ -86,8 +86,17 @@ def draw_ways_shots(
     rng: np.random.Generator,
     dataset: str = "",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw n_i and k_i per client. Returns two (m,) int64 arrays. See the module docstring."""
+    """Draw n_i and k_i per client. Returns two (m,) int64 arrays. See the module docstring.
+
+    Raises:
+        PartitionError: uniform noise whose shot range reaches below 1 (k - s + 1 < 1).
+    """
     if noise == "uniform":
+        if shots - stdev + 1 < 1:
+            raise PartitionError(
+                f"shots={shots} with stdev={stdev}: the official code's uniform noise draws each client's "
+                f"shots from [k - s + 1, ...] = [{shots - stdev + 1}, ...], below 1 sample per class; "
+                f"use --shots {stdev} or more, --stdev {shots} or less, or --noise gaussian (clipped at 1)")
         lo, hi = max(2, ways - stdev), min(num_classes - 1, ways + stdev)
         lo, hi = min(lo, ways), max(min(hi, num_classes), ways)
         n = rng.integers(lo, hi + 1, size=num_clients)

@@ -150,7 +150,8 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     p = Path(path)
     if not p.is_file():
         raise DataError(
-            f"pretrained weights file {str(p)!r} does not exist; pass a torchvision resnet18 state "
+            f"pretrained weights file {str(p)!r} {'is not a regular file' if p.exists() else 'does not exist'}; "
+            "pass a torchvision resnet18 state "
             "dict saved with torch.save (e.g. resnet18-f37072fd.pth from download.pytorch.org/models/)"
         )
     try:
@@ -184,7 +185,8 @@ def load_pretrained(model: ResNet18, source: str | os.PathLike | Mapping[str, to
     Raises:
         DataError: see :func:`read_state_dict`.
         ModelError: a needed key is missing, a key is not a resnet18 key, or a shape differs
-            (the message names the key and both shapes).
+            (the message names the key and both shapes), a dtype differs, or a tensor holds NaN or
+            infinite values.
     """
     state = dict(source) if isinstance(source, Mapping) else read_state_dict(source)
     if isinstance(source, Mapping):
@@ -211,6 +213,13 @@ def load_pretrained(model: ResNet18, source: str | os.PathLike | Mapping[str, to
                 f"pretrained tensor {k!r} in {where} has shape {tuple(state[k].shape)} but the model "
                 f"expects {tuple(own[k].shape)}; expected a torchvision resnet18 state dict"
             )
+        if state[k].dtype != own[k].dtype:
+            raise ModelError(f"pretrained tensor {k!r} in {where} has dtype {state[k].dtype} but the model "
+                             f"expects {own[k].dtype}; expected a torchvision resnet18 state dict")
+        if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
+            bad = int((~torch.isfinite(state[k])).sum())
+            raise ModelError(f"pretrained tensor {k!r} in {where} holds {bad} NaN or infinite value(s); "
+                             "the file is damaged: use a good copy of the weights")
     model.load_state_dict({**own, **{k: state[k] for k in wanted}}, strict=True)
     return wanted
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -58,11 +59,7 @@ def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: i
     if spec == "resnet18-mh":
         return ResNet18(num_classes, in_channels, *mh_resnet_strides(cid, num_clients))
     if spec.startswith("projcnn:"):
-        try:
-            chans = tuple(int(c) for c in spec.split(":", 1)[1].split("-"))
-        except ValueError:
-            raise ModelError(f"bad model spec {spec!r}: write projcnn:<channels>-<channels>, e.g. projcnn:32-64")
-        return ProjectedCNN(in_channels, num_classes, chans, embedding_dim, dropout=0.0)
+        return ProjectedCNN(in_channels, num_classes, projcnn_channels(spec), embedding_dim, dropout=0.0)
     raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
 
 
@@ -102,6 +99,26 @@ def build_client_models(
     return models
 
 
+_PROJCNN = re.compile(r"projcnn:([0-9]+(?:-[0-9]+)*)", re.ASCII)
+MAX_PROJCNN_CHANNELS = 4096
+MAX_PROJCNN_LAYERS = 8
+
+
+def projcnn_channels(spec: str) -> tuple[int, ...]:
+    """Conv channels of a ``projcnn:<c1>-<c2>[-...]`` spec, e.g. ``projcnn:32-64`` -> (32, 64).
+
+    Raises:
+        ModelError: not that form, a channel count outside 1..4096, or more than 8 layers.
+    """
+    m = _PROJCNN.fullmatch(spec)
+    chans = tuple(int(c) for c in m.group(1).split("-")) if m else ()
+    if not chans or len(chans) > MAX_PROJCNN_LAYERS or not all(1 <= c <= MAX_PROJCNN_CHANNELS for c in chans):
+        raise ModelError(f"bad model spec {spec!r}: write projcnn:<channels>-<channels> with 1 to "
+                         f"{MAX_PROJCNN_LAYERS} conv layers of 1 to {MAX_PROJCNN_CHANNELS} channels, "
+                         "e.g. projcnn:32-64")
+    return chans
+
+
 def check_model_name(name: str) -> None:
     """Validate a model name without building any model (raises :class:`ModelError`)."""
     specs = [s.strip() for s in name.split(",") if s.strip()]
@@ -111,10 +128,8 @@ def check_model_name(name: str) -> None:
         if spec in ("cnn", "cnn-mh", "resnet18", "resnet18-mh"):
             continue
         if spec.startswith("projcnn:"):
-            parts = spec.split(":", 1)[1].split("-")
-            if parts and all(p.isdigit() and int(p) > 0 for p in parts):
-                continue
-            raise ModelError(f"bad model spec {spec!r}: write projcnn:<channels>-<channels>, e.g. projcnn:32-64")
+            projcnn_channels(spec)
+            continue
         raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
 
 
