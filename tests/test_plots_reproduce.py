@@ -4,6 +4,8 @@ on the tiny sklearn digits set."""
 import csv
 import json
 
+import pytest
+
 from fedproto import paper
 from conftest import run_cli
 
@@ -158,6 +160,32 @@ def test_plot_sweep_direct(tmp_path):
     rows = [{"value": k, "method": m, "acc_mean": a, "acc_std": 0.02}
             for m, base in (("fedproto", 0.9), ("fedavg", 0.85)) for k, a in ((10, base - 0.1), (50, base), (100, base + 0.02))]
     assert_png(plot_sweep(rows, "value", tmp_path / "fig3.png", xlabel="k"))
+    # text values (a sweep over aggregation rules) are drawn at positions, not dropped as NaN
+    import matplotlib.pyplot as plt
+
+    seen = []
+    monkey = plt.Axes.plot
+
+    def spy(self, *a, **k):
+        seen.append(list(a[0]))
+        return monkey(self, *a, **k)
+
+    plt.Axes.plot = spy
+    try:
+        text = [{"value": v, "method": "fedproto", "acc_mean": a, "acc_std": 0.0} for v, a in (("mean", .9), ("median", .8))]
+        assert_png(plot_sweep(text, "value", tmp_path / "agg.png"))
+    finally:
+        plt.Axes.plot = monkey
+    assert seen == [[0.0, 1.0]]
+
+
+def test_sweep_refuses_duplicate_values():
+    from fedproto import reproduce as rp
+    from fedproto.errors import ConfigError
+
+    assert rp.parse_sweep("lambda=0,1,2")[2] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="the value 1.0 is given twice"):
+        rp.parse_sweep("lambda=1,1.0")
 
 
 def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):

@@ -319,12 +319,18 @@ def plot_sweep(
     groups: dict[Any, list[dict]] = {}
     for r in rows:
         groups.setdefault(r.get(group) if group else None, []).append(r)
+    # text values (e.g. aggregation=mean,median) go at positions 0, 1, ... in their given order
+    labels_x = list(dict.fromkeys(str(r.get(x)) for r in rows))
+    categorical = any(r.get(x) is not None and num(r.get(x)) != num(r.get(x)) for r in rows)
+    xnum = (lambda v: float(labels_x.index(str(v)))) if categorical else num
     scale = 100.0 if percent else 1.0
     fig, (ax,) = _figure(7, 4.5)
     ax2 = ax.twinx() if y2 else None
+    if categorical:
+        ax.set_xticks(range(len(labels_x)), labels_x)
     for gi, (g, rs) in enumerate(groups.items()):
-        rs = sorted(rs, key=lambda r: num(r.get(x)))
-        xs = np.asarray([num(r.get(x)) for r in rs])
+        rs = sorted(rs, key=lambda r: xnum(r.get(x)))
+        xs = np.asarray([xnum(r.get(x)) for r in rs])
         ys = np.asarray([num(r.get(y)) for r in rs]) * scale
         ok = ~np.isnan(xs) & ~np.isnan(ys)
         color = f"C{gi % 10}"

@@ -150,6 +150,12 @@ def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
     values = [parse_value(v.strip()) for v in vals.split(",") if v.strip()]
     if not values:
         raise ConfigError(f"--sweep {spec!r}: no values")
+    seen: list = []
+    for v in values:
+        if any(v == w and type(v) is not bool and type(w) is not bool for w in seen):
+            raise ConfigError(f"--sweep {spec!r}: the value {v!r} is given twice (1 and 1.0 are the same value); "
+                              "give each value once")
+        seen.append(v)
     return name, fld, values
 
 

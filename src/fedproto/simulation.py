@@ -251,8 +251,8 @@ class Simulation:
             "model": cfg.model,
             "clients": len(S),
             "rounds": cfg.rounds,
-            "ways": cfg.ways,
-            "shots": cfg.shots,
+            "ways": cfg.ways if cfg.partition == "fewshot" else None,  # natural: per writer (partition_summary)
+            "shots": cfg.shots if cfg.partition == "fewshot" else None,
             "seed": cfg.seed,
             "test_set": (f"per client: {cfg.test_shots} test-split samples of each own class"
                          if cfg.partition == "fewshot" else "per client: the writer's own test samples"),
