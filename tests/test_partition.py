@@ -63,3 +63,8 @@ def test_capacity_error_names_class_and_shortfall():
         make(ways=11)
     with pytest.raises(PartitionError, match="test_shots=200"):
         make(test_shots=200)
+
+
+def test_labels_outside_the_class_range_are_refused():
+    with pytest.raises(PartitionError, match=r"train labels hold 10, outside 0..9; pass num_classes >= 11"):
+        make(train_y=np.append(TRAIN_Y, 10))

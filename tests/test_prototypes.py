@@ -76,3 +76,8 @@ def test_nearest_prototype_respects_allowed_classes():
     assert nearest_prototype(h, table, allowed).tolist() == [1, 2]
     allowed = torch.tensor([True, False, True])
     assert nearest_prototype(h, table, allowed).tolist() == [0, 2]
+
+
+def test_aggregation_refuses_class_ids_outside_the_range():
+    with pytest.raises(ValueError, match=r"class id 5 is outside 0..4"):
+        aggregate_prototypes([np.array([5])], [np.ones((1, 2))], [np.array([3])], 5)

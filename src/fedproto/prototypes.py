@@ -80,7 +80,7 @@ def aggregate_prototypes(
         global classes (K,) int64 sorted, global protos (K, d) float32, contributors (K,) int64
         (number of clients that held each class).
     Raises:
-        ValueError: unknown rule, or inconsistent shapes.
+        ValueError: unknown rule, inconsistent shapes, or a class id outside 0..C-1.
     """
     if rule not in AGGREGATION_RULES:
         raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {AGGREGATION_RULES}")
@@ -91,6 +91,9 @@ def aggregate_prototypes(
     n = np.concatenate([np.asarray(c, np.float64) for c in counts])
     if not (len(cls) == len(P) == len(n)):
         raise ValueError("classes, protos and counts must have matching lengths per client")
+    if len(cls) and (cls.min() < 0 or cls.max() >= num_classes):
+        bad = int(cls.max() if cls.max() >= num_classes else cls.min())
+        raise ValueError(f"class id {bad} is outside 0..{num_classes - 1} (num_classes={num_classes})")
     d = P.shape[1]
     contributors = np.bincount(cls, minlength=num_classes)
     present = np.nonzero(contributors)[0]

@@ -147,15 +147,21 @@ def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a run's ``metrics.jsonl`` (list of dicts).
 
     Raises:
-        DataError: a line that is not a JSON object (names the file and line).
+        DataError: the file is missing or unreadable, or a line is not a JSON object (names the
+            file and line).
     """
     from fedproto.errors import DataError
 
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read {p}: {getattr(e, 'strerror', None) or e}; pass a run directory "
+                        "written by `fedproto run`") from None
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -158,6 +158,10 @@ def fewshot_partition(
         )
     if ways < 1 or shots < 1 or num_clients < 1:
         raise PartitionError(f"ways, shots and clients must be >= 1 (got {ways}, {shots}, {num_clients})")
+    for split, y in (("train", train_y), ("test", test_y)):
+        if len(y) and (y.min() < 0 or y.max() >= num_classes):
+            raise PartitionError(f"{split} labels hold {int(y.max() if y.max() >= num_classes else y.min())}, "
+                                 f"outside 0..{num_classes - 1}; pass num_classes >= {int(y.max()) + 1}")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x9A27]))
     n, k = draw_ways_shots(num_clients, ways, shots, stdev, num_classes, noise, rng, dataset)
     classes = [np.sort(rng.choice(num_classes, size=int(ni), replace=False)) for ni in n]
@@ -264,6 +268,10 @@ def natural_partition(
     n_train = np.bincount(train_groups, minlength=W)
     n_test = np.bincount(test_groups, minlength=W)
     eligible = np.flatnonzero((n_train >= 1) & (n_test >= min_test))
+    if len(eligible) == 0:
+        raise PartitionError(
+            f"no writer is eligible for the natural partition ({W} writers in all; eligible: >= 1 train "
+            f"and >= {min_test} test samples); check the dataset's files or use partition='fewshot'")
     if num_clients > len(eligible):
         raise PartitionError(
             f"clients={num_clients} but only {len(eligible)} writers are available for the natural "
