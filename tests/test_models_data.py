@@ -275,7 +275,8 @@ def test_config_is_strict_and_frozen():
                         (dict(dataset=["digits"]), "dataset=['digits']: Input should be a valid string"),
                         (dict(stdev=10**20), "less than or equal to 10000000"),
                         (dict(name="a b"), "is not a plain folder name"),
-                        (dict(out_dir=""), "out_dir='': String should have at least 1 character")):
+                        (dict(out_dir=""), "out_dir='': String should have at least 1 character"),
+                        (dict(model="resnet18", embedding_dim=64), "embedding_dim=64 does not apply to resnet18")):
         with pytest.raises(ConfigError, match=re.escape(expect)):
             build_config(overrides=bad)
     cfg = build_config()

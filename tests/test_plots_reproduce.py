@@ -152,6 +152,12 @@ def test_reproduce_lambda_sweep(capsys, monkeypatch, tmp_path):
     assert_png(out / "sweep_lambda.png")
     conf = json.loads((out / "runs" / "digits-n2-fedproto-s1234-lambda1" / "config.json").read_text())
     assert conf["lambda_proto"] == 1
+    assert "2 cells: 2 run, 0 skipped, 0 failed" in text
+    # reported: a sweep whose every cell failed still exited 0
+    code, text = run_cli(["reproduce", "--sweep", "lambda=0,1", "--datasets", "digits", "--ways", "2",
+                          "--rounds", "1", "--out", str(tmp_path / "bad"), "--set", "clients=40",
+                          "--set", "shots=100", "--set", "stdev=0", "--set", "test_shots=8"], capsys, monkeypatch)
+    assert code == 1 and "2 cells: 0 run, 0 skipped, 2 failed" in text
 
 
 def test_plot_sweep_direct(tmp_path):

@@ -223,19 +223,25 @@ def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, swee
         ms = rp.parse_list(methods, [], "methods", list(rp.METHODS))
         if len(ds) > 1 or len(ns) > 1:
             raise FedprotoError("--sweep runs one dataset and one ways value; give at most one of each")
-        _, csv_path, png = rp.run_sweep(out, sweep, ds[0] if ds else None, ns[0] if ns else None, ms or None,
-                                        seed_list, rounds, sets, data_dir, console=console)
-        console.print(f"wrote {csv_path} and {png}", highlight=False, soft_wrap=True)
+        results, csv_path, png = rp.run_sweep(out, sweep, ds[0] if ds else None, ns[0] if ns else None,
+                                              ms or None, seed_list, rounds, sets, data_dir, console=console)
+        _finish(results, f"{csv_path} and {png}")
         return
     ds = rp.parse_list(datasets, rp.DEFAULT_DATASETS, "datasets", known_ds)
     ns = rp.parse_list(ways, rp.DEFAULT_WAYS, "ways", conv=int)
     ms = rp.parse_list(methods, list(rp.METHODS), "methods", list(rp.METHODS))
     results = rp.run_grid(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console)
+    _finish(results, f"{out / 'table.md'} and {out / 'table.csv'}")
+
+
+def _finish(results, wrote: str) -> None:
+    """The closing line of a grid or sweep; exit code 1 when any cell failed (the outputs are
+    written either way)."""
     counts = {k: sum(r.status == k for r in results) for k in ("done", "skipped", "failed")}
     console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed; "
-                  f"wrote {out / 'table.md'} and {out / 'table.csv'}", highlight=False, soft_wrap=True)
+                  f"wrote {wrote}", highlight=False, soft_wrap=True)
     if counts["failed"]:
-        raise typer.Exit(1)  # the table is written, but not every cell finished
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -132,6 +132,10 @@ class RunConfig(BaseModel):
             raise ValueError(f"name={self.name!r} is not a plain folder name; use letters, digits and "
                              "'.', '_', '-', '+', '=' (starting with a letter, digit or '_'; at most 200 "
                              "characters; no '/', spaces or other symbols)")
+        specs = {m.strip() for m in self.model.split(",")}
+        if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
+            raise ValueError(f"embedding_dim={self.embedding_dim} does not apply to {self.model}: its embedding is "
+                             "the 512-d layer4 output; leave --embedding-dim out (it sets cnn and projcnn models)")
         C = DATASETS[self.dataset][0]
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
