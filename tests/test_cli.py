@@ -189,3 +189,10 @@ def test_reproduce_reruns_a_cell_whose_summary_is_damaged(capsys, monkeypatch, t
     (out / "table.md").mkdir()
     code, text = run_cli(args, capsys, monkeypatch)
     assert code == 2 and "table.md' is a folder" in text
+
+
+def test_error_text_with_brackets_is_printed_whole(capsys, monkeypatch, tmp_path):
+    # reported: rich read "[k - s + 1, ...]" in the message as markup and dropped it
+    code, text = run_cli(["run", "--dataset", "digits", "--shots", "1", "--stdev", "3", "--out-dir", str(tmp_path)],
+                         capsys, monkeypatch)
+    assert code == 2 and "from [k - s + 1, ...] = [-1, ...], below 1 sample" in " ".join(text.split())

@@ -15,6 +15,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -23,8 +24,9 @@ from fedproto.errors import FedprotoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated prototype learning (FedProto, arXiv 2105.00243).")
-err_console = Console(stderr=True)
-console = Console()
+# markup off: messages carry paths and "[...]" text; markup is asked for where it is used
+err_console = Console(stderr=True, markup=False)
+console = Console(markup=False)
 
 
 @app.callback()
@@ -251,7 +253,7 @@ def main() -> None:
     try:
         app()
     except FedprotoError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True, markup=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
 
 

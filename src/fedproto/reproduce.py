@@ -584,7 +584,7 @@ def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[l
             r = run_cell(cell, progress=progress)
             results.append(r)
             if console is not None:
-                console.print(f"{escape(f'[{i:>{width}}/{total}]')} {escape(cell.name)}  {describe(r)}",
+                console.print(f"{escape(f'[{i:>{width}}/{total}]')} {escape(cell.name)}  {describe(r)}", markup=True,
                               highlight=False, soft_wrap=True)
             write_status(out, results)
             if after:
