@@ -144,7 +144,7 @@ def plot(
     tsne: bool = typer.Option(True, "--tsne/--no-tsne", help="Also draw the t-SNE (fig. 2) when embeddings exist."),
 ):
     """Draw curves.png (accuracy and losses per round) and tsne.png (fig. 2) into RUN_DIR."""
-    from fedproto.plots import EMBEDDINGS_FILE, plot_curves, plot_tsne_run
+    from fedproto.plots import EMBEDDINGS_FILE, TooFewPoints, plot_curves, plot_tsne_run
 
     if not run_dir.is_dir():
         what = "is a file, not a folder" if run_dir.exists() else "does not exist"
@@ -160,9 +160,7 @@ def plot(
     try:
         with _damaged_files(run_dir):
             path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
-    except FedprotoError as e:
-        if "t-SNE needs at least" not in str(e):
-            raise
+    except TooFewPoints as e:
         err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
         return
     console.print(str(path), highlight=False, soft_wrap=True)

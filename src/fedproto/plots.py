@@ -24,6 +24,10 @@ MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "p", "h", "*", "8", "d",
 TSNE_SEED = 0
 
 
+class TooFewPoints(FedprotoError):
+    """A t-SNE needs at least 3 points (a run too small to draw, not a damaged file)."""
+
+
 def _figure(width: float, height: float, ncols: int = 1):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -193,6 +197,7 @@ def plot_tsne_arrays(
         random_state: t-SNE seed.
     Raises:
         FedprotoError: no embeddings, or prototypes of another dimension.
+        TooFewPoints: fewer than 3 points (embeddings and prototypes together).
     """
     from sklearn.manifold import TSNE
 
@@ -211,7 +216,7 @@ def plot_tsne_arrays(
         pts = np.concatenate([h, protos])
     n = len(pts)
     if n < 3:
-        raise FedprotoError(f"t-SNE needs at least 3 points, got {n}")
+        raise TooFewPoints(f"t-SNE needs at least 3 points, got {n}")
     perp = float(min(perplexity, max(1.0, (n - 1) / 3)))
     from threadpoolctl import threadpool_limits
 

@@ -290,8 +290,7 @@ def _valid_summary(summary: Any) -> bool:
     acc, ppr = summary.get("accuracy"), summary.get("params_per_round")
     if not (isinstance(acc, dict) and isinstance(acc.get("acc"), dict) and isinstance(ppr, dict)):
         return False
-    entries = [v for v in acc.values()]
-    return (all(isinstance(v, dict) and number(v.get("mean")) and number(v.get("std")) for v in entries)
+    return (all(isinstance(v, dict) and number(v.get("mean")) and number(v.get("std")) for v in acc.values())
             and all(number(v) for v in ppr.values()))
 
 

@@ -75,8 +75,6 @@ class RunDir:
     """
 
     def __init__(self, path: str | Path):
-        from fedproto.errors import ConfigError
-
         self.path = Path(path)
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
@@ -87,8 +85,7 @@ class RunDir:
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
-                              "choose another --out-dir or --name") from None
+            raise self._unwritable(e) from None
 
     def begin(self) -> None:
         """Remove an earlier run's result files and start an empty ``metrics.jsonl``.
@@ -96,16 +93,19 @@ class RunDir:
         Raises:
             ConfigError: the folder cannot be written.
         """
-        from fedproto.errors import ConfigError
-
         try:
             for name in RESULT_FILES:
                 (self.path / name).unlink(missing_ok=True)
             self._metrics.write_text("")
         except OSError as e:
-            raise ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
-                              "choose another --out-dir or --name") from None
+            raise self._unwritable(e) from None
         self._begun = True
+
+    def _unwritable(self, e: OSError) -> Exception:
+        from fedproto.errors import ConfigError
+
+        return ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
+                           "choose another --out-dir or --name")
 
     def discard_if_unused(self) -> None:
         """Remove the folder if this object created it and no run began in it (set-up failed)."""

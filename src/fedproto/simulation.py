@@ -214,8 +214,8 @@ class Simulation:
             up = [message_size(m) for m in msgs]
             self.message = alg.aggregate(r, msgs, S)
             t_train = time.perf_counter() - t0
-            if not all(np.isfinite([x.loss_ce for x in tr] + [x.loss_proto for x in tr])):
-                bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
+            bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
+            if bad:
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
                     f"lower --lr (now {cfg.lr}) or --lambda-proto (now {cfg.lam})")

@@ -201,12 +201,9 @@ def load_dataset(
     Raises:
         DataError: unknown name; files missing (the message names the expected files and
             every folder looked in, and how to obtain them); a file corrupt or malformed (the
-            message names it); or the download failed.
-
-    Raises:
-        DataError: files missing (names them and the folders searched) or corrupt; ``root`` is a
-            file, or does not exist while downloading is off (a typo would otherwise fall through
-            to ``$FEDPROTO_DATA`` silently).
+            message names it); the download failed; or ``root`` is a file, or does not exist
+            while downloading is off (a typo would otherwise fall through to ``$FEDPROTO_DATA``
+            silently).
     """
     key = name.strip().lower()
     if root is not None and key != "digits":
