@@ -18,7 +18,7 @@ from fedproto.algorithms.fedavg import weights_message
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
 from fedproto.models.base import count_parameters
-from fedproto.models.cnn import PaperCNN
+from fedproto.models.cnn import PaperCNN, ProjectedCNN
 from fedproto.simulation import Simulation
 from fedproto.training import Objective, OptimConfig, make_plan, train_client, train_group
 
@@ -77,14 +77,18 @@ def test_accuracy_well_above_chance(algorithm):
 def test_up_message_size_matches_method(algorithm):
     sim = _run(algorithm)
     m = len(sim.setup.states)
-    head, total = _head_and_total(sim.setup.states[0].model)
-    body = total - head
+    model = sim.setup.states[0].model
+    head, total = _head_and_total(model)
+    # FedPer/FedRep keep every fc layer local by default (personal_layers="fc"), so the body is the
+    # two convolutions (digits' CNN: 3x3 kernels)
+    body = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("conv1.", "conv2.")))
+    assert 0 < body < total - head
     expected_up = {
         "local": 0,
         "fedavg": m * (total + 1),  # all weights + the sample count n
         "fedprox": m * (total + 1),
         "fesem": m * (total + 1),
-        "fedper": m * (body + 1),  # body only, head stays local
+        "fedper": m * (body + 1),  # convolutions only, fc1 and fc2 stay local
         "fedrep": m * (body + 1),
     }[algorithm]
     row = sim.history[-1]
@@ -146,11 +150,45 @@ def test_fedprox_term_reaches_the_gradient(batched):
     assert ratio[mu] < 0.5 < 0.9 < ratio[0.0], ratio
 
 
+@pytest.mark.parametrize("layers", ["fc", "head"])
+def test_personal_layers_set_what_fedper_shares(layers):
+    """``personal_layers="head"`` keeps only fc2 local: the body is every other tensor."""
+    sim = Simulation(_cfg(algorithm="fedper", personal_layers=layers, rounds=1), out=False)
+    sim.run()
+    model, m = sim.setup.states[0].model, len(sim.setup.states)
+    kept = {"fc": ("fc1.", "fc2."), "head": ("fc2.",)}[layers]
+    body = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(kept))
+    assert body == {"fc": 1920, "head": count_parameters(model) - 50 * 10 - 10}[layers]  # 10*9+10 + 20*10*9+20
+    assert sim.history[-1]["up_params"] == m * (body + 1)
+
+
+def test_fedper_on_the_mnist_cnn_shares_the_convolutions_only():
+    """tab. 1's FedPer Params on MNIST, 106k per round, is 20 clients x the 5,280 conv parameters
+    of the paper CNN (10*1*25+10 + 20*10*25+20); the whole CNN has 21,840 (FedAvg: 430k)."""
+    model = PaperCNN()
+    shared = [n for n, _ in model.named_parameters() if not model.is_personal_param(n, "fc")]
+    assert shared == ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"]
+    assert sum(p.numel() for n, p in model.named_parameters() if n in shared) == 5280
+    assert count_parameters(model) == 21840
+    proj = ProjectedCNN(channels=(4, 8), embedding_dim=16)  # its fc layers: proj (8 -> 16) and fc
+    assert [n for n, _ in proj.named_parameters() if proj.is_personal_param(n, "fc")] == [
+        "proj.weight", "proj.bias", "fc.weight", "fc.bias"]
+    assert [n for n, _ in proj.named_parameters() if proj.is_personal_param(n, "head")] == ["fc.weight", "fc.bias"]
+
+
+def test_personal_layers_refused_when_unknown():
+    with pytest.raises(ConfigError, match="personal_layers"):
+        _cfg(algorithm="fedper", personal_layers="conv")
+    with pytest.raises(ValueError, match="'conv'"):
+        FedRep(10, OptimConfig(), personal_layers="conv")
+
+
+@pytest.mark.parametrize("layers", ["fc", "head"])
 @pytest.mark.parametrize("batched", [False, True])
-def test_fedrep_phases_train_head_then_body(batched):
+def test_fedrep_phases_train_head_then_body(batched, layers):
     opt = OptimConfig(lr=0.05, momentum=0.5, batch_size=8)
     models, xs, ys = _cnn_clients(2)
-    alg = FedRep(10, opt, local_epochs=1, rep_head_epochs=2)
+    alg = FedRep(10, opt, local_epochs=1, rep_head_epochs=2, personal_layers=layers)
     states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
     full = alg.objective(states[0], {})
     assert [p.epochs for p in full.phases] == [2, 1]
@@ -164,7 +202,8 @@ def test_fedrep_phases_train_head_then_body(batched):
             train_client(models[0], xs[0], ys[0], _plan(models[0], len(xs[0]), objs[0], opt), objs[0], opt)
         m = models[0]
         for name, p in m.named_parameters():
-            trained = m.is_head_param(name) == (phase_idx == 0)
+            personal = name.startswith(("fc1.", "fc2.") if layers == "fc" else ("fc2.",))
+            trained = personal == (phase_idx == 0)
             unchanged = torch.equal(p.detach(), before[0][name].detach())
             assert unchanged != trained, (phase_idx, name)
 

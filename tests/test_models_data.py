@@ -166,6 +166,9 @@ def test_resnet18_names_match_torchvision():
         assert tuple(sd[k].shape) == shape, k
     assert sum(p.numel() for p in m.parameters()) == 11_689_512  # torchvision resnet18
     assert m.is_head_param("fc.weight") and not m.is_head_param("layer4.1.bn2.weight")
+    # FedPer/FedRep: ResNet18's only fully connected layer is fc, so both splits keep fc alone
+    for layers in ("fc", "head"):
+        assert m.is_personal_param("fc.bias", layers) and not m.is_personal_param("layer4.1.conv2.weight", layers)
     assert m.arch_key() is None
 
 

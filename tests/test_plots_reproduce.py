@@ -7,6 +7,7 @@ import json
 import pytest
 
 from fedproto import paper
+from fedproto.config import build_config
 from conftest import run_cli
 
 TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8"]
@@ -222,3 +223,20 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     assert "Models: resnet18 (not the paper's" not in rp.render_markdown([row])
     swapped = dict(row, dataset="cifar10", model="cnn")
     assert "Models: cnn (not the paper's; see the README)." in rp.render_markdown([swapped])
+
+
+def test_cells_stored_before_personal_layers_existed():
+    """A stored config without ``personal_layers`` was a FedPer/FedRep run that kept only the last
+    layer local: it no longer matches the default ("fc") and is rerun; other methods, for which
+    the field means nothing, still match and are skipped."""
+    from fedproto.reproduce import _comparable
+
+    for method, same in (("fedper", False), ("fedrep", False), ("fedavg", True), ("fedproto", True)):
+        cfg = build_config(overrides={"dataset": "digits", "algorithm": method}).model_dump()
+        stored = {k: v for k, v in cfg.items() if k != "personal_layers"}
+        assert (_comparable(stored) == _comparable(cfg)) is same, method
+        legacy = build_config(overrides={"dataset": "digits", "algorithm": method, "personal_layers": "head"})
+        assert _comparable(stored) == _comparable(legacy.model_dump()), method
+    # ResNet18's only fully connected layer is its head, so both splits are the same run
+    cfg = build_config(overrides={"dataset": "cifar10", "algorithm": "fedrep"}).model_dump()
+    assert _comparable({k: v for k, v in cfg.items() if k != "personal_layers"}) == _comparable(cfg)

@@ -74,6 +74,7 @@ def run(
     aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median (default: mean)"),
     proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes (default: own)"),
     prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu (default: 0.01)"),
+    personal_layers: Optional[str] = typer.Option(None, help="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's Params) | head (last layer only) (default: fc)"),
     rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round (default: 9)"),
     fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K (default: 3)"),
     execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),

@@ -87,6 +87,7 @@ class RunConfig(BaseModel):
     proto_classes: Literal["own", "all"] = "own"
     # baselines (tab. 1)
     prox_mu: float = Field(0.01, ge=0, le=1e6)  # FedProx mu (arXiv 1812.06127)
+    personal_layers: Literal["fc", "head"] = "fc"  # FedPer/FedRep: what stays local (tab. 1 Params: all fc layers)
     rep_head_epochs: int = Field(9, ge=1, le=100_000)  # FedRep head epochs per round (official code: 9 head + 1 body)
     fesem_clusters: int = Field(3, ge=1, le=1_000_000)  # FeSEM K (arXiv 2005.01026)
     # engine and output

@@ -85,6 +85,14 @@ GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir"
 MATCH_IGNORED = ("data_dir", "download", "out_dir", "name", "threads")
 """Config fields that do not change results and are ignored when deciding whether to skip a cell."""
 
+MATCH_ONLY_FOR = {"personal_layers": ("fedper", "fedrep")}
+"""Config fields that change the results of these algorithms only (ignored for the others)."""
+
+MATCH_ADDED = {"personal_layers": "head"}
+"""Fields added after results were stored, with the behaviour older runs had: a stored config
+without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
+last layer on the client, so they are run again under today's default ``fc``)."""
+
 
 # ------------------------------------------------------------------------------------------------
 # parsing
@@ -260,7 +268,12 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
 
 def _comparable(cfg: dict) -> dict:
     """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
-    return {k: v for k, v in _clean(cfg).items() if k in RunConfig.model_fields and k not in MATCH_IGNORED}
+    out = {**MATCH_ADDED, **_clean(cfg)}
+    algorithm = out.get("algorithm")
+    if str(out.get("model", "")).startswith("resnet18"):
+        out.pop("personal_layers")  # ResNet18's only fc layer is its head: "fc" and "head" are one split
+    return {k: v for k, v in out.items() if k in RunConfig.model_fields and k not in MATCH_IGNORED
+            and algorithm in MATCH_ONLY_FOR.get(k, (algorithm,))}
 
 
 def finished(cell: Cell) -> dict | None:

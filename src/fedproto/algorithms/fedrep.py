@@ -1,9 +1,11 @@
 """FedRep (Collins et al., arXiv 2102.07078), a baseline of tab. 1.
 
 Like FedPer the body (representation) is shared and averaged (sample-weighted) and the head stays
-local, but each round's local training alternates: first ``rep_head_epochs`` epochs update only
-the head with the body frozen, then ``local_epochs`` epochs update only the body with the head
-frozen (two :class:`~fedproto.training.Phase` s; each phase starts a fresh SGD optimizer).
+local (``personal_layers``: by default every fully connected layer, as FedPer and tab. 1's
+Params column, 110k on MNIST, about the paper CNN's 20 x 5,280 conv parameters; ``"head"``: the
+last layer only, FedRep's own split), but each round's local training alternates: first
+``rep_head_epochs`` epochs update only the head with the body frozen, then ``local_epochs``
+epochs update only the body with the head frozen (two :class:`~fedproto.training.Phase` s; each phase starts a fresh SGD optimizer).
 
 Default ``rep_head_epochs`` = 9: FedRep's point is "many local updates of the low-dimensional head
 for every update of the representation" (abstract); the official FedRep code's defaults
@@ -30,22 +32,26 @@ class FedRep(FedPer):
     Args:
         num_classes, opt: as :class:`FedAvg`. local_epochs: body epochs per round.
         rep_head_epochs: head epochs per round (>= 1).
+        personal_layers: what the head is, as :class:`FedPer` (``"fc"`` or ``"head"``).
+    Raises:
+        ValueError: ``rep_head_epochs`` < 1 or unknown ``personal_layers``.
     """
 
     name = "fedrep"
 
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, rep_head_epochs: int = 9):
-        super().__init__(num_classes, opt, local_epochs)
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, rep_head_epochs: int = 9,
+                 personal_layers: str = "fc"):
+        super().__init__(num_classes, opt, local_epochs, personal_layers)
         if rep_head_epochs < 1:
             raise ValueError(f"rep_head_epochs must be >= 1, got {rep_head_epochs}")
         self.rep_head_epochs = int(rep_head_epochs)
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> "FedRep":
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs)
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs, cfg.personal_layers)
 
     def objective(self, state: ClientState, message: Message) -> Objective:
-        is_head = state.model.is_head_param
+        is_head = self.is_personal(state.model)
         return Objective(phases=[
             Phase(self.rep_head_epochs, trains=is_head),
             Phase(self.local_epochs, trains=lambda name: not is_head(name)),

@@ -49,9 +49,30 @@ class ProtoModel(nn.Module):
     head_prefixes: tuple[str, ...] = ()
     """Parameter-name prefixes of the decision layers g (the rest is the representation f)."""
 
+    fc_prefixes: tuple[str, ...] | None = None
+    """Parameter-name prefixes of every fully connected layer after the convolutional base
+    (None: the head only). For the paper CNN ``fc1`` and ``fc2``; for ResNet18 ``fc``."""
+
     def is_head_param(self, name: str) -> bool:
-        """True if parameter ``name`` belongs to the head (FedPer/FedRep split body and head)."""
+        """True if parameter ``name`` belongs to the head g (the last, decision layer)."""
         return name.startswith(self.head_prefixes)
+
+    def is_personal_param(self, name: str, layers: str = "fc") -> bool:
+        """True if tensor ``name`` stays on the client under FedPer/FedRep's split.
+
+        Args:
+            name: a parameter or buffer name of this model.
+            layers: ``"fc"``: every fully connected layer after the convolutional base
+                (:attr:`fc_prefixes`; tab. 1's Params column for FedPer/FedRep, 106k on MNIST =
+                20 clients x 5,280 conv parameters of the paper CNN); ``"head"``: the head g only.
+        Raises:
+            ValueError: ``layers`` is neither.
+        """
+        if layers == "head":
+            return self.is_head_param(name)
+        if layers == "fc":
+            return name.startswith(self.fc_prefixes if self.fc_prefixes is not None else self.head_prefixes)
+        raise ValueError(f"personal layers {layers!r}: use 'fc' or 'head'")
 
     def noise_widths(self) -> dict[str, int]:
         """Widths of the explicit dropout masks this model consumes (empty: none)."""

@@ -39,6 +39,7 @@ class PaperCNN(ProtoModel):
     """
 
     head_prefixes = ("fc2.",)
+    fc_prefixes = ("fc1.", "fc2.")
 
     def __init__(
         self,
@@ -114,6 +115,7 @@ class ProjectedCNN(ProtoModel):
     """
 
     head_prefixes = ("fc.",)
+    fc_prefixes = ("proj.", "fc.")
 
     def __init__(self, in_channels=1, num_classes=10, channels=(32, 64), embedding_dim=50, dropout=0.0):
         super().__init__()
