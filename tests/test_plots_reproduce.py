@@ -125,6 +125,9 @@ def test_reproduce_failed_cell_is_recorded_and_grid_goes_on(capsys, monkeypatch,
     assert "failed" in text and "1 failed" in text
     status = json.loads((out / "status.json").read_text())
     assert status[0]["status"] == "failed" and status[0]["message"]
+    # the advice names reproduce's options (--set shots=...), not fedproto run's flags (--shots)
+    assert "--set shots=" in status[0]["message"] and "--set clients=" in status[0]["message"]
+    assert "--shots" not in status[0]["message"] and "--clients" not in status[0]["message"]
     md = (out / "table.md").read_text()
     assert "| fedproto | failed |" in md and "## Failed cells" in md
 

@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -327,8 +328,26 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
         summary = sim.run()
         save_embeddings(sim, d)
     except FedprotoError as e:
-        return CellResult(cell, "failed", None, str(e), time.perf_counter() - t0)
+        return CellResult(cell, "failed", None, as_set_options(str(e)), time.perf_counter() - t0)
     return CellResult(cell, "done", summary, "", time.perf_counter() - t0)
+
+
+_RUN_FLAG = re.compile(r"--(shots|stdev|noise|test-shots|clients|partition)\b"
+                       r"(?: (\d+(?:\.\d+)?|gaussian|uniform|natural|fewshot)\b)?")
+
+
+def as_set_options(message: str) -> str:
+    """Rewrite ``fedproto run`` flags in an error message as the ``--set`` options of reproduce.
+
+    ``"use --shots 10 or --noise gaussian"`` -> ``"use --set shots=10 or --set noise=gaussian"``;
+    a flag without a value gets ``=...``; ``--keep-last`` becomes ``--set drop_last=false``.
+    ``--ways`` stays: reproduce has its own ``--ways``.
+    """
+    def sub(m: re.Match) -> str:
+        field = m.group(1).replace("-", "_")
+        return f"--set {field}={m.group(2) if m.group(2) else '...'}"
+
+    return _RUN_FLAG.sub(sub, message).replace("--keep-last", "--set drop_last=false")
 
 
 # ------------------------------------------------------------------------------------------------
