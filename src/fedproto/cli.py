@@ -80,14 +80,16 @@ def run(
     execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),
     group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation (default: 128)"),
     eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last) (default: 10)"),
+    checkpoint_every: Optional[int] = typer.Option(None, help="Write a checkpoint every N rounds, removed when the run finishes; 0: none (default: 0)"),
     seed: Optional[int] = typer.Option(None, help="Seed (default: 1234)"),
     out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
     name: Optional[str] = typer.Option(None, help="Run directory name (default: derived from the config)"),
     threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default) (default: 0)"),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's checkpoint, if it has one (same options required)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):
     """Train with the in-process simulator and write a run directory."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet")}
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume")}
     from fedproto.simulation import Simulation, prepare
 
     from fedproto.results import RunDir
@@ -114,11 +116,14 @@ def run(
 
         sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
         try:
-            summary = sim.run()
+            summary = sim.run(resume=resume)
         except KeyboardInterrupt:
             progress.stop()
+            saved = ""
+            if run_dir.checkpoint.is_file():
+                saved = "; it holds a checkpoint: continue with the same command plus --resume"
             err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
-                              "(no summary.json: the run did not finish)")
+                              f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130)
     from fedproto.plots import save_embeddings
 

@@ -46,6 +46,10 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 """A run name: one plain folder name (no path separators, spaces or shell-special characters)."""
 
 
+RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every")
+"""RunConfig fields that never change a run's numbers (where files are, how many threads)."""
+
+
 class RunConfig(BaseModel):
     """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
 
@@ -94,6 +98,7 @@ class RunConfig(BaseModel):
     execution: Literal["auto", "sequential", "batched"] = "auto"
     group_size: int = Field(128, ge=1, le=1_000_000)  # most clients trained as one batched computation
     eval_every: int = Field(10, ge=0, le=10_000_000)
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000)  # rounds between checkpoints (0: none)
     seed: int = Field(1234, ge=0, lt=2**32)
     out_dir: str = Field("runs", min_length=1)
     name: Optional[str] = None
@@ -141,6 +146,11 @@ class RunConfig(BaseModel):
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
         return self
+
+    def result_fields(self) -> dict[str, Any]:
+        """The fields that can change a run's numbers (all but :data:`RESULT_NEUTRAL`), JSON-ready;
+        a checkpoint resumes, and a reproduce cell is skipped, only when these match."""
+        return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESULT_NEUTRAL}
 
     @property
     def num_classes(self) -> int:

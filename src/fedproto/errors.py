@@ -29,3 +29,11 @@ class ModelError(FedprotoError, ValueError):
 
 class TrainingError(FedprotoError):
     """Training cannot go on (e.g. the loss became NaN or infinite)."""
+
+
+class CheckpointError(DataError):
+    """A checkpoint file is damaged, of another format, or does not fit the run's models."""
+
+
+class CheckpointMismatch(ConfigError):
+    """A checkpoint was written by a run with other options (names the fields that differ)."""

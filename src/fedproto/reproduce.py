@@ -38,8 +38,9 @@ import numpy as np
 from rich.markup import escape
 
 from fedproto import paper
-from fedproto.config import DATASETS, RunConfig, build_config
-from fedproto.errors import ConfigError, FedprotoError
+from fedproto.checkpoint import CHECKPOINT_FILE
+from fedproto.config import DATASETS, RESULT_NEUTRAL, RunConfig, build_config
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 }
 GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
-MATCH_IGNORED = ("data_dir", "download", "out_dir", "name", "threads")
+MATCH_IGNORED = RESULT_NEUTRAL
 """Config fields that do not change results and are ignored when deciding whether to skip a cell."""
 
 MATCH_ONLY_FOR = {"personal_layers": ("fedper", "fedrep")}
@@ -325,7 +326,13 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     t0 = time.perf_counter()
     try:
         sim = Simulation(cell.cfg, out=d, progress=progress)
-        summary = sim.run()
+        try:
+            summary = sim.run(resume=True)  # an interrupted cell with a checkpoint goes on from it
+        except (CheckpointError, CheckpointMismatch) as e:
+            log.warning("%s: %s; running the cell from round 1", cell.name, e)
+            (d / CHECKPOINT_FILE).unlink(missing_ok=True)
+            sim = Simulation(cell.cfg, out=d, progress=progress)
+            summary = sim.run()
         save_embeddings(sim, d)
     except FedprotoError as e:
         return CellResult(cell, "failed", None, as_set_options(str(e)), time.perf_counter() - t0)

@@ -58,7 +58,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png")
+                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt")
 """Files a run writes; a new run in the same folder first removes the old ones, so a run that is
 interrupted never leaves a mix of two runs behind (no summary.json means: not finished)."""
 
@@ -87,19 +87,32 @@ class RunDir:
         except OSError as e:
             raise self._unwritable(e) from None
 
-    def begin(self) -> None:
-        """Remove an earlier run's result files and start an empty ``metrics.jsonl``.
+    def begin(self, history: list[dict] | None = None) -> None:
+        """Start a run: remove an earlier run's result files and start an empty ``metrics.jsonl``.
 
+        Args:
+            history: resuming from a checkpoint: the metrics rows it holds. The checkpoint and
+                ``config.json`` are kept, ``metrics.jsonl`` is rewritten (atomically) with exactly
+                these rows, and the files a finished run writes are removed.
         Raises:
             ConfigError: the folder cannot be written.
         """
+        keep = ("config.json", "checkpoint.pt") if history is not None else ()
         try:
             for name in RESULT_FILES:
-                (self.path / name).unlink(missing_ok=True)
-            self._metrics.write_text("")
+                if name not in keep:
+                    (self.path / name).unlink(missing_ok=True)
+            atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
         except OSError as e:
             raise self._unwritable(e) from None
         self._begun = True
+
+    @property
+    def checkpoint(self) -> Path:
+        """Path of the run's checkpoint file (see :mod:`fedproto.checkpoint`)."""
+        from fedproto.checkpoint import CHECKPOINT_FILE
+
+        return self.path / CHECKPOINT_FILE
 
     def _unwritable(self, e: OSError) -> Exception:
         from fedproto.errors import ConfigError

@@ -22,10 +22,11 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
+from fedproto.checkpoint import load_checkpoint, save_checkpoint
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, fewshot_partition, natural_partition
-from fedproto.errors import ConfigError, TrainingError
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import RunDir
@@ -191,20 +192,85 @@ class Simulation:
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         return [alg.evaluate(S[i], alg.downlink(self.message, i), D[i]) for i in range(len(S))]
 
-    def run(self) -> dict:
-        """Run all rounds; returns the summary dict (also written to ``summary.json``)."""
+    def _checkpoint_state(self, r: int, totals: dict, train_time: float, wall: float) -> dict:
+        return {
+            "round": r,
+            "config": self.cfg.result_fields(),
+            "message": self.message,
+            "server_state": self.setup.algorithm.server_state(),
+            "clients": [{"model": s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states],
+            "history": self.history,
+            "totals": dict(totals),
+            "train_time_s": train_time,
+            "wall_time_s": wall,
+        }
+
+    def _restore(self, ckpt: dict) -> None:
+        """Load a checkpoint's state (see :mod:`fedproto.checkpoint`) into this simulation.
+
+        Raises:
+            CheckpointMismatch: the checkpoint belongs to another configuration (names the fields).
+            CheckpointError: its content does not fit these clients' models.
+        """
+        mine = self.cfg.result_fields()
+        theirs = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        where = str(self.run_dir.checkpoint) if self.run_dir else "the checkpoint"
+        if diff:
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
+            raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); resume with "
+                              f"the same options, or delete it (or leave out --resume) to start anew")
+        S = self.setup.states
+        if len(ckpt["clients"]) != len(S) or not 0 < int(ckpt["round"]) <= self.cfg.rounds:
+            raise CheckpointError(f"{where} does not fit this run ({len(ckpt['clients'])} clients, round "
+                            f"{ckpt['round']}); delete it to start anew")
+        try:
+            for s, c in zip(S, ckpt["clients"]):
+                s.model.load_state_dict(c["model"])
+                s.extra = dict(c["extra"])
+            self.setup.algorithm.load_server_state(ckpt["server_state"])
+        except (RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}); delete it to start anew") from None
+        self.message = ckpt["message"]
+        self.history = list(ckpt["history"])
+
+    def run(self, resume: bool = False) -> dict:
+        """Run all rounds; returns the summary dict (also written to ``summary.json``).
+
+        Args:
+            resume: continue from the run directory's checkpoint when there is one (else start at
+                round 1). Checkpoints are written every ``cfg.checkpoint_every`` rounds and removed
+                when the run finishes; see :mod:`fedproto.checkpoint`.
+        Raises:
+            CheckpointMismatch: the checkpoint was written under other options.
+            CheckpointError: it is damaged or does not fit.
+            TrainingError: the loss diverged.
+        """
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
+        totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
+        train_time = wall_before = 0.0
+        start = 1
+        ckpt = None
+        if resume and self.run_dir and self.run_dir.checkpoint.is_file():
+            ckpt = load_checkpoint(self.run_dir.checkpoint)
+            self._restore(ckpt)
+            start = int(ckpt["round"]) + 1
+            totals.update({k: int(v) for k, v in ckpt["totals"].items() if k in totals})
+            train_time, wall_before = float(ckpt["train_time_s"]), float(ckpt["wall_time_s"])
+            log.info("resuming %s after round %d", self.run_dir.path, start - 1)
         if self.run_dir:
-            self.run_dir.begin()
+            self.run_dir.begin(self.history if ckpt is not None else None)
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
                                        "partition_summary": self.setup.partition.summary()})
+        if self.on_round:
+            for row in self.history:
+                self.on_round(row)
         ids = list(range(len(S)))
-        t_start = time.perf_counter()
-        totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
-        train_time = 0.0
+        t_start = time.perf_counter() - wall_before
         per_client: list[dict] = []
-        for r in range(1, cfg.rounds + 1):
+        for r in range(start, cfg.rounds + 1):
             t0 = time.perf_counter()
             received = {i: alg.downlink(self.message, i) for i in ids}
             down = [message_size(received[i]) for i in ids]
@@ -241,8 +307,16 @@ class Simulation:
             self.history.append(row)
             if self.run_dir:
                 self.run_dir.log_round(row)
+                if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
+                    try:
+                        save_checkpoint(self.run_dir.checkpoint,
+                                        self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
+                    except OSError as e:
+                        raise self.run_dir._unwritable(e) from None
             if self.on_round:
                 self.on_round(row)
+        if not per_client:  # resumed after the last round's checkpoint: evaluate the restored models
+            per_client = self.evaluate()
         wall = time.perf_counter() - t_start
         last = self.history[-1]
         summary = {
@@ -278,4 +352,5 @@ class Simulation:
             if "protos" in self.message:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))
+            self.run_dir.checkpoint.unlink(missing_ok=True)  # finished: nothing left to resume
         return summary

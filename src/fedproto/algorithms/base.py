@@ -96,6 +96,18 @@ class Algorithm:
         """Combine client messages into the next server message."""
         raise NotImplementedError
 
+    server_state_keys: tuple[str, ...] = ()
+    """Attributes the server keeps between rounds besides the message (saved in checkpoints)."""
+
+    def server_state(self) -> dict[str, Any]:
+        """The server-side state a checkpoint needs (numpy arrays, dicts of them, or None)."""
+        return {k: getattr(self, k) for k in self.server_state_keys}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
+        for k in self.server_state_keys:
+            setattr(self, k, state[k])
+
     def downlink(self, message: Message, cid: int) -> Message:
         """What client ``cid`` receives of the server message (default: all of it). The engine
         counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""

@@ -39,6 +39,7 @@ class FedProto(Algorithm):
     """
 
     name = "fedproto"
+    server_state_keys = ("last_contributors",)
 
     def __init__(
         self,

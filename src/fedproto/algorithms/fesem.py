@@ -59,6 +59,7 @@ class FeSEM(FedAvg):
     """
 
     name = "fesem"
+    server_state_keys = ("centres", "assign", "last_distances")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0):
         super().__init__(num_classes, opt, local_epochs)

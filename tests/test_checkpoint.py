@@ -1,0 +1,135 @@
+"""Checkpoints: an interrupted run resumed from its checkpoint gives the numbers of a run that was
+never interrupted; a damaged or foreign checkpoint is a clear error, never a silent restart."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedproto.config import build_config
+from fedproto.errors import CheckpointError, CheckpointMismatch
+from fedproto.reproduce import Cell, run_cell
+from fedproto.results import read_metrics
+from fedproto.simulation import Simulation
+from conftest import run_cli
+
+BASE = dict(dataset="digits", clients=4, ways=3, shots=15, stdev=1, test_shots=8, rounds=4, eval_every=2,
+            lr=0.05, threads=1)
+TIMES = ("train_time_s", "eval_time_s")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(**kw):
+    return build_config(overrides={**BASE, **kw})
+
+
+def _numbers(rows):
+    return [{k: v for k, v in r.items() if k not in TIMES} for r in rows]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _interrupt_at(round_):
+    def on_round(row):
+        if row["round"] == round_:
+            raise _Stop
+
+    return on_round
+
+
+@pytest.mark.parametrize("algorithm,execution", [("fedproto", "batched"), ("fedproto", "sequential"),
+                                                 ("fesem", "auto"), ("fedavg", "auto")])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, algorithm, execution):
+    cfg = _cfg(algorithm=algorithm, execution=execution, checkpoint_every=2)
+    whole = Simulation(cfg, out=tmp_path / "whole")
+    s_whole = whole.run()
+    assert not (tmp_path / "whole" / "checkpoint.pt").exists()  # removed once finished
+
+    part = tmp_path / "part"
+    with pytest.raises(_Stop):
+        Simulation(cfg, out=part, on_round=_interrupt_at(3)).run()
+    assert (part / "checkpoint.pt").is_file() and len(read_metrics(part)) == 3  # checkpoint after round 2
+
+    resumed = Simulation(cfg, out=part)
+    s_res = resumed.run(resume=True)
+    assert _numbers(resumed.history) == _numbers(whole.history)
+    assert _numbers(read_metrics(part)) == _numbers(read_metrics(tmp_path / "whole"))  # round 3 logged once
+    assert s_res["accuracy"] == s_whole["accuracy"] and s_res["params_per_round"] == s_whole["params_per_round"]
+    assert s_res["bytes_total"] == s_whole["bytes_total"]
+    for a, b in zip(whole.setup.states, resumed.setup.states):
+        for (k, t), (_, u) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+            assert torch.equal(t, u), k
+    assert not (part / "checkpoint.pt").exists()
+    if algorithm == "fedproto":
+        with np.load(part / "prototypes.npz") as p, np.load(tmp_path / "whole" / "prototypes.npz") as q:
+            assert np.array_equal(p["protos"], q["protos"]) and np.array_equal(p["contributors"], q["contributors"])
+
+
+def test_resume_without_checkpoint_starts_at_round_one(tmp_path):
+    sim = Simulation(_cfg(rounds=2), out=tmp_path / "r")
+    sim.run(resume=True)
+    assert [r["round"] for r in read_metrics(tmp_path / "r")] == [1, 2]
+
+
+def test_checkpoint_of_other_options_is_refused(tmp_path):
+    d = tmp_path / "r"
+    with pytest.raises(_Stop):
+        Simulation(_cfg(checkpoint_every=1), out=d, on_round=_interrupt_at(2)).run()
+    with pytest.raises(CheckpointMismatch, match=r"lr: 0.05 there, 0.02 now"):
+        Simulation(_cfg(checkpoint_every=1, lr=0.02), out=d).run(resume=True)
+    assert (d / "checkpoint.pt").is_file()  # nothing lost
+    # checkpoint_every, threads and folders do not change numbers: resuming with others is fine
+    Simulation(_cfg(checkpoint_every=3, threads=2), out=d).run(resume=True)
+    assert [r["round"] for r in read_metrics(d)] == [1, 2, 3, 4]
+
+
+def test_damaged_checkpoint_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    d = tmp_path / "runs" / "x"
+    with pytest.raises(_Stop):
+        Simulation(_cfg(checkpoint_every=1, out_dir=str(tmp_path / "runs"), name="x"), out=d,
+                   on_round=_interrupt_at(2)).run()
+    data = (d / "checkpoint.pt").read_bytes()
+    (d / "checkpoint.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="checkpoint.pt' is not a readable fedproto checkpoint"):
+        Simulation(_cfg(checkpoint_every=1), out=d).run(resume=True)
+    args = ["run", "--dataset", "digits", "--clients", "4", "--shots", "15", "--test-shots", "8", "--rounds", "4",
+            "--lr", "0.05", "--out-dir", str(tmp_path / "runs"), "--name", "x", "--checkpoint-every", "1", "--resume"]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 2 and "delete" in text and "Traceback" not in text, text
+    (d / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 2 and "is not a readable fedproto checkpoint" in text, text
+
+
+def test_cli_resume_continues_and_reproduce_cell_resumes(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "runs"
+    args = ["run", "--dataset", "digits", "--clients", "4", "--shots", "15", "--test-shots", "8", "--rounds", "4",
+            "--lr", "0.05", "--out-dir", str(out), "--name", "c", "--checkpoint-every", "2", "--threads", "1"]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    whole = read_metrics(out / "c")
+    cfg = build_config(overrides={"dataset": "digits", "clients": 4, "shots": 15, "test_shots": 8, "rounds": 4,
+                                  "lr": 0.05, "out_dir": str(out), "name": "c", "checkpoint_every": 2, "threads": 1})
+    with pytest.raises(_Stop):
+        Simulation(cfg, out=out / "c", on_round=_interrupt_at(3)).run()
+    code, text = run_cli([*args, "--resume"], capsys, monkeypatch)
+    assert code == 0, text
+    assert _numbers(read_metrics(out / "c")) == _numbers(whole)
+    # a reproduce cell with a checkpoint goes on from it; with a damaged one it starts anew
+    with pytest.raises(_Stop):
+        Simulation(cfg, out=out / "c", on_round=_interrupt_at(3)).run()
+    (out / "c" / "checkpoint.pt").write_bytes(b"junk")
+    res = run_cell(Cell("digits", 3, "fedproto", 1234, cfg, "c"))
+    assert res.status == "done" and _numbers(read_metrics(out / "c")) == _numbers(whole)
+    assert json.loads((out / "c" / "summary.json").read_text())["rounds"] == 4
