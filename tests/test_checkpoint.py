@@ -4,13 +4,14 @@ never interrupted; a damaged or foreign checkpoint is a clear error, never a sil
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from fedproto.config import build_config
-from fedproto.errors import CheckpointError, CheckpointMismatch
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError
 from fedproto.reproduce import Cell, run_cell
 from fedproto.results import read_metrics
 from fedproto.simulation import Simulation
@@ -133,3 +134,68 @@ def test_cli_resume_continues_and_reproduce_cell_resumes(tmp_path, capsys, monke
     res = run_cell(Cell("digits", 3, "fedproto", 1234, cfg, "c"))
     assert res.status == "done" and _numbers(read_metrics(out / "c")) == _numbers(whole)
     assert json.loads((out / "c" / "summary.json").read_text())["rounds"] == 4
+
+
+def test_checkpoint_round_trip_keeps_arrays(tmp_path):
+    from fedproto.checkpoint import load_checkpoint, save_checkpoint
+
+    state = {"round": 1, "config": {"lr": 0.1}, "message": {"a": np.array(2.0), "b": np.arange(6).reshape(2, 3).T},
+             "server_state": {"x": None}, "clients": [{"model": {"w": torch.ones(2)}, "extra": {"c": np.int64(3),
+                                                                                                  "z": np.zeros(2)}}],
+             "history": [{"round": 1, "loss_ce": 0.5}], "totals": {"up_params": 7}, "train_time_s": 0.1,
+             "wall_time_s": 0.2}
+    save_checkpoint(tmp_path / "c.pt", state)
+    back = load_checkpoint(tmp_path / "c.pt")
+    assert back["message"]["a"].shape == () and float(back["message"]["a"]) == 2.0
+    assert np.array_equal(back["message"]["b"], np.arange(6).reshape(2, 3).T)
+    assert isinstance(back["clients"][0]["extra"]["z"], np.ndarray) and back["clients"][0]["extra"]["c"] == 3
+    assert isinstance(back["clients"][0]["model"]["w"], torch.Tensor)
+    assert (tmp_path / "c.pt").stat().st_mode & 0o044  # readable like the other run files, not 0600
+    with pytest.raises(TypeError, match=r"server_state\['o'\]: a object cannot be checkpointed"):
+        save_checkpoint(tmp_path / "d.pt", {**state, "server_state": {"o": object()}})
+    assert not (tmp_path / "d.pt").exists() and not list(tmp_path.glob(".d.pt.*"))
+    # structurally damaged checkpoints (hand edits) are refused with what is wrong
+    for change, what in (({"train_time_s": None}, "'train_time_s' is a NoneType"),
+                         ({"history": []}, "'history' does not hold rounds 1..1"),
+                         ({"totals": {"up_params": "x"}}, "'totals' holds a non-number"),
+                         ({"round": "1"}, "'round' is a str")):
+        save_checkpoint(tmp_path / "e.pt", {**state, **change})
+        with pytest.raises(CheckpointError, match=re.escape(what)):
+            load_checkpoint(tmp_path / "e.pt")
+
+
+def test_full_disk_while_checkpointing_is_a_clear_error(tmp_path, monkeypatch):
+    import errno
+
+    def full(obj, f):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    d = tmp_path / "r"
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(ConfigError, match=r"cannot write .*No space left on device"):
+        Simulation(_cfg(checkpoint_every=1), out=d).run()
+    assert not list(d.glob(".checkpoint.pt.*")) and len(read_metrics(d)) == 1
+
+
+def test_resume_ignores_options_that_change_no_number(tmp_path):
+    d = tmp_path / "r"
+    with pytest.raises(_Stop):
+        Simulation(_cfg(checkpoint_every=1), out=d, on_round=_interrupt_at(2)).run()
+    # group_size (batching width) and personal_layers (FedPer/FedRep only) do not touch FedProto's numbers
+    Simulation(_cfg(checkpoint_every=1, group_size=2, personal_layers="head"), out=d).run(resume=True)
+    assert [r["round"] for r in read_metrics(d)] == [1, 2, 3, 4]
+
+
+def test_reproduce_advice_uses_set_options():
+    from fedproto.reproduce import as_set_options
+
+    assert as_set_options("lower --lr (now 100.0) or --lambda-proto (now 1e6)") == (
+        "lower --set lr=... (now 100.0) or --set lambda_proto=... (now 1e6)")
+    assert as_set_options("lower --batch-size or use --keep-last") == (
+        "lower --set batch_size=... or use --set drop_last=false")
+    assert as_set_options("use --noise gaussian, --model cnn-mh, --ways 3 or --rounds 5") == (
+        "use --set noise=gaussian, --set model=cnn-mh, --ways 3 or --rounds 5")
+    assert as_set_options("write the run elsewhere (--out-dir / --name)") == "write the run elsewhere (--out)"

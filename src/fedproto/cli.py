@@ -121,7 +121,8 @@ def run(
             progress.stop()
             saved = ""
             if run_dir.checkpoint.is_file():
-                saved = "; it holds a checkpoint: continue with the same command plus --resume"
+                saved = ("; it holds a checkpoint: continue with the same command"
+                         + ("" if resume else " plus --resume"))
             err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                               f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130)

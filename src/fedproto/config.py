@@ -46,8 +46,26 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 """A run name: one plain folder name (no path separators, spaces or shell-special characters)."""
 
 
-RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every")
-"""RunConfig fields that never change a run's numbers (where files are, how many threads)."""
+RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size")
+"""RunConfig fields that never change a run's numbers (where files are, how many threads, how
+many clients one batched computation holds)."""
+
+RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep")}
+"""Fields that change the numbers of these algorithms only."""
+
+
+def result_fields(cfg: dict) -> dict[str, Any]:
+    """The fields of a config dict that can change a run's numbers: all RunConfig fields but
+    :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
+    ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
+    values are one split). Used to decide whether a checkpoint may be resumed and whether a
+    reproduce cell is already done."""
+    algorithm = cfg.get("algorithm")
+    out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
+           and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
+    if str(cfg.get("model", "")).startswith("resnet18"):
+        out.pop("personal_layers", None)
+    return out
 
 
 class RunConfig(BaseModel):
@@ -150,7 +168,7 @@ class RunConfig(BaseModel):
     def result_fields(self) -> dict[str, Any]:
         """The fields that can change a run's numbers (all but :data:`RESULT_NEUTRAL`), JSON-ready;
         a checkpoint resumes, and a reproduce cell is skipped, only when these match."""
-        return {k: v for k, v in self.model_dump(mode="json").items() if k not in RESULT_NEUTRAL}
+        return result_fields(self.model_dump(mode="json"))
 
     @property
     def num_classes(self) -> int:

@@ -32,14 +32,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence, get_args, get_origin
 
 import numpy as np
 from rich.markup import escape
 
 from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import DATASETS, RESULT_NEUTRAL, RunConfig, build_config
+from fedproto.config import DATASETS, RunConfig, build_config, result_fields
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
@@ -84,11 +84,6 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 }
 GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
-MATCH_IGNORED = RESULT_NEUTRAL
-"""Config fields that do not change results and are ignored when deciding whether to skip a cell."""
-
-MATCH_ONLY_FOR = {"personal_layers": ("fedper", "fedrep")}
-"""Config fields that change the results of these algorithms only (ignored for the others)."""
 
 MATCH_ADDED = {"personal_layers": "head"}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
@@ -270,12 +265,7 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
 
 def _comparable(cfg: dict) -> dict:
     """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
-    out = {**MATCH_ADDED, **_clean(cfg)}
-    algorithm = out.get("algorithm")
-    if str(out.get("model", "")).startswith("resnet18"):
-        out.pop("personal_layers")  # ResNet18's only fc layer is its head: "fc" and "head" are one split
-    return {k: v for k, v in out.items() if k in RunConfig.model_fields and k not in MATCH_IGNORED
-            and algorithm in MATCH_ONLY_FOR.get(k, (algorithm,))}
+    return result_fields({**MATCH_ADDED, **_clean(cfg)})
 
 
 def finished(cell: Cell) -> dict | None:
@@ -339,22 +329,37 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     return CellResult(cell, "done", summary, "", time.perf_counter() - t0)
 
 
-_RUN_FLAG = re.compile(r"--(shots|stdev|noise|test-shots|clients|partition)\b"
-                       r"(?: (\d+(?:\.\d+)?|gaussian|uniform|natural|fewshot)\b)?")
+def _flag_words() -> str:
+    from fedproto.models.zoo import MODEL_NAMES
+
+    words = {str(a) for f in RunConfig.model_fields.values() if get_origin(f.annotation) is Literal
+             for a in get_args(f.annotation)} | {m for m in MODEL_NAMES if "<" not in m}
+    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+
+
+_RUN_FLAG = re.compile(r"--([a-z][a-z0-9-]*)\b(?: (\d+(?:\.\d+)?|(?:" + _flag_words() + r"))\b)?")
+_FLAG_FIELD = {"lambda": "lambda_proto", "keep-last": "drop_last", "drop-last": "drop_last",
+               "no-download": "download"}
+_FLAG_VALUE = {"keep-last": "false", "drop-last": "true", "no-download": "false"}
 
 
 def as_set_options(message: str) -> str:
     """Rewrite ``fedproto run`` flags in an error message as the ``--set`` options of reproduce.
 
     ``"use --shots 10 or --noise gaussian"`` -> ``"use --set shots=10 or --set noise=gaussian"``;
-    a flag without a value gets ``=...``; ``--keep-last`` becomes ``--set drop_last=false``.
-    ``--ways`` stays: reproduce has its own ``--ways``.
+    a flag without a value gets ``=...``; switches get their value (``--keep-last`` ->
+    ``--set drop_last=false``). Flags of the grid's own fields (``--ways``, ``--rounds``, ...)
+    stay, and ``--out-dir / --name`` becomes reproduce's ``--out``.
     """
     def sub(m: re.Match) -> str:
-        field = m.group(1).replace("-", "_")
-        return f"--set {field}={m.group(2) if m.group(2) else '...'}"
+        flag = m.group(1)
+        field = _FLAG_FIELD.get(flag, flag.replace("-", "_"))
+        if field not in RunConfig.model_fields or field in GRID_KEYS:
+            return m.group(0)
+        value = _FLAG_VALUE.get(flag) or m.group(2) or "..."
+        return f"--set {field}={value}"
 
-    return _RUN_FLAG.sub(sub, message).replace("--keep-last", "--set drop_last=false")
+    return _RUN_FLAG.sub(sub, message.replace("--out-dir / --name", "--out"))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -102,6 +102,8 @@ class RunDir:
             for name in RESULT_FILES:
                 if name not in keep:
                     (self.path / name).unlink(missing_ok=True)
+                for tmp in self.path.glob(f".{name}.*.tmp"):  # left by a killed process mid-write
+                    tmp.unlink(missing_ok=True)
             atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
         except OSError as e:
             raise self._unwritable(e) from None
@@ -117,8 +119,16 @@ class RunDir:
     def _unwritable(self, e: OSError) -> Exception:
         from fedproto.errors import ConfigError
 
-        return ConfigError(f"cannot write the run directory {str(self.path)!r}: {e.strerror or e}; "
-                           "choose another --out-dir or --name")
+        file = Path(str(e.filename)) if e.filename else self.path
+        where = f"the run directory {str(self.path)!r}" if file == self.path else f"{str(file)!r}"
+        return ConfigError(f"cannot write {where}: {e.strerror or e}; free or fix that path, or write the run "
+                           "elsewhere (--out-dir / --name)")
+
+    def _write(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:
+            raise self._unwritable(e) from None
 
     def discard_if_unused(self) -> None:
         """Remove the folder if this object created it and no run began in it (set-up failed)."""
@@ -128,16 +138,20 @@ class RunDir:
             except OSError:
                 pass
 
+    # Every writer below raises ConfigError (naming the file) instead of OSError, e.g. on a full disk.
     def write_config(self, cfg: dict) -> None:
-        atomic_write_json(self.path / "config.json", cfg)
+        self._write(atomic_write_json, self.path / "config.json", cfg)
 
     def log_round(self, row: dict) -> None:
-        with open(self._metrics, "a") as f:
-            f.write(json.dumps(_clean(row)) + "\n")
-            f.flush()
+        def append():
+            with open(self._metrics, "a") as f:
+                f.write(json.dumps(_clean(row)) + "\n")
+                f.flush()
+
+        self._write(append)
 
     def write_summary(self, summary: dict) -> None:
-        atomic_write_json(self.path / "summary.json", summary)
+        self._write(atomic_write_json, self.path / "summary.json", summary)
 
     def write_clients(self, rows: Iterable[dict]) -> None:
         rows = list(rows)
@@ -147,13 +161,19 @@ class RunDir:
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
-        atomic_write_bytes(self.path / "clients.csv", buf.getvalue().encode())
+        self._write(atomic_write_bytes, self.path / "clients.csv", buf.getvalue().encode())
 
     def write_prototypes(self, classes: np.ndarray, protos: np.ndarray, contributors: np.ndarray | None) -> None:
         buf = io.BytesIO()
         np.savez(buf, classes=classes, protos=protos,
                  contributors=contributors if contributors is not None else np.zeros(0, np.int64))
-        atomic_write_bytes(self.path / "prototypes.npz", buf.getvalue())
+        self._write(atomic_write_bytes, self.path / "prototypes.npz", buf.getvalue())
+
+    def write_checkpoint(self, state: dict) -> None:
+        """:func:`fedproto.checkpoint.save_checkpoint` into :attr:`checkpoint`."""
+        from fedproto.checkpoint import save_checkpoint
+
+        self._write(save_checkpoint, self.checkpoint, state)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -22,7 +22,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
-from fedproto.checkpoint import load_checkpoint, save_checkpoint
+from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, fewshot_partition, natural_partition
@@ -219,7 +219,7 @@ class Simulation:
         if diff:
             shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
             raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); resume with "
-                              f"the same options, or delete it (or leave out --resume) to start anew")
+                                     "the same options, or delete it to start from round 1")
         S = self.setup.states
         if len(ckpt["clients"]) != len(S) or not 0 < int(ckpt["round"]) <= self.cfg.rounds:
             raise CheckpointError(f"{where} does not fit this run ({len(ckpt['clients'])} clients, round "
@@ -253,7 +253,13 @@ class Simulation:
         train_time = wall_before = 0.0
         start = 1
         ckpt = None
-        if resume and self.run_dir and self.run_dir.checkpoint.is_file():
+        has_ckpt = bool(self.run_dir) and self.run_dir.checkpoint.is_file()
+        if resume and self.run_dir and not has_ckpt:
+            log.warning("no checkpoint in %s: starting at round 1", self.run_dir.path)
+        elif has_ckpt and not resume:
+            log.warning("replacing the run in %s, which holds a checkpoint (add --resume to continue it instead)",
+                        self.run_dir.path)
+        if resume and has_ckpt:
             ckpt = load_checkpoint(self.run_dir.checkpoint)
             self._restore(ckpt)
             start = int(ckpt["round"]) + 1
@@ -282,9 +288,10 @@ class Simulation:
             t_train = time.perf_counter() - t0
             bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
             if bad:
+                lam = f" or --lambda-proto (now {cfg.lam})" if alg.name == "fedproto" and cfg.lam > 0 else ""
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
-                    f"lower --lr (now {cfg.lr}) or --lambda-proto (now {cfg.lam})")
+                    f"lower --lr (now {cfg.lr}){lam}")
             train_time += t_train
             row = {
                 "round": r,
@@ -308,11 +315,8 @@ class Simulation:
             if self.run_dir:
                 self.run_dir.log_round(row)
                 if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
-                    try:
-                        save_checkpoint(self.run_dir.checkpoint,
-                                        self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
-                    except OSError as e:
-                        raise self.run_dir._unwritable(e) from None
+                    self.run_dir.write_checkpoint(
+                        self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
             if self.on_round:
                 self.on_round(row)
         if not per_client:  # resumed after the last round's checkpoint: evaluate the restored models
