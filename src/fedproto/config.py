@@ -46,11 +46,13 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 """A run name: one plain folder name (no path separators, spaces or shell-special characters)."""
 
 
-RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size")
+RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
+                  "proto_dist_alert")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
-RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep")}
+RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
+    k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples")}}
 """Fields that change the numbers of these algorithms only."""
 
 
@@ -107,6 +109,12 @@ class RunConfig(BaseModel):
     proto_source: Literal["last_epoch", "after_training"] = "last_epoch"
     aggregation: Literal["mean", "weighted", "median"] = "mean"
     proto_classes: Literal["own", "all"] = "own"
+    # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
+    lambda_warmup: int = Field(0, ge=0, le=10_000_000)  # rounds of linear λ warm-up
+    proto_momentum: float = Field(0.0, ge=0.0, lt=1.0)  # server prototype momentum β
+    proto_normalize: bool = False  # L2-normalize embeddings and prototypes (loss and inference)
+    min_proto_samples: int = Field(1, ge=1, le=10_000_000)  # server ignores smaller local prototypes
+    proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6)  # warn: client distance > x median (0: off)
     # baselines (tab. 1)
     prox_mu: float = Field(0.01, ge=0, le=1e6)  # FedProx mu (arXiv 1812.06127)
     personal_layers: Literal["fc", "head"] = "fc"  # FedPer/FedRep: what stays local (tab. 1 Params: all fc layers)

@@ -12,6 +12,7 @@ from typing import Literal, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 AggregationRule = Literal["mean", "weighted", "median"]
 DistanceForm = Literal["mse", "squared_l2", "l2"]
@@ -128,6 +129,7 @@ def proto_loss(
     mask: torch.Tensor,
     form: DistanceForm = "mse",
     weight: torch.Tensor | None = None,
+    normalize: bool = False,
 ) -> torch.Tensor:
     """The regularizer L_R between embeddings and global prototypes, per client.
 
@@ -147,11 +149,15 @@ def proto_loss(
         h: (..., B, d) embeddings. y: (..., B) labels. table: (C, d) global prototypes.
         mask: (C,) bool, which rows of ``table`` exist. weight: (..., B) 0/1 sample validity
             (padding in the batched engine); None means all valid.
+        normalize: L2-normalize the embeddings and the global prototypes first, so the distance
+            measures direction only (practitioner's guide §4.3.3; not in the paper).
     Returns:
         (...) loss; zero where no sample is covered.
     """
     if weight is None:
         weight = torch.ones(y.shape, dtype=h.dtype, device=h.device)
+    if normalize:
+        h, table = F.normalize(h, dim=-1), F.normalize(table, dim=-1)
     if form in ("mse", "squared_l2"):
         covered = mask[y].to(h.dtype) * weight
         sq = ((h - table[y]) ** 2).sum(-1)
@@ -173,18 +179,84 @@ def proto_loss(
 
 
 def nearest_prototype(
-    h: torch.Tensor, table: torch.Tensor, allowed: torch.Tensor
+    h: torch.Tensor, table: torch.Tensor, allowed: torch.Tensor, normalize: bool = False
 ) -> torch.Tensor:
     """Prototype inference (eq. 4): argmin_j ||h - C_j||₂ over allowed classes.
 
     Args:
         h: (B, d). table: (C, d). allowed: (C,) bool (classes with a global prototype, restricted
             to the client's own classes by default; official code: others get a fixed distance).
+        normalize: compare L2-normalized h and C_j (cosine), as training does with
+            ``proto_normalize``.
     Returns:
         (B,) int64 predicted labels. If no class is allowed, returns -1 for every sample.
     """
     if not bool(allowed.any()):
         return torch.full((h.shape[0],), -1, dtype=torch.long)
+    if normalize:
+        h, table = F.normalize(h, dim=-1), F.normalize(table.to(h.dtype), dim=-1)
     dist = torch.cdist(h, table.to(h.dtype))
     dist = dist.masked_fill(~allowed.unsqueeze(0), float("inf"))
     return dist.argmin(1)
+
+
+def momentum_prototypes(
+    old_classes: np.ndarray, old_protos: np.ndarray, classes: np.ndarray, protos: np.ndarray, beta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prototype momentum on the server: C_j <- beta * C_j(previous) + (1 - beta) * C_j(this round)
+    (practitioner's guide §4.3.2; not in the paper). A class new this round takes its aggregate;
+    a class without contributors this round keeps its previous prototype.
+
+    Args:
+        old_classes: (K0,) int64 sorted; old_protos: (K0, d). classes: (K,) sorted; protos: (K, d).
+        beta: in [0, 1); 0 gives the aggregate unchanged.
+    Returns:
+        classes (K',) int64 sorted (the union), protos (K', d) float32.
+    Raises:
+        ValueError: beta outside [0, 1) or prototype sizes that differ.
+    """
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"prototype momentum {beta} is outside [0, 1)")
+    if len(old_classes) == 0 or beta == 0.0:
+        return np.asarray(classes, np.int64), np.asarray(protos, np.float32)
+    if old_protos.shape[1] != protos.shape[1] and len(classes):
+        raise ValueError(f"prototype size changed from {old_protos.shape[1]} to {protos.shape[1]}")
+    old = dict(zip(np.asarray(old_classes).tolist(), np.asarray(old_protos, np.float64)))
+    new = dict(zip(np.asarray(classes).tolist(), np.asarray(protos, np.float64)))
+    keys = sorted(set(old) | set(new))
+    out = [beta * old[k] + (1 - beta) * new[k] if k in old and k in new else new.get(k, old.get(k)) for k in keys]
+    return np.asarray(keys, np.int64), np.stack(out).astype(np.float32)
+
+
+def client_distances(
+    classes: Sequence[np.ndarray], protos: Sequence[np.ndarray], global_classes: np.ndarray,
+    global_protos: np.ndarray,
+) -> np.ndarray:
+    """Monitoring (practitioner's guide §4.3.5): per client, the mean L2 distance between its
+    local prototypes and the global prototypes of the same classes.
+
+    Args:
+        classes, protos: per client (K_i,) and (K_i, d) local prototypes. global_classes: (K,);
+            global_protos: (K, d).
+    Returns:
+        (m,) float64, nan for a client none of whose classes has a global prototype.
+    """
+    index = {int(c): i for i, c in enumerate(np.asarray(global_classes).tolist())}
+    out = np.full(len(protos), np.nan)
+    for i, (c, p) in enumerate(zip(classes, protos)):
+        rows = [(k, index[int(j)]) for k, j in enumerate(np.asarray(c).tolist()) if int(j) in index]
+        if rows:
+            a = np.asarray(p, np.float64)[[k for k, _ in rows]]
+            b = np.asarray(global_protos, np.float64)[[g for _, g in rows]]
+            out[i] = float(np.linalg.norm(a - b, axis=1).mean())
+    return out
+
+
+def lambda_at(round: int, lambda_proto: float, warmup: int) -> float:
+    """λ of round ``round`` (1-based) under a linear warm-up of ``warmup`` rounds
+    (practitioner's guide §4.3.1: a small λ while prototypes are poor, then the full value):
+    λ · min(1, (round - 1) / warmup); ``warmup`` 0 gives λ every round. Round 1 has no global
+    prototypes anyway, so round 2 starts at λ / warmup and round warmup + 1 reaches λ."""
+    if warmup <= 0:
+        return float(lambda_proto)
+    return float(lambda_proto) * min(1.0, max(0, round - 1) / warmup)

@@ -85,10 +85,12 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
 
-MATCH_ADDED = {"personal_layers": "head"}
+MATCH_ADDED = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
+               "min_proto_samples": 1}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
-last layer on the client, so they are run again under today's default ``fc``)."""
+last layer on the client, so they are run again under today's default ``fc``; the FedProto
+practitioner options were off)."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -286,6 +286,11 @@ class Simulation:
             up = [message_size(m) for m in msgs]
             self.message = alg.aggregate(r, msgs, S)
             t_train = time.perf_counter() - t0
+            monitor = alg.round_metrics()
+            for cid, dist, med in alg.outliers():
+                log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median "
+                            "%.3g over clients; check its data (proto_dist_alert=%s)", r, cid, dist, dist / med,
+                            med, cfg.proto_dist_alert)
             bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
             if bad:
                 lam = f" or --lambda-proto (now {cfg.lam})" if alg.name == "fedproto" and cfg.lam > 0 else ""
@@ -302,6 +307,7 @@ class Simulation:
                 "down_params": sum(d[0] for d in down),
                 "down_bytes": sum(d[1] for d in down),
                 "train_time_s": t_train,
+                **monitor,
             }
             for k in totals:
                 totals[k] += row[k]

@@ -74,6 +74,7 @@ class Objective:
         prox_mu: FedProx μ (0: none); prox_ref: name -> tensor of the global weights.
         collect: collect the embeddings of the last epoch's training passes per class
             (official code's local prototypes).
+        normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
     """
 
     phases: list[Phase]
@@ -84,6 +85,7 @@ class Objective:
     prox_mu: float = 0.0
     prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
+    normalize: bool = False
 
 
 @dataclass
@@ -201,7 +203,7 @@ def _step_terms(logits, h, y, w, obj: Objective):
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
     if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
-        lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w)
+        lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
     else:
         lp = torch.zeros_like(ce)
     return ce, lp

@@ -108,6 +108,14 @@ class Algorithm:
         for k in self.server_state_keys:
             setattr(self, k, state[k])
 
+    def round_metrics(self) -> dict[str, float]:
+        """Extra numbers of the last aggregation for the round's metrics row (default: none)."""
+        return {}
+
+    def outliers(self) -> list[tuple[int, float, float]]:
+        """Clients flagged by the last aggregation's monitoring: (client, value, median)."""
+        return []
+
     def downlink(self, message: Message, cid: int) -> Message:
         """What client ``cid`` receives of the server message (default: all of it). The engine
         counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""

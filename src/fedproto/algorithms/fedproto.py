@@ -16,7 +16,10 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.prototypes import (
     aggregate_prototypes,
     class_sums,
+    client_distances,
+    lambda_at,
     local_prototypes,
+    momentum_prototypes,
     nearest_prototype,
     prototype_table,
 )
@@ -36,10 +39,27 @@ class FedProto(Algorithm):
         aggregation: ``mean`` (official code), ``weighted`` (convex eq. 6), ``median`` (robust).
         proto_classes: prototype inference (eq. 4) among the client's ``own`` classes (official
             code) or ``all`` classes with a global prototype.
+
+    Practitioner options (the practitioner's guide §4.2-4.3; none is in the paper, all off by
+    default):
+        lambda_warmup: rounds of a linear λ warm-up (:func:`fedproto.prototypes.lambda_at`); the
+            server then sends the round's λ with the prototypes (``lambda``, one float32).
+        proto_momentum: β in [0, 1) of server-side prototype momentum
+            (:func:`fedproto.prototypes.momentum_prototypes`).
+        proto_normalize: L2-normalize embeddings and global prototypes in the prototype loss
+            and in prototype inference (cosine geometry).
+        min_proto_samples: the server ignores a local prototype computed from fewer samples
+            (client filtering against noisy prototypes; counts are sent with the prototypes).
+        proto_dist_alert: monitoring: each round the server measures every client's mean L2
+            distance between its local and the global prototypes (``proto_dist``, the mean over
+            clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a warning for clients above ``proto_dist_alert`` x the median
+            (0: no warning). Changes no number.
+    Raises:
+        ValueError: an option outside its range.
     """
 
     name = "fedproto"
-    server_state_keys = ("last_contributors",)
+    server_state_keys = ("last_contributors", "last_distances", "global_classes", "global_protos")
 
     def __init__(
         self,
@@ -52,8 +72,25 @@ class FedProto(Algorithm):
         aggregation: str = "mean",
         proto_classes: str = "own",
         embedding_dim: int = 50,
+        lambda_warmup: int = 0,
+        proto_momentum: float = 0.0,
+        proto_normalize: bool = False,
+        min_proto_samples: int = 1,
+        proto_dist_alert: float = 3.0,
     ):
         super().__init__(num_classes, opt, local_epochs)
+        if lambda_warmup < 0 or not 0.0 <= proto_momentum < 1.0 or min_proto_samples < 1 or proto_dist_alert < 0:
+            raise ValueError(f"lambda_warmup={lambda_warmup} (>= 0), proto_momentum={proto_momentum} (in [0, 1)), "
+                             f"min_proto_samples={min_proto_samples} (>= 1), proto_dist_alert={proto_dist_alert} "
+                             "(>= 0): one is out of range")
+        self.lambda_warmup = int(lambda_warmup)
+        self.proto_momentum = float(proto_momentum)
+        self.proto_normalize = bool(proto_normalize)
+        self.min_proto_samples = int(min_proto_samples)
+        self.proto_dist_alert = float(proto_dist_alert)
+        self.last_distances: np.ndarray | None = None
+        self.global_classes: np.ndarray | None = None  # last global prototypes (for momentum)
+        self.global_protos: np.ndarray | None = None
         self.lambda_proto = float(lambda_proto)
         self.distance = distance
         self.proto_source = proto_source
@@ -65,7 +102,8 @@ class FedProto(Algorithm):
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> "FedProto":
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
-                   cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim)
+                   cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
+                   cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
@@ -74,13 +112,15 @@ class FedProto(Algorithm):
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         table, mask = self._table(message)
+        lam = float(np.asarray(message["lambda"]).reshape(-1)[0]) if "lambda" in message else self.lambda_proto
         return Objective(
             phases=[Phase(self.local_epochs)],
-            lambda_proto=self.lambda_proto if table is not None else 0.0,
+            lambda_proto=lam if table is not None else 0.0,
             table=table,
             mask=mask,
             form=self.distance,
             collect=self.proto_source == "last_epoch",
+            normalize=self.proto_normalize,
         )
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
@@ -92,15 +132,47 @@ class FedProto(Algorithm):
         return {"classes": classes, "protos": protos, "counts": cnt}
 
     def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+        """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
+        ``min_proto_samples`` filtering, with ``proto_momentum`` against the previous global
+        prototypes, plus the λ of round ``round + 1`` when warming up."""
+        keep = [np.asarray(m["counts"]) >= self.min_proto_samples for m in messages]
         cls, protos, contrib = aggregate_prototypes(
-            [m["classes"] for m in messages],
-            [m["protos"] for m in messages],
-            [m["counts"] for m in messages],
+            [np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
+            [np.asarray(m["protos"])[k] for m, k in zip(messages, keep)],
+            [np.asarray(m["counts"])[k] for m, k in zip(messages, keep)],
             self.num_classes,
             self.aggregation,
         )
+        if self.proto_momentum > 0 and self.global_classes is not None:
+            now = dict(zip(cls.tolist(), contrib.tolist()))
+            cls, protos = momentum_prototypes(self.global_classes, self.global_protos, cls, protos,
+                                              self.proto_momentum)
+            contrib = np.array([now.get(c, 0) for c in cls.tolist()], np.int64)  # 0: kept from before
+        self.global_classes, self.global_protos = cls, protos
         self.last_contributors = contrib
-        return {"classes": cls, "protos": protos}
+        self.last_distances = client_distances([m["classes"] for m in messages], [m["protos"] for m in messages],
+                                               cls, protos)
+        out = {"classes": cls, "protos": protos}
+        if self.lambda_warmup > 0:
+            out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)
+        return out
+
+    def round_metrics(self) -> dict[str, float]:
+        """Prototype-distance monitoring of the last aggregation: mean and max over clients of
+        each client's mean L2 distance to the global prototypes, and the client with the max."""
+        d = self.last_distances
+        if d is None or not np.isfinite(d).any():
+            return {}
+        i = int(np.nanargmax(d))
+        return {"proto_dist": float(np.nanmean(d)), "proto_dist_max": float(d[i]), "proto_dist_argmax": i}
+
+    def outliers(self) -> list[tuple[int, float, float]]:
+        """Clients whose distance exceeds ``proto_dist_alert`` x the median: (client, distance, median)."""
+        d = self.last_distances
+        if not self.proto_dist_alert or d is None or not np.isfinite(d).any():
+            return []
+        med = float(np.nanmedian(d))
+        return [(i, float(x), med) for i, x in enumerate(d) if np.isfinite(x) and x > self.proto_dist_alert * med > 0]
 
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy and nearest-global-prototype accuracy (eq. 4), both in [0, 1],
@@ -118,7 +190,7 @@ class FedProto(Algorithm):
             own = torch.zeros(self.num_classes, dtype=torch.bool)
             own[torch.as_tensor(state.classes)] = True
             allowed &= own
-        pred = nearest_prototype(h, table, allowed)
+        pred = nearest_prototype(h, table, allowed, self.proto_normalize)
         out["acc_proto"] = float((pred == y).float().mean()) if n else float("nan")
         return out
 
