@@ -192,6 +192,29 @@ def _damaged_files(run_dir: Path):
 
 
 @app.command()
+def onboard(
+    run_dir: str = typer.Argument(..., help="A finished fedproto run directory"),
+    clients: int = typer.Option(5, help="New clients to draw (the run's n-way k-shot protocol, unused samples)"),
+    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x local epochs)"),
+    seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
+    data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
+):
+    """Onboard new clients: train each with the run's global prototypes and without (local only)."""
+    from fedproto.onboarding import onboard as do_onboard
+
+    s = do_onboard(run_dir, clients, epochs, seed, data_dir)
+    table = Table(title=f"{s['clients']} new clients, {s['epochs']} local epochs each (per-client test sets)")
+    table.add_column("training")
+    table.add_column("classifier acc. %", justify="right")
+    table.add_column("nearest-prototype acc. % (eq. 4)", justify="right")
+    names = {"prototypes": f"with the global prototypes (λ = {s['lambda_proto']:g})", "local": "local only (λ = 0)"}
+    for arm, v in s["arms"].items():
+        table.add_row(names[arm], *(f"{_pct(v[k]['mean'])} ± {_pct(v[k]['std'])}" for k in ("acc", "acc_proto")))
+    console.print(table)
+    console.print(f"results in {Path(run_dir) / 'onboard'}", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def reproduce(
     datasets: Optional[str] = typer.Option(None, help="Comma list (default: mnist,femnist,cifar10; "
                                                       "a sweep: its figure's dataset)"),
