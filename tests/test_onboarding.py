@@ -66,3 +66,62 @@ def test_onboarding_refuses_what_it_cannot_use(tmp_path, capsys, monkeypatch):
     code, text = run_cli(["onboard", str(tmp_path / "p"), "--clients", "2", "--epochs", "2"], capsys, monkeypatch)
     assert code == 0 and "with the global prototypes" in text and "local only" in text, text
     assert (tmp_path / "p" / "onboard" / "summary.json").is_file()
+
+
+def _digits_run(tmp_path, name, **kw):
+    base = dict(dataset="digits", clients=4, shots=15, test_shots=8, rounds=2, eval_every=0, threads=1,
+                out_dir=str(tmp_path), name=name)
+    Simulation(build_config(overrides={**base, **kw})).run()
+    return tmp_path / name
+
+
+def test_onboarding_epochs_are_real_epochs(tmp_path, monkeypatch):
+    """Found by QA: with local_epochs 3, each onboarding step trained 3 epochs (rounds x E² in all)."""
+    import fedproto.algorithms.base as base
+
+    run = _digits_run(tmp_path, "le3", local_epochs=3, rounds=3)
+    phases = []
+    real = base.train_client
+
+    def counting(model, x, y, plan, obj, opt):
+        phases.append(sum(p.epochs for p in obj.phases))
+        return real(model, x, y, plan, obj, opt)
+
+    monkeypatch.setattr(base, "train_client", counting)
+    s = onboard(run, clients=1, write=False)
+    assert s["epochs"] == 9 and sum(phases) == 2 * 9  # two arms, rounds x local_epochs epochs each
+
+
+def test_onboarding_refuses_damaged_prototypes_and_bad_seeds(tmp_path, capsys, monkeypatch):
+    run = _digits_run(tmp_path, "p")
+    good = (run / "prototypes.npz").read_bytes()
+    for content, what in ((good[:100], "is damaged"), (b"", "is damaged")):
+        (run / "prototypes.npz").write_bytes(content)
+        with pytest.raises(DataError, match=what):
+            onboard(run, write=False)
+    for classes, protos, what in ((np.array([0, 99]), np.zeros((2, 50)), "class ids"),
+                                  (np.array([-1, 0]), np.zeros((2, 50)), "class ids"),
+                                  (np.array([0, 1, 2]), np.zeros((2, 50)), "prototypes of shape"),
+                                  (np.array([0, 1]), np.full((2, 50), np.nan), "non-finite"),
+                                  (np.array([0, 1]), np.zeros(2), "prototypes of shape")):
+        np.savez(run / "prototypes.npz", classes=classes, protos=protos)
+        with pytest.raises(DataError, match=what):
+            onboard(run, write=False)
+    (run / "prototypes.npz").write_bytes(good)
+    for seed in (-1, 2**32):
+        with pytest.raises(ConfigError, match=f"seed={seed}"):
+            onboard(run, seed=seed, write=False)
+    code, text = run_cli(["onboard", str(run / "config.json")], capsys, monkeypatch)
+    assert code == 2 and "is a file, not a run directory" in text
+    code, text = run_cli(["onboard", str(tmp_path / "nowhere")], capsys, monkeypatch)
+    assert code == 2 and "does not exist" in text
+    code, text = run_cli(["onboard", str(run), "--clients", "100000"], capsys, monkeypatch)
+    assert code == 2 and "onboard fewer --clients" in text and "runs short" in text
+
+
+def test_run_refuses_a_filter_that_drops_every_prototype(tmp_path):
+    with pytest.raises(ConfigError, match=r"min_proto_samples=1000 is more than any client's samples of a class"):
+        Simulation(build_config(overrides=dict(dataset="digits", clients=4, shots=15, test_shots=8, rounds=1,
+                                               min_proto_samples=1000)), out=False)
+    with pytest.raises(ConfigError, match="proto_dist_alert=0.5 would flag clients below the median"):
+        build_config(overrides=dict(dataset="digits", proto_dist_alert=0.5))

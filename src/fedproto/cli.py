@@ -198,11 +198,12 @@ def onboard(
     epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x local epochs)"),
     seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
     data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
 ):
     """Onboard new clients: train each with the run's global prototypes and without (local only)."""
     from fedproto.onboarding import onboard as do_onboard
 
-    s = do_onboard(run_dir, clients, epochs, seed, data_dir)
+    s = do_onboard(run_dir, clients, epochs, seed, data_dir, threads=threads)
     table = Table(title=f"{s['clients']} new clients, {s['epochs']} local epochs each (per-client test sets)")
     table.add_column("training")
     table.add_column("classifier acc. %", justify="right")

@@ -168,6 +168,9 @@ class RunConfig(BaseModel):
         if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
             raise ValueError(f"embedding_dim={self.embedding_dim} does not apply to {self.model}: its embedding is "
                              "the 512-d layer4 output; leave --embedding-dim out (it sets cnn and projcnn models)")
+        if 0 < self.proto_dist_alert < 1:
+            raise ValueError(f"proto_dist_alert={self.proto_dist_alert} would flag clients below the median; use 0 "
+                             "(no warning) or a factor >= 1 (e.g. 3)")
         C = DATASETS[self.dataset][0]
         if self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")

@@ -25,6 +25,8 @@ import csv
 import io
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
-from fedproto.errors import ConfigError, DataError, ModelError
+from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import atomic_write_bytes, atomic_write_json
@@ -48,8 +50,12 @@ SEED_TAG = 0x0B0A
 """Mixed into the seed so new clients never repeat the members' draws."""
 
 
-def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray]]:
+def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | None]:
     fix = "pass the folder of a finished `fedproto run --algorithm fedproto` run"
+    if not run_dir.exists():
+        raise DataError(f"{str(run_dir)!r} does not exist; {fix}")
+    if not run_dir.is_dir():
+        raise DataError(f"{str(run_dir)!r} is a file, not a run directory; {fix}")
     for name in ("config.json", "summary.json"):
         if not (run_dir / name).is_file():
             raise DataError(f"{str(run_dir)!r} has no {name}; {fix}")
@@ -69,18 +75,36 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray]]:
     if cfg.partition != "fewshot":
         raise ConfigError(f"the run in {str(run_dir)!r} used partition={cfg.partition!r}; onboarding draws new "
                           "n-way k-shot clients, so it needs a partition='fewshot' run")
+    where = str(run_dir / "prototypes.npz")
+    if not (run_dir / "prototypes.npz").is_file():
+        raise DataError(f"{str(run_dir)!r} has no prototypes.npz; {fix}")
     try:
         with np.load(run_dir / "prototypes.npz") as z:
-            protos = {"classes": np.asarray(z["classes"], np.int64), "protos": np.asarray(z["protos"], np.float32)}
-    except (OSError, ValueError, KeyError) as e:
-        raise DataError(f"cannot read {str(run_dir / 'prototypes.npz')!r} ({type(e).__name__}: {e}); {fix}") from None
-    if len(protos["classes"]) == 0:
-        raise DataError(f"{str(run_dir / 'prototypes.npz')!r} holds no global prototypes; {fix}")
-    return cfg, protos
+            classes, protos = np.asarray(z["classes"]), np.asarray(z["protos"])
+    except Exception as e:  # damaged zip, empty file, missing arrays: numpy raises many kinds
+        raise DataError(f"cannot read {where!r} ({type(e).__name__}); it is damaged: rerun the run") from None
+    C = cfg.num_classes
+    if len(classes) == 0:
+        raise DataError(f"{where!r} holds no global prototypes (no client sent one, e.g. every local prototype "
+                        f"was below min_proto_samples={cfg.min_proto_samples}); nothing to onboard onto")
+    bad = ""
+    if classes.ndim != 1 or classes.dtype.kind not in "iu":
+        bad = f"classes of shape {classes.shape} and type {classes.dtype}, not a 1-d integer array"
+    elif protos.ndim != 2 or len(protos) != len(classes):
+        bad = f"prototypes of shape {protos.shape} for {len(classes)} classes"
+    elif classes.min() < 0 or classes.max() >= C or len(np.unique(classes)) != len(classes):
+        bad = f"class ids {classes.tolist()[:12]} (need distinct ids in 0..{C - 1})"
+    elif not np.isfinite(protos).all():
+        bad = "non-finite values in the prototypes"
+    if bad:
+        raise DataError(f"{where!r} holds {bad}; it is damaged: rerun the run")
+    part = stored.get("partition_summary")
+    return cfg, {"classes": classes.astype(np.int64), "protos": protos.astype(np.float32)}, (
+        part if isinstance(part, dict) else None)
 
 
 def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, seed: int | None = None,
-            data_dir: str | None = None, write: bool = True) -> dict[str, Any]:
+            data_dir: str | None = None, write: bool = True, threads: int | None = None) -> dict[str, Any]:
     """Onboard ``clients`` new clients onto a finished FedProto run (module docstring).
 
     Args:
@@ -88,13 +112,16 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         clients: number of new clients (>= 1). epochs: local epochs each (default: the run's
             rounds x local_epochs, the budget each member had). seed: new clients' seed (default:
             the run's). data_dir: where the dataset is (default: the run's look-up order).
-        write: write ``RUN_DIR/onboard/summary.json`` and ``clients.csv``.
+        write: write ``RUN_DIR/onboard/summary.json`` and ``clients.csv`` (an earlier onboarding's
+            files there are replaced). threads: torch threads (default: the run's setting).
     Returns:
         ``{"arms": {"prototypes"|"local": {"acc": {"mean", "std"}, "acc_proto": {...}}},
         "clients_detail": [per-client rows], "train_idx": [per new client (n_i,) train-split
         indices], ...}``; accuracies in [0, 1].
     Raises:
-        DataError: not a finished FedProto run; ConfigError: bad counts or a non-fewshot run;
+        DataError: not a finished FedProto run, damaged files, or other data than the run's;
+        ConfigError: bad counts, a non-fewshot run, an unwritable run directory, or a drop_last run
+        whose batch exceeds a new client; TrainingError: a new client's loss is not finite;
         PartitionError: the samples the members left cannot supply the new clients (names the
         class); ModelError: the run's model gives another embedding size than its prototypes.
     """
@@ -102,10 +129,23 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         raise ConfigError(f"clients={clients}: onboard between 1 and 100000 new clients")
     if epochs is not None and not 1 <= epochs <= 1_000_000:
         raise ConfigError(f"epochs={epochs}: use 1 to 1000000 local epochs")
+    if seed is not None and not 0 <= seed < 2**32:
+        raise ConfigError(f"seed={seed}: use a seed in 0..{2**32 - 1}")
+    if threads is not None and not 0 <= threads <= 1024:
+        raise ConfigError(f"threads={threads}: use 0 (torch's default) to 1024")
     run_dir = Path(run_dir)
-    cfg, message = _read_run(run_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg, message, stored_partition = _read_run(run_dir)
+    if threads or (threads is None and cfg.threads):
+        torch.set_num_threads(threads or cfg.threads)
+    out = run_dir / "onboard"
+    if write:  # fail before training, not after it
+        try:
+            out.mkdir(exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=out, prefix=".write-check-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise ConfigError(f"cannot write {str(out)!r}: {e.strerror or e}; make the run directory writable") from None
     epochs = epochs or cfg.rounds * cfg.local_epochs
     base_seed = cfg.seed if seed is None else int(seed)
     pseed = int(np.random.SeedSequence([base_seed, SEED_TAG]).generate_state(1)[0])
@@ -113,9 +153,24 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     train_y, test_y = ds.train_y.numpy(), ds.test_y.numpy()
     members = fewshot_partition(train_y, test_y, ds.num_classes, cfg.clients, cfg.ways, cfg.shots, cfg.stdev,
                                 cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset)
+    stored = (stored_partition or {}).get("train_samples_total")
+    if stored is not None and stored != members.summary()["train_samples_total"]:
+        raise DataError(f"the {cfg.dataset} data read now gives the members {members.summary()['train_samples_total']} "
+                        f"training samples, the run had {stored}: it is not the data the run used; pass its "
+                        "folder with --data-dir")
     free = np.setdiff1d(np.arange(len(train_y)), np.concatenate(members.train_idx))
-    part = fewshot_partition(train_y[free], test_y, ds.num_classes, clients, cfg.ways, cfg.shots, cfg.stdev,
-                             cfg.test_shots, cfg.noise, pseed, cfg.dataset)
+    try:
+        part = fewshot_partition(train_y[free], test_y, ds.num_classes, clients, cfg.ways, cfg.shots, cfg.stdev,
+                                 cfg.test_shots, cfg.noise, pseed, cfg.dataset)
+    except PartitionError as e:
+        raise PartitionError(f"the {len(free)} training samples the members left cannot supply {clients} new "
+                             f"clients: {e}. (shots, ways and partition are the run's; onboard fewer --clients)") from None
+    if cfg.drop_last:
+        small = [i for i, tr in enumerate(part.train_idx) if len(tr) < cfg.batch_size]
+        if small:
+            raise ConfigError(f"the run used drop_last with batch_size={cfg.batch_size}, so new clients {small[:10]} "
+                              f"(client {small[0]}: {len(part.train_idx[small[0]])} samples) would get no batch; "
+                              "onboard other clients (--seed) or onboard a run without drop_last")
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, clients, C, ds.num_classes, H, cfg.embedding_dim, cfg.dropout, pseed,
                                  pretrained=cfg.pretrained)
@@ -132,13 +187,17 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     arms = {}
     for arm in ("prototypes", "local"):
         alg = FedProto.from_config(cfg, d)
+        alg.local_epochs = 1  # one client step = one epoch, so ``epochs`` counts real epochs
         if arm == "local":
             alg.lambda_proto = 0.0
         for i, model in enumerate(models):
             state = ClientState(i, copy.deepcopy(model), part.classes[i])
             for e in range(1, epochs + 1):
                 torch.manual_seed(int(np.random.SeedSequence([pseed, e, i]).generate_state(1)[0]))
-                alg.client_update(state, message, data[i], e, client_rng(pseed, e, i))
+                _, res = alg.client_update(state, message, data[i], e, client_rng(pseed, e, i))
+                if not np.isfinite([res.loss_ce, res.loss_proto]).all():
+                    raise TrainingError(f"new client {i} diverged in epoch {e} ({arm}): the loss is not finite; "
+                                        f"the run's lr={cfg.lr} and λ={cfg.lam} do not suit it")
             res = alg.evaluate(state, message, data[i])
             rows[i].update({f"{arm}_acc": res["acc"], f"{arm}_acc_proto": res["acc_proto"]})
         arms[arm] = {k: dict(zip(("mean", "std"), summarize([r[f"{arm}_{k}"] for r in rows])))
@@ -147,7 +206,6 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
                "lambda_proto": cfg.lam, "arms": arms, "clients_detail": rows,
                "test_set": f"per new client: {cfg.test_shots} test-split samples of each own class"}
     if write:
-        out = run_dir / "onboard"
         try:
             atomic_write_json(out / "summary.json", summary)
             buf = io.StringIO()
@@ -157,7 +215,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
             atomic_write_bytes(out / "clients.csv", buf.getvalue().encode())
         except OSError as e:
             raise ConfigError(f"cannot write {str(e.filename or out)!r}: {e.strerror or e}; make the run "
-                              "directory writable or pass write=False") from None
+                              "directory writable") from None
     summary["train_idx"] = [free[tr] for tr in part.train_idx]  # returned, not written: train-split indices
     return summary
 

@@ -103,6 +103,18 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
                 f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
                 f"(client {small[0]} holds {len(part.train_idx[small[0]])} samples); lower --batch-size "
                 "or use --keep-last")
+    if cfg.algorithm == "fedproto" and cfg.min_proto_samples > 1:
+        most = max((int(np.max(np.bincount(ds.train_y[torch.as_tensor(tr)].numpy()))) for tr in part.train_idx
+                    if len(tr)), default=0)
+        if cfg.min_proto_samples > most:
+            raise ConfigError(f"min_proto_samples={cfg.min_proto_samples} is more than any client's samples of a "
+                              f"class (largest: {most}), so no prototype would reach the server; use "
+                              f"min_proto_samples <= {most}")
+    if cfg.algorithm != "fedproto":
+        unused = [k for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples")
+                  if getattr(cfg, k) != RunConfig.model_fields[k].default]
+        if unused:
+            log.warning("%s ignores %s: these options act on FedProto only", cfg.algorithm, ", ".join(unused))
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [
         ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
