@@ -319,7 +319,7 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     try:
         sim = Simulation(cell.cfg, out=d, progress=progress)
         try:
-            summary = sim.run(resume=True)  # an interrupted cell with a checkpoint goes on from it
+            summary = sim.run(resume=(d / CHECKPOINT_FILE).is_file())  # an interrupted cell goes on from it
         except (CheckpointError, CheckpointMismatch) as e:
             log.warning("%s: %s; running the cell from round 1", cell.name, e)
             (d / CHECKPOINT_FILE).unlink(missing_ok=True)
