@@ -125,3 +125,12 @@ def test_run_refuses_a_filter_that_drops_every_prototype(tmp_path):
                                                min_proto_samples=1000)), out=False)
     with pytest.raises(ConfigError, match="proto_dist_alert=0.5 would flag clients below the median"):
         build_config(overrides=dict(dataset="digits", proto_dist_alert=0.5))
+
+
+def test_relative_data_dir_is_stored_absolute(tmp_path, monkeypatch):
+    """Found by QA: a relative data_dir in config.json made `fedproto onboard` fail from another folder."""
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config(overrides={"dataset": "digits", "data_dir": "data", "name": "x"})
+    assert cfg.data_dir == str(tmp_path / "data")
+    home = build_config(overrides={"dataset": "digits", "data_dir": "~/d"})
+    assert home.data_dir.endswith("/d") and not home.data_dir.startswith("~")

@@ -140,6 +140,9 @@ class RunConfig(BaseModel):
             for k in ("data_dir", "out_dir", "pretrained"):  # "~/data" means the home folder
                 if isinstance(data.get(k), str) and data[k].startswith("~"):
                     data[k] = os.path.expanduser(data[k])
+            if isinstance(data.get("data_dir"), str) and data["data_dir"]:
+                # stored absolute in config.json, so `fedproto onboard` finds the data from any folder
+                data["data_dir"] = os.path.abspath(data["data_dir"])
             for k, v in defaults.items():
                 if data.get(k) is None:
                     data[k] = v
