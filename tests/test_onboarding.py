@@ -134,3 +134,13 @@ def test_relative_data_dir_is_stored_absolute(tmp_path, monkeypatch):
     assert cfg.data_dir == str(tmp_path / "data")
     home = build_config(overrides={"dataset": "digits", "data_dir": "~/d"})
     assert home.data_dir.endswith("/d") and not home.data_dir.startswith("~")
+
+
+def test_onboarding_refuses_other_data_than_the_runs(tmp_path):
+    run = _digits_run(tmp_path, "p")
+    cfg = json.loads((run / "config.json").read_text())
+    total = cfg["partition_summary"]["train_samples_total"]
+    cfg["partition_summary"]["train_samples_total"] = total + 1
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DataError, match=f"the run had {total + 1}: it is not the data the run used"):
+        onboard(run, write=False)
