@@ -64,8 +64,9 @@ def _class_colors(num: int) -> list:
 
 
 def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
-    """Accuracy (classifier and nearest-prototype, mean ± std over clients, evaluated rounds) and
-    training losses (cross-entropy, prototype term) per round from ``metrics.jsonl``.
+    """Accuracy (classifier and nearest-prototype, mean ± std over clients, evaluated rounds),
+    training losses (cross-entropy, prototype term) and, for FedProto runs that record it, the
+    prototype distance (mean and largest over clients) per round from ``metrics.jsonl``.
 
     Args:
         run_dir: a run directory. path: output PNG (default ``run_dir/curves.png``).
@@ -85,7 +86,11 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
         c = json.loads(cfg_file.read_text())
         title = (f"{c.get('algorithm')} on {c.get('dataset')}: {c.get('clients')} clients, ways {c.get('ways')}, "
                  f"shots {c.get('shots')}, model {c.get('model')}")
-    fig, (ax_acc, ax_loss) = _figure(11, 4.2, ncols=2)
+    monitored = any(isinstance(r.get("proto_dist"), (int, float)) for r in rows)
+    if monitored:
+        fig, (ax_acc, ax_loss, ax_dist) = _figure(16, 4.2, ncols=3)
+    else:
+        fig, (ax_acc, ax_loss) = _figure(11, 4.2, ncols=2)
     for key, label, color in (("acc", "classifier", "C0"), ("acc_proto", "nearest prototype (eq. 4)", "C1")):
         pts = [(r["round"], r.get(f"{key}_mean"), r.get(f"{key}_std")) for r in rows]
         pts = [(x, m, s or 0.0) for x, m, s in pts if m is not None and not math.isnan(m)]
@@ -118,9 +123,19 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
     else:
         ax_loss.legend(loc="upper right")
     ax_loss.set_title("training losses")
+    axes = [ax_acc, ax_loss]
+    if monitored:  # FedProto's prototype-distance monitoring (practitioner's guide §4.3.5)
+        for key, label, color in (("proto_dist", "mean over clients", "C0"), ("proto_dist_max", "largest client", "C3")):
+            v = np.asarray([r[key] if isinstance(r.get(key), (int, float)) else np.nan for r in rows], dtype=float)
+            ax_dist.plot(x, v, color=color, label=label)
+        ax_dist.set_xlabel("round")
+        ax_dist.set_ylabel("L2 distance, local to global prototypes")
+        ax_dist.set_title("prototype distance (monitoring)")
+        ax_dist.legend(loc="upper right")
+        axes.append(ax_dist)
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (ax_acc, ax_loss):
+    for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
     return _save(fig, path if path is not None else run_dir / "curves.png")
