@@ -126,6 +126,7 @@ def test_cli_resume_continues_and_reproduce_cell_resumes(tmp_path, capsys, monke
         Simulation(cfg, out=out / "c", on_round=_interrupt_at(3)).run()
     code, text = run_cli([*args, "--resume"], capsys, monkeypatch)
     assert code == 0, text
+    assert "resuming from the checkpoint in" in text
     assert _numbers(read_metrics(out / "c")) == _numbers(whole)
     # a reproduce cell with a checkpoint goes on from it; with a damaged one it starts anew
     with pytest.raises(_Stop):

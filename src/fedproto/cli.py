@@ -84,7 +84,7 @@ def run(
     fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K (default: 3)"),
     execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),
     group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation (default: 128)"),
-    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds (and after the last) (default: 10)"),
+    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds and after the last; 0: only after the last (default: 10)"),
     checkpoint_every: Optional[int] = typer.Option(None, help="Write a checkpoint every N rounds, removed when the run finishes; 0: none (default: 0)"),
     seed: Optional[int] = typer.Option(None, help="Seed (default: 1234)"),
     out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
@@ -120,6 +120,8 @@ def run(
             progress.update(task, advance=1, info=info)
 
         sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
+        if resume and run_dir.checkpoint.is_file():
+            err_console.print(f"resuming from the checkpoint in {out}")
         try:
             summary = sim.run(resume=resume)
         except KeyboardInterrupt:
