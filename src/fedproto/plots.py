@@ -135,7 +135,10 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
         axes.append(ax_dist)
     from matplotlib.ticker import MaxNLocator
 
-    for ax in axes:
+    lo, hi = float(x.min()), float(x.max())
+    pad = max(0.5, 0.03 * (hi - lo))
+    for ax in axes:  # one round axis for all panels (an accuracy panel with one evaluation included)
+        ax.set_xlim(lo - pad, hi + pad)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
     return _save(fig, path if path is not None else run_dir / "curves.png")
