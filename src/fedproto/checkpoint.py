@@ -21,8 +21,6 @@ tensors (and turned back into arrays on load), so loading never runs pickled cod
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 
 from fedproto.errors import CheckpointError
+from fedproto.results import atomic_write
 
 FORMAT = 1
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -79,27 +78,17 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
         OSError: the folder cannot be written (a full disk included; torch reports those as
             RuntimeError, turned back into OSError here). The temp file is removed.
     """
-    path = Path(path)
     payload = {"format": FORMAT, **{k: _to_torch(v, k) for k, v in state.items()}}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            try:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            except RuntimeError as e:  # torch wraps write errors (ENOSPC) in RuntimeError
-                cause = e.__context__ if isinstance(e.__context__, OSError) else None
-                raise OSError(cause.errno if cause else None,
-                              cause.strerror if cause else f"torch.save failed: {str(e).splitlines()[0]}") from e
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write(f) -> None:
+        try:
+            torch.save(payload, f)
+        except RuntimeError as e:  # torch wraps write errors (ENOSPC) in RuntimeError
+            cause = e.__context__ if isinstance(e.__context__, OSError) else None
+            raise OSError(cause.errno if cause else None,
+                          cause.strerror if cause else f"torch.save failed: {str(e).splitlines()[0]}") from e
+
+    atomic_write(Path(path), write)
 
 
 def load_checkpoint(path: str | Path) -> dict:
