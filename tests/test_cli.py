@@ -22,7 +22,7 @@ from conftest import DATA, needs_mnist, run_cli
         (["--distance", "cosine"], "distance='cosine'"),
         (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
         (["--model", "foo", "--data-dir", "/nonexistent", "--no-download"], "unknown model 'foo'"),
-        (["--bogus"], "No such option: --bogus"),
+        (["--bogus"], "No such option"),  # click < 8.2: "No such option: --bogus", later "... '--bogus'"
         (["--lr", "inf"], "lr=inf: Input should be a finite number"),
         (["--seed", "-1"], "seed=-1"),
         (["--threads", "100000"], "threads=100000"),
@@ -34,6 +34,7 @@ def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_
     code, text = run_cli(["run", "--out-dir", str(tmp_path), *args], capsys, monkeypatch)
     assert code == 2
     assert expect in text
+    assert "--bogus" in text or "--bogus" not in args
     assert "Traceback" not in text
     assert not any(tmp_path.iterdir())  # nothing written before validation passed
 

@@ -47,6 +47,12 @@ def client_rng(seed: int, round: int, cid: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, round, cid, 0xC1]))
 
 
+def client_seed(seed: int, round: int, cid: int) -> int:
+    """The torch seed set before client ``cid``'s step in ``round`` on the sequential path (weight
+    noise of heterogeneous layers, anything drawn from torch's global generator)."""
+    return int(np.random.SeedSequence([seed, round, cid]).generate_state(1)[0])
+
+
 def summarize(values: list[float]) -> tuple[float, float]:
     """Mean and population standard deviation over clients (each counted once), NaNs dropped."""
     v = np.asarray([x for x in values if x == x], dtype=np.float64)
@@ -182,7 +188,7 @@ class Simulation:
         for group in self._groups(ids):
             if len(group) == 1:
                 i = group[0]
-                torch.manual_seed(int(np.random.SeedSequence([self.cfg.seed, round, i]).generate_state(1)[0]))
+                torch.manual_seed(client_seed(self.cfg.seed, round, i))
                 out[i] = alg.client_update(S[i], msgs[i], D[i], round, client_rng(self.cfg.seed, round, i))
                 continue
             objs: list[Objective] = []
