@@ -107,6 +107,8 @@ def main() -> None:
 
     import torch
 
+    if args.threads:  # the workers use this many threads: measure the reference matmul rate alike
+        torch.set_num_threads(args.threads)
     gf = matmul_gflops()
     print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")

@@ -170,7 +170,7 @@ def test_fedper_on_the_mnist_cnn_shares_the_convolutions_only():
     assert shared == ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"]
     assert sum(p.numel() for n, p in model.named_parameters() if n in shared) == 5280
     assert count_parameters(model) == 21840
-    proj = ProjectedCNN(channels=(4, 8), embedding_dim=16)  # its fc layers: proj (8 -> 16) and fc
+    proj = ProjectedCNN(channels=(4, 8), embedding_dim=16)  # its fc layers: proj (8*4*4 -> 16) and fc
     assert [n for n, _ in proj.named_parameters() if proj.is_personal_param(n, "fc")] == [
         "proj.weight", "proj.bias", "fc.weight", "fc.bias"]
     assert [n for n, _ in proj.named_parameters() if proj.is_personal_param(n, "head")] == ["fc.weight", "fc.bias"]

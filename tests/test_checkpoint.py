@@ -200,3 +200,72 @@ def test_reproduce_advice_uses_set_options():
     assert as_set_options("use --noise gaussian, --model cnn-mh, --ways 3 or --rounds 5") == (
         "use --set noise=gaussian, --set model=cnn-mh, --ways 3 or --rounds 5")
     assert as_set_options("write the run elsewhere (--out-dir / --name)") == "write the run elsewhere (--out)"
+
+
+def test_a_checkpoint_is_never_replaced_without_resume(tmp_path, capsys, monkeypatch):
+    """Reported fault: the same command without --resume deleted an interrupted run's checkpoint."""
+    d = tmp_path / "r"
+    with pytest.raises(_Stop):
+        Simulation(_cfg(checkpoint_every=1), out=d, on_round=_interrupt_at(3)).run()
+    before = (d / "checkpoint.pt").read_bytes()
+    with pytest.raises(ConfigError, match=r"holds an interrupted run's checkpoint: add --resume"):
+        Simulation(_cfg(checkpoint_every=1), out=d).run()
+    assert (d / "checkpoint.pt").read_bytes() == before and len(read_metrics(d)) == 3
+    args = ["run", "--dataset", "digits", "--clients", "4", "--shots", "15", "--test-shots", "8", "--rounds", "4",
+            "--lr", "0.05", "--out-dir", str(tmp_path), "--name", "r", "--checkpoint-every", "1", "--threads", "1"]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 2 and "add --resume" in text and (d / "checkpoint.pt").read_bytes() == before, text
+
+
+def test_a_failed_rerun_puts_the_finished_run_back(tmp_path):
+    """Reported fault: a rerun that failed (diverged, interrupted) had already deleted the finished
+    run's summary, clients.csv and prototypes. Now they are kept aside and restored."""
+    d = tmp_path / "r"
+    Simulation(_cfg(), out=d).run()
+    files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    assert {"summary.json", "clients.csv", "prototypes.npz", "metrics.jsonl", "config.json"} <= set(files)
+    with pytest.raises(_Stop):
+        Simulation(_cfg(lr=0.02), out=d, on_round=_interrupt_at(2)).run()
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == files
+    assert not (d / ".previous").exists()
+    with pytest.raises(ConfigError, match="has finished .* nothing to resume"):
+        Simulation(_cfg(), out=d).run(resume=True)
+    # with a checkpoint to resume from, the interrupted rerun stays; the old run waits in .previous
+    with pytest.raises(_Stop):
+        Simulation(_cfg(lr=0.02, checkpoint_every=1), out=d, on_round=_interrupt_at(2)).run()
+    assert (d / "checkpoint.pt").is_file() and (d / ".previous" / "summary.json").read_bytes() == files["summary.json"]
+    Simulation(_cfg(lr=0.02, checkpoint_every=1), out=d).run(resume=True)
+    assert not (d / ".previous").exists() and json.loads((d / "summary.json").read_text())["rounds"] == 4
+    assert (d / "summary.json").read_bytes() != files["summary.json"]
+
+
+def test_a_reproduce_cell_that_fails_at_set_up_keeps_its_finished_run(tmp_path):
+    """Reported fault: run_cell removed a finished cell's summary before the new options failed."""
+    cfg = _cfg(out_dir=str(tmp_path), name="c")
+    assert run_cell(Cell("digits", 3, "fedproto", 1234, cfg, "c")).status == "done"
+    before = (tmp_path / "c" / "summary.json").read_bytes()
+    bad = _cfg(out_dir=str(tmp_path), name="c", shots=100000)
+    res = run_cell(Cell("digits", 3, "fedproto", 1234, bad, "c"))
+    assert res.status == "failed" and "shots" in res.message
+    assert (tmp_path / "c" / "summary.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("edit,expect", [
+    (lambda m: {**m, "protos": m["protos"][:, :7]}, r"prototypes have shape \(\d+, 7\), expected \(\d+, 50\)"),
+    (lambda m: {**m, "classes": m["classes"] + 99}, r"names classes outside 0..9"),
+    (lambda m: {**m, "protos": np.full_like(m["protos"], np.nan)}, r"entry 'protos' holds non-finite values"),
+    (lambda m: {**m, "protos": "x"}, r"entry 'protos' is a str, not an array"),
+])
+def test_a_checkpoint_with_a_bad_server_message_is_refused(tmp_path, edit, expect):
+    """Reported fault: a well-formed checkpoint whose message had wrong shapes, classes or NaN
+    crashed the resume with a traceback (or blamed the learning rate)."""
+    from fedproto.checkpoint import load_checkpoint, save_checkpoint
+
+    d = tmp_path / "r"
+    with pytest.raises(_Stop):
+        Simulation(_cfg(checkpoint_every=1), out=d, on_round=_interrupt_at(2)).run()
+    ck = load_checkpoint(d / "checkpoint.pt")
+    ck["message"] = edit(ck["message"])
+    save_checkpoint(d / "checkpoint.pt", ck)
+    with pytest.raises(CheckpointError, match="is damaged: its server message " + expect):
+        Simulation(_cfg(checkpoint_every=1), out=d).run(resume=True)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fedproto.config import build_config
+
 from conftest import DATA, needs_mnist, run_cli
 
 
@@ -121,11 +123,12 @@ def test_rerun_removes_stale_results_and_divergence_is_an_error(capsys, monkeypa
     code, text = run_cli(args + ["--shots", "1000"], capsys, monkeypatch)
     assert code == 2 and "runs short" in text
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
-    # a second run in the same folder that fails part-way must not leave the old summary behind
+    # a second run in the same folder that fails part-way never mixes its files with the old run's:
+    # the finished run is kept aside while it trains and put back (reported fault: it was deleted)
     code, text = run_cli(args[:6] + ["3"] + args[7:] + ["--lr", "100", "--weight-decay", "1", "--momentum", "0.99"],
                          capsys, monkeypatch)
     assert code == 2 and "training diverged" in text
-    assert not (run / "summary.json").exists() and not (run / "clients.csv").exists()
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
 def test_plot_rejects_broken_metrics(capsys, monkeypatch, tmp_path):
@@ -197,3 +200,39 @@ def test_error_text_with_brackets_is_printed_whole(capsys, monkeypatch, tmp_path
     code, text = run_cli(["run", "--dataset", "digits", "--shots", "1", "--stdev", "3", "--out-dir", str(tmp_path)],
                          capsys, monkeypatch)
     assert code == 2 and "from [k - s + 1, ...] = [-1, ...], below 1 sample" in " ".join(text.split())
+
+
+def test_option_spellings_duplicates_and_model_lists(capsys, monkeypatch, tmp_path):
+    """TOML and --set accept '-' for '_' and 'lambda' for lambda_proto; a key given at the top
+    level and under [run] is refused (reported: the [run] value silently won); so are model lists
+    with an empty entry or more models than clients."""
+    ok = tmp_path / "ok.toml"
+    ok.write_text('dataset = "digits"\ntest-shots = 3\nlambda = 0.5\n')
+    assert (build_config(ok).test_shots, build_config(ok).lambda_proto) == (3, 0.5)
+    dup = tmp_path / "dup.toml"
+    dup.write_text("ways = 3\n[run]\nways = 4\n")
+    code, text = run_cli(["run", "--config", str(dup), "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "sets ways both at the top level and under [run]" in text
+    for model, expect in (("cnn,", "has an empty entry"), ("cnn,,cnn", "has an empty entry"),
+                          ("cnn,cnn-mh,cnn", "lists 3 models but clients=2")):
+        code, text = run_cli(["run", "--dataset", "digits", "--clients", "2", "--model", model, "--out-dir",
+                              str(tmp_path)], capsys, monkeypatch)
+        assert code == 2 and expect in text, (model, text)
+
+
+def test_os_errors_are_one_line_errors(capsys, monkeypatch, tmp_path):
+    """Reported: an over-long path gave an OSError traceback in run, plot and onboard."""
+    long = str(tmp_path / ("a" * 300))
+    for args in (["run", "--dataset", "digits", "--out-dir", long], ["plot", long], ["onboard", long],
+                 ["run", "--config", long]):
+        code, text = run_cli(args, capsys, monkeypatch)
+        assert code == 2 and "Traceback" not in text and "too long" in text, (args, text)
+
+
+def test_plot_refuses_a_truncated_npz(capsys, monkeypatch, tmp_path):
+    args = ["run", "--dataset", "digits", "--clients", "3", "--rounds", "1", "--out-dir", str(tmp_path), "--name", "p"]
+    assert run_cli(args, capsys, monkeypatch)[0] == 0
+    npz = tmp_path / "p" / "embeddings.npz"
+    npz.write_bytes(npz.read_bytes()[:300])
+    code, text = run_cli(["plot", str(tmp_path / "p")], capsys, monkeypatch)
+    assert code == 2 and "damaged" in text and "BadZipFile" in text and "Traceback" not in text, text

@@ -405,3 +405,28 @@ def test_resnet18_runs_in_the_simulation_sequentially(tmp_path):
     assert summary["clients"] == 2 and sim.history[0]["loss_ce"] > 0
     with pytest.raises(ModelError, match="resnet18"):
         prepare(cfg.model_copy(update={"model": "cnn"}))
+
+
+def test_pretrained_pickled_model_and_relative_path(tmp_path, monkeypatch):
+    """Reported: a whole pickled model printed torch's weights_only advice; a relative
+    --pretrained path was stored relative, so onboard and --resume from another folder failed."""
+    whole = tmp_path / "module.pth"
+    torch.save(torch.nn.Linear(2, 2), whole)
+    with pytest.raises(DataError, match="holds pickled Python objects .* not a state dict; save model.state_dict"):
+        load_pretrained(ResNet18(), whole)
+    monkeypatch.chdir(tmp_path)
+    from fedproto.config import build_config
+
+    cfg = build_config(overrides={"dataset": "cifar10", "pretrained": "w.pth"})
+    assert cfg.pretrained == str(tmp_path / "w.pth")
+
+
+def test_sweep_cell_names_are_plain_folder_names(tmp_path):
+    """Reported: sweeping a model spec or a path failed with 'is not a plain folder name'."""
+    from fedproto.errors import ConfigError
+    from fedproto.reproduce import plan_sweep
+
+    cells = plan_sweep(tmp_path, "model", "model", ["projcnn:8-8", "cnn"], "digits", 3, ["fedproto"], [1])
+    assert [c.name for c in cells] == ["digits-n3-fedproto-s1-modelprojcnn_8-8", "digits-n3-fedproto-s1-modelcnn"]
+    with pytest.raises(ConfigError, match="would share a run folder"):
+        plan_sweep(tmp_path, "pretrained", "pretrained", ["/a/x.pth", "/b/x.pth"], "cifar10", 3, ["fedproto"], [1])

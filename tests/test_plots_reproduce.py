@@ -225,7 +225,7 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     assert "Models: cnn." in rp.render_markdown([row])  # the paper's MNIST model: no remark
     assert "Models: resnet18 (not the paper's" not in rp.render_markdown([row])
     swapped = dict(row, dataset="cifar10", model="cnn")
-    assert "Models: cnn (not the paper's; see the README)." in rp.render_markdown([swapped])
+    assert "Models: cnn (not the paper's models for this dataset)." in rp.render_markdown([swapped])
 
 
 def test_cells_stored_before_personal_layers_existed():

@@ -7,8 +7,10 @@ message on stderr and exit code 2, before training when the cause is the configu
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -130,8 +132,12 @@ def run(
             if run_dir.checkpoint.is_file():
                 saved = ("; it holds a checkpoint: continue with the same command"
                          + ("" if resume else " plus --resume"))
-            err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
-                              f"(no summary.json: the run did not finish){saved}")
+            if (out / "summary.json").is_file():
+                err_console.print(f"interrupted after round {len(sim.history)}; the earlier finished run in {out} "
+                                  "is back in place")
+            else:
+                err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
+                                  f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130)
     from fedproto.plots import save_embeddings
 
@@ -188,7 +194,12 @@ def _damaged_files(run_dir: Path):
         yield
     except FedprotoError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError) as e:
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG):
+            raise FedprotoError(f"cannot plot {str(run_dir)!r}: {e.strerror} ({e.filename}); the run's files are "
+                                "fine, free space or fix the permissions and run `fedproto plot` again") from None
+        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files ({e.strerror}: {e.filename})") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile) as e:
         raise FedprotoError(f"cannot plot {str(run_dir)!r}: its files are damaged or not written by fedproto "
                             f"({type(e).__name__}: {e}); run `fedproto run` again to rewrite them") from None
 
@@ -290,6 +301,11 @@ def main() -> None:
         app()
     except FedprotoError as e:
         err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, markup=True)
+        sys.exit(2)
+    except OSError as e:  # a path the checks above did not cover: too long, full disk, permissions
+        where = f" {str(e.filename)[:200]!r}" if e.filename else ""
+        err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "
+                          "(or free space) and run the command again", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
 
 

@@ -140,9 +140,10 @@ class RunConfig(BaseModel):
             for k in ("data_dir", "out_dir", "pretrained"):  # "~/data" means the home folder
                 if isinstance(data.get(k), str) and data[k].startswith("~"):
                     data[k] = os.path.expanduser(data[k])
-            if isinstance(data.get("data_dir"), str) and data["data_dir"]:
-                # stored absolute in config.json, so `fedproto onboard` finds the data from any folder
-                data["data_dir"] = os.path.abspath(data["data_dir"])
+            for k in ("data_dir", "pretrained"):
+                if isinstance(data.get(k), str) and data[k]:
+                    # stored absolute in config.json, so `fedproto onboard` and --resume find it from any folder
+                    data[k] = os.path.abspath(data[k])
             for k, v in defaults.items():
                 if data.get(k) is None:
                     data[k] = v
@@ -171,6 +172,10 @@ class RunConfig(BaseModel):
         if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
             raise ValueError(f"embedding_dim={self.embedding_dim} does not apply to {self.model}: its embedding is "
                              "the 512-d layer4 output; leave --embedding-dim out (it sets cnn and projcnn models)")
+        n_specs = len(self.model.split(","))
+        if n_specs > self.clients:
+            raise ValueError(f"model={self.model!r} lists {n_specs} models but clients={self.clients}, so some would "
+                             "never be used; list at most one model per client")
         if 0 < self.proto_dist_alert < 1:
             raise ValueError(f"proto_dist_alert={self.proto_dist_alert} would flag clients below the median; use 0 "
                              "(no warning) or a factor >= 1 (e.g. 3)")
@@ -222,12 +227,33 @@ def _format(err: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(lines)
 
 
+KEY_ALIASES = {"lambda": "lambda_proto"}
+"""Other spellings accepted for option names in TOML files and ``--set``: ``-`` for ``_``, and the
+``--lambda`` flag's name."""
+
+
+def _normal_keys(data: dict[str, Any], file: Path | None = None) -> dict[str, Any]:
+    """Option names with ``-`` read as ``_`` and :data:`KEY_ALIASES` applied; a name given twice
+    that way is a ConfigError."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = k.replace("-", "_") if isinstance(k, str) else k
+        key = KEY_ALIASES.get(key, key)
+        if key in out:
+            where = f" in {str(file)!r}" if file else ""
+            raise ConfigError(f"option {key!r} is given twice{where} (as {k!r} and another spelling); keep one")
+        out[key] = v
+    return out
+
+
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Merge defaults, an optional TOML file and overrides (None values are ignored).
 
-    TOML keys are the field names of :class:`RunConfig` (top level, or under a ``[run]`` table).
+    TOML keys are the field names of :class:`RunConfig` (top level, or under a ``[run]`` table, not
+    both), ``-`` may stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`).
     Raises:
-        ConfigError: missing/unreadable/invalid TOML, unknown keys, or invalid values.
+        ConfigError: missing/unreadable/invalid TOML, unknown keys, a key given twice, or invalid
+            values.
     """
     data: dict[str, Any] = {}
     if file is not None:
@@ -240,8 +266,14 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         if "run" in data and isinstance(data["run"], dict):
-            data = {**{k: v for k, v in data.items() if k != "run"}, **data["run"]}
-    for k, v in (overrides or {}).items():
+            top = {k: v for k, v in data.items() if k != "run"}
+            both = sorted(set(_normal_keys(top, p)) & set(_normal_keys(data["run"], p)))
+            if both:
+                raise ConfigError(f"config file {str(p)!r} sets {', '.join(both)} both at the top level and under "
+                                  "[run]; keep one")
+            data = {**top, **data["run"]}
+        data = _normal_keys(data, p)
+    for k, v in _normal_keys(overrides or {}).items():
         if v is not None:
             data[k] = v
     try:

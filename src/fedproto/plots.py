@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedproto.errors import FedprotoError
+from fedproto.errors import ConfigError, FedprotoError
 from fedproto.results import atomic_write_bytes, read_metrics
 
 EMBEDDINGS_FILE = "embeddings.npz"
@@ -168,12 +168,20 @@ def collect_embeddings(sim) -> dict[str, np.ndarray]:
 
 
 def save_embeddings(sim, run_dir: str | Path) -> Path:
-    """Write ``embeddings.npz`` (h, y, client: every client's test embeddings) into ``run_dir``."""
+    """Write ``embeddings.npz`` (h, y, client: every client's test embeddings) into ``run_dir``.
+
+    Raises:
+        ConfigError: the file cannot be written (full disk, permissions; names the file).
+    """
     arrays = collect_embeddings(sim)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     path = Path(run_dir) / EMBEDDINGS_FILE
-    atomic_write_bytes(path, buf.getvalue())
+    try:
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError as e:
+        raise ConfigError(f"cannot write {str(path)!r}: {e.strerror or e}; free space or fix that path (the run's "
+                          "other files are written)") from None
     return path
 
 

@@ -39,7 +39,7 @@ from rich.markup import escape
 
 from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import DATASETS, RunConfig, build_config, result_fields
+from fedproto.config import DATASETS, KEY_ALIASES, RunConfig, build_config, result_fields
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
@@ -134,6 +134,7 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set {item!r}: write key=value, e.g. --set lr=0.05")
         k, v = item.split("=", 1)
         k = k.strip().replace("-", "_")
+        k = KEY_ALIASES.get(k, k)
         if k in GRID_KEYS:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
@@ -231,8 +232,15 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
 
 
 def cell_name(dataset: str, ways: int, method: str, seed: int, param: str | None = None, value: Any = None) -> str:
+    """The cell's run-directory name; a swept value is made a plain folder name (``projcnn:8-8`` ->
+    ``projcnn_8-8``, a path -> its last part), as :meth:`RunConfig.run_name` does for models."""
     base = f"{dataset}-n{ways}-{method}-s{seed}"
-    return base if param is None else f"{base}-{param}{value}"
+    if param is None:
+        return base
+    v = str(value)
+    if "/" in v or "\\" in v:
+        v = Path(v).name or v
+    return f"{base}-{param}{re.sub(r'[^A-Za-z0-9.+=-]+', '_', v)[:60]}"
 
 
 def plan_grid(out: Path, datasets: Sequence[str], ways: Sequence[int], methods: Sequence[str], seeds: Sequence[int],
@@ -255,7 +263,12 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
     """Cells of a one-parameter sweep (values × methods × seeds), validated up front."""
     runs = Path(out) / "runs"
     cells = []
+    named: dict[str, Any] = {}
     for v in values:
+        other = named.setdefault(cell_name(dataset, ways, "m", 0, param, v), v)
+        if other is not v:
+            raise ConfigError(f"--sweep {param}: the values {other!r} and {v!r} would share a run folder; give values "
+                              "that differ in their last path part or in letters and digits")
         for m in methods:
             for s in seeds:
                 name = cell_name(dataset, ways, m, s, param, v)
@@ -310,11 +323,8 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     if summary is not None:
         return CellResult(cell, "skipped", summary)
     d = Path(cell.cfg.out_dir) / cell.name
-    try:
-        (d / "summary.json").unlink(missing_ok=True)  # a stale summary must never mark a rerun finished
-    except OSError as e:
-        raise ConfigError(f"cannot clear {str(d / 'summary.json')!r}: {e.strerror or e}; remove it or "
-                          "choose another --out") from None
+    # a stale summary (other options, damaged) stays until the rerun finishes: the run directory keeps it
+    # aside while training and puts it back if the rerun fails (RunDir.begin / abort)
     t0 = time.perf_counter()
     try:
         sim = Simulation(cell.cfg, out=d, progress=progress)
@@ -520,7 +530,7 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
         models = _ordered([r["model"] for r in rs if r.get("model")], [])
         if models:
             paper_models = {model_for(ds, m) for m in methods}
-            note = "" if set(models) <= paper_models else " (not the paper's; see the README)"
+            note = "" if set(models) <= paper_models else " (not the paper's models for this dataset)"
             out += [f"Models: {', '.join(models)}{note}.", ""]
         head = ["method"] + [f"n={n} {w}" for n in ways for w in ("ours", "paper")] + [
             "rounds ours / paper", "params ×10³ ours / paper"]

@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterable
@@ -68,8 +69,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
                 "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt")
-"""Files a run writes; a new run in the same folder first removes the old ones, so a run that is
-interrupted never leaves a mix of two runs behind (no summary.json means: not finished)."""
+"""Files a run writes. A new run in the same folder never mixes its files with an older run's (no
+summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
+one finishes, an unfinished one is removed."""
+
+PREVIOUS = ".previous"
+"""Sub-folder holding the finished run a new run in the same folder replaces, until it finishes
+(restored when it fails without a checkpoint to resume from)."""
 
 
 class RunDir:
@@ -97,7 +103,9 @@ class RunDir:
             raise self._unwritable(e) from None
 
     def begin(self, history: list[dict] | None = None) -> None:
-        """Start a run: remove an earlier run's result files and start an empty ``metrics.jsonl``.
+        """Start a run and an empty ``metrics.jsonl``. A finished earlier run (one with
+        ``summary.json``) is moved to :data:`PREVIOUS` (see :meth:`finish`, :meth:`abort`); the
+        files of an unfinished one are removed.
 
         Args:
             history: resuming from a checkpoint: the metrics rows it holds. The checkpoint and
@@ -108,6 +116,14 @@ class RunDir:
         """
         keep = ("config.json", "checkpoint.pt") if history is not None else ()
         try:
+            if history is None and (self.path / "summary.json").is_file():
+                prev = self.path / PREVIOUS
+                if prev.exists():
+                    shutil.rmtree(prev)
+                prev.mkdir()
+                for name in RESULT_FILES:
+                    if (self.path / name).is_file():
+                        os.replace(self.path / name, prev / name)
             for name in RESULT_FILES:
                 if name not in keep:
                     (self.path / name).unlink(missing_ok=True)
@@ -117,6 +133,27 @@ class RunDir:
         except OSError as e:
             raise self._unwritable(e) from None
         self._begun = True
+
+    def finish(self) -> None:
+        """The run finished: drop the earlier run kept in :data:`PREVIOUS`."""
+        shutil.rmtree(self.path / PREVIOUS, ignore_errors=True)
+
+    def abort(self) -> bool:
+        """The run failed or was interrupted: put the earlier finished run back, unless this run
+        left a checkpoint to resume from (then it stays in :data:`PREVIOUS` until this run
+        finishes). Returns True when it was restored; never raises."""
+        prev = self.path / PREVIOUS
+        if not self._begun or not prev.is_dir() or self.checkpoint.is_file():
+            return False
+        try:
+            for name in RESULT_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            for f in prev.iterdir():
+                os.replace(f, self.path / f.name)
+            prev.rmdir()
+        except OSError:
+            return False
+        return True
 
     @property
     def checkpoint(self) -> Path:

@@ -250,8 +250,36 @@ class Simulation:
         except (RuntimeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:200]}); delete it to start anew") from None
+        bad = self._message_problem(ckpt["message"])
+        if bad:
+            raise CheckpointError(f"{where} is damaged: its server message {bad}; delete it to start from round 1")
         self.message = ckpt["message"]
         self.history = list(ckpt["history"])
+
+    def _message_problem(self, msg) -> str:
+        """What is wrong with a checkpoint's server message ('' if nothing): arrays only, finite,
+        the shapes of the algorithm's first message, prototypes of the embedding size for classes
+        in range."""
+        if not isinstance(msg, dict):
+            return f"is a {type(msg).__name__}, not a dict of arrays"
+        ref = self.message  # the algorithm's initial message (run() builds it before restoring)
+        for k, v in msg.items():
+            if not isinstance(v, np.ndarray):
+                return f"entry {k!r} is a {type(v).__name__}, not an array"
+            if v.dtype.kind == "f" and not np.isfinite(v).all():
+                return f"entry {k!r} holds non-finite values"
+            if k in ref and np.shape(ref[k]) != v.shape:
+                return f"entry {k!r} has shape {v.shape}, the model needs {np.shape(ref[k])}"
+        if "protos" in msg or "classes" in msg:
+            c, p = msg.get("classes"), msg.get("protos")
+            C, d = self.setup.algorithm.num_classes, self.setup.embedding_dim
+            if c is None or p is None or c.ndim != 1 or c.dtype.kind not in "iu":
+                return "has no proper 'classes' and 'protos' pair"
+            if len(c) and (c.min() < 0 or c.max() >= C):
+                return f"names classes outside 0..{C - 1} ({c.min()}..{c.max()})"
+            if p.shape != (len(c), d):
+                return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
+        return ""
 
     def run(self, resume: bool = False) -> dict:
         """Run all rounds; returns the summary dict (also written to ``summary.json``).
@@ -272,11 +300,18 @@ class Simulation:
         start = 1
         ckpt = None
         has_ckpt = bool(self.run_dir) and self.run_dir.checkpoint.is_file()
-        if resume and self.run_dir and not has_ckpt:
-            log.warning("no checkpoint in %s: starting at round 1", self.run_dir.path)
-        elif has_ckpt and not resume:
-            log.warning("replacing the run in %s, which holds a checkpoint (add --resume to continue it instead)",
-                        self.run_dir.path)
+        if self.run_dir:
+            ck = self.run_dir.checkpoint
+            if ck.exists() and not ck.is_file():
+                raise ConfigError(f"{str(ck)!r} is not a file; remove it (the checkpoint goes there)")
+            if has_ckpt and not resume:
+                raise ConfigError(f"{str(self.run_dir.path)!r} holds an interrupted run's checkpoint: add --resume "
+                                  f"to continue it, or delete {str(ck)!r} (or pick another --name) to start anew")
+            if resume and not has_ckpt:
+                if (self.run_dir.path / "summary.json").is_file():
+                    raise ConfigError(f"the run in {str(self.run_dir.path)!r} has finished (summary.json) and has no "
+                                      "checkpoint: nothing to resume; drop --resume to run it again")
+                log.warning("no checkpoint in %s: starting at round 1", self.run_dir.path)
         if resume and has_ckpt:
             ckpt = load_checkpoint(self.run_dir.checkpoint)
             self._restore(ckpt)
@@ -286,6 +321,17 @@ class Simulation:
             log.info("resuming %s after round %d", self.run_dir.path, start - 1)
         if self.run_dir:
             self.run_dir.begin(self.history if ckpt is not None else None)
+        try:
+            return self._rounds(start, totals, train_time, wall_before)
+        except BaseException:
+            if self.run_dir and self.run_dir.abort():
+                log.warning("the earlier finished run in %s is back in place", self.run_dir.path)
+            raise
+
+    def _rounds(self, start: int, totals: dict, train_time: float, wall_before: float) -> dict:
+        """Rounds ``start..rounds``, evaluation and the result files (the body of :meth:`run`)."""
+        cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        if self.run_dir:
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
                                        "partition_summary": self.setup.partition.summary()})
         if self.on_round:
@@ -312,6 +358,7 @@ class Simulation:
             bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
             if bad:
                 lam = f" or --lambda-proto (now {cfg.lam})" if alg.name == "fedproto" and cfg.lam > 0 else ""
+                lam += f" or --prox-mu (now {cfg.prox_mu})" if alg.name == "fedprox" and cfg.prox_mu > 0 else ""
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
                     f"lower --lr (now {cfg.lr}){lam}")
@@ -381,4 +428,5 @@ class Simulation:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))
             self.run_dir.checkpoint.unlink(missing_ok=True)  # finished: nothing left to resume
+            self.run_dir.finish()
         return summary

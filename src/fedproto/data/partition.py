@@ -183,14 +183,13 @@ def fewshot_partition(
         for c, ki in zip(classes, k):
             offsets[c] += ki - shots
         fit = int(np.min((train_avail[held] - offsets[held]) // holders[held]))
-        hint = (f"with this seed and these clients, --shots {fit} is the largest that fits"
-                if fit >= 1 else "no --shots value fits: lower --clients or --ways")
+        hint = (f"with this seed and these clients, --shots {fit} is the largest that fits; or lower --clients "
+                "or --ways" if fit >= 1 else "no --shots value fits: lower --clients or --ways")
         raise PartitionError(
-            f"class {j} runs short: {holders[j]} clients x ~{shots} shots need {need[j]} training "
-            f"samples but the train split has {train_avail[j]} (short by {need[j] - train_avail[j]}); "
-            f"{len(short)} class(es) run short in all. The train split holds "
-            f"{int(train_avail.min())}-{int(train_avail.max())} samples per class; {hint}. "
-            f"Lower --shots, --clients or --ways{_femnist_note(dataset)}"
+            f"class {j} runs short: {holders[j]} client{'s' if holders[j] != 1 else ''} x ~{shots} shots need "
+            f"{need[j]} training samples but the train split has {train_avail[j]} (short by "
+            f"{need[j] - train_avail[j]}); {len(short)} class(es) run short in all. The train split holds "
+            f"{int(train_avail.min())}-{int(train_avail.max())} samples per class; {hint}{_femnist_note(dataset)}"
         )
     test_short = [int(j) for j in range(num_classes) if holders[j] and test_avail[j] < test_shots]
     if test_short:

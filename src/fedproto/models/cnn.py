@@ -111,8 +111,12 @@ class ProjectedCNN(ProtoModel):
 
     For per-client model lists (a larger and a smaller client model, practitioner's guide §3.2,
     fixed so both share one embedding size): ``channels`` conv3x3+ReLU+maxpool blocks,
-    adaptive average pooling to 1x1, then Linear(channels[-1] -> embedding_dim) + ReLU.
+    adaptive average pooling to 4x4, then Linear(channels[-1]*16 -> embedding_dim) + ReLU.
+    The 4x4 pool keeps the coarse layout of the image: a global (1x1) pool learned half as fast
+    (MNIST, ``projcnn:32-64,projcnn:16-32``, 20 clients, 5 rounds: 42% against 80%).
     """
+
+    pool = 4
 
     head_prefixes = ("fc.",)
     fc_prefixes = ("proj.", "fc.")
@@ -124,9 +128,9 @@ class ProjectedCNN(ProtoModel):
         for w in channels:
             layers += [nn.Conv2d(c, w, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True)]
             c = w
-        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        layers += [nn.AdaptiveAvgPool2d(self.pool), nn.Flatten()]
         self.features = nn.Sequential(*layers)
-        self.proj = nn.Linear(c, embedding_dim)
+        self.proj = nn.Linear(c * self.pool * self.pool, embedding_dim)
         self.drop = nn.Dropout(dropout)
         self.fc = nn.Linear(embedding_dim, num_classes)
         self.embedding_dim = embedding_dim

@@ -24,6 +24,8 @@ BatchNorm keeps running statistics, so these models are trained on the sequentia
 
 from __future__ import annotations
 
+import pickle
+
 import contextlib
 import os
 from collections.abc import Mapping
@@ -157,8 +159,12 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt zip/pickle, truncated file, foreign objects: all one cause
-        raise DataError(f"cannot read pretrained weights {str(p)!r} ({type(exc).__name__}: {exc}); "
-                        "replace it with a good copy of the state dict file") from exc
+        if isinstance(exc, pickle.UnpicklingError) and "weights_only" in str(exc):
+            raise DataError(f"{str(p)!r} holds pickled Python objects (a whole model?), not a state dict; save "
+                            "model.state_dict() with torch.save and pass that file") from None
+        raise DataError(f"cannot read pretrained weights {str(p)!r} ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:200]}); replace it with a good copy of the state dict "
+                        "file") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not obj or not all(

@@ -121,9 +121,12 @@ def projcnn_channels(spec: str) -> tuple[int, ...]:
 
 def check_model_name(name: str) -> None:
     """Validate a model name without building any model (raises :class:`ModelError`)."""
-    specs = [s.strip() for s in name.split(",") if s.strip()]
-    if not specs:
+    specs = [s.strip() for s in name.split(",")]
+    if not any(specs):
         raise ModelError("empty model name; known: " + ", ".join(MODEL_NAMES))
+    if not all(specs):
+        raise ModelError(f"model list {name!r} has an empty entry; write the specs separated by single commas, "
+                         "e.g. 'cnn,projcnn:16-32'")
     for spec in specs:
         if spec in ("cnn", "cnn-mh", "resnet18", "resnet18-mh"):
             continue
