@@ -23,6 +23,7 @@ from rich.table import Table
 
 from fedproto.config import build_config
 from fedproto.errors import FedprotoError
+from fedproto.results import PREVIOUS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated prototype learning (FedProto, arXiv 2105.00243).")
@@ -132,10 +133,11 @@ def run(
             if run_dir.checkpoint.is_file():
                 saved = ("; it holds a checkpoint: continue with the same command"
                          + ("" if resume else " plus --resume"))
-            if (out / "summary.json").is_file():
-                err_console.print(f"interrupted after round {len(sim.history)}; the earlier finished run in {out} "
-                                  "is back in place")
+            if (out / "summary.json").is_file():  # the engine has logged that the earlier run is back
+                err_console.print(f"interrupted after round {len(sim.history)}")
             else:
+                if saved and (out / PREVIOUS).is_dir():
+                    saved += f"; the earlier finished run waits in {out / PREVIOUS} until this one finishes"
                 err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                                   f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130)

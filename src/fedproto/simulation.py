@@ -29,7 +29,7 @@ from fedproto.data.partition import Partition, fewshot_partition, natural_partit
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
-from fedproto.results import RunDir
+from fedproto.results import PREVIOUS, RunDir
 from fedproto.training import Objective, can_batch, make_plan, train_group
 
 log = logging.getLogger(__name__)
@@ -305,8 +305,12 @@ class Simulation:
             if ck.exists() and not ck.is_file():
                 raise ConfigError(f"{str(ck)!r} is not a file; remove it (the checkpoint goes there)")
             if has_ckpt and not resume:
-                raise ConfigError(f"{str(self.run_dir.path)!r} holds an interrupted run's checkpoint: add --resume "
-                                  f"to continue it, or delete {str(ck)!r} (or pick another --name) to start anew")
+                prev = self.run_dir.path / PREVIOUS
+                kept = (f" (an earlier finished run waits in {str(prev)!r} until the interrupted one finishes)"
+                        if prev.is_dir() else "")
+                raise ConfigError(f"{str(self.run_dir.path)!r} holds an interrupted run's checkpoint{kept}: add "
+                                  f"--resume to continue it, or delete {str(ck)!r} (or pick another --name) to "
+                                  "start anew")
             if resume and not has_ckpt:
                 if (self.run_dir.path / "summary.json").is_file():
                     raise ConfigError(f"the run in {str(self.run_dir.path)!r} has finished (summary.json) and has no "
