@@ -269,3 +269,82 @@ def test_a_checkpoint_with_a_bad_server_message_is_refused(tmp_path, edit, expec
     save_checkpoint(d / "checkpoint.pt", ck)
     with pytest.raises(CheckpointError, match="is damaged: its server message " + expect):
         Simulation(_cfg(checkpoint_every=1), out=d).run(resume=True)
+
+
+def test_one_process_per_run_folder_and_one_run_per_simulation(tmp_path):
+    """Reported: two runs in one folder mixed their metrics and deleted the finished run; a
+    second Simulation.run() went on training the same models."""
+    import os
+    import subprocess
+    import sys
+
+    d = tmp_path / "r"
+    sim = Simulation(_cfg(), out=d)
+    sim.run()
+    with pytest.raises(ConfigError, match="has run already"):
+        sim.run()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (d / ".lock").write_text(str(other.pid))
+        with pytest.raises(ConfigError, match=rf"another fedproto process \(pid {other.pid}\) is writing"):
+            Simulation(_cfg(), out=d).run()
+        assert json.loads((d / "summary.json").read_text())["rounds"] == 4  # untouched
+    finally:
+        other.kill()
+        other.wait()
+    Simulation(_cfg(rounds=2), out=d).run()  # the lock of a dead process is stale
+    assert not (d / ".lock").exists() and json.loads((d / "summary.json").read_text())["rounds"] == 2
+    assert os.listdir(d).count(".previous") == 0
+
+
+def test_a_killed_rerun_leaves_the_finished_run_to_be_restored(tmp_path):
+    """Reported: after SIGKILL/SIGTERM the finished run stayed hidden in .previous/ and the next
+    finished run deleted it. Now the next writer of the folder puts it back first (nothing can
+    resume the killed run: it left no checkpoint)."""
+    from fedproto.results import RunDir
+
+    d = tmp_path / "r"
+    Simulation(_cfg(), out=d).run()
+    files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    rd = RunDir(d)
+    rd.begin()  # a rerun starts ...
+    rd.log_round({"round": 1})  # ... and is killed (no abort, no finish)
+    assert (d / ".previous" / "summary.json").is_file() and not (d / "summary.json").exists()
+    RunDir(d)  # the next command that writes here
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == files
+    assert not (d / ".previous").exists()
+
+
+def test_begin_puts_a_finished_run_back_when_it_fails(tmp_path, monkeypatch):
+    """Reported: a rerun that failed while starting (a full disk on metrics.jsonl, a folder in
+    place of a result file) left the finished run hidden in .previous/."""
+    import errno
+
+    import fedproto.results as results
+
+    d = tmp_path / "r"
+    Simulation(_cfg(), out=d).run()
+    files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    rd = results.RunDir(d)
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(results, "atomic_write_bytes", full)
+    with pytest.raises(ConfigError, match="cannot write .*metrics.jsonl.*No space left"):
+        rd.begin()
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()} == files
+    assert not (d / ".previous").exists()
+
+
+def test_reproduce_keeps_an_interrupted_cell_of_other_options(tmp_path):
+    """Reported: a reproduce rerun with another --set silently deleted the interrupted cell's
+    checkpoint; now the cell fails and names the options that differ."""
+    cfg = _cfg(out_dir=str(tmp_path), name="c", checkpoint_every=1)
+    with pytest.raises(_Stop):
+        Simulation(cfg, out=tmp_path / "c", on_round=_interrupt_at(2)).run()
+    before = (tmp_path / "c" / "checkpoint.pt").read_bytes()
+    res = run_cell(Cell("digits", 3, "fedproto", 1234, _cfg(out_dir=str(tmp_path), name="c", checkpoint_every=1,
+                                                            lr=0.02), "c"))
+    assert res.status == "failed" and "lr: 0.05 there, 0.02 now" in res.message
+    assert (tmp_path / "c" / "checkpoint.pt").read_bytes() == before

@@ -242,3 +242,13 @@ def test_flower_deployment_on_localhost_gives_the_simulation_numbers(tmp_path):
     for key in want["accuracy"]:
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
     assert got["params_per_round"] == want["params_per_round"]
+
+
+def test_server_app_logs_a_user_mistake_in_one_line(caplog):
+    """Reported: every user mistake under Flower printed a ServerApp traceback."""
+    from fedproto.flower import server_app
+
+    uc = _user_config(checkpoint_every=1)
+    ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=uc)
+    server_app.main(LocalGrid(uc, [0, 1, 2, 3]), ctx)  # returns instead of raising
+    assert any("fedproto: checkpoint_every=1: under Flower" in r.getMessage() for r in caplog.records)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
 import sys
 import zipfile
 from contextlib import contextmanager
@@ -299,6 +300,11 @@ def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    def on_term(signum, frame):  # `kill`, `timeout`, Slurm, docker stop: end like Ctrl-C (results restored)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     try:
         app()
     except FedprotoError as e:

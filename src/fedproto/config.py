@@ -236,13 +236,14 @@ def _normal_keys(data: dict[str, Any], file: Path | None = None) -> dict[str, An
     """Option names with ``-`` read as ``_`` and :data:`KEY_ALIASES` applied; a name given twice
     that way is a ConfigError."""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for k, v in data.items():
         key = k.replace("-", "_") if isinstance(k, str) else k
         key = KEY_ALIASES.get(key, key)
         if key in out:
             where = f" in {str(file)!r}" if file else ""
-            raise ConfigError(f"option {key!r} is given twice{where} (as {k!r} and another spelling); keep one")
-        out[key] = v
+            raise ConfigError(f"option {key!r} is given twice{where} (as {given[key]!r} and {k!r}); keep one")
+        out[key], given[key] = v, k
     return out
 
 

@@ -58,6 +58,10 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
         raise DataError(f"{str(run_dir)!r} is a file, not a run directory; {fix}")
     for name in ("config.json", "summary.json"):
         if not (run_dir / name).is_file():
+            prev = run_dir / ".previous" / "summary.json"
+            if prev.is_file():
+                fix = (f"its earlier finished run waits in {str(prev.parent)!r} while a newer run is unfinished "
+                       "(resume that one with --resume, or pass the .previous folder)")
             raise DataError(f"{str(run_dir)!r} has no {name}; {fix}")
     try:
         stored = json.loads((run_dir / "config.json").read_text())

@@ -140,6 +140,8 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
         if k not in RunConfig.model_fields:
             raise ConfigError(f"--set: unknown option {k!r}; known options: {', '.join(RunConfig.model_fields)}")
+        if k in out:
+            raise ConfigError(f"--set {k} is given twice (or under two spellings); keep one")
         out[k] = parse_value(v.strip())
     return out
 
@@ -330,7 +332,9 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
         sim = Simulation(cell.cfg, out=d, progress=progress)
         try:
             summary = sim.run(resume=(d / CHECKPOINT_FILE).is_file())  # an interrupted cell goes on from it
-        except (CheckpointError, CheckpointMismatch) as e:
+        except CheckpointMismatch as e:  # an interrupted cell of other options: never thrown away silently
+            return CellResult(cell, "failed", None, as_set_options(str(e)), time.perf_counter() - t0)
+        except CheckpointError as e:  # damaged: nothing to keep
             log.warning("%s: %s; running the cell from round 1", cell.name, e)
             (d / CHECKPOINT_FILE).unlink(missing_ok=True)
             sim = Simulation(cell.cfg, out=d, progress=progress)

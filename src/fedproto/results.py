@@ -73,9 +73,35 @@ RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "
 summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
 one finishes, an unfinished one is removed."""
 
+LOCK = ".lock"
+"""File holding the pid of the process writing a run folder (see :meth:`RunDir.acquire`)."""
+
 PREVIOUS = ".previous"
 """Sub-folder holding the finished run a new run in the same folder replaces, until it finishes
 (restored when it fails without a checkpoint to resume from)."""
+
+
+def restore_orphan(path: str | Path, force: bool = False) -> bool:
+    """Put the finished run kept in ``path/.previous`` back when nothing can continue the run that
+    replaced it: that run has no checkpoint and did not finish (killed, failed). With ``force``,
+    even when that run finished. Returns True when restored; never raises."""
+    path = Path(path)
+    prev = path / PREVIOUS
+    if not prev.is_dir() or (path / "checkpoint.pt").is_file():
+        return False
+    if not force and (path / "summary.json").is_file():
+        return False
+    try:
+        for name in RESULT_FILES:
+            (path / name).unlink(missing_ok=True)
+        for f in prev.iterdir():
+            if f.is_dir() and (path / f.name).is_dir():
+                shutil.rmtree(path / f.name)
+            os.replace(f, path / f.name)
+        prev.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 class RunDir:
@@ -101,6 +127,8 @@ class RunDir:
             os.unlink(probe)
         except OSError as e:
             raise self._unwritable(e) from None
+        if self.lock_owner() is None:
+            restore_orphan(self.path)
 
     def begin(self, history: list[dict] | None = None) -> None:
         """Start a run and an empty ``metrics.jsonl``. A finished earlier run (one with
@@ -115,15 +143,17 @@ class RunDir:
             ConfigError: the folder cannot be written.
         """
         keep = ("config.json", "checkpoint.pt") if history is not None else ()
+        moved: list[str] = []
+        prev = self.path / PREVIOUS
         try:
             if history is None and (self.path / "summary.json").is_file():
-                prev = self.path / PREVIOUS
                 if prev.exists():
                     shutil.rmtree(prev)
                 prev.mkdir()
-                for name in RESULT_FILES:
-                    if (self.path / name).is_file():
+                for name in (*RESULT_FILES, "onboard"):
+                    if (self.path / name).exists():
                         os.replace(self.path / name, prev / name)
+                        moved.append(name)
             for name in RESULT_FILES:
                 if name not in keep:
                     (self.path / name).unlink(missing_ok=True)
@@ -131,6 +161,13 @@ class RunDir:
                     tmp.unlink(missing_ok=True)
             atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
         except OSError as e:
+            try:  # all or nothing: put a finished run moved aside back where it was
+                for name in moved:
+                    os.replace(prev / name, self.path / name)
+                if moved:
+                    prev.rmdir()
+            except OSError:
+                pass
             raise self._unwritable(e) from None
         self._begun = True
 
@@ -145,15 +182,42 @@ class RunDir:
         prev = self.path / PREVIOUS
         if not self._begun or not prev.is_dir() or self.checkpoint.is_file():
             return False
+        return restore_orphan(self.path, force=True)
+
+    def lock_owner(self) -> int | None:
+        """The pid of another live process writing this folder (its ``.lock``), else None."""
         try:
-            for name in RESULT_FILES:
-                (self.path / name).unlink(missing_ok=True)
-            for f in prev.iterdir():
-                os.replace(f, self.path / f.name)
-            prev.rmdir()
-        except OSError:
-            return False
-        return True
+            pid = int((self.path / LOCK).read_text().strip())
+        except (OSError, ValueError):
+            return None
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None  # stale: that process is gone
+        except PermissionError:
+            return pid
+        return pid
+
+    def acquire(self) -> None:
+        """Mark the folder as written by this process. Raises ConfigError when another live
+        process holds it (two runs in one folder would mix their files)."""
+        owner = self.lock_owner()
+        if owner is not None:
+            from fedproto.errors import ConfigError
+
+            raise ConfigError(f"another fedproto process (pid {owner}) is writing {str(self.path)!r}; wait for it "
+                              "to finish or stop it, or write this run elsewhere (--name / --out-dir)")
+        self._write(atomic_write_bytes, self.path / LOCK, str(os.getpid()).encode())
+
+    def release(self) -> None:
+        """Drop this process's mark (never raises)."""
+        try:
+            if (self.path / LOCK).read_text().strip() == str(os.getpid()):
+                (self.path / LOCK).unlink()
+        except (OSError, ValueError):
+            pass
 
     @property
     def checkpoint(self) -> Path:

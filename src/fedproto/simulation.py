@@ -161,6 +161,7 @@ class Simulation:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.message: Message = {}
         self.history: list[dict] = []
+        self._ran = False
 
     # -------------------------------------------------------------------------------------------
     def _groups(self, ids: list[int]) -> list[list[int]]:
@@ -293,7 +294,20 @@ class Simulation:
             CheckpointError: it is damaged or does not fit.
             TrainingError: the loss diverged.
         """
+        if self._ran:
+            raise ConfigError("this Simulation has run already (its models are trained); build a new Simulation "
+                              "to run again")
+        if not self.run_dir:
+            return self._run(resume)
+        self.run_dir.acquire()  # one process per run folder
+        try:
+            return self._run(resume)
+        finally:
+            self.run_dir.release()
+
+    def _run(self, resume: bool) -> dict:
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        self._ran = True
         self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
         totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
         train_time = wall_before = 0.0

@@ -24,7 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedproto.algorithms.base import Message as FedMessage
 from fedproto.config import RunConfig
-from fedproto.errors import ConfigError, TrainingError
+from fedproto.errors import ConfigError, FedprotoError, TrainingError
 from fedproto.simulation import Simulation
 from fedproto.training import TrainResult
 
@@ -135,8 +135,12 @@ class FlowerEngine(Simulation):
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """ServerApp entry point: run the configured experiment and log its summary."""
-    cfg = run_config(context.run_config)
-    summary = FlowerEngine(cfg, grid).run()
+    try:
+        cfg = run_config(context.run_config)
+        summary = FlowerEngine(cfg, grid).run()
+    except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
+        log.error("fedproto: %s", e)
+        return
     acc = summary["accuracy"].get("acc", {})
     log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round",
                 cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")), 100 * acc.get("std", float("nan")),
