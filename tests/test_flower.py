@@ -252,3 +252,10 @@ def test_server_app_logs_a_user_mistake_in_one_line(caplog):
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=uc)
     server_app.main(LocalGrid(uc, [0, 1, 2, 3]), ctx)  # returns instead of raising
     assert any("fedproto: checkpoint_every=1: under Flower" in r.getMessage() for r in caplog.records)
+
+
+def test_a_fractional_partition_id_is_refused():
+    """Reported: partition-id=2.5 was silently truncated to client 2."""
+    uc = _user_config()
+    with pytest.raises(TrainingError, match=r"partition-id=2.5 is not a whole number"):
+        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2.5, 3]), out=False)

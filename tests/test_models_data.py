@@ -430,3 +430,21 @@ def test_sweep_cell_names_are_plain_folder_names(tmp_path):
     assert [c.name for c in cells] == ["digits-n3-fedproto-s1-modelprojcnn_8-8", "digits-n3-fedproto-s1-modelcnn"]
     with pytest.raises(ConfigError, match="would share a run folder"):
         plan_sweep(tmp_path, "pretrained", "pretrained", ["/a/x.pth", "/b/x.pth"], "cifar10", 3, ["fedproto"], [1])
+
+
+def test_python_api_misuse_is_a_config_error():
+    """Reported: raw TypeError/AttributeError for common mistakes in the Python API."""
+    from fedproto import ConfigError, Simulation, build_config
+    from fedproto.reproduce import plan_sweep
+
+    with pytest.raises(ConfigError, match=r"pass options as build_config\(overrides="):
+        build_config({"dataset": "digits"})
+    with pytest.raises(ConfigError, match="not a list"):
+        build_config(overrides=["dataset=digits"])
+    with pytest.raises(ConfigError, match="needs a RunConfig"):
+        Simulation({"dataset": "digits"})
+    with pytest.raises(ConfigError, match=r"out=123"):
+        Simulation(build_config(overrides={"dataset": "digits"}), out=123)
+    assert build_config(overrides={"lambda": 0.5, "lambda_proto": None}).lambda_proto == 0.5
+    with pytest.raises(ConfigError, match="sweep model with fedproto-mh"):
+        plan_sweep(Path("/tmp/x"), "model", "model", ["cnn", "cnn-mh"], "digits", 3, ["fedproto-mh"], [1])

@@ -256,6 +256,12 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         ConfigError: missing/unreadable/invalid TOML, unknown keys, a key given twice, or invalid
             values.
     """
+    if isinstance(file, dict):
+        raise ConfigError("build_config's first argument is a TOML file path; pass options as "
+                          "build_config(overrides={...})")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(f"overrides must be a dict of option names to values, not a {type(overrides).__name__}")
+    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in (overrides or {}).items() if v is not None}
     data: dict[str, Any] = {}
     if file is not None:
         p = Path(file)

@@ -264,6 +264,10 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
                data_dir: str | None = None) -> list[Cell]:
     """Cells of a one-parameter sweep (values × methods × seeds), validated up front."""
     runs = Path(out) / "runs"
+    if fld == "model" and HETEROGENEOUS & set(methods):
+        raise ConfigError("--sweep model with fedproto-mh: the grid turns every value into its '-mh' variant, so "
+                          "the values would not be what they say; sweep --methods fedproto and give the "
+                          "heterogeneous models as values (e.g. cnn,cnn-mh)")
     cells = []
     named: dict[str, Any] = {}
     for v in values:

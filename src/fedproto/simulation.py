@@ -148,6 +148,10 @@ class Simulation:
 
     def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
                  on_round: Callable[[dict], None] | None = None, progress: bool = False):
+        if not isinstance(cfg, RunConfig):
+            raise ConfigError(f"Simulation needs a RunConfig (from fedproto.build_config), not a {type(cfg).__name__}")
+        if out is True or not (out is None or out is False or isinstance(out, (str, Path, RunDir))) or out == "":
+            raise ConfigError(f"out={out!r}: give a run directory path, None (out_dir/name) or False (write nothing)")
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)

@@ -59,7 +59,13 @@ def node(context: Context) -> Node:
     if "partition-id" not in nc:
         raise ConfigError("this SuperNode has no partition-id in its node config; start it with "
                           "--node-config \"partition-id=I num-partitions=N\" (I: its client id, 0-based)")
-    cid, parts = int(nc["partition-id"]), int(nc.get("num-partitions", cfg.clients))
+    raw = {k: nc.get(k, cfg.clients) for k in ("partition-id", "num-partitions")}
+    bad = {k: v for k, v in raw.items() if not _whole(v)}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise ConfigError(f"node config {k}={v!r} is not a whole number; start the SuperNode with integers, e.g. "
+                          "--node-config \"partition-id=0 num-partitions=3\"")
+    cid, parts = int(raw["partition-id"]), int(raw["num-partitions"])
     if parts != cfg.clients:
         raise ConfigError(f"node config num-partitions={parts} but the run has clients={cfg.clients}; "
                           "start the SuperNodes with num-partitions equal to clients")
@@ -78,6 +84,15 @@ def node(context: Context) -> Node:
         state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         state.extra = dict(context.state[STATE_EXTRA])
     return Node(cfg, setup, cid)
+
+
+def _whole(v) -> bool:
+    if isinstance(v, bool):
+        return False
+    try:
+        return float(v).is_integer()
+    except (TypeError, ValueError):
+        return False
 
 
 def _save(n: Node, context: Context) -> None:

@@ -41,7 +41,8 @@ class FlowerEngine(Simulation):
             nodes, so the server cannot checkpoint them).
         grid: the Flower :class:`~flwr.serverapp.Grid` of the run.
         out: run directory (as :class:`~fedproto.simulation.Simulation`).
-        wait_s: seconds to wait for ``cfg.clients`` SuperNodes to connect.
+        wait_s: seconds to wait for ``cfg.clients`` SuperNodes to connect (60 by default; a
+            warning says it is waiting).
         timeout_s: seconds to wait for the replies of one round (None: no limit).
     Raises:
         ConfigError: checkpoints requested; nodes whose ``partition-id`` values do not cover
@@ -58,7 +59,12 @@ class FlowerEngine(Simulation):
         self.grid = grid
         self.timeout_s = timeout_s
         self.round = 0
-        self.nodes = self._discover(wait_s)
+        try:
+            self.nodes = self._discover(wait_s)
+        except BaseException:
+            if self.run_dir:
+                self.run_dir.discard_if_unused()  # no empty run folder left behind
+            raise
 
     def _exchange(self, messages: list[Message], what: str) -> dict[int, Message]:
         """Send, wait for every reply; replies keyed by the sender's node id."""
@@ -69,7 +75,9 @@ class FlowerEngine(Simulation):
             nid = m.metadata.dst_node_id
             who = f"client {cid_of[nid]} (node {nid})" if nid in cid_of else f"node {nid}"
             if nid not in by_node:
-                raise TrainingError(f"{what}: no reply from {who} within timeout_s={self.timeout_s}")
+                within = f" within {self.timeout_s:g} s" if self.timeout_s else ""
+                raise TrainingError(f"{what}: no reply from {who}{within}: the SuperNode went offline or its "
+                                    "ClientApp died (see that node's log); restart it and run again")
             if by_node[nid].has_error():
                 err = by_node[nid].error
                 raise TrainingError(f"{what}: {who} failed (code {err.code}): {err.reason}")
@@ -79,6 +87,8 @@ class FlowerEngine(Simulation):
         n = len(self.setup.states)
         deadline = time.monotonic() + wait_s
         ids = list(self.grid.get_node_ids())
+        if len(ids) < n and wait_s > 0:
+            log.warning("waiting up to %g s for %d SuperNodes (%d connected)", wait_s, n, len(ids))
         while len(ids) < n and time.monotonic() < deadline:
             time.sleep(1.0)
             ids = list(self.grid.get_node_ids())
