@@ -232,14 +232,19 @@ KEY_ALIASES = {"lambda": "lambda_proto"}
 ``--lambda`` flag's name."""
 
 
+def normal_key(key: str) -> str:
+    """An option name as a RunConfig field: ``-`` read as ``_``, :data:`KEY_ALIASES` applied."""
+    key = key.replace("-", "_") if isinstance(key, str) else key
+    return KEY_ALIASES.get(key, key)
+
+
 def _normal_keys(data: dict[str, Any], file: Path | None = None) -> dict[str, Any]:
     """Option names with ``-`` read as ``_`` and :data:`KEY_ALIASES` applied; a name given twice
     that way is a ConfigError."""
     out: dict[str, Any] = {}
     given: dict[str, str] = {}
     for k, v in data.items():
-        key = k.replace("-", "_") if isinstance(k, str) else k
-        key = KEY_ALIASES.get(key, key)
+        key = normal_key(k)
         if key in out:
             where = f" in {str(file)!r}" if file else ""
             raise ConfigError(f"option {key!r} is given twice{where} (as {given[key]!r} and {k!r}); keep one")

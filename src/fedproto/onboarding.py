@@ -41,7 +41,7 @@ from fedproto.data.partition import fewshot_partition
 from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
-from fedproto.results import atomic_write_bytes, atomic_write_json
+from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
 from fedproto.simulation import client_rng, summarize
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
         raise DataError(f"{str(run_dir)!r} is a file, not a run directory; {fix}")
     for name in ("config.json", "summary.json"):
         if not (run_dir / name).is_file():
-            prev = run_dir / ".previous" / "summary.json"
+            prev = run_dir / PREVIOUS / "summary.json"
             if prev.is_file():
                 fix = (f"its earlier finished run waits in {str(prev.parent)!r} while a newer run is unfinished "
                        "(resume that one with --resume, or pass the .previous folder)")

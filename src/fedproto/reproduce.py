@@ -39,7 +39,7 @@ from rich.markup import escape
 
 from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import DATASETS, KEY_ALIASES, RunConfig, build_config, result_fields
+from fedproto.config import DATASETS, RunConfig, build_config, normal_key, result_fields
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
@@ -133,8 +133,7 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: write key=value, e.g. --set lr=0.05")
         k, v = item.split("=", 1)
-        k = k.strip().replace("-", "_")
-        k = KEY_ALIASES.get(k, k)
+        k = normal_key(k.strip())
         if k in GRID_KEYS:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")

@@ -161,13 +161,8 @@ class RunDir:
                     tmp.unlink(missing_ok=True)
             atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
         except OSError as e:
-            try:  # all or nothing: put a finished run moved aside back where it was
-                for name in moved:
-                    os.replace(prev / name, self.path / name)
-                if moved:
-                    prev.rmdir()
-            except OSError:
-                pass
+            if moved:  # all or nothing: put the finished run moved aside back where it was
+                restore_orphan(self.path, force=True)
             raise self._unwritable(e) from None
         self._begun = True
 
@@ -179,10 +174,7 @@ class RunDir:
         """The run failed or was interrupted: put the earlier finished run back, unless this run
         left a checkpoint to resume from (then it stays in :data:`PREVIOUS` until this run
         finishes). Returns True when it was restored; never raises."""
-        prev = self.path / PREVIOUS
-        if not self._begun or not prev.is_dir() or self.checkpoint.is_file():
-            return False
-        return restore_orphan(self.path, force=True)
+        return self._begun and restore_orphan(self.path, force=True)
 
     def lock_owner(self) -> int | None:
         """The pid of another live process writing this folder (its ``.lock``), else None."""

@@ -17,7 +17,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from e
 
 from fedproto.algorithms.base import Message
-from fedproto.config import RunConfig, build_config
+from fedproto.config import RunConfig, build_config, normal_key
 from fedproto.errors import ConfigError
 
 MESSAGE = "fedproto.message"
@@ -47,7 +47,7 @@ def run_config(user_config: Mapping[str, Any], node_overrides: Mapping[str, Any]
     ``local-epochs``). ``node_overrides`` (a node's ``data-dir``) are applied last and are
     result-neutral. Raises :class:`ConfigError` naming unknown keys or invalid values.
     """
-    data = {str(k).replace("-", "_"): v for k, v in user_config.items()}
+    data = {normal_key(str(k)): v for k, v in user_config.items()}
     data.update(node_overrides or {})
     try:
         return build_config(None, data)

@@ -59,6 +59,7 @@ class FlowerEngine(Simulation):
         self.grid = grid
         self.timeout_s = timeout_s
         self.round = 0
+        self.nodes: dict[int, int] = {}  # client id -> node id, filled by _discover
         try:
             self.nodes = self._discover(wait_s)
         except BaseException:
@@ -70,7 +71,7 @@ class FlowerEngine(Simulation):
         """Send, wait for every reply; replies keyed by the sender's node id."""
         replies = list(self.grid.send_and_receive(messages, timeout=self.timeout_s))
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
-        cid_of = {v: k for k, v in getattr(self, "nodes", {}).items()}
+        cid_of = {v: k for k, v in self.nodes.items()}
         for m in messages:
             nid = m.metadata.dst_node_id
             who = f"client {cid_of[nid]} (node {nid})" if nid in cid_of else f"node {nid}"
