@@ -24,6 +24,27 @@ def mnist_available() -> bool:
 needs_mnist = pytest.mark.skipif(not mnist_available(), reason="set FEDPROTO_DATA to a folder with mnist/")
 
 
+def float64_sim(cfg, **kw):
+    """A :class:`~fedproto.simulation.Simulation` of ``cfg`` whose models and data are float64.
+
+    Two execution paths are compared in float64 (rounding near 1e-15), so a bound like 1e-9 tells
+    a logic difference from rounding on any CPU; in float32 a rounding difference can flip a ReLU
+    or max-pool decision that sits within ~1e-7 of a tie, and SGD carries it on (issue #10).
+    """
+    import torch
+
+    from fedproto.simulation import Simulation, prepare
+
+    return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), out=False, **kw)
+
+
+def flat_weights(sim):
+    """Per client, all parameters as one flat vector."""
+    import torch
+
+    return [torch.cat([p.detach().flatten() for p in s.model.parameters()]) for s in sim.setup.states]
+
+
 def run_cli(args, capsys, monkeypatch):
     """Run ``fedproto ARGS`` in-process; returns (exit code, stdout + stderr)."""
     from fedproto.cli import main

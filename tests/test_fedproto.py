@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import needs_mnist
+from conftest import flat_weights, float64_sim, needs_mnist
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import build_config
@@ -90,17 +90,19 @@ def test_prototype_loss_positive_after_round_one_and_reproducible():
 
 
 def test_batched_and_sequential_runs_give_equal_accuracies():
+    """float64: the two paths agree within 1e-9 relative after 2 rounds (round 2 trains against
+    round 1's global prototypes), with equal accuracies."""
     res = {}
     for mode in ("sequential", "batched"):
-        sim = Simulation(_digits_cfg(rounds=2, execution=mode), out=False)
+        sim = float64_sim(_digits_cfg(rounds=2, execution=mode))
         sim.run()
         res[mode] = sim
     s, b = res["sequential"], res["batched"]
-    for i in range(6):
-        for (n, p), (_, q) in zip(s.setup.states[i].model.named_parameters(), b.setup.states[i].model.named_parameters()):
-            assert ((p - q).norm() / p.norm()).item() < 1e-5, (i, n)
-    assert s.history[-1]["acc_mean"] == pytest.approx(b.history[-1]["acc_mean"], abs=1e-9)
-    assert s.history[-1]["acc_proto_mean"] == pytest.approx(b.history[-1]["acc_proto_mean"], abs=1e-9)
+    for i, (p, q) in enumerate(zip(flat_weights(s), flat_weights(b))):
+        assert ((p - q).norm() / p.norm()).item() < 1e-9, i
+    assert s.history[-1]["acc_mean"] == b.history[-1]["acc_mean"]
+    assert s.history[-1]["acc_proto_mean"] == b.history[-1]["acc_proto_mean"]
+    assert s.history[-1]["loss_proto"] == pytest.approx(b.history[-1]["loss_proto"], rel=1e-9)
 
 
 def test_up_message_size_is_classes_times_embedding():
@@ -130,17 +132,22 @@ def test_end_to_end_real_mnist_beats_chance(tmp_path):
 
 
 @needs_mnist
-def test_batched_matches_sequential_after_one_round_on_real_mnist():
-    """Default MNIST setting, 20 clients: per-client weight vectors within 1e-5 relative after a
-    round (measured 6.5e-6 at seed 1), the same accuracies."""
+@pytest.mark.parametrize("seed", [1, 1234])
+def test_batched_matches_sequential_after_one_round_on_real_mnist(seed):
+    """Default MNIST setting, 20 clients, float64: per-client weights within 1e-9 relative after a
+    round (measured below 2e-16), the same accuracies.
+
+    Issue #10: in float32, on AMD EPYC, clients 3 and 10 (seed 1234) and 18 (seed 1) differed by
+    1e-2. The cause is no logic difference: after 23 steps client 10's weights differ by ~1e-6
+    (float32 rounding of two kernels); at step 24 one conv2 unit's pre-activation is -7.8e-7 on one
+    path and +3.0e-6 on the other, so the ReLU passes the gradient on one path only, and the
+    steps after carry the difference on. In float64 no such near-tie decides anything."""
     sims = {}
     for mode in ("sequential", "batched"):
-        cfg = build_config(overrides=dict(rounds=1, eval_every=0, execution=mode, seed=1))
-        sims[mode] = Simulation(cfg, out=False)
+        cfg = build_config(overrides=dict(rounds=1, eval_every=0, execution=mode, seed=seed))
+        sims[mode] = float64_sim(cfg)
         sims[mode].run()
     s, b = sims["sequential"], sims["batched"]
-    for sa, sb in zip(s.setup.states, b.setup.states):
-        p = torch.cat([x.flatten() for x in sa.model.parameters()])
-        q = torch.cat([x.flatten() for x in sb.model.parameters()])
-        assert ((p - q).norm() / p.norm()).item() < 1e-5, sa.cid
+    for i, (p, q) in enumerate(zip(flat_weights(s), flat_weights(b))):
+        assert ((p - q).norm() / p.norm()).item() < 1e-9, i
     assert [m["acc"] for m in s.evaluate()] == [m["acc"] for m in b.evaluate()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import json
 
 import numpy as np
@@ -116,7 +117,8 @@ def test_onboarding_refuses_damaged_prototypes_and_bad_seeds(tmp_path, capsys, m
     code, text = run_cli(["onboard", str(tmp_path / "nowhere")], capsys, monkeypatch)
     assert code == 2 and "does not exist" in text
     code, text = run_cli(["onboard", str(run), "--clients", "100000"], capsys, monkeypatch)
-    assert code == 2 and "onboard fewer --clients" in text and "runs short" in text
+    assert code == 2 and "runs short" in text and "--shots" not in text and "--ways" not in text
+    assert "train split" not in text and re.search(r"onboard at most --clients \d+|no smaller --clients", text)
 
 
 def test_run_refuses_a_filter_that_drops_every_prototype(tmp_path):

@@ -68,3 +68,44 @@ def test_capacity_error_names_class_and_shortfall():
 def test_labels_outside_the_class_range_are_refused():
     with pytest.raises(PartitionError, match=r"train labels hold 10, outside 0..9; pass num_classes >= 11"):
         make(train_y=np.append(TRAIN_Y, 10))
+
+
+def _documented_range(ways, shots, stdev, C, noise, dataset):
+    """The ranges as README.md states them (written out here, not taken from the library)."""
+    if noise == "uniform":
+        k_hi = shots + stdev - 2 if dataset == "mnist" else shots + stdev
+        return ((min(ways, max(2, ways - stdev)), max(ways, min(C - 1, ways + stdev))),
+                (min(shots, shots - stdev + 1), max(shots, k_hi)))
+    return (min(2, ways), C), (1, np.inf)
+
+
+@pytest.mark.parametrize("noise", ["uniform", "gaussian"])
+@pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
+def test_drawn_ways_and_shots_lie_in_the_documented_range(noise, dataset):
+    """Issue #10: stdev 0 gave every client shots + 1 samples per class. For every (ways, shots,
+    stdev) of a grid, every draw lies in the documented range, the range holds ways and shots,
+    stdev 0 gives exactly ways and shots, and the official ranges hold for stdev >= 2."""
+    C = 10
+    for ways in (1, 2, 3, 5, 9, 10):
+        for shots in (1, 2, 5, 40, 100):
+            for stdev in (0, 1, 2, 3, 5):
+                if noise == "uniform" and shots - stdev + 1 < 1:
+                    continue  # refused, see test_uniform_shots_never_reach_below_one
+                n, k = draw_ways_shots(300, ways, shots, stdev, C, noise, np.random.default_rng(stdev), dataset)
+                (nlo, nhi), (klo, khi) = _documented_range(ways, shots, stdev, C, noise, dataset)
+                where = (ways, shots, stdev)
+                assert nlo <= ways <= nhi and klo <= shots <= khi, where
+                assert n.min() >= nlo and n.max() <= nhi and k.min() >= klo and k.max() <= khi, where
+                if stdev == 0:
+                    assert set(n.tolist()) == {ways} and set(k.tolist()) == {shots}, where
+                if noise == "uniform" and stdev >= 2 and 2 <= ways - stdev and ways + stdev <= C - 1:
+                    official_k = (shots - stdev + 1, shots + stdev - 2 if dataset == "mnist" else shots + stdev)
+                    assert (klo, khi) == official_k and (nlo, nhi) == (ways - stdev, ways + stdev), where
+                    assert set(k.tolist()) == set(range(klo, khi + 1)), where  # the whole range is drawn
+
+
+def test_stdev_zero_partition_has_exactly_the_asked_shots():
+    """The reported input: 3 clients, ways 2, shots 5, stdev 0 gave 6 samples per class."""
+    p = make(num_clients=3, ways=2, shots=5, stdev=0)
+    for tr, cls, k in zip(p.train_idx, p.classes, p.shots):
+        assert len(cls) == 2 and list(k) == [5, 5] and len(tr) == 10

@@ -81,3 +81,36 @@ def test_nearest_prototype_respects_allowed_classes():
 def test_aggregation_refuses_class_ids_outside_the_range():
     with pytest.raises(ValueError, match=r"class id 5 is outside 0..4"):
         aggregate_prototypes([np.array([5])], [np.ones((1, 2))], [np.array([3])], 5)
+
+
+def test_nearest_prototype_never_leaves_the_allowed_classes():
+    """Issue #10: float32 distances of embeddings near 3e19 overflow to inf for every class, and
+    the old argmin over all classes returned class 0 although only class 2 was allowed."""
+    from fedproto.prototypes import embedding_health
+
+    allowed = torch.zeros(10, dtype=torch.bool)
+    allowed[2] = True
+    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+    assert nearest_prototype(torch.full((3, 4), 3e19), table, allowed).tolist() == [2, 2, 2]
+    gen = torch.Generator().manual_seed(1)
+    for scale in (1.0, 1e19, 3e38):
+        for bad in (None, float("nan"), float("inf"), -float("inf")):
+            h = torch.randn(16, 4, generator=gen) * scale
+            if bad is not None:
+                h[::3, 1] = bad
+            for trial in range(5):
+                allowed = torch.rand(10, generator=gen) < 0.4
+                allowed[int(torch.randint(10, (1,), generator=gen))] = True
+                for normalize in (False, True):
+                    pred = nearest_prototype(h, table, allowed, normalize)
+                    assert bool(allowed[pred].all()), (scale, bad, allowed, pred)
+    # finite and moderate values: the nearest allowed class, as before
+    allowed = torch.tensor([True, False, True] + [False] * 7)
+    assert nearest_prototype(table[[1, 2, 0]] + 1e-3, table, allowed).tolist() == [
+        int(torch.cdist(table[1:2], table[[0, 2]]).argmin()) * 2, 2, 0]
+    # the health flags that go to clients.csv
+    h = torch.ones(4, 3)
+    assert embedding_health(h, torch.zeros(4, 10)) == {"emb_norm": pytest.approx(3 ** 0.5), "nonfinite": 0.0}
+    h[1, 0] = float("nan")
+    assert embedding_health(h)["nonfinite"] == 1.0
+    assert embedding_health(torch.ones(2, 3), torch.tensor([[float("inf")]]))["nonfinite"] == 1.0

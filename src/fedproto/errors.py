@@ -20,7 +20,19 @@ class DataError(FedprotoError):
 
 
 class PartitionError(FedprotoError, ValueError):
-    """The dataset cannot supply the requested partition (names the class and the shortfall)."""
+    """The dataset cannot supply the requested partition (names the class and the shortfall).
+
+    A training-sample shortfall of :func:`fedproto.data.partition.fewshot_partition` also carries
+    it as data, so each front end can word its own advice: ``short_class`` (the class that runs
+    shortest), ``needed`` and ``available`` (its training samples), ``short_classes`` (how many
+    classes run short), ``fitting_shots`` (the largest shots that fits with this seed, or 0).
+    Other partition errors leave them None."""
+
+    def __init__(self, message: str, *, short_class: int | None = None, needed: int | None = None,
+                 available: int | None = None, short_classes: int | None = None, fitting_shots: int | None = None):
+        super().__init__(message)
+        self.short_class, self.needed, self.available = short_class, needed, available
+        self.short_classes, self.fitting_shots = short_classes, fitting_shots
 
 
 class ModelError(FedprotoError, ValueError):

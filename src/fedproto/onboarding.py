@@ -107,6 +107,16 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
         part if isinstance(part, dict) else None)
 
 
+def _fits(train_y: np.ndarray, test_y: np.ndarray, num_classes: int, clients: int, cfg: RunConfig, seed: int) -> bool:
+    """True if the unused samples ``train_y`` can supply ``clients`` new clients with this seed."""
+    try:
+        fewshot_partition(train_y, test_y, num_classes, clients, cfg.ways, cfg.shots, cfg.stdev, cfg.test_shots,
+                          cfg.noise, seed, cfg.dataset)
+    except PartitionError:
+        return False
+    return True
+
+
 def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, seed: int | None = None,
             data_dir: str | None = None, write: bool = True, threads: int | None = None) -> dict[str, Any]:
     """Onboard ``clients`` new clients onto a finished FedProto run (module docstring).
@@ -167,8 +177,21 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         part = fewshot_partition(train_y[free], test_y, ds.num_classes, clients, cfg.ways, cfg.shots, cfg.stdev,
                                  cfg.test_shots, cfg.noise, pseed, cfg.dataset)
     except PartitionError as e:
-        raise PartitionError(f"the {len(free)} training samples the members left cannot supply {clients} new "
-                             f"clients: {e}. (shots, ways and partition are the run's; onboard fewer --clients)") from None
+        if e.short_class is None:
+            raise
+        top = min(clients - 1, len(free) // max(1, cfg.ways * cfg.shots))  # more cannot fit on average
+        fits = next((c for c in range(top, max(top - 50, 0), -1)
+                     if _fits(train_y[free], test_y, ds.num_classes, c, cfg, pseed)), None)
+        fits = [fits] if fits else []
+        advice = (f"onboard at most --clients {fits[0]} with this --seed, or try another --seed" if fits else
+                  "no smaller --clients fits with this --seed: try another --seed")
+        raise PartitionError(
+            f"the {len(free)} training samples the run's clients left unused cannot supply {clients} new clients: "
+            f"class {e.short_class} runs short ({e.needed} samples needed, {e.available} unused; "
+            f"{e.short_classes} class(es) short in all). New clients draw their classes and shots as the run's "
+            f"clients did (ways {cfg.ways}, shots {cfg.shots}, stdev {cfg.stdev}); {advice}",
+            short_class=e.short_class, needed=e.needed, available=e.available, short_classes=e.short_classes,
+        ) from None
     if cfg.drop_last:
         small = [i for i, tr in enumerate(part.train_idx) if len(tr) < cfg.batch_size]
         if small:

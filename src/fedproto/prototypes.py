@@ -183,21 +183,42 @@ def nearest_prototype(
 ) -> torch.Tensor:
     """Prototype inference (eq. 4): argmin_j ||h - C_j||₂ over allowed classes.
 
+    Distances are computed in float64 among the allowed classes only, so the prediction is always
+    an allowed class, whatever the values: float32 distances of embeddings with norms above ~1e19
+    overflow to ``inf`` for every class, and an argmin over all classes with the others masked to
+    ``inf`` then returned class 0, which need not be allowed (issue #10). Embeddings that are not
+    finite still give an allowed class (the first allowed one with a NaN distance); callers detect
+    and report them (:func:`embedding_health`).
+
     Args:
         h: (B, d). table: (C, d). allowed: (C,) bool (classes with a global prototype, restricted
             to the client's own classes by default; official code: others get a fixed distance).
         normalize: compare L2-normalized h and C_j (cosine), as training does with
             ``proto_normalize``.
     Returns:
-        (B,) int64 predicted labels. If no class is allowed, returns -1 for every sample.
+        (B,) int64 predicted labels, each with ``allowed[label]`` True. If no class is allowed,
+        returns -1 for every sample.
     """
-    if not bool(allowed.any()):
+    cols = torch.nonzero(allowed.to(torch.bool)).flatten()
+    if len(cols) == 0:
         return torch.full((h.shape[0],), -1, dtype=torch.long)
+    h64, t64 = h.to(torch.float64), table[cols.to(table.device)].to(torch.float64)
     if normalize:
-        h, table = F.normalize(h, dim=-1), F.normalize(table.to(h.dtype), dim=-1)
-    dist = torch.cdist(h, table.to(h.dtype))
-    dist = dist.masked_fill(~allowed.unsqueeze(0), float("inf"))
-    return dist.argmin(1)
+        h64, t64 = F.normalize(h64, dim=-1), F.normalize(t64, dim=-1)
+    dist = torch.cdist(h64, t64.to(h64.device))
+    return cols.to(dist.device)[dist.argmin(1)] if dist.shape[0] else torch.zeros(0, dtype=torch.long)
+
+
+def embedding_health(h: torch.Tensor, *scores: torch.Tensor) -> dict[str, float]:
+    """Per-client health of evaluation outputs: the median L2 norm of the embeddings ``h`` (N, d)
+    (``emb_norm``; NaN for N = 0) and ``nonfinite`` (1.0 if any value of ``h`` or of the score
+    tensors, e.g. (N, C) logits, is NaN or infinite, else 0.0). The engine warns, naming the
+    client, when ``nonfinite`` is set or ``emb_norm`` exceeds
+    :data:`fedproto.training.EMBED_NORM_LIMIT`; both are columns of ``clients.csv``."""
+    bad = any(bool((~torch.isfinite(t)).any()) for t in (h, *scores) if t.numel())
+    norms = h.to(torch.float64).norm(dim=-1) if h.numel() else h.new_zeros(0)
+    med = float(norms.nan_to_num(nan=float("inf")).median()) if len(norms) else float("nan")
+    return {"emb_norm": med, "nonfinite": float(bad)}
 
 
 def momentum_prototypes(

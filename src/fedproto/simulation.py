@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
+from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
@@ -30,7 +30,7 @@ from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, Tr
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
-from fedproto.training import Objective, can_batch, make_plan, train_group
+from fedproto.training import EMBED_NORM_LIMIT, Objective, can_batch, make_plan, min_batch, train_group
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,21 @@ class Setup:
     data: list[ClientData]
     algorithm: Algorithm
     embedding_dim: int
+
+    def to_dtype(self, dtype: torch.dtype) -> "Setup":
+        """Cast every client model and every client's data to ``dtype`` in place; returns self.
+
+        ``torch.float64`` is for checks: rounding then sits near 1e-15, so two execution paths that
+        agree there agree in logic. In float32 they may not agree on this machine or across CPUs:
+        a rounding difference of ~1e-7 can flip a ReLU or max-pool decision whose input is within
+        that distance of a tie, and SGD then carries the difference on (issue #10). Messages stay
+        float32 (prototypes) or take the models' dtype (weights).
+        """
+        for s in self.states:
+            s.model.to(dtype)
+        for d in self.data:
+            d.x, d.test_x = d.x.to(dtype), d.test_x.to(dtype)
+        return self
 
 
 def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
@@ -203,12 +218,26 @@ class Simulation:
                 objs.append(alg.objective(S[i], msgs[i]))
                 m = S[i].model
                 plans.append(make_plan(len(D[i].x), objs[-1].phases, alg.opt, m.noise_widths(), m.dropout,
-                                       client_rng(self.cfg.seed, round, i)))
+                                       client_rng(self.cfg.seed, round, i), min_batch(m, alg.opt.batch_size)))
             results = train_group([S[i].model for i in group], [D[i].x for i in group],
                                   [D[i].y for i in group], plans, objs[0], alg.opt, objs)
             for i, res in zip(group, results):
                 out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
         return out
+
+    @staticmethod
+    def _check_health(r: int, per_client: list[dict]) -> None:
+        """Warn, naming the client and round, where evaluation embeddings or scores were not finite
+        or the median embedding norm exceeded :data:`EMBED_NORM_LIMIT` (issue #10: a silent
+        chance-level accuracy otherwise)."""
+        for i, m in enumerate(per_client):
+            if m.get("nonfinite"):
+                log.warning("round %d: client %d's test embeddings or scores are not finite (NaN or inf); its "
+                            "accuracy is not meaningful (flagged in clients.csv: nonfinite = 1)", r, i)
+            elif m.get("emb_norm", 0.0) > EMBED_NORM_LIMIT:
+                log.warning("round %d: client %d's test embeddings have median norm %.3g (limit %.0e): the model "
+                            "blew up; check its data and learning rate, or for BatchNorm models its batch sizes",
+                            r, i, m["emb_norm"], EMBED_NORM_LIMIT)
 
     def evaluate(self) -> list[dict]:
         """Per-client metrics on each client's own test set (list indexed by client id)."""
@@ -384,6 +413,12 @@ class Simulation:
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
                     f"lower --lr (now {cfg.lr}){lam}")
+            for i, x in zip(ids, tr):
+                if not x.emb_norm_max <= EMBED_NORM_LIMIT:
+                    log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
+                                "numbers may be meaningless: check its data, lower --lr, or for BatchNorm models "
+                                "its batch sizes", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
+                                "" if np.isfinite(x.emb_norm_max) else " (not finite)")
             train_time += t_train
             row = {
                 "round": r,
@@ -401,8 +436,10 @@ class Simulation:
             if r == cfg.rounds or (cfg.eval_every and r % cfg.eval_every == 0):
                 t1 = time.perf_counter()
                 per_client = self.evaluate()
+                self._check_health(r, per_client)
                 for key in per_client[0]:
-                    row[f"{key}_mean"], row[f"{key}_std"] = summarize([m[key] for m in per_client])
+                    if key not in HEALTH_KEYS:
+                        row[f"{key}_mean"], row[f"{key}_std"] = summarize([m[key] for m in per_client])
                 row["eval_time_s"] = time.perf_counter() - t1
             self.history.append(row)
             if self.run_dir:

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
@@ -35,6 +36,32 @@ from fedproto.prototypes import proto_loss
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
 ``RandomCrop(32, padding=4)`` + ``RandomHorizontalFlip()`` for CIFAR-10 training images)."""
+
+
+EMBED_NORM_LIMIT = 1e4
+"""An L2 embedding norm above this (or a non-finite one) is reported as a blow-up: a warning naming
+the client and round, and ``nonfinite``/``emb_norm`` in ``clients.csv``. Healthy embeddings of
+the zoo's models lie around 1-100 (ReLU features of width 50-512); a ResNet18 whose BatchNorm
+statistics were estimated from 2 values per channel reached 1e6-1e17 (issue #10)."""
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """True if ``model`` holds a BatchNorm layer (any ``torch.nn.modules.batchnorm._BatchNorm``)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def min_batch(model: nn.Module, batch_size: int) -> int:
+    """Smallest training batch a model is given (the trailing-batch rule of :func:`make_plan`).
+
+    Models with BatchNorm: ``max(2, ceil(batch_size / 2))``. BatchNorm in train mode normalises
+    each channel with the batch's own mean and variance; where a layer's maps are 1x1 (ResNet18's
+    layer4 on 32x32 inputs) those come from as many values as the batch has samples, so a 2-sample
+    trailing batch is normalised to exactly +-1 and its running variance estimate is dominated by
+    noise: the eval-mode embeddings of such a client blew up to norms of 1e6-1e17 and its accuracy
+    fell to chance (issue #10). With this rule every step's batch holds between half and 1.5x the
+    batch size. Models without BatchNorm: 1 (every trailing batch is kept as it is).
+    """
+    return max(2, -(-int(batch_size) // 2)) if has_batchnorm(model) else 1
 
 
 @dataclass
@@ -92,10 +119,11 @@ class Objective:
 class Plan:
     """One client's randomness for one round, per phase.
 
-    order[p]: (S, B) int64 local sample indices; weight[p]: (S, B) float32, 0 on padding;
-    last_epoch[p]: (S,) bool, steps of the phase's last epoch; noise[p]: name -> (S, B, width)
-    float32 dropout masks scaled by 1/(1-p); aug[p]: (S, B, 3) int64 per-sample augmentation
-    ``(dy, dx, flip)`` for :func:`augment_batch` (empty list: no augmentation).
+    order[p]: (S, W) int64 local sample indices; weight[p]: (S, W) float32, 0 on padding;
+    last_epoch[p]: (S,) bool, steps of the phase's last epoch; noise[p]: name -> (S, W, width)
+    float32 dropout masks scaled by 1/(1-p); aug[p]: (S, W, 3) int64 per-sample augmentation
+    ``(dy, dx, flip)`` for :func:`augment_batch` (empty list: no augmentation). W is the batch
+    size B, or B + r when a trailing batch of r samples was folded into the one before it.
     """
 
     order: list[torch.Tensor]
@@ -108,18 +136,21 @@ class Plan:
 @dataclass
 class TrainResult:
     """Per client: class sums (C, d) and counts (C,) of last-epoch embeddings (None if not
-    collected), mean losses over steps, and the number of optimizer steps taken."""
+    collected), mean losses over steps, the number of optimizer steps taken, and the largest L2
+    norm of a training embedding in the round (``inf`` if one was not finite; see
+    :data:`EMBED_NORM_LIMIT`)."""
 
     sums: torch.Tensor | None
     counts: torch.Tensor | None
     loss_ce: float
     loss_proto: float
     steps: int
+    emb_norm_max: float = 0.0
 
 
 def make_plan(
     n: int, phases: Sequence[Phase], opt: OptimConfig, noise_widths: dict[str, int], p_drop: float,
-    rng: np.random.Generator,
+    rng: np.random.Generator, min_batch: int = 1,
 ) -> Plan:
     """Draw a client's batch order, dropout masks and augmentation for one round.
 
@@ -128,46 +159,62 @@ def make_plan(
             augment.
         noise_widths: mask widths the model consumes (:meth:`ProtoModel.noise_widths`).
         p_drop: dropout probability. rng: the client's generator for this round.
+        min_batch: smallest trailing batch kept as a step of its own (:func:`min_batch`; 1 for
+            models without BatchNorm).
     Returns:
-        A :class:`Plan`. With ``drop_last`` the trailing partial batch of each epoch is skipped
-        (official code); otherwise it is kept and padded with weight 0. With ``opt.augment`` the
-        crop offsets (uniform in [0, 2 * AUGMENT_PAD]) and flips (probability 1/2) are drawn
-        after the masks of each phase, so plans without augmentation are unchanged.
+        A :class:`Plan`. Each epoch is one permutation of the n samples cut into batches of
+        ``opt.batch_size`` (B). The trailing batch of r = n % B samples: with ``drop_last`` it is
+        skipped (official code); else, if r >= ``min_batch`` or it is the only batch, it is a step
+        of its own (padded with weight 0); else it is folded into the batch before it, which then
+        holds B + r samples (the same rule on the sequential and the batched path, since both read
+        this plan). With ``opt.augment`` the crop offsets (uniform in [0, 2 * AUGMENT_PAD]) and
+        flips (probability 1/2) are drawn after the masks of each phase, so plans without
+        augmentation are unchanged.
     """
     B = opt.batch_size
+    full, r = divmod(n, B)
+    fold = not opt.drop_last and 0 < r < min_batch and full >= 1
+    W = B + r if fold else B
+    if opt.drop_last or r == 0:
+        steps = full
+    else:
+        steps = full if fold else full + 1
     orders, weights, lasts, noises, augs = [], [], [], [], []
     for ph in phases:
         rows, wrows, last = [], [], []
         for e in range(ph.epochs):
             perm = rng.permutation(n)
-            full = n // B
-            steps = full if (opt.drop_last or n % B == 0) else full + 1
-            if steps == 0 and n > 0 and not opt.drop_last:
-                steps = 1
-            padded = np.zeros(steps * B, np.int64)
-            w = np.zeros(steps * B, np.float32)
-            m = min(n, steps * B)
-            padded[:m] = perm[:m]
-            w[:m] = 1.0
-            rows.append(padded.reshape(steps, B))
-            wrows.append(w.reshape(steps, B))
+            padded = np.zeros((steps, W), np.int64)
+            w = np.zeros((steps, W), np.float32)
+            if fold:  # all rows but the last hold B samples; the last holds B + r
+                m = (steps - 1) * B
+                padded[:-1, :B] = perm[:m].reshape(steps - 1, B)
+                w[:-1, :B] = 1.0
+                padded[-1] = perm[m:]
+                w[-1] = 1.0
+            else:  # W == B: fill row by row, the padding (weight 0) at the end
+                m = min(n, steps * B)
+                padded.reshape(-1)[:m] = perm[:m]
+                w.reshape(-1)[:m] = 1.0
+            rows.append(padded)
+            wrows.append(w)
             last.append(np.full(steps, e == ph.epochs - 1))
-        order = np.concatenate(rows) if rows else np.zeros((0, B), np.int64)
+        order = np.concatenate(rows) if rows else np.zeros((0, W), np.int64)
         S = order.shape[0]
         noise = {}
         if p_drop > 0:
             keep = 1.0 - p_drop
             for name, width in noise_widths.items():
                 noise[name] = torch.from_numpy(
-                    ((rng.random((S, B, width)) < keep) / keep).astype(np.float32)
+                    ((rng.random((S, W, width)) < keep) / keep).astype(np.float32)
                 )
         orders.append(torch.from_numpy(order))
-        weights.append(torch.from_numpy(np.concatenate(wrows) if wrows else np.zeros((0, B), np.float32)))
+        weights.append(torch.from_numpy(np.concatenate(wrows) if wrows else np.zeros((0, W), np.float32)))
         lasts.append(torch.from_numpy(np.concatenate(last) if last else np.zeros(0, bool)))
         noises.append(noise)
         if opt.augment:
-            shift = rng.integers(0, 2 * AUGMENT_PAD + 1, size=(S, B, 2))
-            flip = rng.random((S, B, 1)) < 0.5
+            shift = rng.integers(0, 2 * AUGMENT_PAD + 1, size=(S, W, 2))
+            flip = rng.random((S, W, 1)) < 0.5
             augs.append(torch.from_numpy(np.concatenate([shift, flip], axis=-1).astype(np.int64)))
     return Plan(orders, weights, lasts, noises, augs)
 
@@ -224,10 +271,11 @@ def train_client(
     C = model.num_classes
     sums = counts = None
     if obj.collect:
-        sums = torch.zeros(C, model.embedding_dim)
+        sums = torch.zeros(C, model.embedding_dim, dtype=next(model.parameters()).dtype)
         counts = torch.zeros(C, dtype=torch.long)
     ce_total = lp_total = 0.0
     steps = 0
+    norm_max = torch.zeros(())
     named = dict(model.named_parameters())
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
@@ -258,13 +306,23 @@ def train_client(
             ce_total += float(ce.detach())
             lp_total += float(lp.detach())
             steps += 1
+            norm_max = torch.maximum(norm_max, _norm_max(h.detach(), -1))
             if obj.collect and is_last_phase and bool(last[s]):
                 hd = h.detach()
                 sums.index_add_(0, yb, hd)
                 counts += torch.bincount(yb, minlength=C)
     for p in named.values():
         p.requires_grad_(True)
-    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps)
+    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max))
+
+
+def _norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest L2 norm along the sample axis of embeddings ``h`` (..., B, d) -> (...); a non-finite
+    embedding counts as ``inf``. ``valid`` (..., B) masks out padding."""
+    norms = h.norm(dim=-1).float().nan_to_num(nan=float("inf"))
+    if valid is not None:
+        norms = torch.where(valid, norms, 0.0)
+    return norms.amax(dim) if norms.numel() else torch.zeros(norms.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,11 +408,12 @@ def train_group(
     X = torch.cat(list(xs)).contiguous()
     Y = torch.cat(list(ys))
     Cin = X.shape[1]
-    sums = torch.zeros(G * C, d) if obj.collect else None
+    sums = torch.zeros(G * C, d, dtype=X.dtype) if obj.collect else None
     counts = torch.zeros(G * C, dtype=torch.long) if obj.collect else None
-    ce_tot = torch.zeros(G)
-    lp_tot = torch.zeros(G)
+    ce_tot = torch.zeros(G, dtype=torch.float64)  # float64 sums: exact for float32 and float64 runs
+    lp_tot = torch.zeros(G, dtype=torch.float64)
     nsteps = torch.zeros(G)
+    norm_max = torch.zeros(G)
     off = torch.as_tensor(offsets, dtype=torch.long)
     for pi, ph in enumerate(obj.phases):
         train_names = [k for k in _CNN_PARAMS if ph.trains is None or ph.trains(k)]
@@ -363,25 +422,25 @@ def train_group(
         bufs = {k: torch.zeros_like(P[k]) for k in train_names}
         S = [pl.order[pi].shape[0] for pl in plans]
         Smax = max(S) if S else 0
-        B = opt.batch_size
-        order = torch.zeros(Smax, B, G, dtype=torch.long)
+        Wd = [pl.order[pi].shape[1] for pl in plans]  # batch size, or more where a trailing batch was folded
+        B = max(Wd, default=opt.batch_size)
+        order = off.view(1, 1, G).repeat(Smax, B, 1)  # padding points at the client's own first sample
         weight = torch.zeros(Smax, G, B)
         last = torch.zeros(Smax, G, dtype=torch.bool)
         noise = {}
         aug = torch.zeros(Smax, B, G, 3, dtype=torch.long) if plans[0].aug else None
         for g, pl in enumerate(plans):
-            order[: S[g], :, g] = pl.order[pi] + off[g]
-            order[S[g]:, :, g] = off[g]
-            weight[: S[g], g] = pl.weight[pi]
+            order[: S[g], : Wd[g], g] = pl.order[pi] + off[g]
+            weight[: S[g], g, : Wd[g]] = pl.weight[pi]
             last[: S[g], g] = pl.last_epoch[pi]
             if aug is not None:
-                aug[: S[g], :, g] = pl.aug[pi]
+                aug[: S[g], : Wd[g], g] = pl.aug[pi]
         if plans[0].noise and plans[0].noise[pi]:
             for name in plans[0].noise[pi]:
                 width = plans[0].noise[pi][name].shape[-1]
                 t = torch.ones(Smax, G, B, width)
                 for g, pl in enumerate(plans):
-                    t[: S[g], g] = pl.noise[pi][name]
+                    t[: S[g], g, : Wd[g]] = pl.noise[pi][name]
                 noise[name] = t
         is_last_phase = pi == len(obj.phases) - 1
         S_t = torch.as_tensor(S)
@@ -424,9 +483,10 @@ def train_group(
                 else:
                     torch._foreach_copy_(blist, grads)
                 torch._foreach_add_(plist, blist, alpha=-opt.lr)
-                ce_tot.index_add_(0, cur, ce.detach())
-                lp_tot.index_add_(0, cur, lp.detach())
+                ce_tot.index_add_(0, cur, ce.detach().double())
+                lp_tot.index_add_(0, cur, lp.detach().double())
                 nsteps[cur] += 1
+                norm_max[cur] = torch.maximum(norm_max[cur], _norm_max(h.detach(), -1, w > 0))
                 if obj.collect and is_last_phase:
                     sel = last[s][cur].to(h.dtype).unsqueeze(1) * w  # (Gc, B)
                     flat = (yb + ids_C).reshape(-1)
@@ -449,6 +509,7 @@ def train_group(
                 float(ce_tot[g]) / n,
                 float(lp_tot[g]) / n,
                 int(nsteps[g]),
+                float(norm_max[g]),
             )
         )
     return out

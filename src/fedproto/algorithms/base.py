@@ -19,17 +19,24 @@ import numpy as np
 import torch
 
 from fedproto.models.base import ProtoModel
+from fedproto.prototypes import embedding_health
 from fedproto.training import (
     Objective,
     OptimConfig,
     Phase,
     TrainResult,
     make_plan,
+    min_batch,
     predict,
     train_client,
 )
 
 Message = dict[str, np.ndarray]
+
+HEALTH_KEYS = ("emb_norm", "nonfinite")
+"""Per-client evaluation entries that describe the outputs, not a test accuracy
+(:func:`fedproto.prototypes.embedding_health`): kept in ``clients.csv``, left out of the
+accuracy summary."""
 
 
 def optim_config(cfg: Any) -> OptimConfig:
@@ -140,14 +147,16 @@ class Algorithm:
         self.prepare(state, message)
         obj = self.objective(state, message)
         m = state.model
-        plan = make_plan(len(data.x), obj.phases, self.opt, m.noise_widths(), m.dropout, rng)
+        plan = make_plan(len(data.x), obj.phases, self.opt, m.noise_widths(), m.dropout, rng,
+                         min_batch(m, self.opt.batch_size))
         res = train_client(m, data.x, data.y, plan, obj, self.opt)
         return self.finish(state, message, data, res), res
 
     # -- evaluation -------------------------------------------------------------------------
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
-        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1]."""
-        logits, _ = predict(state.model, data.test_x)
+        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
+        the outputs' health (:data:`HEALTH_KEYS`)."""
+        logits, h = predict(state.model, data.test_x)
         n = len(data.test_y)
         acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
-        return {"acc": acc}
+        return {"acc": acc, **embedding_health(h, logits)}

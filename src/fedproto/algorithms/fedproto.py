@@ -17,6 +17,7 @@ from fedproto.prototypes import (
     aggregate_prototypes,
     class_sums,
     client_distances,
+    embedding_health,
     lambda_at,
     local_prototypes,
     momentum_prototypes,
@@ -176,11 +177,13 @@ class FedProto(Algorithm):
 
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy and nearest-global-prototype accuracy (eq. 4), both in [0, 1],
-        computed for this client alone (no running totals across clients or modes)."""
+        computed for this client alone (no running totals across clients or modes), and the
+        outputs' health (``emb_norm``, ``nonfinite``: :func:`fedproto.prototypes.embedding_health`)."""
         logits, h = predict(state.model, data.test_x)
         y = data.test_y
         n = len(y)
-        out = {"acc": float((logits.argmax(1) == y).float().mean()) if n else float("nan")}
+        out = {"acc": float((logits.argmax(1) == y).float().mean()) if n else float("nan"),
+               **embedding_health(h, logits)}
         table, mask = self._table(message)
         if table is None:
             out["acc_proto"] = float("nan")

@@ -7,12 +7,15 @@ the test split (official code, MNIST: 40), drawn per client without replacement;
 different clients may overlap when the test split is small (accuracy is per client, so this does
 not couple clients).
 
-Noise models:
+Noise models (:func:`noise_ranges` gives each range; s = 0 always means exactly n and k):
     ``uniform`` (official code, exps/federated_main.py, default): n_i uniform integer in
         [max(2, n - s), min(C - 1, n + s)]; k_i uniform integer in [k - s + 1, k + s - 2] for
-        MNIST and [k - s + 1, k + s] otherwise (a range that comes out empty collapses to its
-        lower end, k - s + 1, where the official code raises).
-    ``gaussian`` (the paper's wording): n_i = round(N(n, s)) clipped to [2, C], k_i =
+        MNIST and [k - s + 1, k + s] otherwise. Each range is then widened to hold n (k) itself:
+        n_i in [min(n, max(2, n - s)), max(n, min(C - 1, n + s))], k_i in [min(k, k - s + 1),
+        max(k, k + s - 2 or k + s)]. So s = 0 gives exactly n and k (the official formulas give an
+        empty shots range there and the official code raises; before issue #10 it fell back to
+        k + 1), MNIST with s = 1 gives k, and every s >= 2 gives the official ranges unchanged.
+    ``gaussian`` (the paper's wording): n_i = round(N(n, s)) clipped to [min(2, n), C], k_i =
         round(N(k, s)) clipped to [1, inf).
 
 FEMNIST (62 classes) is pooled over writers for the few-shot protocol; the official shots range
@@ -76,6 +79,30 @@ class Partition:
         return out
 
 
+def noise_ranges(
+    ways: int, shots: int, stdev: int, num_classes: int, noise: NoiseModel, dataset: str = ""
+) -> tuple[tuple[int, int], tuple[int, float]]:
+    """The closed ranges that n_i and k_i are drawn from (see the module docstring).
+
+    Returns:
+        ``((n_lo, n_hi), (k_lo, k_hi))``; ``k_hi`` is ``inf`` for gaussian noise. Both ranges hold
+        ``ways`` and ``shots`` (for ways <= C), and with ``stdev == 0`` they are exactly those.
+    Raises:
+        ValueError: negative stdev or an unknown noise model.
+    """
+    if stdev < 0:
+        raise ValueError(f"stdev={stdev} is negative; use stdev >= 0 (0: every client gets exactly ways and shots)")
+    if noise == "uniform":
+        n_lo = min(ways, max(2, ways - stdev))
+        n_hi = max(ways, min(num_classes - 1, ways + stdev))
+        k_lo = min(shots, shots - stdev + 1)
+        k_hi = max(shots, shots + stdev - 2 if dataset == "mnist" else shots + stdev)
+        return (n_lo, n_hi), (k_lo, k_hi)
+    if noise == "gaussian":
+        return (min(2, ways), num_classes), (1, float("inf"))
+    raise ValueError(f"unknown noise model {noise!r}; choose 'uniform' or 'gaussian'")
+
+
 def draw_ways_shots(
     num_clients: int,
     ways: int,
@@ -86,29 +113,24 @@ def draw_ways_shots(
     rng: np.random.Generator,
     dataset: str = "",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw n_i and k_i per client. Returns two (m,) int64 arrays. See the module docstring.
+    """Draw n_i and k_i per client. Returns two (m,) int64 arrays within :func:`noise_ranges`.
 
     Raises:
         PartitionError: uniform noise whose shot range reaches below 1 (k - s + 1 < 1).
+        ValueError: negative stdev or an unknown noise model.
     """
+    (n_lo, n_hi), (k_lo, k_hi) = noise_ranges(ways, shots, stdev, num_classes, noise, dataset)
     if noise == "uniform":
-        if shots - stdev + 1 < 1:
+        if k_lo < 1:
             raise PartitionError(
                 f"shots={shots} with stdev={stdev}: the official code's uniform noise draws each client's "
-                f"shots from [k - s + 1, ...] = [{shots - stdev + 1}, ...], below 1 sample per class; "
+                f"shots from [k - s + 1, ...] = [{k_lo}, ...], below 1 sample per class; "
                 f"use --shots {stdev} or more, --stdev {shots} or less, or --noise gaussian (clipped at 1)")
-        lo, hi = max(2, ways - stdev), min(num_classes - 1, ways + stdev)
-        lo, hi = min(lo, ways), max(min(hi, num_classes), ways)
-        n = rng.integers(lo, hi + 1, size=num_clients)
-        klo = shots - stdev + 1
-        khi = shots + stdev - 2 if dataset == "mnist" else shots + stdev
-        khi = max(khi, klo)
-        k = rng.integers(klo, khi + 1, size=num_clients)
-    elif noise == "gaussian":
-        n = np.clip(np.rint(rng.normal(ways, stdev, size=num_clients)), min(2, ways), num_classes)
-        k = np.clip(np.rint(rng.normal(shots, stdev, size=num_clients)), 1, None)
+        n = rng.integers(n_lo, n_hi + 1, size=num_clients)
+        k = rng.integers(k_lo, int(k_hi) + 1, size=num_clients)
     else:
-        raise ValueError(f"unknown noise model {noise!r}; choose 'uniform' or 'gaussian'")
+        n = np.clip(np.rint(rng.normal(ways, stdev, size=num_clients)), n_lo, n_hi)
+        k = np.clip(np.rint(rng.normal(shots, stdev, size=num_clients)), k_lo, None)
     return n.astype(np.int64), k.astype(np.int64)
 
 
@@ -189,7 +211,9 @@ def fewshot_partition(
             f"class {j} runs short: {holders[j]} client{'s' if holders[j] != 1 else ''} x ~{shots} shots need "
             f"{need[j]} training samples but the train split has {train_avail[j]} (short by "
             f"{need[j] - train_avail[j]}); {len(short)} class(es) run short in all. The train split holds "
-            f"{int(train_avail.min())}-{int(train_avail.max())} samples per class; {hint}{_femnist_note(dataset)}"
+            f"{int(train_avail.min())}-{int(train_avail.max())} samples per class; {hint}{_femnist_note(dataset)}",
+            short_class=j, needed=int(need[j]), available=int(train_avail[j]), short_classes=len(short),
+            fitting_shots=max(fit, 0),
         )
     test_short = [int(j) for j in range(num_classes) if holders[j] and test_avail[j] < test_shots]
     if test_short:

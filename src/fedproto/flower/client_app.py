@@ -127,7 +127,7 @@ def train(msg: Message, context: Context) -> Message:
                                  client_rng(n.cfg.seed, r, n.cid))
     _save(n, context)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
-               "num-examples": len(data.x)}
+               "emb-norm-max": float(res.emb_norm_max), "num-examples": len(data.x)}
     return Message(RecordDict({MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

@@ -126,7 +126,8 @@ class FlowerEngine(Simulation):
         for i, rep in replies.items():
             m = rep.content[METRICS]
             out[i] = (from_record(rep.content[MESSAGE]),
-                      TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"])))
+                      TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
+                                  float(m.get("emb-norm-max", 0.0))))
         return out
 
     def evaluate(self) -> list[dict]:
