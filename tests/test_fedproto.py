@@ -151,3 +151,46 @@ def test_batched_matches_sequential_after_one_round_on_real_mnist(seed):
     for i, (p, q) in enumerate(zip(flat_weights(s), flat_weights(b))):
         assert ((p - q).norm() / p.norm()).item() < 1e-9, i
     assert [m["acc"] for m in s.evaluate()] == [m["acc"] for m in b.evaluate()]
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg", "fesem"])
+def test_client_sampling_leaves_unsampled_clients_untouched(algorithm):
+    """participation 0.5 of 6 clients: 3 clients per round, drawn from (seed, round) alone; the
+    others' models are bit for bit what they were; the round's row names the sampled clients and
+    counts only their messages."""
+    import copy
+
+    from fedproto.simulation import sample_clients
+
+    cfg = _digits_cfg(rounds=1, participation=0.5, algorithm=algorithm, eval_every=0)
+    sim = Simulation(cfg, out=False)
+    before = [copy.deepcopy(s.model.state_dict()) for s in sim.setup.states]
+    sim.run()
+    picked = sample_clients(cfg.seed, 1, 6, 0.5)
+    assert sim.history[0]["sampled"] == picked and len(picked) == 3
+    for s, b in zip(sim.setup.states, before):
+        same = all(torch.equal(v, b[k]) for k, v in s.model.state_dict().items())
+        assert same == (s.cid not in picked), s.cid
+    full = Simulation(_digits_cfg(rounds=1, algorithm=algorithm, eval_every=0), out=False)
+    full.run()
+    assert "sampled" not in full.history[0]
+    assert sim.history[0]["up_params"] < full.history[0]["up_params"]
+    if algorithm == "fedproto":  # only the sampled clients' classes reach the server
+        held = sorted({int(c) for i in picked for c in sim.setup.states[i].classes})
+        assert sim.message["classes"].tolist() == held
+        assert sim.setup.algorithm.last_cids.tolist() == picked
+
+
+def test_sample_clients_is_seeded_per_round_and_sized():
+    from fedproto.simulation import sample_clients
+
+    assert sample_clients(1, 1, 20, 1.0) == list(range(20))
+    draws = [sample_clients(1, r, 20, 0.2) for r in range(1, 6)]
+    assert all(len(d) == 4 and d == sorted(set(d)) and 0 <= min(d) and max(d) < 20 for d in draws)
+    assert draws[0] == sample_clients(1, 1, 20, 0.2) and len({tuple(d) for d in draws}) > 1
+    assert sample_clients(2, 1, 20, 0.2) != draws[0] or sample_clients(3, 1, 20, 0.2) != draws[0]
+    assert len(sample_clients(1, 1, 3, 0.01)) == 1  # at least one client
+    with pytest.raises(ValueError, match="participation=0"):
+        sample_clients(1, 1, 3, 0.0)
+    with pytest.raises(Exception, match="participation"):
+        build_config(overrides=dict(participation=1.5))

@@ -98,6 +98,7 @@ class RunConfig(BaseModel):
     # training
     rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS (tab. 1)
     local_epochs: int = Field(1, ge=1, le=100_000)
+    participation: float = Field(1.0, gt=0.0, le=1.0)  # fraction of clients sampled per round (paper: all)
     batch_size: int = Field(8, ge=1, le=10_000_000)
     lr: float = Field(0.01, gt=0.0, le=100.0)
     momentum: float = Field(0.5, ge=0.0, lt=1.0)

@@ -53,6 +53,25 @@ def client_seed(seed: int, round: int, cid: int) -> int:
     return int(np.random.SeedSequence([seed, round, cid]).generate_state(1)[0])
 
 
+def sample_clients(seed: int, round: int, num_clients: int, participation: float) -> list[int]:
+    """The clients that take part in ``round``: all when ``participation`` is 1 (paper), else
+    ``max(1, round(participation * num_clients))`` of them drawn without replacement from a
+    generator of (seed, round) alone, so the draw is the same in every engine and on resume.
+
+    Returns:
+        Sorted client ids.
+    Raises:
+        ValueError: ``participation`` outside (0, 1].
+    """
+    if not 0.0 < participation <= 1.0:
+        raise ValueError(f"participation={participation} is outside (0, 1]; give the fraction of clients per round")
+    if participation == 1.0:
+        return list(range(num_clients))
+    k = max(1, int(np.rint(participation * num_clients)))  # half to even, as Python's round
+    rng = np.random.default_rng(np.random.SeedSequence([seed, round, 0x5A4D]))
+    return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
 def summarize(values: list[float]) -> tuple[float, float]:
     """Mean and population standard deviation over clients (each counted once), NaNs dropped."""
     v = np.asarray([x for x in values if x == x], dtype=np.float64)
@@ -388,18 +407,18 @@ class Simulation:
         if self.on_round:
             for row in self.history:
                 self.on_round(row)
-        ids = list(range(len(S)))
         t_start = time.perf_counter() - wall_before
         per_client: list[dict] = []
         for r in range(start, cfg.rounds + 1):
             t0 = time.perf_counter()
+            ids = sample_clients(cfg.seed, r, len(S), cfg.participation)
             received = {i: alg.downlink(self.message, i) for i in ids}
             down = [message_size(received[i]) for i in ids]
             results = self._client_step(r, ids, received)
             msgs = [results[i][0] for i in ids]
             tr = [results[i][1] for i in ids]
             up = [message_size(m) for m in msgs]
-            self.message = alg.aggregate(r, msgs, S)
+            self.message = alg.aggregate(r, msgs, [S[i] for i in ids])
             t_train = time.perf_counter() - t0
             monitor = alg.round_metrics()
             for cid, dist, med in alg.outliers():
@@ -431,6 +450,8 @@ class Simulation:
                 "train_time_s": t_train,
                 **monitor,
             }
+            if cfg.participation < 1.0:
+                row["sampled"] = ids
             for k in totals:
                 totals[k] += row[k]
             if r == cfg.rounds or (cfg.eval_every and r % cfg.eval_every == 0):

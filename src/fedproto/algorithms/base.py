@@ -100,7 +100,11 @@ class Algorithm:
         return {}
 
     def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
-        """Combine client messages into the next server message."""
+        """Combine client messages into the next server message.
+
+        ``messages[j]`` came from the client ``states[j].cid`` (with client sampling, the round's
+        sampled clients only); an aggregate must use ``cid`` to tell clients apart, never the
+        position. (The server reads only ``cid`` of a state, never its model or data.)"""
         raise NotImplementedError
 
     server_state_keys: tuple[str, ...] = ()

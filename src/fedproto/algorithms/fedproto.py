@@ -60,7 +60,7 @@ class FedProto(Algorithm):
     """
 
     name = "fedproto"
-    server_state_keys = ("last_contributors", "last_distances", "global_classes", "global_protos")
+    server_state_keys = ("last_contributors", "last_distances", "last_cids", "global_classes", "global_protos")
 
     def __init__(
         self,
@@ -99,6 +99,7 @@ class FedProto(Algorithm):
         self.proto_classes = proto_classes
         self.embedding_dim = embedding_dim
         self.last_contributors: np.ndarray | None = None
+        self.last_cids: np.ndarray | None = None  # client ids of the last aggregation's messages, in order
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> "FedProto":
@@ -153,6 +154,8 @@ class FedProto(Algorithm):
         self.last_contributors = contrib
         self.last_distances = client_distances([m["classes"] for m in messages], [m["protos"] for m in messages],
                                                cls, protos)
+        self.last_cids = np.array([s.cid for s in states] if len(states) == len(messages) else range(len(messages)),
+                                  np.int64)
         out = {"classes": cls, "protos": protos}
         if self.lambda_warmup > 0:
             out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)
@@ -165,7 +168,13 @@ class FedProto(Algorithm):
         if d is None or not np.isfinite(d).any():
             return {}
         i = int(np.nanargmax(d))
-        return {"proto_dist": float(np.nanmean(d)), "proto_dist_max": float(d[i]), "proto_dist_argmax": i}
+        return {"proto_dist": float(np.nanmean(d)), "proto_dist_max": float(d[i]),
+                "proto_dist_argmax": int(self._cid(i))}
+
+    def _cid(self, j: int) -> int:
+        """Client id of the j-th message of the last aggregation."""
+        cids = self.last_cids
+        return int(cids[j]) if cids is not None and len(cids) > j else j
 
     def outliers(self) -> list[tuple[int, float, float]]:
         """Clients whose distance exceeds ``proto_dist_alert`` x the median: (client, distance, median)."""
@@ -173,7 +182,8 @@ class FedProto(Algorithm):
         if not self.proto_dist_alert or d is None or not np.isfinite(d).any():
             return []
         med = float(np.nanmedian(d))
-        return [(i, float(x), med) for i, x in enumerate(d) if np.isfinite(x) and x > self.proto_dist_alert * med > 0]
+        return [(self._cid(i), float(x), med) for i, x in enumerate(d)
+                if np.isfinite(x) and x > self.proto_dist_alert * med > 0]
 
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy and nearest-global-prototype accuracy (eq. 4), both in [0, 1],

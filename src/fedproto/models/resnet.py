@@ -82,8 +82,9 @@ class ResNet18(ProtoModel):
     Shapes: x (B, in_channels, H, W) -> logits (B, C), h (B, 512).
 
     A training batch of one sample is normalised with the BatchNorm running statistics (one
-    sample at layer4's 1x1 map has no batch variance and torch would raise); this can happen
-    only with ``drop_last`` off when n % batch_size == 1 (the official code drops last batches).
+    sample at layer4's 1x1 map has no batch variance and torch would raise). Short trailing
+    batches are folded into the batch before them (:func:`fedproto.training.min_batch`), so this
+    happens only for a client that holds a single training sample.
     """
 
     head_prefixes = ("fc.",)
