@@ -109,3 +109,50 @@ def test_stdev_zero_partition_has_exactly_the_asked_shots():
     p = make(num_clients=3, ways=2, shots=5, stdev=0)
     for tr, cls, k in zip(p.train_idx, p.classes, p.shots):
         assert len(cls) == 2 and list(k) == [5, 5] and len(tr) == 10
+
+
+def test_dirichlet_partition_semantics():
+    """Per class, Dir(alpha) proportions over clients; every training sample goes to exactly one
+    client; each client holds >= min_samples; test sets follow each client's training class
+    proportions; seeded; smaller alpha gives stronger skew."""
+    from fedproto.data.partition import dirichlet_partition
+
+    ty, sy = np.repeat(np.arange(10), 600), np.repeat(np.arange(10), 100)
+    p = dirichlet_partition(ty, sy, 10, 20, 0.5, min_samples=10, test_shots=10, seed=3)
+    allidx = np.concatenate(p.train_idx)
+    assert sorted(allidx.tolist()) == list(range(len(ty)))  # a partition of the train split
+    for tr, te, cls, k in zip(p.train_idx, p.test_idx, p.classes, p.shots):
+        cnt = np.bincount(ty[tr], minlength=10)
+        assert len(tr) >= 10 and cls.tolist() == np.flatnonzero(cnt).tolist() and k.tolist() == cnt[cls].tolist()
+        tcnt = np.bincount(sy[te], minlength=10)
+        assert set(np.flatnonzero(tcnt)) == set(cls.tolist()) and len(te) == 10 * len(cls)
+        assert len(np.unique(te)) == len(te)
+        # test counts follow the training proportions within one sample per class
+        assert np.all(np.abs(tcnt[cls] - k / k.sum() * len(te)) < 1.0)
+    q = dirichlet_partition(ty, sy, 10, 20, 0.5, min_samples=10, test_shots=10, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(p.train_idx, q.train_idx))
+
+    def mean_ways(alpha):
+        return np.mean([len(c) for c in dirichlet_partition(ty, sy, 10, 20, alpha, 5, 2, seed=1).classes])
+
+    assert mean_ways(0.1) < mean_ways(1.0) < mean_ways(100.0) == 10.0
+    with pytest.raises(PartitionError, match="alpha=0"):
+        dirichlet_partition(ty, sy, 10, 20, 0.0)
+    with pytest.raises(PartitionError, match="need 60000 training samples, the train split has 6000"):
+        dirichlet_partition(ty, sy, 10, 600, 0.5, min_samples=100)
+    with pytest.raises(PartitionError, match=r"client \d+ with \d+.*raise alpha"):
+        dirichlet_partition(ty, sy, 10, 200, 0.01, min_samples=25, max_tries=3)
+
+
+def test_dirichlet_partition_runs_end_to_end(tmp_path):
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    cfg = build_config(overrides=dict(dataset="digits", partition="dirichlet", alpha=0.3, clients=5, rounds=5,
+                                      test_shots=5, min_client_samples=20, out_dir=str(tmp_path)))
+    assert cfg.run_name() == "fedproto-digits-dir0.3-m5-s1234"
+    sim = Simulation(cfg)
+    s = sim.run()
+    chance = np.mean([1 / len(st.classes) for st in sim.setup.states])
+    assert s["ways"] is None and "training class proportions" in s["test_set"]
+    assert s["accuracy"]["acc"]["mean"] > chance + 0.25, (s["accuracy"], chance)

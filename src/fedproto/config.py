@@ -56,6 +56,14 @@ RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
 """Fields that change the numbers of these algorithms only."""
 
 
+ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
+               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10}
+"""Fields added after results were stored, with the behaviour older runs had: a stored config
+without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
+last layer on the client, so they are run again under today's default ``fc``; the FedProto
+practitioner options were off; every client took part in every round; no Dirichlet partition)."""
+
+
 def result_fields(cfg: dict) -> dict[str, Any]:
     """The fields of a config dict that can change a run's numbers: all RunConfig fields but
     :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
@@ -87,7 +95,9 @@ class RunConfig(BaseModel):
     stdev: int = Field(None, ge=0, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
     test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
     noise: Literal["uniform", "gaussian"] = "uniform"
-    partition: Literal["fewshot", "natural"] = "fewshot"
+    partition: Literal["fewshot", "natural", "dirichlet"] = "fewshot"
+    alpha: float = Field(0.5, gt=0.0, le=1e6)  # Dirichlet concentration (partition="dirichlet")
+    min_client_samples: int = Field(10, ge=0, le=10_000_000)  # Dirichlet: least training samples per client
     augment: bool = False
     # method and model
     algorithm: str = "fedproto"
@@ -210,6 +220,8 @@ class RunConfig(BaseModel):
             model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]
         if self.partition == "natural":
             return f"{self.algorithm}-{self.dataset}{model}-natural-m{self.clients}-s{self.seed}"
+        if self.partition == "dirichlet":
+            return f"{self.algorithm}-{self.dataset}{model}-dir{self.alpha:g}-m{self.clients}-s{self.seed}"
         return f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
 
 

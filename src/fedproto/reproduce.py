@@ -39,7 +39,7 @@ from rich.markup import escape
 
 from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import DATASETS, RunConfig, build_config, normal_key, result_fields
+from fedproto.config import ADDED_FIELDS, DATASETS, RunConfig, build_config, normal_key, result_fields
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
@@ -85,12 +85,7 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
 
-MATCH_ADDED = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
-               "min_proto_samples": 1}
-"""Fields added after results were stored, with the behaviour older runs had: a stored config
-without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
-last layer on the client, so they are run again under today's default ``fc``; the FedProto
-practitioner options were off)."""
+MATCH_ADDED = ADDED_FIELDS
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ import torch
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
 from fedproto.checkpoint import load_checkpoint
-from fedproto.config import RunConfig
+from fedproto.config import ADDED_FIELDS, RunConfig, result_fields
 from fedproto.data.datasets import Dataset, load_dataset
-from fedproto.data.partition import Partition, fewshot_partition, natural_partition
+from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
@@ -124,6 +124,9 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
             )
         part = natural_partition(ds.train_groups, ds.test_groups, ds.train_y.numpy(), ds.test_y.numpy(),
                                  cfg.clients, cfg.seed)
+    elif cfg.partition == "dirichlet":
+        part = dirichlet_partition(ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.alpha,
+                                   cfg.min_client_samples, cfg.test_shots, cfg.seed)
     else:
         part = fewshot_partition(
             ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
@@ -284,7 +287,7 @@ class Simulation:
             CheckpointError: its content does not fit these clients' models.
         """
         mine = self.cfg.result_fields()
-        theirs = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
+        theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
         diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         where = str(self.run_dir.checkpoint) if self.run_dir else "the checkpoint"
         if diff:
@@ -483,8 +486,10 @@ class Simulation:
             "ways": cfg.ways if cfg.partition == "fewshot" else None,  # natural: per writer (partition_summary)
             "shots": cfg.shots if cfg.partition == "fewshot" else None,
             "seed": cfg.seed,
-            "test_set": (f"per client: {cfg.test_shots} test-split samples of each own class"
-                         if cfg.partition == "fewshot" else "per client: the writer's own test samples"),
+            "test_set": {"fewshot": f"per client: {cfg.test_shots} test-split samples of each own class",
+                         "natural": "per client: the writer's own test samples",
+                         "dirichlet": f"per client: {cfg.test_shots} x (own classes) test-split samples in the "
+                                      "client's training class proportions"}[cfg.partition],
             "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
                          for k in last if k.endswith("_mean")},
             "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},

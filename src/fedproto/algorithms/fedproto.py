@@ -161,6 +161,11 @@ class FedProto(Algorithm):
             out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)
         return out
 
+    def load_server_state(self, state: dict) -> None:
+        """Restore :meth:`server_state`; a checkpoint written before client sampling has no
+        ``last_cids`` (its messages came from clients 0..m-1 in order)."""
+        super().load_server_state({"last_cids": None, **state})
+
     def round_metrics(self) -> dict[str, float]:
         """Prototype-distance monitoring of the last aggregation: mean and max over clients of
         each client's mean L2 distance to the global prototypes, and the client with the max."""

@@ -326,3 +326,101 @@ def natural_partition(
         log.info("natural partition: %d of %d test samples are of classes their writer never "
                  "trained on (kept; see natural_partition)", unseen, total_test)
     return Partition(train_idx, test_idx, classes, shots, [int(w) for w in chosen])
+
+
+def dirichlet_partition(
+    train_y: np.ndarray,
+    test_y: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    alpha: float,
+    min_samples: int = 10,
+    test_shots: int = 40,
+    seed: int = 0,
+    max_tries: int = 100,
+) -> Partition:
+    """Dirichlet label skew (Hsu et al. 2019, arXiv 1909.06335; Yurochkin et al. 2019), the
+    field's most used non-IID split; not the paper's protocol.
+
+    For each class c, in order, proportions q_c ~ Dir(alpha, ..., alpha) over the m clients are
+    drawn and c's shuffled training samples are cut at the cumulative proportions (client i gets
+    floor(Q_i n_c) - floor(Q_{i-1} n_c) of them, Q the cumulative sums). Every training sample
+    goes to exactly one client. If some client ends with fewer than ``min_samples`` training
+    samples, all classes are drawn again (at most ``max_tries`` times). Small alpha (0.1): most
+    clients hold one or two classes; large alpha (100): nearly IID.
+
+    This matches Flower Datasets' ``DirichletPartitioner(num_partitions=m, alpha=alpha,
+    min_partition_size=min_samples, self_balancing=False)`` in its semantics (per-class Dirichlet
+    cuts, redraw until every partition is large enough); the draws differ (other generator),
+    and we add per-client test sets. A client's classes are those it holds at least one training
+    sample of; its test set holds ``test_shots`` x (its number of classes) samples of the test
+    split, spread over its classes in proportion to its training counts (largest remainders,
+    at least one per class), drawn per client without replacement (test sets of different
+    clients may overlap).
+
+    Args:
+        train_y: (N_train,) labels. test_y: (N_test,) labels. num_classes: C.
+        num_clients: m. alpha: concentration > 0. min_samples: least training samples per client.
+        test_shots: test samples per own class on average. seed: partition seed.
+        max_tries: redraws allowed to meet ``min_samples``.
+    Returns:
+        A :class:`Partition` (``shots`` holds the per-class training counts, aligned with
+        ``classes``).
+    Raises:
+        PartitionError: alpha <= 0, fewer samples than clients x min_samples, no draw that gives
+            every client ``min_samples`` within ``max_tries`` (names the smallest client), or a
+            class whose test split cannot supply a client's test samples.
+    """
+    train_y = np.asarray(train_y, dtype=np.int64)
+    test_y = np.asarray(test_y, dtype=np.int64)
+    if not alpha > 0:
+        raise PartitionError(f"alpha={alpha}: the Dirichlet concentration must be > 0 (0.1: strong skew, 100: ~IID)")
+    if num_clients < 1 or min_samples < 0 or test_shots < 1:
+        raise PartitionError(f"clients ({num_clients}) and test_shots ({test_shots}) must be >= 1, "
+                             f"min_samples ({min_samples}) >= 0")
+    if num_clients * min_samples > len(train_y):
+        raise PartitionError(f"{num_clients} clients x min {min_samples} samples need {num_clients * min_samples} "
+                             f"training samples, the train split has {len(train_y)}; lower the clients or the "
+                             "minimum")
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0xD1A1]))
+    by_class = [np.flatnonzero(train_y == c) for c in range(num_classes)]
+    smallest = (0, 0)
+    for _ in range(max_tries):
+        owner = np.empty(len(train_y), np.int64)
+        for c in range(num_classes):
+            idx = rng.permutation(by_class[c])
+            q = rng.dirichlet(np.full(num_clients, float(alpha)))
+            cuts = np.floor(np.cumsum(q) * len(idx)).astype(np.int64)
+            cuts[-1] = len(idx)
+            owner[idx] = np.repeat(np.arange(num_clients), np.diff(np.concatenate([[0], cuts])))
+        sizes = np.bincount(owner, minlength=num_clients)
+        if sizes.min() >= min_samples:
+            break
+        smallest = (int(sizes.argmin()), int(sizes.min()))
+    else:
+        raise PartitionError(
+            f"alpha={alpha} with {num_clients} clients: in {max_tries} draws some client always held fewer than "
+            f"{min_samples} training samples (last: client {smallest[0]} with {smallest[1]}); raise alpha, lower "
+            "the minimum, or use fewer clients")
+    test_by_class = [np.flatnonzero(test_y == c) for c in range(num_classes)]
+    train_idx, test_idx, classes, shots = [], [], [], []
+    for i in range(num_clients):
+        tr = np.flatnonzero(owner == i)
+        cnt = np.bincount(train_y[tr], minlength=num_classes)
+        cls = np.flatnonzero(cnt)
+        total = test_shots * len(cls)
+        share = cnt[cls] / cnt[cls].sum() * total
+        want = np.maximum(np.floor(share).astype(np.int64), 1)  # at least one per own class
+        for j in np.argsort(-(share - want), kind="stable")[: max(0, total - int(want.sum()))]:
+            want[j] += 1  # largest remainders first; a class raised to its minimum has none
+        parts = []
+        for c, w in zip(cls, want):
+            if w > len(test_by_class[c]):
+                raise PartitionError(f"client {i} needs {w} test samples of class {c}, the test split has "
+                                     f"{len(test_by_class[c])}; lower test_shots")
+            parts.append(rng.choice(test_by_class[c], size=int(w), replace=False))
+        train_idx.append(tr)
+        test_idx.append(np.sort(np.concatenate(parts)).astype(np.int64) if parts else np.zeros(0, np.int64))
+        classes.append(cls.astype(np.int64))
+        shots.append(cnt[cls].astype(np.int64))
+    return Partition(train_idx, test_idx, classes, shots)
