@@ -27,6 +27,7 @@ DATASETS = {
     "femnist": (62, 1.0, 120),
     "cifar10": (10, 0.1, 110),
     "digits": (10, 1.0, 20),
+    "custom": (0, 1.0, 20),  # your own clients (fedproto.federation.federate): classes given by `classes`
 }
 
 # Per-dataset defaults filled in when a value is not given (shots: the paper's k = 100; the
@@ -39,6 +40,7 @@ DATASET_DEFAULTS = {
     "femnist": {"stdev": 1, "test_shots": 3, "shots": 100, "model": "cnn", "rounds": 120},
     "cifar10": {"stdev": 1, "test_shots": 40, "shots": 100, "model": "resnet18", "rounds": 110},
     "digits": {"stdev": 1, "test_shots": 10, "shots": 10, "model": "cnn", "rounds": 20},
+    "custom": {"stdev": 0, "test_shots": 1, "shots": 1, "model": "custom", "rounds": 20},
 }
 
 
@@ -57,7 +59,7 @@ RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
 
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
-               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10}
+               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -87,6 +89,7 @@ class RunConfig(BaseModel):
 
     # data and partition
     dataset: str = "mnist"
+    classes: Optional[int] = Field(None, ge=2, le=1_000_000)  # dataset "custom" only: number of classes C
     data_dir: Optional[str] = None
     download: bool = True
     clients: int = Field(20, ge=1, le=1_000_000)
@@ -171,6 +174,17 @@ class RunConfig(BaseModel):
         from fedproto.errors import ModelError
         from fedproto.models.zoo import check_model_name
 
+        if self.dataset == "custom":
+            if self.classes is None:
+                raise ValueError("dataset='custom' needs classes=C, the number of classes of your labels "
+                                 "(fedproto.federation.federate sets it)")
+            if self.model != "custom" or self.partition != "fewshot":
+                raise ValueError("dataset='custom' brings its own models and clients: leave model and partition "
+                                 "out (fedproto.federation.federate builds them)")
+            return self
+        if self.classes is not None:
+            raise ValueError(f"classes={self.classes} applies to dataset='custom' only; {self.dataset} has "
+                             f"{DATASETS[self.dataset][0]} classes: leave classes out")
         try:
             check_model_name(self.model)
         except ModelError as e:
@@ -202,7 +216,8 @@ class RunConfig(BaseModel):
 
     @property
     def num_classes(self) -> int:
-        return DATASETS[self.dataset][0]
+        """C: the dataset's number of classes (``classes`` for dataset ``custom``)."""
+        return self.classes if self.dataset == "custom" else DATASETS[self.dataset][0]
 
     @property
     def lam(self) -> float:
@@ -215,6 +230,8 @@ class RunConfig(BaseModel):
         so give ``--name`` to keep variants apart)."""
         if self.name:
             return self.name
+        if self.dataset == "custom":
+            return f"{self.algorithm}-custom-m{self.clients}-s{self.seed}"
         model = ""
         if self.model != DATASET_DEFAULTS[self.dataset]["model"]:
             model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]

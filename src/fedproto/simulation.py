@@ -115,6 +115,9 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
     ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
     """
+    if cfg.dataset == "custom":
+        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, digits")
     ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
     if cfg.partition == "natural":
         if ds.train_groups is None or ds.test_groups is None:
@@ -210,8 +213,9 @@ class Simulation:
         if mode == "sequential":
             return [[i] for i in ids]
         by_arch: dict = defaultdict(list)
-        for i in ids:
-            by_arch[self.setup.states[i].model.arch_key()].append(i)
+        for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
+            key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
+            by_arch[key].append(i)
         groups = []
         for key, members in by_arch.items():
             models = [self.setup.states[i].model for i in members]
@@ -483,10 +487,12 @@ class Simulation:
             "model": cfg.model,
             "clients": len(S),
             "rounds": cfg.rounds,
-            "ways": cfg.ways if cfg.partition == "fewshot" else None,  # natural: per writer (partition_summary)
-            "shots": cfg.shots if cfg.partition == "fewshot" else None,
+            # natural, dirichlet, custom: per client (partition_summary, clients.csv)
+            "ways": cfg.ways if cfg.partition == "fewshot" and cfg.dataset != "custom" else None,
+            "shots": cfg.shots if cfg.partition == "fewshot" and cfg.dataset != "custom" else None,
             "seed": cfg.seed,
-            "test_set": {"fewshot": f"per client: {cfg.test_shots} test-split samples of each own class",
+            "test_set": "per client: its own test data" if cfg.dataset == "custom" else {
+                         "fewshot": f"per client: {cfg.test_shots} test-split samples of each own class",
                          "natural": "per client: the writer's own test samples",
                          "dirichlet": f"per client: {cfg.test_shots} x (own classes) test-split samples in the "
                                       "client's training class proportions"}[cfg.partition],

@@ -1,0 +1,296 @@
+"""Your own federation: your client models and your data, through the simulator's engine.
+
+    from fedproto.federation import Client, federate
+
+    clients = [Client(model=MyNet(), train=(x0, y0), test=(tx0, ty0)),            # returns (logits, h)
+               Client(model=resnet, head="fc", train=my_dataset, test=my_test_set)]  # split at its head
+    sim = federate(clients, num_classes=10, algorithm="fedproto", rounds=20, out="runs/mine")
+    summary = sim.run()
+
+A client's model is either a module whose ``forward(x)`` returns ``(logits (B, C), embedding
+(B, d))``, or any classifier plus the name of its final layer (``head``): the embedding is that
+layer's input, flattened (torchvision- and timm-style heads ``fc``, ``classifier``, ``head``).
+Data are tensors or arrays held in memory (the fast path), or a map-style
+``torch.utils.data.Dataset`` whose items are ``(x, y)`` pairs, read batch by batch with its own
+transforms (for data that does not fit in memory). Everything is checked before round 1, and
+each error names the client. The engine, evaluation, metrics, run directory and checkpoints are
+those of :class:`fedproto.simulation.Simulation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedproto.algorithms.base import ClientData, ClientState
+from fedproto.config import build_config
+from fedproto.data.partition import Partition
+from fedproto.errors import DataError, ModelError
+from fedproto.models.base import ProtoModel, check_embedding_dims
+
+ArrayLike = Any
+
+
+class TupleModel(ProtoModel):
+    """Adapter for a module whose ``forward(x)`` returns ``(logits (B, C), embedding (B, d))``.
+
+    ``embed(x)`` runs the whole module and keeps the embedding. The module's own parameter names
+    are kept under ``net.``; it has no known head, so FedPer/FedRep refuse it (give ``head``).
+    """
+
+    head_prefixes = ("net.\0",)  # matches no parameter: the head is unknown
+
+    def __init__(self, net: nn.Module, embedding_dim: int, num_classes: int):
+        super().__init__()
+        self.net = net
+        self.embedding_dim = int(embedding_dim)
+        self.num_classes = int(num_classes)
+
+    def forward(self, x, noise=None):
+        logits, h = self.net(x)
+        return logits, h.flatten(1)
+
+    def embed(self, x, noise=None):
+        return self.forward(x)[1]
+
+
+class HeadSplitModel(ProtoModel):
+    """Adapter for a classifier split at its final layer ``head`` (a submodule name, dotted for
+    nested ones): the embedding is the flattened input of that layer, the logits its output.
+
+    Parameters keep their names under ``net.``; FedPer/FedRep treat ``net.<head>.*`` as the head.
+    """
+
+    def __init__(self, net: nn.Module, head: str, embedding_dim: int, num_classes: int):
+        super().__init__()
+        self.net = net
+        self.head_name = head
+        self.head_prefixes = (f"net.{head}.",)
+        self.embedding_dim = int(embedding_dim)
+        self.num_classes = int(num_classes)
+        self._seen: list[torch.Tensor] = []
+        net.get_submodule(head).register_forward_pre_hook(self._keep)
+
+    def _keep(self, module, args):
+        self._seen.append(args[0])
+
+    def forward(self, x, noise=None):
+        self._seen.clear()
+        logits = self.net(x)
+        if not self._seen:
+            raise ModelError(f"the model's forward never called its head {self.head_name!r}")
+        h = self._seen[-1]
+        self._seen.clear()
+        return logits, h.flatten(1)
+
+    def embed(self, x, noise=None):
+        return self.forward(x)[1]
+
+    def head(self, h, noise=None):
+        return self.net.get_submodule(self.head_name)(h)
+
+
+class Projected(ProtoModel):
+    """``model`` with a linear projection of its embedding to size ``d`` and a new linear head
+    (d -> C): the practitioner's guide's advice for clients whose embedding sizes differ
+    (§3.2: "add a projection layer"). Parameters: ``inner.*``, ``proj.*``, ``fc.*`` (the head)."""
+
+    head_prefixes = ("fc.",)
+
+    def __init__(self, model: ProtoModel, d: int):
+        super().__init__()
+        self.inner = model
+        self.proj = nn.Linear(model.embedding_dim, d)
+        self.fc = nn.Linear(d, model.num_classes)
+        self.embedding_dim, self.num_classes = int(d), model.num_classes
+
+    def embed(self, x, noise=None):
+        return self.proj(self.inner.embed(x))
+
+    def head(self, h, noise=None):
+        return self.fc(h)
+
+
+def with_projection(model: ProtoModel, d: int) -> ProtoModel:
+    """Append a linear projection to embedding size ``d`` (and a new d -> C head); see :class:`Projected`."""
+    return model if model.embedding_dim == d else Projected(model, d)
+
+
+class LazyInputs:
+    """A map-style ``Dataset`` read as inputs ``x``: ``len()``, ``x[LongTensor]`` and ``x[i:j]``
+    give stacked float tensors, read item by item (the dataset's transforms run on every read).
+    The engine trains such clients on the sequential path."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        if isinstance(idx, slice):
+            idx = range(*idx.indices(len(self)))
+        elif isinstance(idx, torch.Tensor):
+            idx = idx.tolist()
+        return torch.stack([torch.as_tensor(self.dataset[int(i)][0], dtype=torch.float32) for i in idx])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self[0:1].shape[1:])
+
+
+@dataclass
+class Client:
+    """One client of your federation.
+
+    Attributes:
+        model: an ``nn.Module`` returning ``(logits, embedding)``, or any classifier with ``head``.
+        train, test: ``(x, y)`` tensors or arrays (x: (n, ...) float, y: (n,) int labels in
+            0..C-1), or a map-style ``Dataset`` of ``(x, y)`` items.
+        head: name of the final layer of a classifier (its input is the embedding); None when
+            ``model`` returns ``(logits, embedding)`` itself.
+    """
+
+    model: nn.Module
+    train: Any
+    test: Any
+    head: str | None = None
+
+
+def _labels(split: Any) -> torch.Tensor:
+    if isinstance(split, torch.utils.data.Dataset):
+        targets = getattr(split, "targets", None)
+        if targets is not None and len(targets) == len(split):
+            return torch.as_tensor(np.asarray(targets), dtype=torch.int64)
+        return torch.as_tensor([int(split[i][1]) for i in range(len(split))], dtype=torch.int64)
+    return torch.as_tensor(np.asarray(split[1]), dtype=torch.int64)
+
+
+def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torch.Tensor]:
+    """(inputs, labels) of one split, checked; raises DataError naming the client."""
+    if isinstance(split, torch.utils.data.Dataset):
+        x = LazyInputs(split)
+    elif isinstance(split, (tuple, list)) and len(split) == 2:
+        x = torch.as_tensor(np.asarray(split[0]) if not isinstance(split[0], torch.Tensor) else split[0]).float()
+    else:
+        raise DataError(f"client {cid}: {what} is a {type(split).__name__}; give (x, y) tensors or arrays, or a "
+                        "map-style torch Dataset of (x, y) items")
+    try:
+        y = _labels(split)
+    except (TypeError, ValueError, IndexError) as e:
+        raise DataError(f"client {cid}: cannot read {what} labels as integers ({e})") from None
+    if len(y) == 0:
+        raise DataError(f"client {cid}: its {what} data is empty; give every client at least one sample")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"client {cid}: {what} has {len(x)} inputs but labels of shape {tuple(y.shape)}; give one "
+                        "integer label per input")
+    bad = (y < 0) | (y >= num_classes)
+    if bool(bad.any()):
+        raise DataError(f"client {cid}: {what} label {int(y[bad][0])} is outside 0..{num_classes - 1} "
+                        f"(num_classes={num_classes}); relabel, or raise num_classes")
+    if isinstance(x, torch.Tensor) and not bool(torch.isfinite(x).all()):
+        n = int((~torch.isfinite(x)).flatten(1).any(1).sum())
+        raise DataError(f"client {cid}: {n} {what} input(s) hold NaN or infinite values; clean or drop them")
+    return x, y
+
+
+def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Tensor, cid: int = 0) -> ProtoModel:
+    """Wrap ``model`` as a :class:`ProtoModel` and check it on ``sample`` (a (1, ...) input).
+
+    Raises:
+        ModelError: ``head`` is not a submodule (lists the candidates), the forward does not
+            return what it must, or the logits are not (B, num_classes) (names client ``cid``).
+    """
+    if isinstance(model, ProtoModel):
+        wrapped = model
+    elif not isinstance(model, nn.Module):
+        raise ModelError(f"client {cid}: model is a {type(model).__name__}, not a torch.nn.Module")
+    elif head is not None:
+        names = dict(model.named_modules())
+        if head not in names or head == "":
+            tail = [n for n in names if n][-5:]
+            raise ModelError(f"client {cid}: the model has no layer {head!r}; its last layers are {tail}: name the "
+                             "final (classifier) layer, e.g. head='fc'")
+        wrapped = HeadSplitModel(model, head, 0, num_classes)
+    else:
+        wrapped = TupleModel(model, 0, num_classes)
+    was = wrapped.training
+    wrapped.eval()
+    try:
+        with torch.no_grad():
+            out = wrapped(sample)
+    except ModelError as e:
+        raise ModelError(f"client {cid}: {e}") from None
+    except (TypeError, ValueError) as e:
+        hint = ("its forward must return (logits, embedding), or give head='<final layer name>'" if head is None
+                else "check the input shape")
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
+                         f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
+    except RuntimeError as e:
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
+                         f"({str(e).splitlines()[0][:200]})") from None
+    finally:
+        wrapped.train(was)
+    logits, h = out
+    if logits.ndim != 2 or logits.shape != (1, num_classes):
+        raise ModelError(f"client {cid}: the model's logits have shape {tuple(logits.shape)} for one input, "
+                         f"expected (1, {num_classes}) (num_classes={num_classes})")
+    if h.ndim != 2 or h.shape[0] != 1:
+        raise ModelError(f"client {cid}: the embedding has shape {tuple(h.shape)} for one input, expected (1, d)")
+    if not isinstance(model, ProtoModel):
+        wrapped.embedding_dim = int(h.shape[1])
+    return wrapped
+
+
+def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **options: Any):
+    """Build a :class:`~fedproto.simulation.Simulation` of your own clients.
+
+    Args:
+        clients: one :class:`Client` per client (their order gives the client ids 0..m-1).
+        num_classes: C; labels lie in 0..C-1.
+        out: the run directory (None: ``out_dir/<algorithm>-custom-m<clients>-s<seed>``; False:
+            write nothing).
+        options: any run option of :class:`fedproto.config.RunConfig` (``algorithm``,
+            ``rounds``, ``lambda_proto``, ``lr``, ``batch_size``, ``participation``...).
+    Returns:
+        A Simulation; ``.run()`` trains and returns the summary.
+    Raises:
+        ConfigError: a bad option. DataError: bad data (names the client). ModelError: a model that
+            does not fit (names the client), or embedding sizes that differ (names the clients; see
+            :func:`with_projection`).
+    """
+    from fedproto.simulation import Setup, Simulation, build_algorithm
+
+    if not clients:
+        raise DataError("no clients given; pass a list of fedproto.federation.Client")
+    for k in ("dataset", "classes", "clients", "model", "partition"):
+        if k in options:
+            raise ModelError(f"{k} is set by federate() from your clients; leave it out")
+    cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
+                                  "clients": len(clients), "model": "custom"})
+    states, data, part = [], [], Partition([], [], [])
+    for i, c in enumerate(clients):
+        if not isinstance(c, Client):
+            raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
+                            "test)")
+        x, y = _split(c.train, i, "train", num_classes)
+        tx, ty = _split(c.test, i, "test", num_classes)
+        model = adapt(c.model, c.head, num_classes, x[0:1], i)
+        states.append(ClientState(i, model, np.unique(y.numpy())))
+        data.append(ClientData(x, y, tx, ty))
+        part.train_idx.append(np.arange(len(y)))
+        part.test_idx.append(np.arange(len(ty)))
+        part.classes.append(states[-1].classes)
+        part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
+    d = check_embedding_dims([s.model for s in states])
+    alg = build_algorithm(cfg, d)
+    setup = Setup(None, part, states, data, alg, d)
+    return Simulation(cfg, setup=setup, out=out)
+
+
+__all__ = ["Client", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",
+           "with_projection"]

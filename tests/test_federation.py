@@ -1,0 +1,154 @@
+"""Your own federation (fedproto.federation): user modules outside the zoo, map-style Datasets
+with transforms, classifiers split at a named head; FedProto and FedAvg learn on each; bad input
+is refused before training, naming the client."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fedproto.data.datasets import load_dataset
+from fedproto.data.partition import fewshot_partition
+from fedproto.errors import ConfigError, DataError, ModelError
+from fedproto.federation import Client, federate, with_projection
+
+
+class TwoOut(nn.Module):
+    """A user's module outside the zoo: returns (logits, embedding)."""
+
+    def __init__(self, width=32, d=16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, d), nn.ReLU())
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.out(h), h
+
+
+class Classifier(nn.Module):
+    """torchvision style: features then a final layer named ``fc``."""
+
+    def __init__(self, width=32, d=16):
+        super().__init__()
+        self.features = nn.Sequential(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, d), nn.ReLU())
+        self.fc = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+class Noisy(torch.utils.data.Dataset):
+    """A map-style Dataset with its own transform (a small random shift of brightness)."""
+
+    def __init__(self, x, y, seed=0):
+        self.x, self.targets = x, y.tolist()
+        self.g = torch.Generator().manual_seed(seed)
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.x[i] + 0.01 * torch.randn(1, generator=self.g), self.targets[i]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    ds = load_dataset("digits")
+    part = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, 0, 10, seed=5)
+    return ds, part
+
+
+def _clients(digits, make, kind="tensors", head=None):
+    ds, part = digits
+    out = []
+    for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)):
+        tr, te = torch.as_tensor(tr), torch.as_tensor(te)
+        torch.manual_seed(i)
+        if kind == "tensors":
+            train, test = (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te].numpy(), ds.test_y[te].numpy())
+        else:
+            train, test = Noisy(ds.train_x[tr], ds.train_y[tr], i), Noisy(ds.test_x[te], ds.test_y[te], 100 + i)
+        out.append(Client(make(), train, test, head=head))
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedavg"])
+@pytest.mark.parametrize("kind,make,head", [("tensors", TwoOut, None), ("dataset", TwoOut, None),
+                                            ("tensors", Classifier, "fc")])
+def test_own_models_and_data_learn(digits, tmp_path, algorithm, kind, make, head):
+    clients = _clients(digits, make, kind, head)
+    sim = federate(clients, num_classes=10, algorithm=algorithm, rounds=8, lr=0.05, out=tmp_path / "run",
+                   lambda_proto=1.0, eval_every=0)
+    summary = sim.run()
+    acc = summary["accuracy"]["acc"]["mean"]
+    assert acc > 0.75, summary["accuracy"]  # 3 classes per client: chance 1/3
+    if algorithm == "fedproto":
+        assert summary["accuracy"]["acc_proto"]["mean"] > 0.75
+        assert summary["params_per_round"]["up"] == sum(3 * (16 + 2) for _ in clients)  # 3 classes x (d + id + count)
+    assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "clients.csv").is_file()
+    if kind == "dataset":
+        assert clients[0].train.reads > 8 * len(clients[0].train)  # read through the Dataset, transforms and all
+
+
+def test_heterogeneous_user_models_and_projection(digits):
+    """Two model sizes (the guide's walkthrough); embedding sizes that differ are refused naming the
+    clients, and with_projection brings them to one size."""
+    ds, part = digits
+    clients = _clients(digits, lambda: TwoOut(32, 16))
+    clients[1].model, clients[3].model = TwoOut(64, 24), TwoOut(64, 24)
+    with pytest.raises(ModelError, match=r"d=16: clients \[0, 2\]; d=24: clients \[1, 3\]"):
+        federate(clients, 10, out=False)
+    from fedproto.federation import adapt
+
+    for i in (1, 3):
+        clients[i].model = with_projection(adapt(clients[i].model, None, 10, clients[i].train[0][:1], i), 16)
+    sim = federate(clients, 10, rounds=8, lr=0.05, out=False, eval_every=0)
+    assert sim.run()["accuracy"]["acc"]["mean"] > 0.7
+
+
+def test_bad_input_is_refused_naming_the_client(digits):
+    ok = _clients(digits, TwoOut)
+
+    def fails(exc, pattern, **change):
+        cs = _clients(digits, TwoOut)
+        i = change.pop("client", 2)
+        for k, v in change.items():
+            setattr(cs[i], k, v)
+        with pytest.raises(exc, match=pattern):
+            federate(cs, 10, out=False)
+
+    x, y = ok[2].train
+    fails(ModelError, r"client 2: the model has no layer 'head'; its last layers", head="head")
+    fails(ModelError, r"client 2: .*logits have shape \(1, 7\).*expected \(1, 10\)", model=TwoOutWrong())
+    fails(ModelError, r"client 2: the model failed .*must return \(logits, embedding\)", model=Classifier())
+    fails(DataError, r"client 2: train label 12 is outside 0..9", train=(x, torch.full_like(y, 12)))
+    bad = x.clone()
+    bad[3, 0, 0, 0] = float("nan")
+    fails(DataError, r"client 2: 1 train input\(s\) hold NaN", train=(bad, y))
+    fails(DataError, r"client 2: its test data is empty", test=(x[:0], y[:0]))
+    fails(DataError, r"client 2: train has 5 inputs but labels of shape", train=(x[:5], y[:4]))
+    fails(DataError, r"client 2: train is a str", train="data/")
+    with pytest.raises(ModelError, match="model is set by federate"):
+        federate(ok, 10, model="cnn", out=False)
+    with pytest.raises(ConfigError, match="lr"):
+        federate(ok, 10, lr=-1.0, out=False)
+    with pytest.raises(DataError, match="no clients"):
+        federate([], 10)
+
+
+class TwoOutWrong(TwoOut):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Linear(16, 7)
+
+
+def test_custom_dataset_is_refused_on_the_command_line(capsys, monkeypatch):
+    from conftest import run_cli
+
+    code, text = run_cli(["run", "--dataset", "custom", "--rounds", "1"], capsys, monkeypatch)
+    assert code == 2 and "classes" in text
