@@ -153,12 +153,16 @@ class Client:
             0..C-1), or a map-style ``Dataset`` of ``(x, y)`` items.
         head: name of the final layer of a classifier (its input is the embedding); None when
             ``model`` returns ``(logits, embedding)`` itself.
+        embedding_dim: when given and the model's embedding has another size, a linear projection
+            to this size and a new linear head are appended (:func:`with_projection`), so clients
+            whose architectures end in different widths share one prototype size.
     """
 
     model: nn.Module
     train: Any
     test: Any
     head: str | None = None
+    embedding_dim: int | None = None
 
 
 def _labels(split: Any) -> torch.Tensor:
@@ -280,6 +284,8 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         x, y = _split(c.train, i, "train", num_classes)
         tx, ty = _split(c.test, i, "test", num_classes)
         model = adapt(c.model, c.head, num_classes, x[0:1], i)
+        if c.embedding_dim is not None:
+            model = with_projection(model, int(c.embedding_dim))
         states.append(ClientState(i, model, np.unique(y.numpy())))
         data.append(ClientData(x, y, tx, ty))
         part.train_idx.append(np.arange(len(y)))
