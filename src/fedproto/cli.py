@@ -97,6 +97,7 @@ def run(
     out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
     name: Optional[str] = typer.Option(None, help="Run directory name (default: derived from the config)"),
     threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default) (default: 0)"),
+    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N | mps: where clients train; auto takes the first CUDA GPU if torch sees one (default: cpu)"),
     resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's checkpoint, if it has one (same options required)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ):

@@ -49,7 +49,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert")
+                  "proto_dist_alert", "device")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -59,7 +59,7 @@ RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
 
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
-               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None}
+               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None, "device": "cpu"}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -143,6 +143,7 @@ class RunConfig(BaseModel):
     out_dir: str = Field("runs", min_length=1)
     name: Optional[str] = None
     threads: int = Field(0, ge=0, le=1024)
+    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$")  # see fedproto.devices
 
     @model_validator(mode="before")
     @classmethod

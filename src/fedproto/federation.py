@@ -294,7 +294,9 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
     d = check_embedding_dims([s.model for s in states])
     alg = build_algorithm(cfg, d)
-    setup = Setup(None, part, states, data, alg, d)
+    from fedproto.devices import resolve_device
+
+    setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
     return Simulation(cfg, setup=setup, out=out)
 
 

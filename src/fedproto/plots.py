@@ -156,8 +156,8 @@ def collect_embeddings(sim) -> dict[str, np.ndarray]:
     hs, ys, cs = [], [], []
     for i, (state, data) in enumerate(zip(sim.setup.states, sim.setup.data)):
         h = embed_all(state.model, data.test_x)
-        hs.append(h.numpy().astype(np.float32))
-        ys.append(data.test_y.numpy().astype(np.int64))
+        hs.append(h.cpu().numpy().astype(np.float32))
+        ys.append(data.test_y.cpu().numpy().astype(np.int64))
         cs.append(np.full(len(data.test_y), i, dtype=np.int64))
     d = sim.setup.embedding_dim
     return {

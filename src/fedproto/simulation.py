@@ -24,6 +24,7 @@ from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientS
 from fedproto.algorithms import ALGORITHMS
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import ADDED_FIELDS, RunConfig, result_fields
+from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, TrainingError
@@ -90,6 +91,19 @@ class Setup:
     data: list[ClientData]
     algorithm: Algorithm
     embedding_dim: int
+    device: torch.device = torch.device("cpu")
+
+    def to_device(self, device: torch.device) -> "Setup":
+        """Move every client model and every client's in-memory data (labels always) to ``device``
+        in place; returns self. Data read from a ``Dataset`` stays where it is read, batch by batch."""
+        self.device = torch.device(device)
+        for s in self.states:
+            s.model.to(self.device)
+        for d in self.data:
+            for k in ("x", "y", "test_x", "test_y"):
+                if isinstance(getattr(d, k), torch.Tensor):
+                    setattr(d, k, getattr(d, k).to(self.device))
+        return self
 
     def to_dtype(self, dtype: torch.dtype) -> "Setup":
         """Cast every client model and every client's data to ``dtype`` in place; returns self.
@@ -173,7 +187,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     largest = max((len(tr) for tr in part.train_idx), default=1)
     if alg.opt.batch_size > largest > 0:
         alg.opt = replace(alg.opt, batch_size=largest)
-    return Setup(ds, part, states, data, alg, d)
+    return Setup(ds, part, states, data, alg, d).to_device(resolve_device(cfg.device))
 
 
 class Simulation:

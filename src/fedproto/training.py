@@ -21,7 +21,7 @@ so momentum does not carry across rounds).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -236,13 +236,24 @@ def augment_batch(x: torch.Tensor, params: torch.Tensor, pad: int = AUGMENT_PAD)
     """
     B, C, H, W = x.shape
     Wp = W + 2 * pad
+    params = params.to(x.device)
     xp = F.pad(x, (pad, pad, pad, pad))
     dy, dx, flip = params[:, 0], params[:, 1], params[:, 2].bool()
-    j = torch.arange(W)
-    rows = dy[:, None] + torch.arange(H)  # (B, H) rows of the padded image
+    j = torch.arange(W, device=x.device)
+    rows = dy[:, None] + torch.arange(H, device=x.device)  # (B, H) rows of the padded image
     cols = dx[:, None] + torch.where(flip[:, None], W - 1 - j, j)  # (B, W) columns, mirrored if flip
     flat = (rows[:, :, None] * Wp + cols[:, None, :]).reshape(B, 1, H * W).expand(B, C, H * W)
     return xp.reshape(B, C, -1).gather(2, flat).reshape(B, C, H, W)
+
+
+def on_device(obj: Objective, device: torch.device) -> Objective:
+    """``obj`` with its tensors (global prototypes, mask, FedProx reference) on ``device``; the
+    same object when they are there already (always on CPU)."""
+    if device.type == "cpu":
+        return obj
+    ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
+    return replace(obj, table=None if obj.table is None else obj.table.to(device),
+                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref)
 
 
 def _step_terms(logits, h, y, w, obj: Objective):
@@ -269,13 +280,16 @@ def train_client(
     """
     model.train()
     C = model.num_classes
+    p0 = next(model.parameters())
+    dev = p0.device
+    obj = on_device(obj, dev)
     sums = counts = None
     if obj.collect:
-        sums = torch.zeros(C, model.embedding_dim, dtype=next(model.parameters()).dtype)
-        counts = torch.zeros(C, dtype=torch.long)
+        sums = torch.zeros(C, model.embedding_dim, dtype=p0.dtype, device=dev)
+        counts = torch.zeros(C, dtype=torch.long, device=dev)
     ce_total = lp_total = 0.0
     steps = 0
-    norm_max = torch.zeros(())
+    norm_max = torch.zeros((), device=dev)
     named = dict(model.named_parameters())
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
@@ -289,12 +303,12 @@ def train_client(
         for s in range(order.shape[0]):
             valid = weight[s] > 0
             idx = order[s][valid]
-            xb, yb = x[idx], y[idx]
+            xb, yb = x[idx].to(dev, non_blocking=True), y[idx].to(dev, non_blocking=True)
             if aug is not None:
                 xb = augment_batch(xb, aug[s][valid])
-            nb = {k: v[s][valid] for k, v in noise.items()} if noise else None
+            nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
             logits, h = model(xb, nb)
-            ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb)), obj)
+            ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
             loss = ce + obj.lambda_proto * lp
             if obj.prox_mu > 0 and obj.prox_ref is not None:
                 loss = loss + 0.5 * obj.prox_mu * sum(
@@ -313,6 +327,8 @@ def train_client(
                 counts += torch.bincount(yb, minlength=C)
     for p in named.values():
         p.requires_grad_(True)
+    if sums is not None:
+        sums, counts = sums.cpu(), counts.cpu()
     return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max))
 
 
@@ -400,20 +416,22 @@ def train_group(
     m0 = models[0]
     C, d = m0.num_classes, m0.embedding_dim
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in _CNN_PARAMS}
+    dev = P[_CNN_PARAMS[0]].device
+    obj = on_device(obj, dev)
     ref = None
     if obj.prox_mu > 0:
         src = objs if objs is not None else [obj] * G
-        ref = {k: torch.stack([o.prox_ref[k] for o in src]) for k in _CNN_PARAMS}
+        ref = {k: torch.stack([o.prox_ref[k] for o in src]).to(dev) for k in _CNN_PARAMS}
     offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
-    X = torch.cat(list(xs)).contiguous()
-    Y = torch.cat(list(ys))
+    X = torch.cat(list(xs)).contiguous().to(dev)
+    Y = torch.cat(list(ys)).to(dev)
     Cin = X.shape[1]
-    sums = torch.zeros(G * C, d, dtype=X.dtype) if obj.collect else None
-    counts = torch.zeros(G * C, dtype=torch.long) if obj.collect else None
-    ce_tot = torch.zeros(G, dtype=torch.float64)  # float64 sums: exact for float32 and float64 runs
-    lp_tot = torch.zeros(G, dtype=torch.float64)
-    nsteps = torch.zeros(G)
-    norm_max = torch.zeros(G)
+    sums = torch.zeros(G * C, d, dtype=X.dtype, device=dev) if obj.collect else None
+    counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
+    ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)  # float64 sums: exact for float32 and float64 runs
+    lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
+    nsteps = torch.zeros(G, device=dev)
+    norm_max = torch.zeros(G, device=dev)
     off = torch.as_tensor(offsets, dtype=torch.long)
     for pi, ph in enumerate(obj.phases):
         train_names = [k for k in _CNN_PARAMS if ph.trains is None or ph.trains(k)]
@@ -441,14 +459,16 @@ def train_group(
                 t = torch.ones(Smax, G, B, width)
                 for g, pl in enumerate(plans):
                     t[: S[g], g, : Wd[g]] = pl.noise[pi][name]
-                noise[name] = t
+                noise[name] = t.to(dev)
+        order, weight, last = order.to(dev), weight.to(dev), last.to(dev)
+        aug = aug.to(dev) if aug is not None else None
         is_last_phase = pi == len(obj.phases) - 1
         S_t = torch.as_tensor(S)
         cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
         Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
         bufc: dict[str, torch.Tensor] = {}
         for s in range(Smax):
-            act = torch.nonzero(S_t > s).flatten()
+            act = torch.nonzero(S_t > s).flatten().to(dev)
             if cur is None or len(act) != len(cur):
                 # compaction: clients whose data ran out leave the batched computation, so their
                 # weights and momentum stay untouched and no compute is spent on padding
@@ -504,8 +524,8 @@ def train_group(
         n = max(float(nsteps[g]), 1.0)
         out.append(
             TrainResult(
-                sums[g * C : (g + 1) * C].clone() if obj.collect else None,
-                counts[g * C : (g + 1) * C].clone() if obj.collect else None,
+                sums[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
+                counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
                 float(ce_tot[g]) / n,
                 float(lp_tot[g]) / n,
                 int(nsteps[g]),
@@ -519,19 +539,21 @@ def train_group(
 def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
     """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference)."""
     model.eval()
-    out = [model.embed(x[i : i + batch]) for i in range(0, len(x), batch)]
-    return torch.cat(out) if out else torch.zeros(0, model.embedding_dim)
+    dev = next(model.parameters()).device
+    out = [model.embed(x[i : i + batch].to(dev)) for i in range(0, len(x), batch)]
+    return torch.cat(out) if out else torch.zeros(0, model.embedding_dim, device=next(model.parameters()).device)
 
 
 @torch.no_grad()
 def predict(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits (n, C) and embeddings (n, d) in eval mode."""
     model.eval()
+    dev = next(model.parameters()).device
     logits, hs = [], []
     for i in range(0, len(x), batch):
-        lo, h = model(x[i : i + batch])
+        lo, h = model(x[i : i + batch].to(dev))
         logits.append(lo)
         hs.append(h)
     if not logits:
-        return torch.zeros(0, model.num_classes), torch.zeros(0, model.embedding_dim)
+        return torch.zeros(0, model.num_classes, device=dev), torch.zeros(0, model.embedding_dim, device=dev)
     return torch.cat(logits), torch.cat(hs)

@@ -209,7 +209,7 @@ class FedProto(Algorithm):
             own[torch.as_tensor(state.classes)] = True
             allowed &= own
         pred = nearest_prototype(h, table, allowed, self.proto_normalize)
-        out["acc_proto"] = float((pred == y).float().mean()) if n else float("nan")
+        out["acc_proto"] = float((pred.to(y.device) == y).float().mean()) if n else float("nan")
         return out
 
     def proto_distance(self, state: ClientState, message: Message, data: ClientData) -> float:
@@ -219,7 +219,8 @@ class FedProto(Algorithm):
         if table is None:
             return float("nan")
         h = embed_all(state.model, data.x)
-        cov = mask[data.y]
+        table, mask, y = table.to(h.device), mask.to(h.device), data.y.to(h.device)
+        cov = mask[y]
         if not bool(cov.any()):
             return float("nan")
-        return float((h[cov] - table[data.y[cov]]).norm(dim=1).mean())
+        return float((h[cov] - table[y[cov]]).norm(dim=1).mean())
