@@ -451,15 +451,17 @@ def test_python_api_misuse_is_a_config_error():
 
 
 @needs_cifar
-def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog):
+@pytest.mark.parametrize("batch_size", [10, 4])
+def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog, batch_size):
     """Issue #10's input (``--clients 2 --ways 2 --stdev 0 --batch-size 10 --rounds 3``, ResNet18):
     202 samples per client end each epoch on a 2-sample batch. Before the fold rule, both clients'
     test embeddings reached median norms of ~2e6 and ~6e17 and both accuracies sat at chance
     (50.00 / 48.75); with the trailing batch folded into the one before it, ~80% and norms ~25.
     (The issue said ``--shots 100``: that drew 101 shots then; with stdev 0 meaning exactly the
-    shots asked for, ``--shots 101`` gives the same clients and data.)"""
+    shots asked for, ``--shots 101`` gives the same clients and data.) Batch size 4 (helper 1):
+    the first rule kept a 2-sample trailing batch there, and one client reached norm 5.8e9."""
     cfg = build_config(overrides=dict(dataset="cifar10", model="resnet18", clients=2, ways=2, stdev=0, shots=101,
-                                      batch_size=10, rounds=3, eval_every=0))
+                                      batch_size=batch_size, rounds=3, eval_every=0))
     sim = Simulation(cfg, out=False)
     assert [len(d.x) for d in sim.setup.data] == [202, 202]
     summary = sim.run()
@@ -503,3 +505,29 @@ def test_exploding_and_nonfinite_embeddings_are_reported(tmp_path, caplog):
     rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     assert [float(r["nonfinite"]) for r in rows] == [0.0, 0.0, 1.0]
     assert float(rows[0]["emb_norm"]) < 1e3 < 1e4 < float(rows[1]["emb_norm"])
+
+
+def test_eval_mode_blow_up_below_the_norm_limit_is_reported(caplog):
+    """Helper 1: a client at chance with test embeddings of norm ~700 against ~20 in training went
+    unreported (below the 1e4 limit). Test embeddings 10x larger than any training embedding of
+    the client's last round are reported."""
+    sim = Simulation(build_config(overrides=dict(dataset="digits", clients=3, rounds=1)), out=False)
+    sim.train_norm = {0: 20.0, 1: 20.0, 2: 0.0}
+    with caplog.at_level("WARNING"):
+        sim._check_health(4, [{"emb_norm": 25.0, "nonfinite": 0.0}, {"emb_norm": 727.0, "nonfinite": 0.0},
+                              {"emb_norm": 727.0, "nonfinite": 0.0}])
+    assert "round 4: client 1's test embeddings (median norm 727) are 36x larger" in caplog.text
+    assert "client 0" not in caplog.text and "client 2" not in caplog.text  # no training norm known: no claim
+
+
+def test_tsne_leaves_out_nonfinite_embeddings(tmp_path, caplog):
+    """Helper 1: `fedproto plot` of a run with a blown-up client called its files damaged."""
+    from fedproto.plots import plot_tsne_arrays
+
+    rng = np.random.default_rng(0)
+    h = rng.normal(size=(40, 5)).astype(np.float32)
+    h[[3, 7]] = np.nan
+    client = np.repeat(np.arange(4), 10)
+    with caplog.at_level("WARNING"):
+        path = plot_tsne_arrays(h, rng.integers(0, 3, 40), client, tmp_path / "t.png", max_per_client=None)
+    assert path.is_file() and "leaves out 2 test embedding(s)" in caplog.text and "clients [0]" in caplog.text

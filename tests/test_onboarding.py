@@ -118,7 +118,7 @@ def test_onboarding_refuses_damaged_prototypes_and_bad_seeds(tmp_path, capsys, m
     assert code == 2 and "does not exist" in text
     code, text = run_cli(["onboard", str(run), "--clients", "100000"], capsys, monkeypatch)
     assert code == 2 and "runs short" in text and "--shots" not in text and "--ways" not in text
-    assert "train split" not in text and re.search(r"onboard at most --clients \d+|no smaller --clients", text)
+    assert "train split" not in text and re.search(r"--clients \d+ fits with this --seed|no smaller --clients", text)
 
 
 def test_run_refuses_a_filter_that_drops_every_prototype(tmp_path):
@@ -146,3 +146,19 @@ def test_onboarding_refuses_other_data_than_the_runs(tmp_path):
     (run / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DataError, match=f"the run had {total + 1}: it is not the data the run used"):
         onboard(run, write=False)
+
+
+def test_onboarding_shortfall_names_a_count_that_fits(tmp_path):
+    """Helper 1: asked for 1,150 one-shot clients, the advice said no smaller count fits while
+    1,000 and 1,055 did. The named count is found by bisection and checked."""
+    from fedproto.errors import PartitionError
+    from fedproto.onboarding import _fits
+
+    cfg = build_config(overrides=dict(dataset="digits", clients=2, ways=1, shots=1, stdev=0, test_shots=1, rounds=1,
+                                      threads=1, out_dir=str(tmp_path), name="ob"))
+    Simulation(cfg).run()
+    with pytest.raises(PartitionError) as e:
+        onboard(tmp_path / "ob", clients=1150, write=False)
+    found = re.search(r"--clients (\d+) fits with this --seed", str(e.value))
+    assert found and int(found.group(1)) >= 1000, str(e.value)
+    assert "--shots" not in str(e.value) and "train split" not in str(e.value)

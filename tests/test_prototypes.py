@@ -108,6 +108,18 @@ def test_nearest_prototype_never_leaves_the_allowed_classes():
     allowed = torch.tensor([True, False, True] + [False] * 7)
     assert nearest_prototype(table[[1, 2, 0]] + 1e-3, table, allowed).tolist() == [
         int(torch.cdist(table[1:2], table[[0, 2]]).argmin()) * 2, 2, 0]
+    # a NaN prototype of an allowed class never wins (helper 1: it took every sample)
+    t = table.clone()
+    t[3] = float("nan")
+    allowed = torch.zeros(10, dtype=torch.bool)
+    allowed[[3, 7]] = True
+    assert nearest_prototype(torch.randn(5, 4), t, allowed).tolist() == [7] * 5
+    for bad_mask in (torch.tensor(True), torch.ones(2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="allowed \\(C,\\)"):
+            nearest_prototype(torch.randn(5, 4), table, bad_mask)
+    assert nearest_prototype(torch.randn(2, 4), table, np.arange(10) == 4).tolist() == [4, 4]  # numpy mask
+    with pytest.raises(ValueError, match="shape \\(N, d\\)"):
+        embedding_health(torch.ones(3))
     # the health flags that go to clients.csv
     h = torch.ones(4, 3)
     assert embedding_health(h, torch.zeros(4, 10)) == {"emb_norm": pytest.approx(3 ** 0.5), "nonfinite": 0.0}

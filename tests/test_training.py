@@ -125,9 +125,13 @@ def test_trailing_batch_rule_for_batchnorm_models():
     from fedproto.models.resnet import ResNet18
     from fedproto.training import min_batch
 
-    assert [min_batch(ResNet18(), b) for b in (1, 2, 3, 8, 9, 10)] == [2, 2, 2, 4, 5, 5]
+    assert [min_batch(ResNet18(), b) for b in (1, 2, 3, 4, 5, 8, 9, 10)] == [1, 2, 3, 4, 4, 4, 5, 5]
     assert [min_batch(PaperCNN(), b) for b in (2, 8, 10)] == [1, 1, 1]
     opt = OptimConfig(batch_size=8)
+    # helper 1 (breaker): at batch size 4 a 202-sample client kept 2-sample batches and blew up
+    plan = make_plan(202, [Phase(1)], OptimConfig(batch_size=4), {}, 0.0, np.random.default_rng(0),
+                     min_batch=min_batch(ResNet18(), 4))
+    assert (plan.weight[0] > 0).sum(1).tolist() == [4] * 49 + [6]
     for n, mb, rows in ((202, 4, [8] * 24 + [10]), (202, 1, [8] * 25 + [2]), (205, 4, [8] * 25 + [5]),
                         (200, 4, [8] * 25), (3, 4, [3]), (11, 4, [11]), (8, 4, [8])):
         plan = make_plan(n, [Phase(2)], opt, {"fc1": 5}, 0.5, np.random.default_rng(0), min_batch=mb)

@@ -179,11 +179,13 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     except PartitionError as e:
         if e.short_class is None:
             raise
-        top = min(clients - 1, len(free) // max(1, cfg.ways * cfg.shots))  # more cannot fit on average
-        fits = next((c for c in range(top, max(top - 50, 0), -1)
-                     if _fits(train_y[free], test_y, ds.num_classes, c, cfg, pseed)), None)
-        fits = [fits] if fits else []
-        advice = (f"onboard at most --clients {fits[0]} with this --seed, or try another --seed" if fits else
+        # the largest count that fits, by bisection (fitting is close to monotone in the count; the
+        # answer is checked, so the advice never names a count that fails)
+        lo, hi = 0, clients - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if _fits(train_y[free], test_y, ds.num_classes, mid, cfg, pseed) else (lo, mid - 1)
+        advice = (f"--clients {lo} fits with this --seed (or try another --seed)" if lo >= 1 else
                   "no smaller --clients fits with this --seed: try another --seed")
         raise PartitionError(
             f"the {len(free)} training samples the run's clients left unused cannot supply {clients} new clients: "

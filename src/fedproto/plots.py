@@ -6,6 +6,8 @@ written as PNG with :func:`fedproto.results.atomic_write_bytes`.
 
 from __future__ import annotations
 
+import logging
+
 import io
 import itertools
 import json
@@ -230,6 +232,14 @@ def plot_tsne_arrays(
     h, y, client = np.asarray(h, np.float32), np.asarray(y), np.asarray(client)
     if len(h) == 0:
         raise FedprotoError("no embeddings to plot")
+    finite = np.isfinite(h).all(axis=1) if h.ndim == 2 else np.ones(len(h), bool)
+    if not finite.all():  # a blown-up client (flagged nonfinite in clients.csv) is left out, not fatal
+        bad = sorted({int(c) for c in client[~finite]})
+        logging.getLogger(__name__).warning(
+            "t-SNE leaves out %d test embedding(s) that are NaN or infinite (clients %s)", int((~finite).sum()), bad)
+        h, y, client = h[finite], y[finite], client[finite]
+        if len(h) == 0:
+            raise FedprotoError(f"every test embedding is NaN or infinite (clients {bad}); nothing to plot")
     sel = _subsample(client, max_per_client, random_state)
     h, y, client = h[sel], y[sel], client[sel]
     P = 0

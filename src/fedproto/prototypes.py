@@ -197,15 +197,22 @@ def nearest_prototype(
             ``proto_normalize``.
     Returns:
         (B,) int64 predicted labels, each with ``allowed[label]`` True. If no class is allowed,
-        returns -1 for every sample.
+        returns -1 for every sample. A NaN distance (NaN embedding or prototype) counts as
+        infinitely far.
+    Raises:
+        ValueError: shapes other than h (B, d), table (C, d), allowed (C,).
     """
+    allowed = torch.as_tensor(allowed)
+    if allowed.shape != (table.shape[0],) or h.ndim != 2 or table.ndim != 2 or h.shape[1] != table.shape[1]:
+        raise ValueError(f"nearest_prototype needs h (B, d), table (C, d) and allowed (C,): got h "
+                         f"{tuple(h.shape)}, table {tuple(table.shape)}, allowed {tuple(allowed.shape)}")
     cols = torch.nonzero(allowed.to(torch.bool)).flatten()
     if len(cols) == 0:
         return torch.full((h.shape[0],), -1, dtype=torch.long)
     h64, t64 = h.to(torch.float64), table[cols.to(table.device)].to(torch.float64)
     if normalize:
         h64, t64 = F.normalize(h64, dim=-1), F.normalize(t64, dim=-1)
-    dist = torch.cdist(h64, t64.to(h64.device))
+    dist = torch.cdist(h64, t64.to(h64.device)).nan_to_num(nan=float("inf"))  # a NaN prototype never wins
     return cols.to(dist.device)[dist.argmin(1)] if dist.shape[0] else torch.zeros(0, dtype=torch.long)
 
 
@@ -215,6 +222,8 @@ def embedding_health(h: torch.Tensor, *scores: torch.Tensor) -> dict[str, float]
     tensors, e.g. (N, C) logits, is NaN or infinite, else 0.0). The engine warns, naming the
     client, when ``nonfinite`` is set or ``emb_norm`` exceeds
     :data:`fedproto.training.EMBED_NORM_LIMIT`; both are columns of ``clients.csv``."""
+    if h.ndim != 2:
+        raise ValueError(f"embedding_health needs embeddings of shape (N, d), got {tuple(h.shape)}")
     bad = any(bool((~torch.isfinite(t)).any()) for t in (h, *scores) if t.numel())
     norms = h.to(torch.float64).norm(dim=-1) if h.numel() else h.new_zeros(0)
     med = float(norms.nan_to_num(nan=float("inf")).median()) if len(norms) else float("nan")

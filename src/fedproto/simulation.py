@@ -31,7 +31,16 @@ from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, Tr
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
-from fedproto.training import EMBED_NORM_LIMIT, Objective, can_batch, make_plan, min_batch, train_group
+from fedproto.training import (
+    EMBED_NORM_LIMIT,
+    EVAL_TRAIN_NORM_RATIO,
+    Objective,
+    can_batch,
+    has_batchnorm,
+    make_plan,
+    min_batch,
+    train_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +123,8 @@ class Setup:
         that distance of a tie, and SGD then carries the difference on (issue #10). Messages stay
         float32 (prototypes) or take the models' dtype (weights).
         """
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype {dtype}: use torch.float32 (training) or torch.float64 (checks)")
         for s in self.states:
             s.model.to(dtype)
         for d in self.data:
@@ -156,6 +167,10 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     d = check_embedding_dims(models)
+    if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
+        log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
+                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use --batch-size 4 or more",
+                    cfg.batch_size, cfg.model, cfg.batch_size)
     if cfg.drop_last:
         small = [i for i, tr in enumerate(part.train_idx) if len(tr) < cfg.batch_size]
         if small:
@@ -219,6 +234,7 @@ class Simulation:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.message: Message = {}
         self.history: list[dict] = []
+        self.train_norm: dict[int, float] = {}  # client -> largest training embedding norm of its last round
         self._ran = False
 
     # -------------------------------------------------------------------------------------------
@@ -265,12 +281,19 @@ class Simulation:
                 out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
         return out
 
-    @staticmethod
-    def _check_health(r: int, per_client: list[dict]) -> None:
-        """Warn, naming the client and round, where evaluation embeddings or scores were not finite
-        or the median embedding norm exceeded :data:`EMBED_NORM_LIMIT` (issue #10: a silent
-        chance-level accuracy otherwise)."""
+    def _check_health(self, r: int, per_client: list[dict]) -> None:
+        """Warn, naming the client and round, where evaluation embeddings or scores were not finite,
+        the median embedding norm exceeded :data:`EMBED_NORM_LIMIT`, or it exceeded
+        :data:`EVAL_TRAIN_NORM_RATIO` times the client's largest training embedding norm (issue #10:
+        a silent chance-level accuracy otherwise)."""
         for i, m in enumerate(per_client):
+            seen = self.train_norm.get(i, 0.0)
+            if (not m.get("nonfinite") and m.get("emb_norm", 0.0) <= EMBED_NORM_LIMIT
+                    and 0 < seen < m.get("emb_norm", 0.0) / EVAL_TRAIN_NORM_RATIO):
+                log.warning("round %d: client %d's test embeddings (median norm %.3g) are %.0fx larger than any of "
+                            "its training embeddings (%.3g): evaluation mode changes its model, as BatchNorm "
+                            "running statistics from too few values do; check its batch sizes", r, i,
+                            m["emb_norm"], m["emb_norm"] / seen, seen)
             if m.get("nonfinite"):
                 log.warning("round %d: client %d's test embeddings or scores are not finite (NaN or inf); its "
                             "accuracy is not meaningful (flagged in clients.csv: nonfinite = 1)", r, i)
@@ -450,10 +473,16 @@ class Simulation:
             if bad:
                 lam = f" or --lambda-proto (now {cfg.lam})" if alg.name == "fedproto" and cfg.lam > 0 else ""
                 lam += f" or --prox-mu (now {cfg.prox_mu})" if alg.name == "fedprox" and cfg.prox_mu > 0 else ""
+                dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
+                         and not bool(torch.isfinite(self.setup.data[i].x).all())]
+                if dirty:
+                    raise TrainingError(f"training diverged in round {r}: the training inputs of clients {dirty[:10]} "
+                                        "hold NaN or infinite values; clean or drop those samples")
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
                     f"lower --lr (now {cfg.lr}){lam}")
             for i, x in zip(ids, tr):
+                self.train_norm[i] = x.emb_norm_max
                 if not x.emb_norm_max <= EMBED_NORM_LIMIT:
                     log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
                                 "numbers may be meaningless: check its data, lower --lr, or for BatchNorm models "

@@ -45,6 +45,14 @@ the zoo's models lie around 1-100 (ReLU features of width 50-512); a ResNet18 wh
 statistics were estimated from 2 values per channel reached 1e6-1e17 (issue #10)."""
 
 
+EVAL_TRAIN_NORM_RATIO = 10.0
+"""A client whose median test embedding norm (eval mode) exceeds this many times the largest
+training embedding norm of its last round (train mode) is reported: eval mode changed the model,
+the mark of BatchNorm running statistics estimated from too few values (issue #10: norms of ~700
+against ~20 in training, chance accuracy, yet below :data:`EMBED_NORM_LIMIT`). Healthy models stay
+below 1x: the median lies below the maximum, and dropout is off at test time."""
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     """True if ``model`` holds a BatchNorm layer (any ``torch.nn.modules.batchnorm._BatchNorm``)."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -53,15 +61,19 @@ def has_batchnorm(model: nn.Module) -> bool:
 def min_batch(model: nn.Module, batch_size: int) -> int:
     """Smallest training batch a model is given (the trailing-batch rule of :func:`make_plan`).
 
-    Models with BatchNorm: ``max(2, ceil(batch_size / 2))``. BatchNorm in train mode normalises
-    each channel with the batch's own mean and variance; where a layer's maps are 1x1 (ResNet18's
-    layer4 on 32x32 inputs) those come from as many values as the batch has samples, so a 2-sample
-    trailing batch is normalised to exactly +-1 and its running variance estimate is dominated by
-    noise: the eval-mode embeddings of such a client blew up to norms of 1e6-1e17 and its accuracy
-    fell to chance (issue #10). With this rule every step's batch holds between half and 1.5x the
-    batch size. Models without BatchNorm: 1 (every trailing batch is kept as it is).
+    Models with BatchNorm: ``max(ceil(B / 2), min(B, 4))`` for batch size B (4 for B = 4..8, 5
+    for 10, 2 for B = 2). BatchNorm in train mode normalises each channel with the batch's own mean
+    and variance; where a layer's maps are 1x1 (ResNet18's layer4 on 32x32 inputs) those come from
+    as many values as the batch has samples, so a 2-sample trailing batch is normalised to exactly
+    +-1 and its running variance estimate is dominated by noise: the eval-mode embeddings of such
+    a client blew up to norms of 1e6-1e17 and its accuracy fell to chance (issue #10; at B = 4 a
+    kept 2-sample batch did the same). With this rule no trailing batch holds fewer than
+    min(B, 4) samples nor fewer than half the batch size, and none more than 1.5 B + 3. Batch
+    sizes below 4 leave every step short of values: :func:`fedproto.simulation.prepare` warns.
+    Models without BatchNorm: 1 (every trailing batch is kept as it is).
     """
-    return max(2, -(-int(batch_size) // 2)) if has_batchnorm(model) else 1
+    B = int(batch_size)
+    return max(-(-B // 2), min(B, 4)) if has_batchnorm(model) else 1
 
 
 @dataclass
@@ -289,7 +301,7 @@ def train_client(
         counts = torch.zeros(C, dtype=torch.long, device=dev)
     ce_total = lp_total = 0.0
     steps = 0
-    norm_max = torch.zeros((), device=dev)
+    norm_max = torch.zeros((), dtype=torch.float64, device=dev)
     named = dict(model.named_parameters())
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
@@ -335,10 +347,10 @@ def train_client(
 def _norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Largest L2 norm along the sample axis of embeddings ``h`` (..., B, d) -> (...); a non-finite
     embedding counts as ``inf``. ``valid`` (..., B) masks out padding."""
-    norms = h.norm(dim=-1).float().nan_to_num(nan=float("inf"))
+    norms = h.detach().double().norm(dim=-1).nan_to_num(nan=float("inf"), posinf=float("inf"))
     if valid is not None:
         norms = torch.where(valid, norms, 0.0)
-    return norms.amax(dim) if norms.numel() else torch.zeros(norms.shape[:-1])
+    return norms.amax(dim) if norms.numel() else norms.new_zeros(norms.shape[:-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,7 +443,7 @@ def train_group(
     ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)  # float64 sums: exact for float32 and float64 runs
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     nsteps = torch.zeros(G, device=dev)
-    norm_max = torch.zeros(G, device=dev)
+    norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     off = torch.as_tensor(offsets, dtype=torch.long)
     for pi, ph in enumerate(obj.phases):
         train_names = [k for k in _CNN_PARAMS if ph.trains is None or ph.trains(k)]

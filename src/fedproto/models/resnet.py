@@ -84,7 +84,7 @@ class ResNet18(ProtoModel):
     A training batch of one sample is normalised with the BatchNorm running statistics (one
     sample at layer4's 1x1 map has no batch variance and torch would raise). Short trailing
     batches are folded into the batch before them (:func:`fedproto.training.min_batch`), so this
-    happens only for a client that holds a single training sample.
+    happens only with batch size 1 or for a client that holds a single training sample.
     """
 
     head_prefixes = ("fc.",)
