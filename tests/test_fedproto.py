@@ -194,3 +194,34 @@ def test_sample_clients_is_seeded_per_round_and_sized():
         sample_clients(1, 1, 3, 0.0)
     with pytest.raises(Exception, match="participation"):
         build_config(overrides=dict(participation=1.5))
+
+
+def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
+    """Issue #11: under client sampling a class no sampled client holds keeps its previous global
+    prototype (0 contributors that round); a client whose class has no global prototype yet
+    trains it with cross-entropy only, without error."""
+    alg = FedProto(4, OptimConfig(), embedding_dim=2)
+    S = [ClientState(i, None, np.array(c)) for i, c in enumerate([[0, 1], [2, 3]])]
+
+    def msg(classes, value):
+        return {"classes": np.array(classes), "protos": np.full((len(classes), 2), value, np.float32),
+                "counts": np.full(len(classes), 5)}
+
+    first = alg.aggregate(1, [msg([0, 1], 1.0), msg([2, 3], 2.0)], S)
+    assert first["classes"].tolist() == [0, 1, 2, 3]
+    second = alg.aggregate(2, [msg([2, 3], 5.0)], [S[1]])  # only client 1 sampled
+    assert second["classes"].tolist() == [0, 1, 2, 3]
+    np.testing.assert_array_equal(second["protos"][:2], 1.0)  # kept from round 1
+    np.testing.assert_array_equal(second["protos"][2:], 5.0)
+    assert alg.last_contributors.tolist() == [0, 0, 1, 1] and alg.last_cids.tolist() == [1]
+    # round 2 with participation 1 of 6: runs, and a count works as well as a fraction
+    sim = Simulation(_digits_cfg(rounds=3, participation=1.0 / 6, eval_every=1), out=False)
+    sim.run()
+    assert all(len(r["sampled"]) == 1 for r in sim.history)
+    sim2 = Simulation(_digits_cfg(rounds=2, participation=2.0, eval_every=0), out=False)
+    sim2.run()
+    assert all(len(r["sampled"]) == 2 for r in sim2.history)
+    with pytest.raises(Exception, match=r"participation=2.5"):
+        _digits_cfg(participation=2.5)
+    with pytest.raises(Exception, match=r"participation=7"):
+        _digits_cfg(participation=7.0)

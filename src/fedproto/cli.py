@@ -69,7 +69,7 @@ def run(
     dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN (default: 0.5)"),
     rounds: Optional[int] = typer.Option(None, help="Communication rounds (default: tab. 1: mnist 100, femnist 120, cifar10 110, digits 20)"),
     local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round (default: 1)"),
-    participation: Optional[float] = typer.Option(None, help="Fraction of clients sampled each round, in (0, 1]; max(1, round(fraction x clients)) take part (default: 1, every client as in the paper)"),
+    participation: Optional[float] = typer.Option(None, help="Clients sampled each round: a fraction in (0, 1] (max(1, round(fraction x clients)) take part) or a whole number of clients (default: 1, every client as in the paper)"),
     batch_size: Optional[int] = typer.Option(None, help="Local batch size (default: 8, paper app. A)"),
     lr: Optional[float] = typer.Option(None, help="SGD learning rate (default: 0.01)"),
     momentum: Optional[float] = typer.Option(None, help="SGD momentum (default: 0.5)"),

@@ -111,7 +111,8 @@ class RunConfig(BaseModel):
     # training
     rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS (tab. 1)
     local_epochs: int = Field(1, ge=1, le=100_000)
-    participation: float = Field(1.0, gt=0.0, le=1.0)  # fraction of clients sampled per round (paper: all)
+    # clients per round: a fraction in (0, 1], or a count > 1 (paper: 1, all of them); fedproto.simulation.sample_clients
+    participation: float = Field(1.0, gt=0.0, le=1_000_000)
     batch_size: int = Field(8, ge=1, le=10_000_000)
     lr: float = Field(0.01, gt=0.0, le=100.0)
     momentum: float = Field(0.5, ge=0.0, lt=1.0)
@@ -202,6 +203,10 @@ class RunConfig(BaseModel):
         if n_specs > self.clients:
             raise ValueError(f"model={self.model!r} lists {n_specs} models but clients={self.clients}, so some would "
                              "never be used; list at most one model per client")
+        if self.participation > 1 and (self.participation != int(self.participation)
+                                       or self.participation > self.clients):
+            raise ValueError(f"participation={self.participation:g}: give a fraction in (0, 1] or a whole number of "
+                             f"clients per round, at most clients={self.clients}")
         if 0 < self.proto_dist_alert < 1:
             raise ValueError(f"proto_dist_alert={self.proto_dist_alert} would flag clients below the median; use 0 "
                              "(no warning) or a factor >= 1 (e.g. 3)")

@@ -239,7 +239,9 @@ def momentum_prototypes(
 
     Args:
         old_classes: (K0,) int64 sorted; old_protos: (K0, d). classes: (K,) sorted; protos: (K, d).
-        beta: in [0, 1); 0 gives the aggregate unchanged.
+        beta: in [0, 1); 0 takes this round's aggregate for every class it has (and still keeps
+            the previous prototype of a class without contributors: FedProto's rule under client
+            sampling, where a round's sampled clients may hold only some classes).
     Returns:
         classes (K',) int64 sorted (the union), protos (K', d) float32.
     Raises:
@@ -247,7 +249,7 @@ def momentum_prototypes(
     """
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"prototype momentum {beta} is outside [0, 1)")
-    if len(old_classes) == 0 or beta == 0.0:
+    if len(old_classes) == 0:
         return np.asarray(classes, np.int64), np.asarray(protos, np.float32)
     if old_protos.shape[1] != protos.shape[1] and len(classes):
         raise ValueError(f"prototype size changed from {old_protos.shape[1]} to {protos.shape[1]}")

@@ -64,20 +64,23 @@ def client_seed(seed: int, round: int, cid: int) -> int:
 
 
 def sample_clients(seed: int, round: int, num_clients: int, participation: float) -> list[int]:
-    """The clients that take part in ``round``: all when ``participation`` is 1 (paper), else
-    ``max(1, round(participation * num_clients))`` of them drawn without replacement from a
-    generator of (seed, round) alone, so the draw is the same in every engine and on resume.
+    """The clients that take part in ``round``: all when ``participation`` is 1 (paper); for a
+    fraction in (0, 1), ``max(1, round(participation * num_clients))`` of them; for a whole number
+    above 1, that many. They are drawn without replacement from a generator of (seed, round)
+    alone, so the draw is the same in every engine and on resume.
 
     Returns:
         Sorted client ids.
     Raises:
-        ValueError: ``participation`` outside (0, 1].
+        ValueError: ``participation`` <= 0, or above 1 and not a whole number <= ``num_clients``.
     """
-    if not 0.0 < participation <= 1.0:
-        raise ValueError(f"participation={participation} is outside (0, 1]; give the fraction of clients per round")
-    if participation == 1.0:
+    if not participation > 0 or (participation > 1 and (participation != int(participation)
+                                                          or participation > num_clients)):
+        raise ValueError(f"participation={participation} is neither a fraction in (0, 1] nor a whole number of "
+                         f"clients up to {num_clients}")
+    if participation == 1.0 or participation == num_clients:
         return list(range(num_clients))
-    k = max(1, int(np.rint(participation * num_clients)))  # half to even, as Python's round
+    k = int(participation) if participation > 1 else max(1, int(np.rint(participation * num_clients)))
     rng = np.random.default_rng(np.random.SeedSequence([seed, round, 0x5A4D]))
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
 
@@ -500,7 +503,7 @@ class Simulation:
                 "train_time_s": t_train,
                 **monitor,
             }
-            if cfg.participation < 1.0:
+            if len(ids) < len(S):
                 row["sampled"] = ids
             for k in totals:
                 totals[k] += row[k]

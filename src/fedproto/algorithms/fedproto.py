@@ -136,7 +136,9 @@ class FedProto(Algorithm):
     def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
         """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
         ``min_proto_samples`` filtering, with ``proto_momentum`` against the previous global
-        prototypes, plus the λ of round ``round + 1`` when warming up."""
+        prototypes, plus the λ of round ``round + 1`` when warming up. A class that no client sent this
+        round (client sampling, ``min_proto_samples``) keeps its previous global prototype, with 0
+        contributors this round."""
         keep = [np.asarray(m["counts"]) >= self.min_proto_samples for m in messages]
         cls, protos, contrib = aggregate_prototypes(
             [np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
@@ -145,7 +147,8 @@ class FedProto(Algorithm):
             self.num_classes,
             self.aggregation,
         )
-        if self.proto_momentum > 0 and self.global_classes is not None:
+        if self.global_classes is not None:
+            # a class no (sampled) client sent this round keeps its previous global prototype
             now = dict(zip(cls.tolist(), contrib.tolist()))
             cls, protos = momentum_prototypes(self.global_classes, self.global_protos, cls, protos,
                                               self.proto_momentum)
