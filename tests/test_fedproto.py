@@ -225,3 +225,11 @@ def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
         _digits_cfg(participation=2.5)
     with pytest.raises(Exception, match=r"participation=7"):
         _digits_cfg(participation=7.0)
+
+
+def test_fedproto_validates_its_own_options():
+    """Issue #11: FedProto(proto_source="typo") ran as after_training, proto_classes="typo" as all."""
+    for kw, name in ((dict(proto_source="typo"), "proto_source"), (dict(proto_classes="typo"), "proto_classes"),
+                     (dict(distance="cos"), "distance"), (dict(aggregation="max"), "aggregation")):
+        with pytest.raises(ValueError, match=f"{name}="):
+            FedProto(10, OptimConfig(), **kw)

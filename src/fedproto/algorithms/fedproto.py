@@ -14,6 +14,8 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.prototypes import (
+    AGGREGATION_RULES,
+    DISTANCE_FORMS,
     aggregate_prototypes,
     class_sums,
     client_distances,
@@ -84,6 +86,12 @@ class FedProto(Algorithm):
             raise ValueError(f"lambda_warmup={lambda_warmup} (>= 0), proto_momentum={proto_momentum} (in [0, 1)), "
                              f"min_proto_samples={min_proto_samples} (>= 1), proto_dist_alert={proto_dist_alert} "
                              "(>= 0): one is out of range")
+        for opt_name, value, allowed in (("distance", distance, DISTANCE_FORMS),
+                                         ("proto_source", proto_source, ("last_epoch", "after_training")),
+                                         ("aggregation", aggregation, AGGREGATION_RULES),
+                                         ("proto_classes", proto_classes, ("own", "all"))):
+            if value not in allowed:
+                raise ValueError(f"{opt_name}={value!r}: choose one of {', '.join(allowed)}")
         self.lambda_warmup = int(lambda_warmup)
         self.proto_momentum = float(proto_momentum)
         self.proto_normalize = bool(proto_normalize)
