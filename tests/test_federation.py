@@ -91,6 +91,7 @@ def test_own_models_and_data_learn(digits, tmp_path, algorithm, kind, make, head
         assert summary["accuracy"]["acc_proto"]["mean"] > 0.75
         assert summary["params_per_round"]["up"] == sum(3 * (16 + 2) for _ in clients)  # 3 classes x (d + id + count)
     assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "clients.csv").is_file()
+    assert (tmp_path / "run" / "embeddings.npz").is_file()  # for fedproto plot's t-SNE, as the CLI writes it
     if kind == "dataset":
         assert clients[0].train.reads > 8 * len(clients[0].train)  # read through the Dataset, transforms and all
 
@@ -133,6 +134,10 @@ def test_bad_input_is_refused_naming_the_client(digits):
     fails(DataError, r"client 2: its test data is empty", test=(x[:0], y[:0]))
     fails(DataError, r"client 2: train has 5 inputs but labels of shape", train=(x[:5], y[:4]))
     fails(DataError, r"client 2: train is a str", train="data/")
+    with pytest.raises(ModelError, match=r"with_projection needs an adapted model.*embedding_dim=8"):
+        with_projection(TwoOut(), 8)
+    with pytest.raises(ConfigError, match=r"drop_last leaves clients \[0, 1, 2, 3\] with no batch"):
+        federate(ok, 10, drop_last=True, batch_size=500, out=False)
     with pytest.raises(ModelError, match="model is set by federate"):
         federate(ok, 10, model="cnn", out=False)
     with pytest.raises(ConfigError, match="lr"):

@@ -136,6 +136,9 @@ def test_dirichlet_partition_semantics():
         return np.mean([len(c) for c in dirichlet_partition(ty, sy, 10, 20, alpha, 5, 2, seed=1).classes])
 
     assert mean_ways(0.1) < mean_ways(1.0) < mean_ways(100.0) == 10.0
+    # a small test split (digits holds ~54 per class) caps a client's test samples of a class
+    small = dirichlet_partition(ty, np.repeat(np.arange(10), 3), 10, 4, 0.1, min_samples=10, test_shots=10, seed=1)
+    assert all(np.bincount(np.repeat(np.arange(10), 3)[te], minlength=10).max() <= 3 for te in small.test_idx)
     with pytest.raises(PartitionError, match="alpha=0"):
         dirichlet_partition(ty, sy, 10, 20, 0.0)
     with pytest.raises(PartitionError, match="need 60000 training samples, the train split has 6000"):

@@ -116,7 +116,15 @@ class Projected(ProtoModel):
 
 
 def with_projection(model: ProtoModel, d: int) -> ProtoModel:
-    """Append a linear projection to embedding size ``d`` (and a new d -> C head); see :class:`Projected`."""
+    """Append a linear projection to embedding size ``d`` (and a new d -> C head); see :class:`Projected`.
+
+    Raises:
+        ModelError: ``model`` is a plain module (its embedding size is unknown until it is adapted):
+            give ``Client(..., embedding_dim=d)`` instead, or :func:`adapt` it first.
+    """
+    if not isinstance(model, ProtoModel):
+        raise ModelError(f"with_projection needs an adapted model; for a plain {type(model).__name__} give "
+                         f"Client(model, train, test, embedding_dim={d}) (or fedproto.federation.adapt it first)")
     return model if model.embedding_dim == d else Projected(model, d)
 
 
@@ -267,7 +275,7 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
             does not fit (names the client), or embedding sizes that differ (names the clients; see
             :func:`with_projection`).
     """
-    from fedproto.simulation import Setup, Simulation, build_algorithm
+    from fedproto.simulation import Setup, build_algorithm, check_batches
 
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
@@ -293,11 +301,30 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
     d = check_embedding_dims([s.model for s in states])
+    check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
     alg = build_algorithm(cfg, d)
     from fedproto.devices import resolve_device
 
     setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
-    return Simulation(cfg, setup=setup, out=out)
+    return _federation_simulation()(cfg, setup=setup, out=out)
+
+
+def _federation_simulation():
+    from fedproto.simulation import Simulation
+
+    class FederationSimulation(Simulation):
+        """A Simulation that also writes ``embeddings.npz`` (test embeddings, for ``fedproto plot``'s
+        t-SNE) into its run directory when it finishes, as ``fedproto run`` does."""
+
+        def run(self, resume: bool = False) -> dict:
+            summary = super().run(resume)
+            if self.run_dir:
+                from fedproto.plots import save_embeddings
+
+                save_embeddings(self, self.run_dir.path)
+            return summary
+
+    return FederationSimulation
 
 
 __all__ = ["Client", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",

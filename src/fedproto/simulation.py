@@ -93,6 +93,24 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std())
 
 
+def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
+    """Checks of the batch size against the clients, shared by :func:`prepare` and
+    :func:`fedproto.federation.federate`: a warning for BatchNorm models with batch size < 4
+    (see :func:`fedproto.training.min_batch`); ConfigError when ``drop_last`` leaves a client with
+    no batch (names the clients)."""
+    if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
+        log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
+                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use --batch-size 4 or more",
+                    cfg.batch_size, cfg.model, cfg.batch_size)
+    if cfg.drop_last:
+        small = [i for i, n in enumerate(train_sizes) if n < cfg.batch_size]
+        if small:
+            raise ConfigError(
+                f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
+                f"(client {small[0]} holds {train_sizes[small[0]]} samples); lower --batch-size "
+                "or use --keep-last")
+
+
 @dataclass
 class Setup:
     """Everything built before round 1 (all config errors surface while building it)."""
@@ -170,17 +188,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     d = check_embedding_dims(models)
-    if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
-        log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
-                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use --batch-size 4 or more",
-                    cfg.batch_size, cfg.model, cfg.batch_size)
-    if cfg.drop_last:
-        small = [i for i, tr in enumerate(part.train_idx) if len(tr) < cfg.batch_size]
-        if small:
-            raise ConfigError(
-                f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
-                f"(client {small[0]} holds {len(part.train_idx[small[0]])} samples); lower --batch-size "
-                "or use --keep-last")
+    check_batches(cfg, models, [len(tr) for tr in part.train_idx])
     if cfg.algorithm == "fedproto" and cfg.min_proto_samples > 1:
         most = max((int(np.max(np.bincount(ds.train_y[torch.as_tensor(tr)].numpy()))) for tr in part.train_idx
                     if len(tr)), default=0)
@@ -450,6 +458,7 @@ class Simulation:
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         if self.run_dir:
             self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
+                                       "device_in_use": str(self.setup.device),
                                        "partition_summary": self.setup.partition.summary()})
         if self.on_round:
             for row in self.history:
