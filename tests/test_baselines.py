@@ -215,7 +215,7 @@ def test_fedavg_aggregation_is_sample_weighted():
         {"w/a": np.zeros((2, 3), np.float32), "w/b": np.full(4, 10.0, np.float32), "n": np.array([10])},
         {"w/a": np.ones((2, 3), np.float32), "w/b": np.zeros(4, np.float32), "n": np.array([90])},
     ]
-    out = alg.aggregate(1, msgs, [])
+    out = alg.aggregate(1, dict(enumerate(msgs)))
     assert set(out) == {"w/a", "w/b"}
     assert out["w/a"].dtype == np.float32
     np.testing.assert_allclose(out["w/a"], 0.9)
@@ -229,8 +229,7 @@ def test_fesem_assigns_nearest_centre_and_averages_members():
     pts = [(1.0, 0.0), (9.0, 9.0), (6.0, 6.0), (0.0, 2.0)]  # (6, 6) is nearer to (10, 10)
     ns = [1, 1, 3, 1]
     msgs = [{"w/a": np.array(p, np.float32), "n": np.array([n])} for p, n in zip(pts, ns)]
-    states = [ClientState(c, None, np.arange(2)) for c in range(4)]
-    out = alg.aggregate(1, msgs, states)
+    out = alg.aggregate(1, dict(enumerate(msgs)))
     np.testing.assert_array_equal(out["assign"], [0, 1, 1, 0])
     np.testing.assert_allclose(out["w/a"][0], [0.5, 1.0])
     np.testing.assert_allclose(out["w/a"][1], [(9 + 18) / 4, (9 + 18) / 4])
@@ -262,7 +261,7 @@ def test_fesem_initial_centres_and_prepare_pick_own_centre():
 
 def test_local_sends_nothing():
     alg = Local(10, OptimConfig())
-    assert alg.aggregate(1, [{}, {}], []) == {}
+    assert alg.aggregate(1, {0: {}, 1: {}}) == {}
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedper", "fedrep", "fesem"])

@@ -4,7 +4,6 @@ is refused before training, naming the client."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

@@ -201,15 +201,14 @@ def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
     prototype (0 contributors that round); a client whose class has no global prototype yet
     trains it with cross-entropy only, without error."""
     alg = FedProto(4, OptimConfig(), embedding_dim=2)
-    S = [ClientState(i, None, np.array(c)) for i, c in enumerate([[0, 1], [2, 3]])]
 
     def msg(classes, value):
         return {"classes": np.array(classes), "protos": np.full((len(classes), 2), value, np.float32),
                 "counts": np.full(len(classes), 5)}
 
-    first = alg.aggregate(1, [msg([0, 1], 1.0), msg([2, 3], 2.0)], S)
+    first = alg.aggregate(1, {0: msg([0, 1], 1.0), 1: msg([2, 3], 2.0)})
     assert first["classes"].tolist() == [0, 1, 2, 3]
-    second = alg.aggregate(2, [msg([2, 3], 5.0)], [S[1]])  # only client 1 sampled
+    second = alg.aggregate(2, {1: msg([2, 3], 5.0)})  # only client 1 sampled
     assert second["classes"].tolist() == [0, 1, 2, 3]
     np.testing.assert_array_equal(second["protos"][:2], 1.0)  # kept from round 1
     np.testing.assert_array_equal(second["protos"][2:], 5.0)

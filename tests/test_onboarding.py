@@ -152,7 +152,6 @@ def test_onboarding_shortfall_names_a_count_that_fits(tmp_path):
     """Helper 1: asked for 1,150 one-shot clients, the advice said no smaller count fits while
     1,000 and 1,055 did. The named count is found by bisection and checked."""
     from fedproto.errors import PartitionError
-    from fedproto.onboarding import _fits
 
     cfg = build_config(overrides=dict(dataset="digits", clients=2, ways=1, shots=1, stdev=0, test_shots=1, rounds=1,
                                       threads=1, out_dir=str(tmp_path), name="ob"))

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from fedproto.algorithms.base import ClientState
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
@@ -69,10 +68,10 @@ def _msg(classes, protos, counts):
 
 def test_server_momentum_filtering_and_monitoring():
     alg = FedProto(3, OptimConfig(), proto_momentum=0.75, min_proto_samples=5, embedding_dim=2)
-    r1 = alg.aggregate(1, [_msg([0, 1], [[0, 0], [4, 0]], [10, 10]), _msg([1], [[8, 0]], [10])], [])
+    r1 = alg.aggregate(1, {0: _msg([0, 1], [[0, 0], [4, 0]], [10, 10]), 1: _msg([1], [[8, 0]], [10])})
     assert r1["classes"].tolist() == [0, 1] and r1["protos"].tolist() == [[0, 0], [6, 0]]
     # round 2: client B's class-1 prototype rests on 3 samples and is ignored (min_proto_samples=5)
-    r2 = alg.aggregate(2, [_msg([0, 1], [[4, 0], [10, 0]], [10, 10]), _msg([1, 2], [[100, 0], [2, 2]], [3, 9])], [])
+    r2 = alg.aggregate(2, {0: _msg([0, 1], [[4, 0], [10, 0]], [10, 10]), 1: _msg([1, 2], [[100, 0], [2, 2]], [3, 9])})
     assert r2["classes"].tolist() == [0, 1, 2]
     assert r2["protos"].tolist() == [[1, 0], [7, 0], [2, 2]]  # 0.75*0+0.25*4, 0.75*6+0.25*10, new class
     assert alg.last_contributors.tolist() == [1, 1, 1]
@@ -88,7 +87,7 @@ def test_client_distances_and_outlier_warning(caplog):
     np.testing.assert_allclose(d[:2], [5.0, 0.0])
     assert np.isnan(d[2])  # none of its classes has a global prototype
     alg = FedProto(2, OptimConfig(), embedding_dim=1, proto_dist_alert=3.0)
-    alg.aggregate(1, [_msg([0], [[v]], [5]) for v in (0.0, 1.0, 1.2, 0.8, 20.0)], [])
+    alg.aggregate(1, {i: _msg([0], [[v]], [5]) for i, v in enumerate((0.0, 1.0, 1.2, 0.8, 20.0))})
     assert [i for i, _, _ in alg.outliers()] == [4]
     sim = Simulation(_cfg(rounds=2), out=False)
     sim.setup.algorithm.proto_dist_alert = 1e-9  # every client above the median is flagged

@@ -474,7 +474,7 @@ class Simulation:
             msgs = [results[i][0] for i in ids]
             tr = [results[i][1] for i in ids]
             up = [message_size(m) for m in msgs]
-            self.message = alg.aggregate(r, msgs, [S[i] for i in ids])
+            self.message = alg.aggregate(r, {i: results[i][0] for i in ids})
             t_train = time.perf_counter() - t0
             monitor = alg.round_metrics()
             for cid, dist, med in alg.outliers():

@@ -99,12 +99,10 @@ class Algorithm:
         """The server's first broadcast (default: empty)."""
         return {}
 
-    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
-        """Combine client messages into the next server message.
-
-        ``messages[j]`` came from the client ``states[j].cid`` (with client sampling, the round's
-        sampled clients only); an aggregate must use ``cid`` to tell clients apart, never the
-        position. (The server reads only ``cid`` of a state, never its model or data.)"""
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
+        """Combine the round's client messages, keyed by client id (with client sampling, the
+        sampled clients only, in increasing id order), into the next server message. The server
+        sees messages only, never a client's state, model or data (DESIGN.md)."""
         raise NotImplementedError
 
     server_state_keys: tuple[str, ...] = ()

@@ -145,9 +145,9 @@ class FedAvg(Algorithm):
         check_same_shapes(states, self.name, self.include(states[0].model))
         return weights_message(states[0].model, self.include(states[0].model))
 
-    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Sample-weighted average (weights n_i / sum n)."""
-        return weighted_average(messages)
+        return weighted_average(list(messages.values()))
 
     # -- client ---------------------------------------------------------------------------------
     def prepare(self, state: ClientState, message: Message) -> None:

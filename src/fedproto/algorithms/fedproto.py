@@ -141,12 +141,14 @@ class FedProto(Algorithm):
         classes, protos, cnt = local_prototypes(sums, counts)
         return {"classes": classes, "protos": protos, "counts": cnt}
 
-    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
         ``min_proto_samples`` filtering, with ``proto_momentum`` against the previous global
         prototypes, plus the λ of round ``round + 1`` when warming up. A class that no client sent this
         round (client sampling, ``min_proto_samples``) keeps its previous global prototype, with 0
         contributors this round."""
+        cids = list(messages)
+        messages = list(messages.values())
         keep = [np.asarray(m["counts"]) >= self.min_proto_samples for m in messages]
         cls, protos, contrib = aggregate_prototypes(
             [np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
@@ -165,8 +167,7 @@ class FedProto(Algorithm):
         self.last_contributors = contrib
         self.last_distances = client_distances([m["classes"] for m in messages], [m["protos"] for m in messages],
                                                cls, protos)
-        self.last_cids = np.array([s.cid for s in states] if len(states) == len(messages) else range(len(messages)),
-                                  np.int64)
+        self.last_cids = np.array(cids, np.int64)
         out = {"classes": cls, "protos": protos}
         if self.lambda_warmup > 0:
             out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)

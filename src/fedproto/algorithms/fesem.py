@@ -94,9 +94,11 @@ class FeSEM(FedAvg):
         self.last_distances = d
         return self._message()
 
-    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
-        """E-step (nearest centre) then M-step (sample-weighted average per cluster)."""
-        cids = [s.cid for s in states] if len(states) == len(messages) else list(range(len(messages)))
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
+        """E-step (nearest centre) then M-step (sample-weighted average per cluster); clients not
+        heard from this round keep their assignment."""
+        cids = list(messages)
+        messages = list(messages.values())
         d = centre_distances(messages, self.centres)
         a = d.argmin(1)
         self.assign[cids] = a

@@ -8,7 +8,7 @@ test set (:meth:`Algorithm.evaluate`). Works with heterogeneous client models.
 
 from __future__ import annotations
 
-from fedproto.algorithms.base import Algorithm, ClientState, Message
+from fedproto.algorithms.base import Algorithm, Message
 
 
 class Local(Algorithm):
@@ -17,5 +17,5 @@ class Local(Algorithm):
     name = "local"
     shares_weights = False
 
-    def aggregate(self, round: int, messages: list[Message], states: list[ClientState]) -> Message:
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         return {}
