@@ -167,3 +167,15 @@ def test_batched_path_reads_folded_plans_as_the_sequential_path():
         assert seq[g].steps == bat[g].steps and torch.equal(seq[g].counts, bat[g].counts)
         for (name, a), (_, b) in zip(ref[g].named_parameters(), models[g].named_parameters()):
             assert _rel(a, b) < TIGHT, (g, name)
+
+
+def test_group_refuses_objectives_that_differ():
+    """Issue #11: train_group took the first client's objective for all; now objectives that differ
+    in anything but the FedProx reference are refused."""
+    models, xs, ys = _clients(2)
+    opt = OptimConfig()
+    a = Objective([Phase(1)], lambda_proto=1.0)
+    b = Objective([Phase(1)], lambda_proto=0.5)
+    plans = _plans(models, xs, a, opt)
+    with pytest.raises(ValueError, match="client 1 of the group has another objective"):
+        train_group(models, xs, ys, plans, a, opt, [a, b])

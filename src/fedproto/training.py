@@ -393,6 +393,21 @@ def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise
     return logits, h
 
 
+def _same_objective(a: Objective, b: Objective) -> bool:
+    """True if two objectives agree in all but ``prox_ref`` (see :func:`train_group`)."""
+    def same_tensor(x, y):
+        return (x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
+                                             and bool(torch.equal(x.cpu(), y.cpu())))
+
+    def phases(o):  # what each phase trains, by parameter name (the predicates are new functions each round)
+        return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in _CNN_PARAMS)) for p in o.phases]
+
+    return (phases(a) == phases(b)
+            and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
+            and a.collect == b.collect and a.normalize == b.normalize
+            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask))
+
+
 @torch.no_grad()
 def _write_back(P, bufs, Pc, bufc, ids) -> None:
     """Copy the compacted parameters and momentum of clients ``ids`` back into the full stacks."""
@@ -420,10 +435,17 @@ def train_group(
         obj: the shared objective (global prototypes are the same for all clients of a round).
         opt: SGD settings.
         objs: optional per-client objectives, used only for their ``prox_ref`` (FeSEM/FedProx
-            reference weights may differ per client).
+            reference weights may differ per client); everything else must equal ``obj``'s.
     Returns:
         One :class:`TrainResult` per client, as :func:`train_client` would give.
+    Raises:
+        ValueError: per-client objectives that differ from ``obj`` in anything but ``prox_ref``
+            (they cannot share one batched computation).
     """
+    for g, o in enumerate(objs or ()):
+        if not _same_objective(o, obj):
+            raise ValueError(f"client {g} of the group has another objective than the group's (phases, lambda, "
+                             "global prototypes, distance or FedProx mu differ); train it in another group")
     G = len(models)
     m0 = models[0]
     C, d = m0.num_classes, m0.embedding_dim
