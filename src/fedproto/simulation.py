@@ -23,7 +23,7 @@ import torch
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
 from fedproto.checkpoint import load_checkpoint
-from fedproto.config import ADDED_FIELDS, RunConfig, result_fields
+from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
 from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
@@ -189,18 +189,11 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     d = check_embedding_dims(models)
     check_batches(cfg, models, [len(tr) for tr in part.train_idx])
-    if cfg.algorithm == "fedproto" and cfg.min_proto_samples > 1:
-        most = max((int(np.max(np.bincount(ds.train_y[torch.as_tensor(tr)].numpy()))) for tr in part.train_idx
-                    if len(tr)), default=0)
-        if cfg.min_proto_samples > most:
-            raise ConfigError(f"min_proto_samples={cfg.min_proto_samples} is more than any client's samples of a "
-                              f"class (largest: {most}), so no prototype would reach the server; use "
-                              f"min_proto_samples <= {most}")
-    if cfg.algorithm != "fedproto":
-        unused = [k for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples")
-                  if getattr(cfg, k) != RunConfig.model_fields[k].default]
-        if unused:
-            log.warning("%s ignores %s: these options act on FedProto only", cfg.algorithm, ", ".join(unused))
+    unused = [k for k, algs in RESULT_ONLY_FOR.items() if cfg.algorithm not in algs
+              and getattr(cfg, k) != RunConfig.model_fields[k].default]
+    if unused:
+        log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
+            f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [
         ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
@@ -208,6 +201,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
         for tr, te in zip(part.train_idx, part.test_idx)
     ]
     alg = build_algorithm(cfg, d)
+    alg.check_setup(cfg, [ds.train_y.numpy()[tr] for tr in part.train_idx])
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);
     # every step would hold the same samples, so cap it there
     largest = max((len(tr) for tr in part.train_idx), default=1)
@@ -378,16 +372,7 @@ class Simulation:
                 return f"entry {k!r} holds non-finite values"
             if k in ref and np.shape(ref[k]) != v.shape:
                 return f"entry {k!r} has shape {v.shape}, the model needs {np.shape(ref[k])}"
-        if "protos" in msg or "classes" in msg:
-            c, p = msg.get("classes"), msg.get("protos")
-            C, d = self.setup.algorithm.num_classes, self.setup.embedding_dim
-            if c is None or p is None or c.ndim != 1 or c.dtype.kind not in "iu":
-                return "has no proper 'classes' and 'protos' pair"
-            if len(c) and (c.min() < 0 or c.max() >= C):
-                return f"names classes outside 0..{C - 1} ({c.min()}..{c.max()})"
-            if p.shape != (len(c), d):
-                return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
-        return ""
+        return self.setup.algorithm.message_problem(msg, self.setup.embedding_dim)
 
     def run(self, resume: bool = False) -> dict:
         """Run all rounds; returns the summary dict (also written to ``summary.json``).
@@ -483,8 +468,7 @@ class Simulation:
                             med, cfg.proto_dist_alert)
             bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
             if bad:
-                lam = f" or --lambda-proto (now {cfg.lam})" if alg.name == "fedproto" and cfg.lam > 0 else ""
-                lam += f" or --prox-mu (now {cfg.prox_mu})" if alg.name == "fedprox" and cfg.prox_mu > 0 else ""
+                lam = alg.divergence_hint(cfg)
                 dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
                          and not bool(torch.isfinite(self.setup.data[i].x).all())]
                 if dirty:

@@ -94,6 +94,21 @@ class Algorithm:
         """Build from a :class:`fedproto.config.RunConfig` (subclasses read their own fields)."""
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
 
+    # -- checks the engine asks for (it knows no algorithm by name) ---------------------------
+    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
+        """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
+        config and each client's (n_i,) training labels; called before round 1. Default: none."""
+
+    def divergence_hint(self, cfg: Any) -> str:
+        """Options of this algorithm that can make training diverge, worded for the error the
+        engine raises on a non-finite loss (default: none)."""
+        return ""
+
+    def message_problem(self, message: Message, embedding_dim: int) -> str:
+        """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
+        checks types, finiteness and shapes against the first message itself."""
+        return ""
+
     # -- server side ------------------------------------------------------------------------
     def initial_message(self, states: list[ClientState]) -> Message:
         """The server's first broadcast (default: empty)."""

@@ -173,6 +173,35 @@ class FedProto(Algorithm):
             out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)
         return out
 
+    def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
+        """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every
+        client's count of every class."""
+        if self.min_proto_samples > 1:
+            most = max((int(np.bincount(np.asarray(y)).max()) for y in train_labels if len(y)), default=0)
+            if self.min_proto_samples > most:
+                from fedproto.errors import ConfigError
+
+                raise ConfigError(f"min_proto_samples={self.min_proto_samples} is more than any client's samples of "
+                                  f"a class (largest: {most}), so no prototype would reach the server; use "
+                                  f"min_proto_samples <= {most}")
+
+    def divergence_hint(self, cfg) -> str:
+        return f" or --lambda-proto (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
+
+    def message_problem(self, message: Message, embedding_dim: int) -> str:
+        """A stored server message needs a (K,) integer ``classes`` within 0..C-1 and (K, d) ``protos``."""
+        if "protos" not in message and "classes" not in message:
+            return ""
+        c, p = message.get("classes"), message.get("protos")
+        C, d = self.num_classes, embedding_dim
+        if c is None or p is None or c.ndim != 1 or c.dtype.kind not in "iu":
+            return "has no proper 'classes' and 'protos' pair"
+        if len(c) and (c.min() < 0 or c.max() >= C):
+            return f"names classes outside 0..{C - 1} ({c.min()}..{c.max()})"
+        if p.shape != (len(c), d):
+            return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
+        return ""
+
     def load_server_state(self, state: dict) -> None:
         """Restore :meth:`server_state`; a checkpoint written before client sampling has no
         ``last_cids`` (its messages came from clients 0..m-1 in order)."""

@@ -39,6 +39,9 @@ class FedProx(FedAvg):
             raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
         self.prox_mu = float(prox_mu)
 
+    def divergence_hint(self, cfg) -> str:
+        return f" or --prox-mu (now {self.prox_mu})" if self.prox_mu > 0 else ""
+
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> "FedProx":
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu)
