@@ -138,3 +138,14 @@ def test_options_validated_and_resumable(tmp_path):
     drop = ("train_time_s", "eval_time_s")
     assert [{k: v for k, v in r.items() if k not in drop} for r in resumed.history] == [
         {k: v for k, v in r.items() if k not in drop} for r in whole.history]
+
+
+def test_options_of_other_algorithms_are_warned_about(caplog):
+    """The engine names options that act on other algorithms only (from config.RESULT_ONLY_FOR),
+    without knowing any algorithm by name."""
+    from fedproto.simulation import prepare
+
+    with caplog.at_level(logging.WARNING, logger="fedproto.simulation"):
+        prepare(_cfg(algorithm="fedavg", proto_momentum=0.5, personal_layers="head"), progress=False)
+    assert "fedavg ignores personal_layers, proto_momentum" in caplog.text
+    assert "proto_momentum acts on fedproto only" in caplog.text and "personal_layers acts on fedper, fedrep" in caplog.text
