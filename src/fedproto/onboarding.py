@@ -42,7 +42,7 @@ from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, 
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
-from fedproto.simulation import client_rng, summarize
+from fedproto.simulation import client_step, summarize
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +222,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         for i, model in enumerate(models):
             state = ClientState(i, copy.deepcopy(model), part.classes[i])
             for e in range(1, epochs + 1):
-                torch.manual_seed(int(np.random.SeedSequence([pseed, e, i]).generate_state(1)[0]))
-                _, res = alg.client_update(state, message, data[i], e, client_rng(pseed, e, i))
+                _, res = client_step(alg, state, message, data[i], pseed, e)  # epoch e as round e
                 if not np.isfinite([res.loss_ce, res.loss_proto]).all():
                     raise TrainingError(f"new client {i} diverged in epoch {e} ({arm}): the loss is not finite; "
                                         f"the run's lr={cfg.lr} and λ={cfg.lam} do not suit it")

@@ -37,8 +37,6 @@ from fedproto.training import (
     Objective,
     can_batch,
     has_batchnorm,
-    make_plan,
-    min_batch,
     train_group,
 )
 
@@ -83,6 +81,16 @@ def sample_clients(seed: int, round: int, num_clients: int, participation: float
     k = int(participation) if participation > 1 else max(1, int(np.rint(participation * num_clients)))
     rng = np.random.default_rng(np.random.SeedSequence([seed, round, 0x5A4D]))
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def client_step(alg: Algorithm, state: ClientState, message: Message, data: ClientData, seed: int,
+                round: int) -> tuple[Message, object]:
+    """One client's step in ``round``, as every engine runs it (the simulator's sequential path,
+    the Flower ClientApp, onboarding): torch's generator seeded by :func:`client_seed` and the
+    client's numpy generator :func:`client_rng`, then :meth:`Algorithm.client_update`. Returns the
+    client's message and its :class:`~fedproto.training.TrainResult`."""
+    torch.manual_seed(client_seed(seed, round, state.cid))
+    return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
 
 
 def summarize(values: list[float]) -> tuple[float, float]:
@@ -269,17 +277,14 @@ class Simulation:
         for group in self._groups(ids):
             if len(group) == 1:
                 i = group[0]
-                torch.manual_seed(client_seed(self.cfg.seed, round, i))
-                out[i] = alg.client_update(S[i], msgs[i], D[i], round, client_rng(self.cfg.seed, round, i))
+                out[i] = client_step(alg, S[i], msgs[i], D[i], self.cfg.seed, round)
                 continue
             objs: list[Objective] = []
             plans = []
             for i in group:
                 alg.prepare(S[i], msgs[i])
                 objs.append(alg.objective(S[i], msgs[i]))
-                m = S[i].model
-                plans.append(make_plan(len(D[i].x), objs[-1].phases, alg.opt, m.noise_widths(), m.dropout,
-                                       client_rng(self.cfg.seed, round, i), min_batch(m, alg.opt.batch_size)))
+                plans.append(alg.plan(S[i], objs[-1], len(D[i].x), client_rng(self.cfg.seed, round, i)))
             results = train_group([S[i].model for i in group], [D[i].x for i in group],
                                   [D[i].y for i in group], plans, objs[0], alg.opt, objs)
             for i, res in zip(group, results):

@@ -157,16 +157,19 @@ class Algorithm:
         """Build the client's message after local training."""
         return {}
 
+    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator):
+        """The client's batch plan for this round (:func:`fedproto.training.make_plan` with its
+        model's dropout masks and trailing-batch rule); both execution paths take it from here."""
+        m = state.model
+        return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
+
     def client_update(
         self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
     ) -> tuple[Message, TrainResult]:
         """Reference client step: prepare, train (sequential path), finish."""
         self.prepare(state, message)
         obj = self.objective(state, message)
-        m = state.model
-        plan = make_plan(len(data.x), obj.phases, self.opt, m.noise_widths(), m.dropout, rng,
-                         min_batch(m, self.opt.batch_size))
-        res = train_client(m, data.x, data.y, plan, obj, self.opt)
+        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.x), rng), obj, self.opt)
         return self.finish(state, message, data, res), res
 
     # -- evaluation -------------------------------------------------------------------------

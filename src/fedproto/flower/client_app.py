@@ -26,7 +26,7 @@ from flwr.clientapp import ClientApp
 
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError
-from fedproto.simulation import Setup, client_rng, client_seed, prepare
+from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"
@@ -122,9 +122,7 @@ def train(msg: Message, context: Context) -> Message:
     n = node(context)
     r = _checked_round(n, msg)
     alg, state, data = n.setup.algorithm, n.setup.states[n.cid], n.setup.data[n.cid]
-    torch.manual_seed(client_seed(n.cfg.seed, r, n.cid))
-    out, res = alg.client_update(state, from_record(msg.content[MESSAGE]), data, r,
-                                 client_rng(n.cfg.seed, r, n.cid))
+    out, res = client_step(alg, state, from_record(msg.content[MESSAGE]), data, n.cfg.seed, r)
     _save(n, context)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "num-examples": len(data.x)}
