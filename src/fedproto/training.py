@@ -357,50 +357,23 @@ def _norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> t
 # Client-batched path for the paper CNN family.
 
 
-_CNN_PARAMS = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
-               "fc2.weight", "fc2.bias")
-
-
 def can_batch(models: Sequence[ProtoModel]) -> bool:
-    """True when all models share one batchable architecture (see :meth:`ProtoModel.arch_key`)."""
+    """True when all models share one architecture (:meth:`ProtoModel.arch_key`) that can be
+    trained as one batched computation (:attr:`ProtoModel.batch_params` and
+    :meth:`ProtoModel.grouped_forward`)."""
     keys = {m.arch_key() for m in models}
-    return len(keys) == 1 and None not in keys and next(iter(keys))[0] == "paper_cnn"
+    return len(keys) == 1 and None not in keys and bool(models[0].batch_params)
 
 
-def _grouped_forward(P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise, pad: int):
-    """Forward pass of G stacked paper CNNs.
-
-    Args:
-        P: name -> stacked parameter (G, *shape). xb: (B, G*Cin, H, W) channels-last.
-        noise: name -> (G, B, width) masks or None (eval mode).
-    Returns:
-        logits (G, B, C), h (G, B, d).
-    """
-    B = xb.shape[0]
-    w1 = P["conv1.weight"].reshape(-1, *P["conv1.weight"].shape[2:])
-    a = F.conv2d(xb, w1, P["conv1.bias"].reshape(-1), padding=pad, groups=G)
-    a = F.relu(F.max_pool2d(a, 2))
-    w2 = P["conv2.weight"].reshape(-1, *P["conv2.weight"].shape[2:])
-    a = F.conv2d(a, w2, P["conv2.bias"].reshape(-1), padding=pad, groups=G)
-    if noise:
-        c2 = P["conv2.weight"].shape[1]
-        a = a * noise["conv2"].permute(1, 0, 2).reshape(B, G * c2, 1, 1)
-    a = F.relu(F.max_pool2d(a, 2))
-    a = a.reshape(B, G, -1).transpose(0, 1)  # (G, B, c2*side*side)
-    h = F.relu(torch.baddbmm(P["fc1.bias"].unsqueeze(1), a, P["fc1.weight"].transpose(1, 2)))
-    hd = h * noise["fc1"] if noise else h
-    logits = torch.baddbmm(P["fc2.bias"].unsqueeze(1), hd, P["fc2.weight"].transpose(1, 2))
-    return logits, h
-
-
-def _same_objective(a: Objective, b: Objective) -> bool:
-    """True if two objectives agree in all but ``prox_ref`` (see :func:`train_group`)."""
+def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
+    """True if two objectives agree in all but ``prox_ref`` (see :func:`train_group`); phases are
+    compared by what they train among ``names``."""
     def same_tensor(x, y):
         return (x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
                                              and bool(torch.equal(x.cpu(), y.cpu())))
 
     def phases(o):  # what each phase trains, by parameter name (the predicates are new functions each round)
-        return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in _CNN_PARAMS)) for p in o.phases]
+        return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in names)) for p in o.phases]
 
     return (phases(a) == phases(b)
             and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
@@ -442,20 +415,21 @@ def train_group(
         ValueError: per-client objectives that differ from ``obj`` in anything but ``prox_ref``
             (they cannot share one batched computation).
     """
+    names = models[0].batch_params
     for g, o in enumerate(objs or ()):
-        if not _same_objective(o, obj):
+        if not _same_objective(o, obj, names):
             raise ValueError(f"client {g} of the group has another objective than the group's (phases, lambda, "
                              "global prototypes, distance or FedProx mu differ); train it in another group")
     G = len(models)
     m0 = models[0]
     C, d = m0.num_classes, m0.embedding_dim
-    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in _CNN_PARAMS}
-    dev = P[_CNN_PARAMS[0]].device
+    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
+    dev = P[names[0]].device
     obj = on_device(obj, dev)
     ref = None
     if obj.prox_mu > 0:
         src = objs if objs is not None else [obj] * G
-        ref = {k: torch.stack([o.prox_ref[k] for o in src]).to(dev) for k in _CNN_PARAMS}
+        ref = {k: torch.stack([o.prox_ref[k] for o in src]).to(dev) for k in names}
     offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
     X = torch.cat(list(xs)).contiguous().to(dev)
     Y = torch.cat(list(ys)).to(dev)
@@ -468,8 +442,8 @@ def train_group(
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     off = torch.as_tensor(offsets, dtype=torch.long)
     for pi, ph in enumerate(obj.phases):
-        train_names = [k for k in _CNN_PARAMS if ph.trains is None or ph.trains(k)]
-        for k in _CNN_PARAMS:
+        train_names = [k for k in names if ph.trains is None or ph.trains(k)]
+        for k in names:
             P[k].requires_grad_(k in train_names)
         bufs = {k: torch.zeros_like(P[k]) for k in train_names}
         S = [pl.order[pi].shape[0] for pl in plans]
@@ -509,7 +483,7 @@ def train_group(
                 if cur is not None:
                     _write_back(P, bufs, Pc, bufc, cur)
                 cur, Gc = act, len(act)
-                Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in _CNN_PARAMS}
+                Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in names}
                 bufc = {k: bufs[k][cur].clone() for k in train_names}
                 refc = {k: ref[k][cur] for k in train_names} if ref is not None else None
                 ids_C = (cur * C).unsqueeze(1)
@@ -519,7 +493,7 @@ def train_group(
             yb = Y[idx].reshape(B, Gc).t()
             w = weight[s][cur]
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
-            logits, h = _grouped_forward(Pc, xb, Gc, nz, m0.pad)
+            logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
             ce, lp = _step_terms(logits, h, yb, w, obj)
             loss_g = ce + obj.lambda_proto * lp
             if refc is not None:
@@ -551,7 +525,7 @@ def train_group(
     with torch.no_grad():
         for g, m in enumerate(models):
             named = dict(m.named_parameters())
-            for k in _CNN_PARAMS:
+            for k in names:
                 named[k].copy_(P[k][g])
     out = []
     for g in range(G):

@@ -87,6 +87,18 @@ class ProtoModel(nn.Module):
         """Hashable architecture description for client batching; None: not batchable."""
         return None
 
+    batch_params: tuple[str, ...] = ()
+    """The batched-path protocol (:func:`fedproto.training.train_group`): names of the parameters
+    stacked along a client axis, in the order :meth:`grouped_forward` reads them; empty: this
+    model trains on the sequential path only. A model joins the batched path by giving these, an
+    :meth:`arch_key` and :meth:`grouped_forward`, without changes to the training loop."""
+
+    def grouped_forward(self, P: Mapping[str, torch.Tensor], xb: torch.Tensor, G: int, noise=None):
+        """Forward pass of G stacked copies of this architecture with parameters ``P`` (name ->
+        (G, *shape)) on ``xb`` (B, G*C_in, H, W) channels-last, dropout masks ``noise`` (name ->
+        (G, B, width)) or None; returns logits (G, B, C) and embeddings (G, B, d)."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched forward; it trains sequentially")
+
 
 class WrappedModel(ProtoModel):
     """Wrap any ``backbone: nn.Module`` (x -> (B, ...)) and ``head: nn.Module`` ((B, d) -> (B, C)).

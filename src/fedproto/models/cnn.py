@@ -92,6 +92,34 @@ class PaperCNN(ProtoModel):
             self._p,
         )
 
+    batch_params = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
+                    "fc2.weight", "fc2.bias")
+
+    def grouped_forward(self, P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise=None):
+        """Forward pass of G stacked paper CNNs.
+
+        Args:
+            P: name -> stacked parameter (G, *shape). xb: (B, G*Cin, H, W) channels-last.
+            noise: name -> (G, B, width) masks or None (eval mode).
+        Returns:
+            logits (G, B, C), h (G, B, d).
+        """
+        B = xb.shape[0]
+        w1 = P["conv1.weight"].reshape(-1, *P["conv1.weight"].shape[2:])
+        a = F.conv2d(xb, w1, P["conv1.bias"].reshape(-1), padding=self.pad, groups=G)
+        a = F.relu(F.max_pool2d(a, 2))
+        w2 = P["conv2.weight"].reshape(-1, *P["conv2.weight"].shape[2:])
+        a = F.conv2d(a, w2, P["conv2.bias"].reshape(-1), padding=self.pad, groups=G)
+        if noise:
+            c2 = P["conv2.weight"].shape[1]
+            a = a * noise["conv2"].permute(1, 0, 2).reshape(B, G * c2, 1, 1)
+        a = F.relu(F.max_pool2d(a, 2))
+        a = a.reshape(B, G, -1).transpose(0, 1)  # (G, B, c2*side*side)
+        h = F.relu(torch.baddbmm(P["fc1.bias"].unsqueeze(1), a, P["fc1.weight"].transpose(1, 2)))
+        hd = h * noise["fc1"] if noise else h
+        logits = torch.baddbmm(P["fc2.bias"].unsqueeze(1), hd, P["fc2.weight"].transpose(1, 2))
+        return logits, h
+
     def embed(self, x: torch.Tensor, noise: Noise | None = None) -> torch.Tensor:
         noise = noise or {}
         x = F.relu(F.max_pool2d(self.conv1(x), 2))
