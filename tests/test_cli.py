@@ -236,3 +236,10 @@ def test_plot_refuses_a_truncated_npz(capsys, monkeypatch, tmp_path):
     npz.write_bytes(npz.read_bytes()[:300])
     code, text = run_cli(["plot", str(tmp_path / "p")], capsys, monkeypatch)
     assert code == 2 and "damaged" in text and "BadZipFile" in text and "Traceback" not in text, text
+
+
+def test_version(capsys, monkeypatch):
+    from fedproto import __version__
+
+    code, text = run_cli(["--version"], capsys, monkeypatch)
+    assert code == 0 and text.strip() == f"fedproto {__version__}"

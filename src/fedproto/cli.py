@@ -33,9 +33,19 @@ err_console = Console(stderr=True, markup=False)
 console = Console(markup=False)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from fedproto import __version__
+
+        console.print(f"fedproto {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
 ):
     """Federated prototype learning (FedProto, arXiv 2105.00243)."""
     if verbose:
