@@ -125,7 +125,7 @@ def test_bad_input_is_refused_naming_the_client(digits):
     x, y = ok[2].train
     fails(ModelError, r"client 2: the model has no layer 'head'; its last layers", head="head")
     fails(ModelError, r"client 2: .*logits have shape \(1, 7\).*expected \(1, 10\)", model=TwoOutWrong())
-    fails(ModelError, r"client 2: the model failed .*must return \(logits, embedding\)", model=Classifier())
+    fails(ModelError, r"client 2: the model.s forward returned a Tensor, not \(logits, embedding\); give head=", model=Classifier())
     fails(DataError, r"client 2: train label 12 is outside 0..9", train=(x, torch.full_like(y, 12)))
     bad = x.clone()
     bad[3, 0, 0, 0] = float("nan")
@@ -156,3 +156,49 @@ def test_custom_dataset_is_refused_on_the_command_line(capsys, monkeypatch):
 
     code, text = run_cli(["run", "--dataset", "custom", "--rounds", "1"], capsys, monkeypatch)
     assert code == 2 and "classes" in text
+
+
+def test_breaker_findings_are_refused_before_training(digits, tmp_path):
+    """Helper 3 (breaker): FedPer ran as FedAvg on a (logits, embedding) module, FedRep crashed;
+    a middle layer passed as the head; fractional labels were cut; a dict forward gave a raw
+    AttributeError; participation above the client count passed federate(); resuming with other
+    data was accepted."""
+    for alg in ("fedper", "fedrep"):
+        with pytest.raises(ConfigError, match=rf"{alg} keeps the head on the client, but client 0's model has no "
+                                              "known head; give Client\\(..., head="):
+            federate(_clients(digits, TwoOut), 10, algorithm=alg, out=False).run()
+    cs = _clients(digits, Classifier, head="features.1")
+    with pytest.raises(ModelError, match=r"client 0: layer 'features.1' is not the model's final layer"):
+        federate(cs, 10, out=False)
+    cs = _clients(digits, TwoOut)
+    x, y = cs[1].train
+    cs[1].train = (x, y.float() + 0.7)
+    with pytest.raises(DataError, match=r"client 1: cannot read train labels.*fractions"):
+        federate(cs, 10, out=False)
+
+    class Dict(TwoOut):
+        def forward(self, x):
+            logits, h = super().forward(x)
+            return {"logits": logits, "h": h}
+
+    cs = _clients(digits, TwoOut)
+    cs[0].model = Dict()
+    with pytest.raises(ModelError, match=r"client 0: .*returned a dict, not \(logits, embedding\)"):
+        federate(cs, 10, out=False)
+    with pytest.raises(ConfigError, match=r"participation=5"):
+        federate(_clients(digits, TwoOut), 10, participation=5.0, out=False)
+    # a checkpoint of other client data is refused on resume
+    run = tmp_path / "ck"
+    sim = federate(_clients(digits, TwoOut), 10, rounds=3, checkpoint_every=1, out=run, eval_every=0)
+    sim.run_dir.acquire()
+    sim._ran = True
+    sim.message = sim.setup.algorithm.initial_message(sim.setup.states)
+    sim.run_dir.write_checkpoint(sim._checkpoint_state(1, {k: 0 for k in ("up_params", "up_bytes", "down_params",
+                                                                            "down_bytes")}, 0.0, 0.0) | {
+        "history": [{"round": 1}]})
+    sim.run_dir.release()
+    cs = _clients(digits, TwoOut)
+    x, y = cs[2].train
+    cs[2].train = (x[:-1], y[:-1])
+    with pytest.raises(Exception, match=r"other client data \(clients \[2\] differ"):
+        federate(cs, 10, rounds=3, checkpoint_every=1, out=run, eval_every=0).run(resume=True)

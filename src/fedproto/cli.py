@@ -159,7 +159,8 @@ def run(
     from fedproto.plots import save_embeddings
 
     save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
-    part = f"ways {cfg.ways}, shots {cfg.shots}" if cfg.partition == "fewshot" else "one client per writer"
+    part = {"fewshot": f"ways {cfg.ways}, shots {cfg.shots}", "natural": "one client per writer",
+            "dirichlet": f"Dirichlet alpha {cfg.alpha:g}"}[cfg.partition]
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
                         f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")

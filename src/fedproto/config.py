@@ -100,7 +100,7 @@ class RunConfig(BaseModel):
     noise: Literal["uniform", "gaussian"] = "uniform"
     partition: Literal["fewshot", "natural", "dirichlet"] = "fewshot"
     alpha: float = Field(0.5, gt=0.0, le=1e6)  # Dirichlet concentration (partition="dirichlet")
-    min_client_samples: int = Field(10, ge=0, le=10_000_000)  # Dirichlet: least training samples per client
+    min_client_samples: int = Field(10, ge=1, le=10_000_000)  # Dirichlet: least training samples per client
     augment: bool = False
     # method and model
     algorithm: str = "fedproto"
@@ -149,6 +149,8 @@ class RunConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _dataset_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("device"), str):
+            data = {**data, "device": data["device"].strip().lower()}  # "CUDA", " cpu" are the devices meant
         if isinstance(data, dict):
             ds = data.get("dataset", "mnist")
             defaults = DATASET_DEFAULTS.get(ds, DATASET_DEFAULTS["mnist"]) if isinstance(ds, str) else {}
@@ -183,12 +185,12 @@ class RunConfig(BaseModel):
             if self.model != "custom" or self.partition != "fewshot":
                 raise ValueError("dataset='custom' brings its own models and clients: leave model and partition "
                                  "out (fedproto.federation.federate builds them)")
-            return self
-        if self.classes is not None:
+        elif self.classes is not None:
             raise ValueError(f"classes={self.classes} applies to dataset='custom' only; {self.dataset} has "
                              f"{DATASETS[self.dataset][0]} classes: leave classes out")
         try:
-            check_model_name(self.model)
+            if self.dataset != "custom":
+                check_model_name(self.model)
         except ModelError as e:
             raise ValueError(str(e)) from None
         if self.name is not None and not _PLAIN_NAME.fullmatch(self.name):
@@ -200,18 +202,18 @@ class RunConfig(BaseModel):
             raise ValueError(f"embedding_dim={self.embedding_dim} does not apply to {self.model}: its embedding is "
                              "the 512-d layer4 output; leave --embedding-dim out (it sets cnn and projcnn models)")
         n_specs = len(self.model.split(","))
-        if n_specs > self.clients:
+        if self.dataset != "custom" and n_specs > self.clients:
             raise ValueError(f"model={self.model!r} lists {n_specs} models but clients={self.clients}, so some would "
                              "never be used; list at most one model per client")
         if self.participation > 1 and (self.participation != int(self.participation)
                                        or self.participation > self.clients):
-            raise ValueError(f"participation={self.participation:g}: give a fraction in (0, 1] or a whole number of "
+            raise ValueError(f"participation={self.participation!r}: give a fraction in (0, 1] or a whole number of "
                              f"clients per round, at most clients={self.clients}")
         if 0 < self.proto_dist_alert < 1:
             raise ValueError(f"proto_dist_alert={self.proto_dist_alert} would flag clients below the median; use 0 "
                              "(no warning) or a factor >= 1 (e.g. 3)")
-        C = DATASETS[self.dataset][0]
-        if self.ways > C:
+        C = self.num_classes
+        if self.dataset != "custom" and self.ways > C:
             raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
         return self
 

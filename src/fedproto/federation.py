@@ -51,7 +51,11 @@ class TupleModel(ProtoModel):
         self.num_classes = int(num_classes)
 
     def forward(self, x, noise=None):
-        logits, h = self.net(x)
+        out = self.net(x)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+            raise ModelError(f"the model's forward returned a {type(out).__name__}, not (logits, embedding); give "
+                             "head='<final layer>' for a plain classifier")
+        logits, h = out
         return logits, h.flatten(1)
 
     def embed(self, x, noise=None):
@@ -177,9 +181,16 @@ def _labels(split: Any) -> torch.Tensor:
     if isinstance(split, torch.utils.data.Dataset):
         targets = getattr(split, "targets", None)
         if targets is not None and len(targets) == len(split):
-            return torch.as_tensor(np.asarray(targets), dtype=torch.int64)
-        return torch.as_tensor([int(split[i][1]) for i in range(len(split))], dtype=torch.int64)
-    return torch.as_tensor(np.asarray(split[1]), dtype=torch.int64)
+            raw = np.asarray(targets)
+        else:
+            raw = np.asarray([split[i][1] for i in range(len(split))])
+    else:
+        raw = np.asarray(split[1].cpu() if isinstance(split[1], torch.Tensor) else split[1])
+    if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
+        raise ValueError("labels with fractions (e.g. 1.7); give integer class ids")
+    if raw.dtype.kind not in "iuf" and raw.size:
+        raise ValueError(f"labels of type {raw.dtype}; give integer class ids")
+    return torch.as_tensor(raw.astype(np.int64))
 
 
 def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torch.Tensor]:
@@ -193,8 +204,9 @@ def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torc
                         "map-style torch Dataset of (x, y) items")
     try:
         y = _labels(split)
-    except (TypeError, ValueError, IndexError) as e:
-        raise DataError(f"client {cid}: cannot read {what} labels as integers ({e})") from None
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        raise DataError(f"client {cid}: cannot read {what} labels as integers ({e}); a Dataset's items must be "
+                        "(x, y) pairs") from None
     if len(y) == 0:
         raise DataError(f"client {cid}: its {what} data is empty; give every client at least one sample")
     if y.ndim != 1 or len(y) != len(x):
@@ -237,7 +249,7 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
             out = wrapped(sample)
     except ModelError as e:
         raise ModelError(f"client {cid}: {e}") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
         hint = ("its forward must return (logits, embedding), or give head='<final layer name>'" if head is None
                 else "check the input shape")
         raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
@@ -248,11 +260,19 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     finally:
         wrapped.train(was)
     logits, h = out
+    if not any(p.requires_grad for p in wrapped.parameters()):
+        raise ModelError(f"client {cid}: the model has no trainable parameters")
     if logits.ndim != 2 or logits.shape != (1, num_classes):
         raise ModelError(f"client {cid}: the model's logits have shape {tuple(logits.shape)} for one input, "
                          f"expected (1, {num_classes}) (num_classes={num_classes})")
     if h.ndim != 2 or h.shape[0] != 1:
         raise ModelError(f"client {cid}: the embedding has shape {tuple(h.shape)} for one input, expected (1, d)")
+    if head is not None:
+        with torch.no_grad():
+            again = wrapped.head(h)
+        if again.shape != logits.shape or not torch.allclose(again, logits, rtol=1e-4, atol=1e-5):
+            raise ModelError(f"client {cid}: layer {head!r} is not the model's final layer (its output is not the "
+                             "logits); name the last layer, the one that outputs the class scores")
     if not isinstance(model, ProtoModel):
         wrapped.embedding_dim = int(h.shape[1])
     return wrapped
@@ -291,7 +311,14 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
                             "test)")
         x, y = _split(c.train, i, "train", num_classes)
         tx, ty = _split(c.test, i, "test", num_classes)
-        model = adapt(c.model, c.head, num_classes, x[0:1], i)
+        if c.embedding_dim is not None and not (isinstance(c.embedding_dim, int) and c.embedding_dim >= 1):
+            raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
+        try:
+            sample = x[0:1]
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
+            raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {e}); a "
+                            "Dataset's items must be (x, y) pairs") from None
+        model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))
         states.append(ClientState(i, model, np.unique(y.numpy())))

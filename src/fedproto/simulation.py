@@ -27,7 +27,7 @@ from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fie
 from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, TrainingError
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
@@ -189,6 +189,10 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
             ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
             cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset,
         )
+    empty = [i for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)) if len(tr) == 0 or len(te) == 0]
+    if empty:
+        raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
+                             "(for --partition dirichlet: raise --min-client-samples or --alpha, or use fewer clients)")
     if cfg.augment and ds.input_shape[0] != 3:
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
@@ -324,11 +328,17 @@ class Simulation:
             "message": self.message,
             "server_state": self.setup.algorithm.server_state(),
             "clients": [{"model": s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states],
+            "data": self._data_fingerprint(),
             "history": self.history,
             "totals": dict(totals),
             "train_time_s": train_time,
             "wall_time_s": wall,
         }
+
+    def _data_fingerprint(self) -> list[list[int]]:
+        """Per client: training and test sample counts and the sums of their labels (a resumed run must
+        have the clients' data of the interrupted one; with your own clients the config cannot tell)."""
+        return [[len(d.y), len(d.test_y), int(d.y.sum()), int(d.test_y.sum())] for d in self.setup.data]
 
     def _restore(self, ckpt: dict) -> None:
         """Load a checkpoint's state (see :mod:`fedproto.checkpoint`) into this simulation.
@@ -346,6 +356,10 @@ class Simulation:
             raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); resume with "
                                      "the same options, or delete it to start from round 1")
         S = self.setup.states
+        if "data" in ckpt and ckpt["data"] != self._data_fingerprint():
+            diff = [i for i, (a, b) in enumerate(zip(ckpt["data"], self._data_fingerprint())) if a != b]
+            raise CheckpointMismatch(f"{where} was written for other client data (clients {diff[:10]} differ in sample "
+                                     "counts or labels); resume with the same data, or delete it to start anew")
         if len(ckpt["clients"]) != len(S) or not 0 < int(ckpt["round"]) <= self.cfg.rounds:
             raise CheckpointError(f"{where} does not fit this run ({len(ckpt['clients'])} clients, round "
                             f"{ckpt['round']}); delete it to start anew")

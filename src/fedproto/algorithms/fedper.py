@@ -57,6 +57,19 @@ class FedPer(FedAvg):
         layers = self.personal_layers
         return lambda name: model.is_personal_param(name, layers)
 
+    def initial_message(self, states):
+        """As FedAvg's, after checking that every client model has personal layers (a model whose
+        head is unknown, e.g. one returning (logits, embedding) given without ``head=``, would share
+        everything and run as FedAvg)."""
+        from fedproto.errors import ConfigError
+
+        for s in states:
+            personal = self.is_personal(s.model)
+            if not any(personal(n) for n, _ in s.model.named_parameters()):
+                raise ConfigError(f"{self.name} keeps the head on the client, but client {s.cid}'s model has no known "
+                                  "head; give Client(..., head='<name of its final layer>')")
+        return super().initial_message(states)
+
     def include(self, model: ProtoModel):
         personal = self.is_personal(model)
         return lambda name: not personal(name)
