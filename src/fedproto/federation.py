@@ -31,6 +31,7 @@ from fedproto.config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import DataError, ModelError
 from fedproto.models.base import ProtoModel, check_embedding_dims
+from fedproto.simulation import Simulation
 
 ArrayLike = Any
 
@@ -334,26 +335,21 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
     from fedproto.devices import resolve_device
 
     setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
-    return _federation_simulation()(cfg, setup=setup, out=out)
+    return FederationSimulation(cfg, setup=setup, out=out)
 
 
-def _federation_simulation():
-    from fedproto.simulation import Simulation
+class FederationSimulation(Simulation):
+    """A Simulation that also writes ``embeddings.npz`` (test embeddings, for ``fedproto plot``'s
+    t-SNE) into its run directory when it finishes, as ``fedproto run`` does."""
 
-    class FederationSimulation(Simulation):
-        """A Simulation that also writes ``embeddings.npz`` (test embeddings, for ``fedproto plot``'s
-        t-SNE) into its run directory when it finishes, as ``fedproto run`` does."""
+    def run(self, resume: bool = False) -> dict:
+        summary = super().run(resume)
+        if self.run_dir:
+            from fedproto.plots import save_embeddings
 
-        def run(self, resume: bool = False) -> dict:
-            summary = super().run(resume)
-            if self.run_dir:
-                from fedproto.plots import save_embeddings
-
-                save_embeddings(self, self.run_dir.path)
-            return summary
-
-    return FederationSimulation
+            save_embeddings(self, self.run_dir.path)
+        return summary
 
 
-__all__ = ["Client", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",
+__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",
            "with_projection"]

@@ -85,7 +85,6 @@ SWEEP_DEFAULTS: dict[str, tuple[str, int, tuple[str, ...]]] = {
 GRID_KEYS = ("dataset", "ways", "algorithm", "seed", "rounds", "name", "out_dir", "data_dir")
 """Fields the grid sets itself (use --datasets, --ways, --methods, --seeds, --rounds, --data-dir)."""
 
-MATCH_ADDED = ADDED_FIELDS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,7 +279,7 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
 
 def _comparable(cfg: dict) -> dict:
     """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
-    return result_fields({**MATCH_ADDED, **_clean(cfg)})
+    return result_fields({**ADDED_FIELDS, **_clean(cfg)})
 
 
 def finished(cell: Cell) -> dict | None:
