@@ -93,6 +93,20 @@ def client_step(alg: Algorithm, state: ClientState, message: Message, data: Clie
     return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
 
 
+def reply_problem(alg: Algorithm, reply, sent: Message, embedding_dim: int) -> str:
+    """What is wrong with a client's reply ('' if nothing): it must be a dict of numeric numpy
+    arrays, then pass the algorithm's own check (:meth:`Algorithm.reply_problem`: shapes, finite
+    values, class ids, counts). Every engine checks replies with this before aggregating."""
+    if not isinstance(reply, dict):
+        return f"is a {type(reply).__name__}, not a dict of arrays"
+    for k, v in reply.items():
+        if not isinstance(v, np.ndarray):
+            return f"entry {k!r} is a {type(v).__name__}, not an array"
+        if v.dtype.kind not in "biuf":
+            return f"entry {k!r} has dtype {v.dtype}, not a number type"
+    return alg.reply_problem(reply, sent, embedding_dim)
+
+
 def summarize(values: list[float]) -> tuple[float, float]:
     """Mean and population standard deviation over clients (each counted once), NaNs dropped."""
     v = np.asarray([x for x in values if x == x], dtype=np.float64)
@@ -316,6 +330,50 @@ class Simulation:
                             "blew up; check its data and learning rate, or for BatchNorm models its batch sizes",
                             r, i, m["emb_norm"], EMBED_NORM_LIMIT)
 
+    # -- hooks an engine over a transport replaces (fedproto.flower.server_app.FlowerEngine) ------
+    def _initial_message(self) -> Message:
+        """The server's first broadcast (:meth:`Algorithm.initial_message` of the clients' states)."""
+        return self.setup.algorithm.initial_message(self.setup.states)
+
+    def _sample(self, round: int) -> list[int]:
+        """The clients of ``round`` (:func:`sample_clients`)."""
+        return sample_clients(self.cfg.seed, round, len(self.setup.states), self.cfg.participation)
+
+    def _round_status(self) -> dict:
+        """Extra entries of the round's metrics row (which clients replied; none in-process)."""
+        return {}
+
+    def _check_replies(self, r: int, sent: dict[int, Message], results: dict) -> dict[int, str]:
+        """Client id -> reason for every reply of round ``r`` that must not be aggregated
+        (:func:`reply_problem`); each is logged with the client id and reason."""
+        bad = {}
+        for i in sorted(results):
+            why = reply_problem(self.setup.algorithm, results[i][0], sent.get(i, {}), self.setup.embedding_dim)
+            if why:
+                bad[i] = why
+                log.warning("round %d: dropped the reply of client %d: %s", r, i, why)
+        return bad
+
+    def _config_record(self) -> dict:
+        """What ``config.json`` holds: the options, the λ and device in force, the partition."""
+        return {**self.cfg.model_dump(), "lambda_proto_in_force": self.cfg.lam, "device_in_use": str(self.setup.device),
+                "partition_summary": self.setup.partition.summary()}
+
+    def _model_params(self) -> list[int]:
+        """Parameter count of each client's model (summary ``model_params``)."""
+        return [count_parameters(s.model) for s in self.setup.states]
+
+    def _client_rows(self, per_client: list[dict]) -> list[dict]:
+        """The rows of ``clients.csv``: each client's classes, sample counts, parameters, metrics."""
+        rows = []
+        for i, s in enumerate(self.setup.states):
+            row = {"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
+                   "train_samples": len(self.setup.data[i].x), "test_samples": len(self.setup.data[i].test_y),
+                   "params": count_parameters(s.model)}
+            row.update(per_client[i])
+            rows.append(row)
+        return rows
+
     def evaluate(self) -> list[dict]:
         """Per-client metrics on each client's own test set (list indexed by client id)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
@@ -419,7 +477,7 @@ class Simulation:
     def _run(self, resume: bool) -> dict:
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         self._ran = True
-        self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
+        self.message = self._initial_message()  # may refuse the set-up (weight sharing across architectures)
         totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
         train_time = wall_before = 0.0
         start = 1
@@ -461,9 +519,7 @@ class Simulation:
         """Rounds ``start..rounds``, evaluation and the result files (the body of :meth:`run`)."""
         cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
         if self.run_dir:
-            self.run_dir.write_config({**cfg.model_dump(), "lambda_proto_in_force": cfg.lam,
-                                       "device_in_use": str(self.setup.device),
-                                       "partition_summary": self.setup.partition.summary()})
+            self.run_dir.write_config(self._config_record())
         if self.on_round:
             for row in self.history:
                 self.on_round(row)
@@ -471,14 +527,19 @@ class Simulation:
         per_client: list[dict] = []
         for r in range(start, cfg.rounds + 1):
             t0 = time.perf_counter()
-            ids = sample_clients(cfg.seed, r, len(S), cfg.participation)
+            ids = self._sample(r)
             received = {i: alg.downlink(self.message, i) for i in ids}
-            down = [message_size(received[i]) for i in ids]
-            results = self._client_step(r, ids, received)
-            msgs = [results[i][0] for i in ids]
+            results = self._client_step(r, ids, received)  # may add to received (a retried round)
+            down = [message_size(m) for m in received.values()]
+            ids = sorted(results)  # the clients that replied (all of them in-process)
             tr = [results[i][1] for i in ids]
-            up = [message_size(m) for m in msgs]
-            self.message = alg.aggregate(r, {i: results[i][0] for i in ids})
+            up = [message_size(results[i][0]) for i in ids]
+            dropped = self._check_replies(r, received, results)
+            kept = {i: results[i][0] for i in ids if i not in dropped}
+            if kept:
+                self.message = alg.aggregate(r, kept)
+            else:
+                log.warning("round %d: no reply to aggregate; the server message stays that of the round before", r)
             t_train = time.perf_counter() - t0
             monitor = alg.round_metrics()
             for cid, dist, med in alg.outliers():
@@ -517,6 +578,9 @@ class Simulation:
             }
             if len(ids) < len(S):
                 row["sampled"] = ids
+            row.update(self._round_status())
+            if dropped:
+                row["dropped"] = {str(i): why for i, why in dropped.items()}
             for k in totals:
                 totals[k] += row[k]
             if r == cfg.rounds or (cfg.eval_every and r % cfg.eval_every == 0):
@@ -558,21 +622,14 @@ class Simulation:
                          for k in last if k.endswith("_mean")},
             "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
             "bytes_total": {"up": totals["up_bytes"], "down": totals["down_bytes"]},
-            "model_params": [count_parameters(s.model) for s in S],
+            "model_params": self._model_params(),
             "wall_time_s": wall,
             "train_time_s": train_time,
             "execution": cfg.execution,
         }
         if self.run_dir:
             self.run_dir.write_summary(summary)
-            rows = []
-            for i, s in enumerate(S):
-                row = {"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
-                       "train_samples": len(self.setup.data[i].x), "test_samples": len(self.setup.data[i].test_y),
-                       "params": count_parameters(s.model)}
-                row.update(per_client[i])
-                rows.append(row)
-            self.run_dir.write_clients(rows)
+            self.run_dir.write_clients(self._client_rows(per_client))
             if "protos" in self.message:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))

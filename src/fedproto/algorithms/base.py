@@ -109,10 +109,35 @@ class Algorithm:
         checks types, finiteness and shapes against the first message itself."""
         return ""
 
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """What is wrong with a client's reply ('' if nothing), checked by the engine before
+        :meth:`aggregate` (a bad reply is dropped and logged, never aggregated).
+
+        Args:
+            reply: the client's message. The engine has checked already that it is a dict of
+                numeric numpy arrays.
+            sent: what this client received this round (:meth:`downlink`): the shapes a reply of
+                weights must have.
+            embedding_dim: d, the prototype size.
+        Default: a reply must be empty (the algorithm sends nothing up).
+        """
+        return f"unexpected entries {sorted(reply)[:5]} (this algorithm sends nothing)" if reply else ""
+
     # -- server side ------------------------------------------------------------------------
-    def initial_message(self, states: list[ClientState]) -> Message:
-        """The server's first broadcast (default: empty)."""
+    def join_message(self, state: ClientState) -> Message:
+        """What a client contributes to the server's first broadcast, sent once when it joins
+        (default: nothing; weight-sharing methods: its initial weights)."""
         return {}
+
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """The server's first broadcast from the clients' :meth:`join_message` replies, keyed by
+        client id (default: empty). Lets a server that holds no client model (Flower) start."""
+        return {}
+
+    def initial_message(self, states: list[ClientState]) -> Message:
+        """The server's first broadcast, built in-process from the clients' states:
+        :meth:`initial_message_from` of every client's :meth:`join_message`."""
+        return self.initial_message_from({s.cid: self.join_message(s) for s in states})
 
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Combine the round's client messages, keyed by client id (with client sampling, the

@@ -106,6 +106,48 @@ def check_same_shapes(states: list[ClientState], method: str, include=None) -> N
     )
 
 
+def check_message_shapes(joins: dict[int, Message], method: str) -> None:
+    """Raise :class:`ConfigError` unless the ``w/`` tensors of every client's message (keyed by
+    client id) have the same names and shapes; names the clients that differ from the lowest id."""
+    if not joins:
+        raise ConfigError(f"{method}: no client sent its initial weights")
+    sig = {c: tuple((k, tuple(np.shape(v))) for k, v in m.items() if k.startswith(WEIGHT_PREFIX))
+           for c, m in sorted(joins.items())}
+    first = min(sig)
+    odd = [c for c in sig if sig[c] != sig[first]]
+    if odd:
+        a, b = dict(sig[first]), dict(sig[odd[0]])
+        diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
+        raise ConfigError(f"{method} averages model weights, so every client needs the same architecture, but "
+                          f"clients {odd[:10]} differ from client {first} (at {diff.removeprefix(WEIGHT_PREFIX)!r}: "
+                          f"{b.get(diff)} vs {a.get(diff)}); use one model for all clients, or algorithm='fedproto'")
+
+
+def weights_problem(reply: Message, sent: Message) -> str:
+    """What is wrong with a reply of weights ('' if nothing): it must hold exactly the ``w/``
+    tensors of ``sent`` (the client's view of the server message), of the same shapes, finite,
+    and ``n``: one positive whole number (the client's sample count)."""
+    want = {k: np.shape(v) for k, v in sent.items() if k.startswith(WEIGHT_PREFIX)}
+    got = {k for k in reply if k.startswith(WEIGHT_PREFIX)}
+    if got != set(want):
+        missing, extra = sorted(set(want) - got), sorted(got - set(want))
+        return f"weights missing {missing[:3]} / unexpected {extra[:3]}"
+    other = sorted(set(reply) - got - {COUNT_KEY})
+    if other:
+        return f"unexpected entries {other[:5]}"
+    for k, shape in want.items():
+        v = reply[k]
+        if v.shape != shape:
+            return f"weight {k.removeprefix(WEIGHT_PREFIX)!r} has shape {v.shape}, expected {shape}"
+        if v.dtype.kind != "f" or not np.isfinite(v).all():
+            return f"weight {k.removeprefix(WEIGHT_PREFIX)!r} holds NaN or infinite values"
+    n = reply.get(COUNT_KEY)
+    if n is None or n.size != 1 or not np.isfinite(n).all() or float(n.reshape(-1)[0]) < 1 \
+            or float(n.reshape(-1)[0]) != round(float(n.reshape(-1)[0])):
+        return "sample count 'n' is not one positive whole number"
+    return ""
+
+
 def client_count(message: Message) -> float:
     """The sample count ``n`` of a client message (1 when absent)."""
     n = message.get(COUNT_KEY)
@@ -140,10 +182,26 @@ class FedAvg(Algorithm):
         return None
 
     # -- server ---------------------------------------------------------------------------------
+    def join_message(self, state: ClientState) -> Message:
+        """The client's initial shared weights, ``w/<name>`` (what :meth:`initial_message_from` needs)."""
+        return weights_message(state.model, self.include(state.model))
+
     def initial_message(self, states: list[ClientState]) -> Message:
-        """Check that all client models match, then broadcast client 0's initial weights."""
+        """Check that all client models match (naming the clients that differ), then
+        :meth:`initial_message_from`."""
         check_same_shapes(states, self.name, self.include(states[0].model))
-        return weights_message(states[0].model, self.include(states[0].model))
+        return super().initial_message(states)
+
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """The initial weights of the client with the lowest id, after checking that every
+        joining client shares the same tensors (raises :class:`ConfigError` naming the clients)."""
+        check_message_shapes(joins, self.name)
+        return dict(joins[min(joins)])
+
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """A reply holds exactly the ``w/`` tensors of what the client received, with their shapes
+        and finite values, plus its sample count ``n``: one positive whole number."""
+        return weights_problem(reply, sent)
 
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Sample-weighted average (weights n_i / sum n)."""

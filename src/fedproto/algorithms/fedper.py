@@ -61,14 +61,22 @@ class FedPer(FedAvg):
         """As FedAvg's, after checking that every client model has personal layers (a model whose
         head is unknown, e.g. one returning (logits, embedding) given without ``head=``, would share
         everything and run as FedAvg)."""
+        for s in states:
+            self._check_personal(s)
+        return super().initial_message(states)
+
+    def join_message(self, state):
+        """As FedAvg's (the shared tensors), after the personal-layer check of :meth:`initial_message`."""
+        self._check_personal(state)
+        return super().join_message(state)
+
+    def _check_personal(self, s) -> None:
         from fedproto.errors import ConfigError
 
-        for s in states:
-            personal = self.is_personal(s.model)
-            if not any(personal(n) for n, _ in s.model.named_parameters()):
-                raise ConfigError(f"{self.name} keeps the head on the client, but client {s.cid}'s model has no known "
-                                  "head; give Client(..., head='<name of its final layer>')")
-        return super().initial_message(states)
+        personal = self.is_personal(s.model)
+        if not any(personal(n) for n, _ in s.model.named_parameters()):
+            raise ConfigError(f"{self.name} keeps the head on the client, but client {s.cid}'s model has no known "
+                              "head; give Client(..., head='<name of its final layer>')")
 
     def include(self, model: ProtoModel):
         personal = self.is_personal(model)

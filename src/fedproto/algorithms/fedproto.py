@@ -202,6 +202,32 @@ class FedProto(Algorithm):
             return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
         return ""
 
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """A client's reply needs (K,) distinct integer ``classes`` within 0..C-1, (K, d) finite
+        ``protos`` and (K,) ``counts`` that are positive whole numbers; nothing else."""
+        extra = sorted(set(reply) - {"classes", "protos", "counts"})
+        if extra:
+            return f"unexpected entries {extra[:5]}"
+        c, p, n = reply.get("classes"), reply.get("protos"), reply.get("counts")
+        if c is None or p is None or n is None:
+            return "lacks 'classes', 'protos' or 'counts'"
+        C, d = self.num_classes, embedding_dim
+        if c.ndim != 1 or c.dtype.kind not in "iu":
+            return f"'classes' has shape {c.shape} and dtype {c.dtype}, expected (K,) integers"
+        if len(c) and (c.min() < 0 or c.max() >= C):
+            return f"class ids outside 0..{C - 1} ({c.min()}..{c.max()})"
+        if len(np.unique(c)) != len(c):
+            return "repeats a class id"
+        if p.shape != (len(c), d):
+            return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
+        if p.dtype.kind != "f" or not np.isfinite(p).all():
+            return "prototypes hold NaN or infinite values" if p.dtype.kind == "f" else f"prototypes of dtype {p.dtype}"
+        if n.shape != c.shape or n.dtype.kind not in "iuf" or not np.isfinite(n).all():
+            return f"'counts' has shape {n.shape} and dtype {n.dtype}, expected ({len(c)},) whole numbers"
+        if len(n) and (n.min() < 1 or not np.array_equal(n, np.round(n))):
+            return "counts that are not positive whole numbers"
+        return ""
+
     def load_server_state(self, state: dict) -> None:
         """Restore :meth:`server_state`; a checkpoint written before client sampling has no
         ``last_cids`` (its messages came from clients 0..m-1 in order)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
-from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average, weights_message
+from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
 from fedproto.errors import ConfigError
 from fedproto.training import OptimConfig
 
@@ -79,26 +79,39 @@ class FeSEM(FedAvg):
         return {**self.centres, ASSIGN_KEY: self.assign.copy()}
 
     # -- server ---------------------------------------------------------------------------------
-    def initial_message(self, states: list[ClientState]) -> Message:
-        super().initial_message(states)  # the same-architecture check
-        m, K = len(states), self.clusters
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """K distinct joining clients (drawn with ``seed``) seed the centres; every client starts in
+        the cluster of its nearest centre. ``joins``: each client's initial weights, by client id."""
+        from fedproto.algorithms.fedavg import check_message_shapes
+
+        check_message_shapes(joins, self.name)
+        cids = sorted(joins)
+        m, K = len(cids), self.clusters
         if K > m:
             raise ConfigError(f"fesem_clusters={K} is more than the {m} clients; use fesem_clusters <= {m}")
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xFE5E]))
         seeds = sorted(int(i) for i in rng.choice(m, K, replace=False))
-        msgs = [weights_message(s.model) for s in states]
-        self.centres = {k: np.stack([msgs[i][k] for i in seeds]) for k in msgs[0]}
-        self.assign = np.zeros(max(s.cid for s in states) + 1, np.int64)
+        msgs = [joins[c] for c in cids]
+        self.centres = {k: np.stack([msgs[i][k] for i in seeds]) for k in msgs[0] if k.startswith(WEIGHT_PREFIX)}
+        self.assign = np.zeros(max(cids) + 1, np.int64)
         d = centre_distances(msgs, self.centres)
-        self.assign[[s.cid for s in states]] = d.argmin(1)
+        self.assign[cids] = d.argmin(1)
         self.last_distances = d
         return self._message()
+
+    def _grow(self, cid: int) -> None:
+        """Room in ``assign`` for a client id not seen at the start (a late joiner: cluster 0 until
+        its first reply is assigned)."""
+        if cid >= len(self.assign):
+            self.assign = np.concatenate([self.assign, np.zeros(cid + 1 - len(self.assign), np.int64)])
 
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """E-step (nearest centre) then M-step (sample-weighted average per cluster); clients not
         heard from this round keep their assignment."""
         cids = list(messages)
         messages = list(messages.values())
+        if cids:
+            self._grow(max(cids))
         d = centre_distances(messages, self.centres)
         a = d.argmin(1)
         self.assign[cids] = a
@@ -118,12 +131,12 @@ class FeSEM(FedAvg):
         """The part of the server message client ``cid`` needs: its centre, ``w/<name>``: shape."""
         if ASSIGN_KEY not in message:
             return message
-        k = int(message[ASSIGN_KEY][cid])
+        k = int(message[ASSIGN_KEY][cid]) if cid < len(message[ASSIGN_KEY]) else 0
         return {key: v[k] for key, v in message.items() if key.startswith(WEIGHT_PREFIX)}
 
     # -- client ---------------------------------------------------------------------------------
     def prepare(self, state: ClientState, message: Message) -> None:
         """Load the centre of the client's cluster (full server message or per-client view)."""
-        if ASSIGN_KEY in message:
+        if ASSIGN_KEY in message and state.cid < len(message[ASSIGN_KEY]):
             state.extra["cluster"] = int(message[ASSIGN_KEY][state.cid])
         load_weights(state.model, self.downlink(message, state.cid))
