@@ -152,8 +152,8 @@ def test_duplicate_and_missing_partition_ids_are_refused():
 
 def test_too_few_nodes_and_wrong_num_partitions_fail_clearly():
     uc = _user_config()
-    with pytest.raises(TrainingError, match="3 SuperNodes connected within 0 s, but the run has clients=4"):
-        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2]), out=False, wait_s=0)
+    with pytest.raises(TrainingError, match="3 SuperNodes joined within 0 s, but the run has clients=4 and needs 4"):
+        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2], num_partitions=4), out=False, wait_s=0)
     with pytest.raises(TrainingError, match="num-partitions=5 but the run has clients=4"):
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3], num_partitions=5), out=False)
 

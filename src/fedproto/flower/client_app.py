@@ -1,15 +1,23 @@
 """The Flower ``ClientApp``: one fedproto client per SuperNode.
 
-A node learns which client it is from its node config: ``partition-id`` (0-based client id) and
-``num-partitions`` (must equal the run's ``clients``), Flower's usual keys; ``data-dir``
-optionally points at the node's copy of the dataset. Every node builds the same seeded
-partition and models from the run config and keeps only its own client. The client's model and
-extras live in ``context.state`` between rounds (they never leave the node); the data set-up
-is cached per process.
+A node is one of two kinds, by its node config:
 
-Handlers (message types): ``query`` (reply: the node's client id), ``train`` (one client step:
-:meth:`fedproto.algorithms.base.Algorithm.client_update` with the engine's seeding, reply: the
-algorithm message plus losses) and ``evaluate`` (reply: the algorithm's per-client metrics).
+* **its own client** (``client-id``, ``data``, ``model``; :mod:`fedproto.flower.node`): the
+  node reads its own data folder and builds its own model; nothing else about the federation
+  is on it, and the run config only declares ``dataset = "custom"``, the ``classes`` and the
+  ``embedding-dim``. Nodes may have different architectures.
+* **a benchmark client** (``partition-id``, ``num-partitions``, optional ``data-dir``; what
+  Flower's simulation runtime sets): every node builds the same seeded partition of the run's
+  dataset and models from the run config and keeps only client ``partition-id``.
+
+The client's model and extras live in ``context.state`` between rounds (they never leave the
+node); the data set-up is cached per process.
+
+Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
+size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
+e.g. initial weights for weight-sharing methods), ``train`` (one client step:
+:func:`fedproto.simulation.client_step`, reply: the algorithm message plus losses) and
+``evaluate`` (reply: the algorithm's per-client metrics).
 """
 
 from __future__ import annotations
@@ -17,15 +25,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, from_record, run_config, to_record
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError
+from fedproto.flower.node import corrupt, load_local_client, whole
+from fedproto.models.base import count_parameters
 from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"
@@ -36,31 +48,62 @@ app = ClientApp()
 
 @dataclass
 class Node:
-    """What a node holds: the run config, the (cached) set-up and its client id."""
+    """What a node holds: the run config, its client (state, data) and the algorithm's client side."""
 
     cfg: RunConfig
-    setup: Setup
     cid: int
+    state: ClientState
+    data: ClientData
+    algorithm: Algorithm
+    misbehave: str | None = None
 
 
-_SETUPS: dict[str, Setup] = {}
+_CACHE: dict[str, Any] = {}
 
 
 def node(context: Context) -> Node:
     """This node's client, its model restored from ``context.state`` (built on first use).
 
     Raises:
-        ConfigError: ``partition-id`` missing or outside ``0..clients-1``, ``num-partitions``
-            different from the run's ``clients``, or an invalid run config.
+        ConfigError: an invalid run config; own client: see
+            :func:`fedproto.flower.node.load_local_client`; benchmark client: ``partition-id``
+            missing or outside ``0..clients-1``, ``num-partitions`` different from ``clients``.
     """
     nc = context.node_config
     overrides = {"data_dir": str(nc["data-dir"])} if "data-dir" in nc else {}
     cfg = run_config(context.run_config, overrides)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if "client-id" in nc or "data" in nc:
+        if cfg.dataset != "custom":
+            raise ConfigError(f"this SuperNode brings its own data (node config data={nc.get('data')!r}) but the run "
+                              f"config has dataset={cfg.dataset!r}; set dataset = \"custom\", classes and "
+                              "embedding-dim in the run config (or start the node with partition-id instead)")
+        key = cfg.model_dump_json() + repr(sorted(nc.items()))
+        if key not in _CACHE:
+            _CACHE.clear()  # one run at a time per process
+            _CACHE[key] = load_local_client(nc, cfg, list(FlowerOptions.from_user_config(context.run_config).class_names))
+        lc = _CACHE[key]
+        n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
+    else:
+        n = _benchmark_node(cfg, nc)
+    if STATE_MODEL in context.state:
+        n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
+        n.state.extra = dict(context.state[STATE_EXTRA])
+    return n
+
+
+def _benchmark_node(cfg: RunConfig, nc) -> Node:
+    if cfg.dataset == "custom":
+        raise ConfigError("the run config has dataset=\"custom\" (nodes bring their own data) but this SuperNode has "
+                          "no client-id, data and model in its node config; start it with --node-config "
+                          "'client-id=0 data=\"/path/to/folder\" model=\"cnn\"'")
     if "partition-id" not in nc:
         raise ConfigError("this SuperNode has no partition-id in its node config; start it with "
-                          "--node-config \"partition-id=I num-partitions=N\" (I: its client id, 0-based)")
+                          "--node-config \"partition-id=I num-partitions=N\" (I: its client id, 0-based), or with "
+                          "its own data: --node-config 'client-id=I data=\"/folder\" model=\"cnn\"'")
     raw = {k: nc.get(k, cfg.clients) for k in ("partition-id", "num-partitions")}
-    bad = {k: v for k, v in raw.items() if not _whole(v)}
+    bad = {k: v for k, v in raw.items() if not whole(v)}
     if bad:
         k, v = next(iter(bad.items()))
         raise ConfigError(f"node config {k}={v!r} is not a whole number; start the SuperNode with integers, e.g. "
@@ -70,73 +113,65 @@ def node(context: Context) -> Node:
         raise ConfigError(f"node config num-partitions={parts} but the run has clients={cfg.clients}; "
                           "start the SuperNodes with num-partitions equal to clients")
     key = cfg.model_dump_json()
-    if key not in _SETUPS:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        _SETUPS.clear()  # one run at a time per process
-        _SETUPS[key] = prepare(cfg, progress=False)
-    setup = _SETUPS[key]
+    if key not in _CACHE:
+        _CACHE.clear()  # one run at a time per process
+        _CACHE[key] = prepare(cfg, progress=False)
+    setup: Setup = _CACHE[key]
     if not 0 <= cid < len(setup.states):
         raise ConfigError(f"node config partition-id={cid} is outside 0..{len(setup.states) - 1} "
                           f"(the run has {len(setup.states)} clients)")
-    state = setup.states[cid]
-    if STATE_MODEL in context.state:
-        state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
-        state.extra = dict(context.state[STATE_EXTRA])
-    return Node(cfg, setup, cid)
-
-
-def _whole(v) -> bool:
-    if isinstance(v, bool):
-        return False
-    try:
-        return float(v).is_integer()
-    except (TypeError, ValueError):
-        return False
+    return Node(cfg, cid, setup.states[cid], setup.data[cid], setup.algorithm, nc.get("misbehave"))
 
 
 def _save(n: Node, context: Context) -> None:
-    state = n.setup.states[n.cid]
-    context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=state.model.state_dict())
-    context.state[STATE_EXTRA] = ConfigRecord(dict(state.extra))
+    context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=n.state.model.state_dict())
+    context.state[STATE_EXTRA] = ConfigRecord(dict(n.state.extra))
 
 
 def _checked_round(n: Node, msg: Message) -> int:
     cfg = msg.content[CONFIG]
     if int(cfg["cid"]) != n.cid:
-        raise ConfigError(f"a message for client {cfg['cid']} reached the node of client {n.cid} "
-                          "(partition-id): two SuperNodes share a partition-id?")
+        raise ConfigError(f"a message for client {cfg['cid']} reached the node of client {n.cid}: two SuperNodes "
+                          "share a client-id (or partition-id)?")
     return int(cfg["round"])
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Reply with this node's client id (``partition-id``)."""
+    """Reply with what the server needs of this node: ``cid``, ``classes`` (its training classes),
+    ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
+    algorithm's join message (e.g. the model's initial weights for weight-sharing methods)."""
     n = node(context)
-    return Message(RecordDict({CONFIG: ConfigRecord({"cid": n.cid})}), reply_to=msg)
+    info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
+            "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
+            "embedding-dim": int(n.state.model.embedding_dim)}
+    join = n.algorithm.join_message(n.state)
+    return Message(RecordDict({CONFIG: ConfigRecord(info), MESSAGE: to_record(join)}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of local training; same seeding as the simulation's sequential path."""
+    """One round of local training; same seeding as the simulation's sequential path. A node
+    with ``misbehave`` in its node config corrupts its message (tests of the server's checks)."""
     n = node(context)
     r = _checked_round(n, msg)
-    alg, state, data = n.setup.algorithm, n.setup.states[n.cid], n.setup.data[n.cid]
-    out, res = client_step(alg, state, from_record(msg.content[MESSAGE]), data, n.cfg.seed, r)
+    out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
     _save(n, context)
+    if n.misbehave:
+        rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
+        out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
-               "emb-norm-max": float(res.emb_norm_max), "num-examples": len(data.x)}
+               "emb-norm-max": float(res.emb_norm_max), "num-examples": len(n.data.x)}
     return Message(RecordDict({MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """The algorithm's metrics of this client on its own test set (``acc`` in [0, 1]; FedProto
-    adds ``proto_acc``, eq. 4), plus ``num-examples``."""
+    adds ``acc_proto``, eq. 4), plus ``num-examples``."""
     n = node(context)
     _checked_round(n, msg)
-    state, data = n.setup.states[n.cid], n.setup.data[n.cid]
-    metrics: dict[str, Any] = n.setup.algorithm.evaluate(state, from_record(msg.content[MESSAGE]), data)
+    metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
     metrics = {k: float(v) for k, v in metrics.items()}
-    metrics["num-examples"] = len(data.test_y)
+    metrics["num-examples"] = len(n.data.test_y)
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

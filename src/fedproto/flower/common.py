@@ -5,6 +5,7 @@ Raises ImportError with the install command when ``flwr`` is missing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,7 +28,8 @@ CONFIG = "fedproto.config"
 METRICS = "fedproto.metrics"
 """RecordDict key of the MetricRecord a client returns (train losses or evaluation metrics)."""
 QUERY = "query"
-"""Message type the ServerApp sends once to learn each node's client id (``partition-id``)."""
+"""Message type the ServerApp sends once to each new node: the reply names its client and
+carries what the server needs of it (:func:`fedproto.flower.client_app.query`)."""
 
 
 def to_record(msg: Message) -> ArrayRecord:
@@ -40,14 +42,70 @@ def from_record(rec: ArrayRecord) -> Message:
     return {k: a.numpy() for k, a in rec.items()}
 
 
+@dataclass(frozen=True)
+class FlowerOptions:
+    """Run config keys of the Flower engine only (not :class:`RunConfig` options).
+
+    Attributes:
+        round_timeout: seconds the server waits for the replies of one round (``round-timeout``,
+            default 120); a sampled node that has not replied by then counts as timed out.
+        min_replies: fewest valid replies a round needs (``min-replies``, default 1); below it the
+            round is retried.
+        round_retries: retries of a round below ``min_replies`` before the run stops with an
+            error (``round-retries``, default 2); the rounds already logged stay in the run folder.
+        wait_nodes: seconds to wait at the start for ``clients`` nodes (``wait-nodes``, default
+            60); the run starts with fewer if at least ``min_replies`` have joined.
+        class_names: names of classes 0..C-1 for image folders named by class (``class-names``,
+            comma-separated; default none: folders are named by class id).
+    """
+
+    round_timeout: float = 120.0
+    min_replies: int = 1
+    round_retries: int = 2
+    wait_nodes: float = 60.0
+    class_names: tuple[str, ...] = ()
+
+    @classmethod
+    def from_user_config(cls, user_config: Mapping[str, Any]) -> "FlowerOptions":
+        """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value."""
+        data = {normal_key(str(k)): v for k, v in user_config.items()}
+        out = {}
+        for k, lo, kind in (("round_timeout", 0.0, float), ("min_replies", 1, int), ("round_retries", 0, int),
+                            ("wait_nodes", 0.0, float)):
+            if k not in data:
+                continue
+            v = data[k]
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (kind is float or float(v).is_integer())
+            if not ok or v < lo or (k == "round_timeout" and v <= 0):
+                need = "a number of seconds > 0" if k == "round_timeout" else f"a {'whole ' if kind is int else ''}" \
+                       f"number >= {lo}"
+                raise ConfigError(f"Flower run config: {k.replace('_', '-')}={v!r}; give {need}")
+            out[k] = kind(v)
+        if "class_names" in data:
+            names = data["class_names"]
+            if not isinstance(names, str) or not names.strip():
+                raise ConfigError(f"Flower run config: class-names={names!r}; give the names comma-separated, e.g. "
+                                  "\"cat,dog,bird\"")
+            out["class_names"] = tuple(n.strip() for n in names.split(","))
+        return cls(**out)
+
+
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+"""Run config keys read by :class:`FlowerOptions` rather than :class:`RunConfig`."""
+
+
 def run_config(user_config: Mapping[str, Any], node_overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """The :class:`RunConfig` of a Flower run config (``[tool.flwr.app.config]`` / ``--run-config``).
 
     Keys are RunConfig option names; ``-`` may stand for ``_`` (Flower's own style, e.g.
-    ``local-epochs``). ``node_overrides`` (a node's ``data-dir``) are applied last and are
+    ``local-epochs``); the keys of :class:`FlowerOptions` are left out. With ``dataset =
+    "custom"`` (nodes bring their own data and models: :mod:`fedproto.flower.node`) ``model``
+    is ``custom``. ``node_overrides`` (a node's ``data-dir``) are applied last and are
     result-neutral. Raises :class:`ConfigError` naming unknown keys or invalid values.
     """
-    data = {normal_key(str(k)): v for k, v in user_config.items()}
+    data = {normal_key(str(k)): v for k, v in user_config.items() if normal_key(str(k)) not in FLOWER_KEYS}
+    if data.get("dataset") == "custom":
+        data.setdefault("model", "custom")
     data.update(node_overrides or {})
     try:
         return build_config(None, data)

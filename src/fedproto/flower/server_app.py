@@ -1,36 +1,61 @@
 """The Flower ``ServerApp``: the in-process round engine with its client step sent over Flower.
 
-:class:`FlowerEngine` is :class:`fedproto.simulation.Simulation` with two methods replaced: the
-client step (``train`` messages to the clients' SuperNodes) and the evaluation (``evaluate``
-messages). Rounds, aggregation, monitoring, communication counting (from the algorithm
-messages, as in the simulation), metrics and the run directory are the simulation's own code,
-so the same config and seed give the numbers of ``execution=sequential``.
+:class:`FlowerEngine` is :class:`fedproto.simulation.Simulation` with the client side replaced
+by messages to SuperNodes: rounds, aggregation, reply checks, monitoring, communication counting
+(from the algorithm messages), metrics and the run directory are the simulation's own code, so
+the same clients and seed give the numbers of an in-process run.
+
+The server holds no data and no client model. What it knows of a client comes from the client's
+node, once, when the node joins (a ``query`` reply: client id, classes, sample counts, embedding
+size, parameter count, and the algorithm's join message, e.g. initial weights for the
+weight-sharing baselines, whose first broadcast is then the weights of the client with the lowest
+id). It needs only the run config: for nodes with their own data (:mod:`fedproto.flower.node`)
+``dataset = "custom"``, ``classes``, ``embedding-dim`` and the algorithm's options.
+
+Membership is dynamic: each round the server looks for newly connected nodes (a node that comes
+back after a failure is queried again and takes part again), samples ``participation`` of the
+connected clients (seeded by ``seed`` and the round, :func:`fedproto.simulation.sample_clients`),
+waits up to ``round-timeout`` seconds, and aggregates the valid replies if at least
+``min-replies`` arrived; otherwise it retries the round (``round-retries``) and then stops with an
+error, the rounds already logged kept. Every reply is checked before aggregation
+(:func:`fedproto.simulation.reply_problem`); a bad one is dropped and logged with the client and
+node id and the reason. ``metrics.jsonl`` records per round which clients were ``sampled``,
+``replied``, ``failed`` (with the reason), ``timed_out`` and ``dropped`` (with the reason).
 
 Run options come from the Flower run config (``[tool.flwr.app.config]`` of the Flower app, or
-``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option, ``-`` or ``_``.
-The run directory is written where the ServerApp runs (``out_dir``, default ``runs/``).
+``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option (``-`` or ``_``) plus
+the keys of :class:`fedproto.flower.common.FlowerOptions`. The run directory is written where the
+ServerApp runs: ``out_dir/<run name>-run<Flower run id>``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, run_config, to_record
+import numpy as np
+
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, run_config, to_record
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedproto.algorithms.base import HEALTH_KEYS, ClientState
 from fedproto.algorithms.base import Message as FedMessage
 from fedproto.config import RunConfig
+from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, FedprotoError, TrainingError
-from fedproto.simulation import Simulation
+from fedproto.simulation import Setup, Simulation, build_algorithm, reply_problem, sample_clients
 from fedproto.training import TrainResult
 
 log = logging.getLogger(__name__)
 
 app = ServerApp()
+
+RETRY_PAUSE_S = 2.0
+"""Seconds between a round below ``min-replies`` and its retry (nodes may reconnect meanwhile)."""
 
 
 class FlowerEngine(Simulation):
@@ -38,104 +63,279 @@ class FlowerEngine(Simulation):
 
     Args:
         cfg: the run configuration (``checkpoint_every`` must be 0: client models stay on the
-            nodes, so the server cannot checkpoint them).
+            nodes, so the server cannot checkpoint them). ``clients``: the number of clients
+            (nodes) of the federation; with own-data nodes their ``client-id`` lies in
+            ``0..clients-1``.
         grid: the Flower :class:`~flwr.serverapp.Grid` of the run.
         out: run directory (as :class:`~fedproto.simulation.Simulation`).
-        wait_s: seconds to wait for ``cfg.clients`` SuperNodes to connect (60 by default; a
-            warning says it is waiting).
-        timeout_s: seconds to wait for the replies of one round (None: no limit).
+        options: the Flower engine's options (timeouts, minimum replies, retries).
+        wait_s, timeout_s: override ``options.wait_nodes`` and ``options.round_timeout``.
     Raises:
-        ConfigError: checkpoints requested; nodes whose ``partition-id`` values do not cover
-            ``0..clients-1`` exactly once.
-        TrainingError: too few nodes connected, a node did not reply or replied with an error.
+        ConfigError: checkpoints requested; two nodes with one client id at the start; the nodes
+            disagree on the embedding size (benchmark nodes).
+        TrainingError: too few nodes joined within ``wait_nodes`` seconds (benchmark clients:
+            all of them; own-data nodes: ``min_replies``); the message lists refused nodes and why.
     """
 
-    def __init__(self, cfg: RunConfig, grid: Grid, out=None, wait_s: float = 60.0,
-                 timeout_s: float | None = None, on_round: Callable[[dict], None] | None = None):
+    def __init__(self, cfg: RunConfig, grid: Grid, out=None, options: FlowerOptions | None = None,
+                 wait_s: float | None = None, timeout_s: float | None = None,
+                 on_round: Callable[[dict], None] | None = None):
         if cfg.checkpoint_every:
             raise ConfigError(f"checkpoint_every={cfg.checkpoint_every}: under Flower the client models stay on "
                               "the SuperNodes, so the server cannot checkpoint them; set checkpoint_every=0")
-        super().__init__(cfg, out=out, on_round=on_round)
+        opts = options or FlowerOptions()
+        self.opts = FlowerOptions(
+            round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
+            min_replies=opts.min_replies, round_retries=opts.round_retries,
+            wait_nodes=opts.wait_nodes if wait_s is None else wait_s, class_names=opts.class_names)
         self.grid = grid
-        self.timeout_s = timeout_s
         self.round = 0
-        self.nodes: dict[int, int] = {}  # client id -> node id, filled by _discover
-        try:
-            self.nodes = self._discover(wait_s)
-        except BaseException:
-            if self.run_dir:
-                self.run_dir.discard_if_unused()  # no empty run folder left behind
-            raise
+        self.nodes: dict[int, int] = {}  # client id -> node id of its (current) SuperNode
+        self.info: dict[int, dict] = {}  # client id -> what its node said when it joined
+        self.joins: dict[int, FedMessage] = {}  # client id -> its join message
+        self.refused: dict[int, str] = {}  # node id -> why it was refused (not asked again)
+        self._status: dict = {}
+        self.own_data = cfg.dataset == "custom"
+        self.cfg = cfg
+        self._discover(self.opts.wait_nodes)
+        dims = {i: int(self.info[i]["embedding-dim"]) for i in self.info}
+        d = cfg.embedding_dim if self.own_data else dims[min(dims)]
+        S = [ClientState(i, None, np.asarray(self.info[i]["classes"], np.int64) if i in self.info else np.zeros(0, np.int64))
+             for i in range(cfg.clients)]
+        part = Partition([np.arange(int(self.info.get(i, {}).get("train-samples", 0))) for i in range(cfg.clients)],
+                         [np.arange(int(self.info.get(i, {}).get("test-samples", 0))) for i in range(cfg.clients)],
+                         [s.classes for s in S])
+        setup = Setup(None, part, S, [], build_algorithm(cfg, d), d)
+        super().__init__(cfg, setup=setup, out=out, on_round=on_round)
 
-    def _exchange(self, messages: list[Message], what: str) -> dict[int, Message]:
-        """Send, wait for every reply; replies keyed by the sender's node id."""
-        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout_s))
+    # -- nodes ----------------------------------------------------------------------------------
+    def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], list[int]]:
+        """Send, wait up to ``round_timeout``: (replies by node id, errors by node id, node ids
+        that did not reply)."""
+        if not messages:
+            return {}, {}, []
+        replies = list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
-        cid_of = {v: k for k, v in self.nodes.items()}
+        ok, failed, missing = {}, {}, []
         for m in messages:
             nid = m.metadata.dst_node_id
-            who = f"client {cid_of[nid]} (node {nid})" if nid in cid_of else f"node {nid}"
             if nid not in by_node:
-                within = f" within {self.timeout_s:g} s" if self.timeout_s else ""
-                raise TrainingError(f"{what}: no reply from {who}{within}: the SuperNode went offline or its "
-                                    "ClientApp died (see that node's log); restart it and run again")
-            if by_node[nid].has_error():
+                missing.append(nid)
+            elif by_node[nid].has_error():
                 err = by_node[nid].error
-                raise TrainingError(f"{what}: {who} failed (code {err.code}): {err.reason}")
-        return by_node
+                failed[nid] = f"{err.reason} (code {err.code})"
+            else:
+                ok[nid] = by_node[nid]
+        return ok, failed, missing
 
-    def _discover(self, wait_s: float) -> dict[int, int]:
-        n = len(self.setup.states)
+    def _query_new(self, strict: bool = False) -> list[int]:
+        """Ask nodes not seen before who they are; returns the client ids that joined. A node
+        that fails the query (its own data or model refused, e.g. labels outside the classes) is
+        logged with its reason and not asked again. ``strict`` (the start): two nodes with one
+        client id raise ConfigError; later, a new node with a known client id replaces the old
+        one (the client came back)."""
+        known = set(self.nodes.values()) | set(self.refused)
+        new = [nid for nid in self.grid.get_node_ids() if nid not in known]
+        if not new:
+            return []
+        ok, failed, missing = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
+                                              for nid in new])
+        for nid, why in failed.items():
+            self.refused[nid] = why
+            log.warning("node %d refused: %s", nid, why)
+        if strict:
+            seen: dict[int, list[int]] = {}
+            for nid, rep in ok.items():
+                seen.setdefault(int(rep.content[CONFIG]["cid"]), []).append(nid)
+            dups = {c: sorted(v) for c, v in seen.items() if len(v) > 1}
+            if dups:
+                c, v = next(iter(dups.items()))
+                key = "client-id" if self.own_data else "partition-id"
+                raise ConfigError(f"nodes {v} all have {key}={c}; give each SuperNode its own {key}")
+        joined = []
+        for nid, rep in sorted(ok.items()):
+            info = dict(rep.content[CONFIG])
+            cid = int(info["cid"])
+            why = self._refusal(cid, info)
+            if why:
+                self.refused[nid] = why
+                log.warning("node %d (client %d) refused: %s", nid, cid, why)
+                continue
+            if cid in self.nodes and self.nodes[cid] != nid:
+                log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
+            self.nodes[cid], self.info[cid] = nid, info
+            self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
+            joined.append(cid)
+        return joined
+
+    def _refusal(self, cid: int, info: dict) -> str:
+        m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
+        if not 0 <= cid < m:
+            return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
+        if self.own_data and d != self.cfg.embedding_dim:
+            return f"client {cid}'s embedding size is {d}, the run's embedding-dim is {self.cfg.embedding_dim}"
+        if not self.own_data and self.info:
+            d0 = int(next(iter(self.info.values()))["embedding-dim"])
+            if d != d0:
+                return f"client {cid}'s embedding size is {d}, the other clients' is {d0}"
+        bad = [c for c in info.get("classes", []) if not 0 <= int(c) < self.cfg.num_classes]
+        if bad:
+            return f"client {cid} has classes {bad[:5]} outside 0..{self.cfg.num_classes - 1}"
+        return ""
+
+    def _discover(self, wait_s: float) -> None:
+        m = self.cfg.clients
+        need = m if not self.own_data else self.opts.min_replies
         deadline = time.monotonic() + wait_s
-        ids = list(self.grid.get_node_ids())
-        if len(ids) < n and wait_s > 0:
-            log.warning("waiting up to %g s for %d SuperNodes (%d connected)", wait_s, n, len(ids))
-        while len(ids) < n and time.monotonic() < deadline:
+        first = True
+        while True:
+            nids = list(self.grid.get_node_ids())
+            self._query_new(strict=first)
+            first = False
+            if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
+                nid, why = next(iter(self.refused.items()))
+                raise TrainingError(f"node {nid} refused to join: {why}")
+            if len(self.nodes) >= m or time.monotonic() >= deadline:
+                break
+            if len(nids) < m:
+                log.warning("waiting up to %g s for %d SuperNodes (%d joined)", wait_s, m, len(self.nodes))
             time.sleep(1.0)
-            ids = list(self.grid.get_node_ids())
-        if len(ids) < n:
-            raise TrainingError(f"{len(ids)} SuperNodes connected within {wait_s:g} s, but the run has clients={n}: "
-                                "start one SuperNode per client (node config partition-id=0..clients-1)")
-        replies = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY) for nid in ids],
-                                 "asking the nodes for their partition-id")
-        nodes: dict[int, list[int]] = {}
-        for nid, rep in replies.items():
-            nodes.setdefault(int(rep.content[CONFIG]["cid"]), []).append(nid)
-        dups = {c: v for c, v in nodes.items() if len(v) > 1}
-        if dups:
-            c, v = next(iter(dups.items()))
-            raise ConfigError(f"nodes {v} all have partition-id={c}; give each SuperNode its own partition-id")
-        missing = [c for c in range(n) if c not in nodes]
-        if missing:
-            raise ConfigError(f"no SuperNode has partition-id {missing[:10]} (the run has clients={n}); start one "
-                              "SuperNode per client")
-        return {c: v[0] for c, v in sorted(nodes.items())}
+        if len(self.nodes) < need:
+            refused = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
+            which = "" if self.own_data else " (one per partition-id 0..clients-1)"
+            raise TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} "
+                                f"and needs {need}{which}: start the missing SuperNodes{refused}")
+        if len(self.nodes) < m:
+            log.warning("starting with %d of %d clients (%s); the others take part once they connect",
+                        len(self.nodes), m, sorted(self.nodes))
 
-    def _send(self, kind: str, ids: Iterable[int], msgs: dict[int, FedMessage]) -> dict[int, Message]:
+    # -- the round engine's hooks -----------------------------------------------------------------
+    def _initial_message(self) -> FedMessage:
+        return self.setup.algorithm.initial_message_from(dict(sorted(self.joins.items())))
+
+    def _sample(self, round: int) -> list[int]:
+        """``participation`` of the connected clients (all by default), drawn with (seed, round)."""
+        self._query_new()
+        live = sorted(self.nodes)
+        if not live:
+            return []
+        p = self.cfg.participation
+        if p > 1:
+            p = min(p, len(live))
+        return [live[j] for j in sample_clients(self.cfg.seed, round, len(live), p)]
+
+    def _round_status(self) -> dict:
+        return self._status
+
+    def _client_step(self, round: int, ids: list[int], msgs: dict[int, FedMessage]) -> dict:
+        """Train the sampled clients on their nodes; retry below ``min_replies`` (adding the
+        messages of clients asked on a retry to ``msgs``). Raises TrainingError when the retries
+        are spent."""
+        self.round = round
+        alg, d = self.setup.algorithm, self.setup.embedding_dim
+        st = {"sampled": list(ids), "replied": [], "failed": {}, "timed_out": []}
+        out: dict[int, tuple] = {}
+        ask = list(ids)
+        for attempt in range(self.opts.round_retries + 1):
+            replies, failed, missing = self._send(MessageType.TRAIN, ask, msgs)
+            st["failed"].update({str(i): why for i, why in failed.items()})
+            st["timed_out"] += [i for i in missing if i not in st["timed_out"]]
+            for i, rep in replies.items():
+                m = rep.content[METRICS]
+                res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
+                                  float(m.get("emb-norm-max", 0.0)))
+                if not np.isfinite([res.loss_ce, res.loss_proto]).all():
+                    st["failed"][str(i)] = "its training loss is not finite (diverged)"
+                    log.warning("round %d: client %d's training diverged (loss not finite); its reply is left out",
+                                round, i)
+                    continue
+                out[i] = (from_record(rep.content[MESSAGE]), res)
+                st["failed"].pop(str(i), None)
+                if i in st["timed_out"]:
+                    st["timed_out"].remove(i)
+            valid = [i for i in out if not reply_problem(alg, out[i][0], msgs[i], d)]
+            if len(valid) >= self.opts.min_replies:
+                break
+            if attempt == self.opts.round_retries:
+                self._status = {**st, "replied": sorted(out)}
+                where = f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})" if self.run_dir else ""
+                raise TrainingError(
+                    f"round {round}: {len(valid)} valid replies, fewer than min-replies={self.opts.min_replies}, "
+                    f"after {self.opts.round_retries} retries (failed: {st['failed'] or 'none'}; timed out: "
+                    f"{st['timed_out'] or 'none'}){where}; restart the missing SuperNodes and run again")
+            log.warning("round %d: %d valid replies, fewer than min-replies=%d; retrying (%d of %d)", round, len(valid),
+                        self.opts.min_replies, attempt + 1, self.opts.round_retries)
+            time.sleep(RETRY_PAUSE_S)
+            self._query_new()
+            ask = [i for i in sorted(self.nodes) if i not in valid]
+            for i in ask:
+                msgs.setdefault(i, alg.downlink(self.message, i))
+        st["replied"] = sorted(out)
+        self._status = st
+        return out
+
+    def _send(self, kind: str, ids: Iterable[int], msgs: dict[int, FedMessage]):
+        """Send ``kind`` to the clients ``ids``: (replies by client id, failures by client id,
+        client ids that timed out). Failures and timeouts are logged."""
+        ids = [i for i in ids if i in self.nodes]
         out = [Message(RecordDict({MESSAGE: to_record(msgs[i]),
                                    CONFIG: ConfigRecord({"round": self.round, "cid": i})}),
                        dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
                for i in ids]
-        by_node = self._exchange(out, f"round {self.round} ({kind})")
-        return {i: by_node[self.nodes[i]] for i in ids}
+        ok, failed, missing = self._exchange(out)
+        cid_of = {self.nodes[i]: i for i in ids}
+        for nid, why in failed.items():
+            log.warning("round %d (%s): client %d (node %d) failed: %s", self.round, kind, cid_of[nid], nid, why)
+        for nid in missing:
+            log.warning("round %d (%s): client %d (node %d) sent no reply within %g s", self.round, kind,
+                        cid_of[nid], nid, self.opts.round_timeout)
+        return ({cid_of[n]: r for n, r in ok.items()}, {cid_of[n]: w for n, w in failed.items()},
+                [cid_of[n] for n in missing])
 
-    def _client_step(self, round: int, ids: list[int], msgs: dict[int, FedMessage]) -> dict:
-        self.round = round
-        replies = self._send(MessageType.TRAIN, ids, msgs)
-        out = {}
-        for i, rep in replies.items():
-            m = rep.content[METRICS]
-            out[i] = (from_record(rep.content[MESSAGE]),
-                      TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
-                                  float(m.get("emb-norm-max", 0.0))))
-        return out
+    def _check_replies(self, r: int, sent: dict[int, FedMessage], results: dict) -> dict[int, str]:
+        bad = {}
+        for i in sorted(results):
+            why = reply_problem(self.setup.algorithm, results[i][0], sent.get(i, {}), self.setup.embedding_dim)
+            if why:
+                bad[i] = why
+                log.warning("round %d: dropped the reply of client %d (node %s): %s", r, i, self.nodes.get(i), why)
+        return bad
 
     def evaluate(self) -> list[dict]:
-        """Per-client metrics, computed on the nodes (list indexed by client id)."""
+        """Per-client metrics, computed on the nodes (list indexed by client id; NaN for clients
+        whose node is not connected or did not reply)."""
         alg = self.setup.algorithm
-        ids = list(range(len(self.setup.states)))
-        replies = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
-        return [{k: float(v) for k, v in replies[i].content[METRICS].items() if k != "num-examples"} for i in ids]
+        self._query_new()
+        ids = sorted(self.nodes)
+        replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
+        got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
+               for i, rep in replies.items()}
+        if not got:
+            raise TrainingError("no node replied to the final evaluation; restart the SuperNodes and run again")
+        keys = [k for k in next(iter(got.values())) if k not in HEALTH_KEYS]
+        return [got.get(i, {k: float("nan") for k in keys}) for i in range(len(self.setup.states))]
+
+    def _config_record(self) -> dict:
+        return {**self.cfg.model_dump(), "lambda_proto_in_force": self.cfg.lam, "engine": "flower",
+                "embedding_dim_in_force": self.setup.embedding_dim,
+                "flower": {"round_timeout": self.opts.round_timeout, "min_replies": self.opts.min_replies,
+                           "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes},
+                "nodes": {str(i): {**{k: v for k, v in self.info[i].items() if k != "cid"}, "node_id": self.nodes[i]}
+                          for i in sorted(self.info)}}
+
+    def _model_params(self) -> list[int | None]:
+        return [int(self.info[i]["params"]) if i in self.info else None for i in range(len(self.setup.states))]
+
+    def _client_rows(self, per_client: list[dict]) -> list[dict]:
+        rows = []
+        for i, s in enumerate(self.setup.states):
+            info = self.info.get(i, {})
+            row = {"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
+                   "train_samples": info.get("train-samples"), "test_samples": info.get("test-samples"),
+                   "params": info.get("params")}
+            row.update(per_client[i])
+            rows.append(row)
+        return rows
 
     def run(self, resume: bool = False) -> dict:
         """Run all rounds (see :meth:`Simulation.run`); ``resume`` is not supported."""
@@ -149,11 +349,13 @@ def main(grid: Grid, context: Context) -> None:
     """ServerApp entry point: run the configured experiment and log its summary."""
     try:
         cfg = run_config(context.run_config)
-        summary = FlowerEngine(cfg, grid).run()
+        opts = FlowerOptions.from_user_config(context.run_config)
+        out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"
+        summary = FlowerEngine(cfg, grid, out=out, options=opts).run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
         log.error("fedproto: %s", e)
         return
     acc = summary["accuracy"].get("acc", {})
-    log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round",
-                cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")), 100 * acc.get("std", float("nan")),
-                summary["clients"], summary["params_per_round"]["up"] / 1e3)
+    log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round; "
+                "results in %s", cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")),
+                100 * acc.get("std", float("nan")), summary["clients"], summary["params_per_round"]["up"] / 1e3, out)

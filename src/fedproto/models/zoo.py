@@ -63,6 +63,28 @@ def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: i
     raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
 
 
+def model_seed(seed: int, cid: int) -> int:
+    """The torch seed set before client ``cid``'s model is built (its initial weights)."""
+    return seed * 1_000_003 + cid
+
+
+def build_model(spec: str, cid: int, in_channels: int, num_classes: int, input_size: int,
+                embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0) -> ProtoModel:
+    """One client's model from a single zoo spec (``cnn``, ``projcnn:16-32``, ``resnet18``), seeded
+    with :func:`model_seed` as :func:`build_client_models` seeds client ``cid`` (the ``-mh`` specs
+    depend on the number of clients: use :func:`build_client_models` for them).
+
+    Raises:
+        ModelError: an unknown spec, or an ``-mh`` spec.
+    """
+    if spec.endswith("-mh"):
+        raise ModelError(f"model {spec!r} assigns architectures by client position among all clients; give one "
+                         "architecture per node (cnn, projcnn:<c1>-<c2>, resnet18)")
+    check_model_name(spec)
+    torch.manual_seed(model_seed(seed, cid))
+    return _one(spec, cid, cid + 1, in_channels, num_classes, input_size, embedding_dim, dropout)
+
+
 def build_client_models(
     name: str, num_clients: int, in_channels: int, num_classes: int, input_size: int,
     embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0,
@@ -83,7 +105,7 @@ def build_client_models(
         raise ModelError("empty model name")
     models = []
     for cid in range(num_clients):
-        torch.manual_seed(seed * 1_000_003 + cid)
+        torch.manual_seed(model_seed(seed, cid))
         models.append(_one(specs[cid % len(specs)], cid, num_clients, in_channels, num_classes,
                            input_size, embedding_dim, dropout))
     if pretrained is not None:

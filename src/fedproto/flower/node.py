@@ -1,0 +1,170 @@
+"""A SuperNode's own client: its data folder and its model, named in its node config.
+
+Node config keys (``flower-supernode --node-config '...'``):
+
+``client-id``
+    This client's id, a whole number >= 0, unique in the federation. It names the client in the
+    server's logs and metrics and seeds its training exactly as client ``client-id`` of an
+    in-process run (:func:`fedproto.simulation.client_step`).
+``data``
+    The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``), or ``train/`` and
+    ``test/`` folders of class sub-folders of images (:func:`fedproto.data.folder.load_client_folder`).
+``model``
+    A zoo spec (``cnn``, ``projcnn:16-32``, ``resnet18``; built for the data's channels and size,
+    ending in the run's ``embedding-dim``), or an import path ``package.module:factory`` of a
+    function returning an ``nn.Module`` (called with those of ``num_classes``, ``in_channels``
+    and ``embedding_dim`` it accepts). The model is built after ``torch.manual_seed(
+    fedproto.models.zoo.model_seed(seed, client-id))``.
+``head`` (optional)
+    The final layer of a plain classifier from a factory (its input is the embedding); leave it
+    out when the module returns ``(logits, embedding)`` itself.
+``misbehave`` (optional, for tests of the server's checks only)
+    ``nan``, ``scale``, ``random`` or ``flip``: the node corrupts every message it sends up
+    (:func:`corrupt`).
+
+The run config declares the class set (``classes``) and the embedding size (``embedding-dim``);
+a node whose labels fall outside the classes or whose model has another embedding size is
+refused with a :class:`~fedproto.errors.ConfigError` naming the node.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.config import RunConfig
+from fedproto.errors import ConfigError, FedprotoError
+
+MISBEHAVIOURS = ("nan", "scale", "random", "flip")
+
+
+@dataclass
+class LocalClient:
+    """A node's client: its state (model, classes), data and the algorithm's client side."""
+
+    cid: int
+    state: ClientState
+    data: ClientData
+    algorithm: Algorithm
+    who: str
+
+
+def whole(v: Any) -> bool:
+    """True for a whole number (an int, or a float without fraction; not a bool)."""
+    if isinstance(v, bool):
+        return False
+    try:
+        return float(v).is_integer()
+    except (TypeError, ValueError):
+        return False
+
+
+def node_client_id(node_config: Mapping[str, Any]) -> int:
+    """The ``client-id`` of a node config. Raises ConfigError when it is missing or not a whole number >= 0."""
+    v = node_config.get("client-id")
+    if v is None or not whole(v) or int(float(v)) < 0:
+        raise ConfigError(f"node config client-id={v!r}: give this SuperNode a whole number >= 0, unique in the "
+                          "federation, e.g. --node-config 'client-id=0 data=\"/data/site0\" model=\"cnn\"'")
+    return int(float(v))
+
+
+def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
+                      class_names: list[str] | None = None) -> LocalClient:
+    """Build the node's client from its node config (see the module docstring) and the run config.
+
+    Raises:
+        ConfigError: a missing or bad key, unreadable data, labels outside the run's classes, a
+            model that cannot be built or whose embedding size differs from ``embedding_dim``;
+            every message starts with ``node client-id=<id>``.
+    """
+    from fedproto.data.folder import load_client_folder
+    from fedproto.federation import adapt
+    from fedproto.models.zoo import build_model, model_seed
+    from fedproto.simulation import build_algorithm, check_batches
+
+    cid = node_client_id(node_config)
+    who = f"node client-id={cid}"
+    for key in ("data", "model"):
+        if not isinstance(node_config.get(key), str) or not node_config[key].strip():
+            raise ConfigError(f"{who}: node config {key}={node_config.get(key)!r}; give a string, e.g. data=\"/data/"
+                              "site0\" model=\"cnn\"")
+    bad = node_config.get("misbehave")
+    if bad is not None and bad not in MISBEHAVIOURS:
+        raise ConfigError(f"{who}: node config misbehave={bad!r}; choose one of {', '.join(MISBEHAVIOURS)} (tests only)")
+    C, d = cfg.num_classes, cfg.embedding_dim
+    spec, head = node_config["model"].strip(), node_config.get("head")
+    try:
+        (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
+        if ":" in spec:
+            torch.manual_seed(model_seed(cfg.seed, cid))
+            model = adapt(_factory(spec, C, int(x.shape[1]), d), head, C, x[0:1], cid)
+        else:
+            if x.ndim != 4:
+                raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are {tuple(x.shape)}; give "
+                                  "a model factory (package.module:factory) for flat features")
+            model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed)
+    except FedprotoError as e:
+        raise ConfigError(f"{who}: {e}") from None
+    if model.embedding_dim != d:
+        raise ConfigError(f"{who}: its model {spec!r} has embedding size {model.embedding_dim}, but the run's "
+                          f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
+    alg = build_algorithm(cfg, d)
+    try:
+        alg.check_setup(cfg, [y.numpy()])
+        check_batches(cfg, [model], [len(y)])
+    except FedprotoError as e:
+        raise ConfigError(f"{who}: {e}") from None
+    state = ClientState(cid, model, np.unique(y.numpy()))
+    return LocalClient(cid, state, ClientData(x, y, tx, ty), alg, who)
+
+
+def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) -> torch.nn.Module:
+    """Call the ``package.module:factory`` at ``path``; raises ModelError-like ConfigError."""
+    mod_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"model {path!r} cannot be imported ({type(e).__name__}: {e}); install the package on this "
+                          "node or fix the import path (package.module:factory)") from None
+    offered = {"num_classes": num_classes, "in_channels": in_channels, "embedding_dim": embedding_dim}
+    try:
+        params = inspect.signature(fn).parameters
+        kwargs = {k: v for k, v in offered.items() if k in params}
+        model = fn(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model factory {path!r} failed ({type(e).__name__}: {e}); it is called with those of "
+                          f"{sorted(offered)} it accepts") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def corrupt(message: Message, kind: str, rng: np.random.Generator, num_classes: int) -> Message:
+    """A misbehaving node's message (node config ``misbehave``, tests of the server's checks).
+
+    Uses :func:`fedproto.attacks.corrupt_message` where that module exists; otherwise (TEMPORARY
+    fallback until issue #14's ``fedproto.attacks`` is merged) only ``nan`` is available: every
+    float array is filled with NaN.
+
+    Raises:
+        ConfigError: ``kind`` other than ``nan`` without :mod:`fedproto.attacks`.
+    """
+    try:
+        from fedproto.attacks import corrupt_message
+    except ImportError:
+        corrupt_message = None
+    if corrupt_message is not None:
+        return corrupt_message(message, kind, rng, num_classes)
+    # TEMPORARY fallback (until fedproto.attacks from issue #14 is merged): NaN only
+    if kind != "nan":
+        raise ConfigError(f"misbehave={kind!r} needs fedproto.attacks (issue #14); only 'nan' works without it")
+    return {k: (np.full_like(v, np.nan) if v.dtype.kind == "f" else v.copy()) for k, v in message.items()}
+
+
+__all__ = ["LocalClient", "MISBEHAVIOURS", "corrupt", "load_local_client", "node_client_id", "whole"]
