@@ -101,7 +101,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     spec, head = node_config["model"].strip(), node_config.get("head")
     try:
         (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
-        if ":" in spec:
+        if _is_import_path(spec):
             torch.manual_seed(model_seed(cfg.seed, cid))
             model = adapt(_factory(spec, C, int(x.shape[1]), d), head, C, x[0:1], cid)
         else:
@@ -122,6 +122,18 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
         raise ConfigError(f"{who}: {e}") from None
     state = ClientState(cid, model, np.unique(y.numpy()))
     return LocalClient(cid, state, ClientData(x, y, tx, ty), alg, who)
+
+
+def _is_import_path(spec: str) -> bool:
+    """``package.module:factory`` rather than a zoo spec (``projcnn:16-32`` has a colon too)."""
+    from fedproto.errors import ModelError
+    from fedproto.models.zoo import check_model_name
+
+    try:
+        check_model_name(spec)
+        return False
+    except ModelError:
+        return ":" in spec
 
 
 def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) -> torch.nn.Module:

@@ -1,0 +1,141 @@
+"""Run fedproto over Flower on this machine with one command (see docs/flower.md).
+
+Deployment runtime (default): writes one data folder per SuperNode (digits images of classes that
+overlap between nodes, so the global prototypes mix several clients), starts a SuperLink and one
+SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), runs the
+``own_data`` Flower App with ``flwr run`` and stops everything.
+
+    python examples/flower/run_local.py                       # 3 nodes, 3 rounds, no TLS
+    python examples/flower/run_local.py --tls --auth --unregistered
+    python examples/flower/run_local.py --kill 2@2 --round-timeout 20
+    python examples/flower/run_local.py --misbehave 1:nan
+    python examples/flower/run_local.py --runtime simulation  # Flower's simulation runtime (Ray)
+
+``--tls`` makes a CA, a SuperLink certificate and (``--auth``) one registered key pair per
+SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registered and prints
+what it was told. ``--kill N@R`` kills node N once round R has started (its metrics row will
+name it failed or timed out). ``--misbehave N:KIND`` makes node N corrupt what it sends
+(``nan``; ``scale``, ``random``, ``flip`` with fedproto.attacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fedproto.data.datasets import load_dataset
+from fedproto.flower.local import LocalFederation
+
+HERE = Path(__file__).resolve().parent
+# classes of each node: neighbours share two classes, every class is held by two nodes
+NODE_CLASSES = [(0, 1, 2, 3), (2, 3, 4, 5), (4, 5, 0, 1)]
+NODE_MODELS = ["cnn", "projcnn:16-32", "cnn"]
+
+
+def write_node_data(root: Path, nodes: int, shots: int = 15, test_shots: int = 5, seed: int = 0) -> list[Path]:
+    """One folder per node with train.npz and test.npz (digits, 8x8, normalised): node i holds
+    ``shots`` training and ``test_shots`` test samples of each class in NODE_CLASSES[i % 3]."""
+    ds = load_dataset("digits")
+    rng = np.random.default_rng(seed)
+    folders = []
+    for i in range(nodes):
+        folder = root / f"node{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, x, y, k in (("train", ds.train_x, ds.train_y, shots), ("test", ds.test_x, ds.test_y, test_shots)):
+            idx = np.concatenate([rng.choice(np.flatnonzero(y.numpy() == c), k, replace=False)
+                                  for c in NODE_CLASSES[i % 3]])
+            np.savez(folder / f"{split}.npz", x=x.numpy()[idx], y=y.numpy()[idx])
+        folders.append(folder)
+    return folders
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--algorithm", default="fedproto")
+    ap.add_argument("--runtime", choices=("deployment", "simulation"), default="deployment")
+    ap.add_argument("--tls", action="store_true", help="TLS between nodes and the SuperLink")
+    ap.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
+    ap.add_argument("--unregistered", action="store_true", help="also start a node whose key is not registered")
+    ap.add_argument("--kill", default=None, metavar="N@R", help="kill node N once round R has started")
+    ap.add_argument("--misbehave", default=None, metavar="N:KIND", help="node N corrupts its messages (nan, ...)")
+    ap.add_argument("--round-timeout", type=float, default=60.0)
+    ap.add_argument("--participation", type=float, default=1.0)
+    ap.add_argument("--workdir", default="runs/flower-local")
+    args = ap.parse_args()
+
+    work = Path(args.workdir).resolve()
+    out = work / "runs"
+    src = str(Path(__file__).resolve().parents[2] / "src")  # this checkout's fedproto for every process
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)}
+    t0 = time.perf_counter()
+    with LocalFederation(work, tls=args.tls, auth=args.auth, simulation=args.runtime == "simulation", env=env) as fed:
+        fed.start_superlink()
+        if args.runtime == "simulation":
+            res = fed.flwr_run(HERE, {"clients": args.nodes, "rounds": args.rounds, "out-dir": str(out)},
+                               num_supernodes=args.nodes)
+            report(res, out, t0, fed)
+            return
+        bad = dict([args.misbehave.split(":")]) if args.misbehave else {}
+        for i, folder in enumerate(write_node_data(work / "data", args.nodes)):
+            nc = {"client-id": i, "data": str(folder), "model": NODE_MODELS[i % len(NODE_MODELS)]}
+            if str(i) in bad:
+                nc["misbehave"] = bad[str(i)]
+            fed.start_supernode(nc, name=f"node{i}")
+        if args.unregistered:
+            key, _ = fed.node_key(register=False)
+            intruder = fed.start_supernode({"client-id": args.nodes, "data": str(work / "data" / "node0"),
+                                            "model": "cnn"}, name="unregistered", key=key, max_wait=15)
+        result: dict = {}
+        runner = threading.Thread(target=lambda: result.update(res=fed.flwr_run(
+            HERE / "own_data", {"clients": args.nodes, "rounds": args.rounds, "algorithm": args.algorithm,
+                                "out-dir": str(out), "round-timeout": args.round_timeout,
+                                "participation": args.participation})))
+        runner.start()
+        if args.kill:
+            node, at = (int(v) for v in args.kill.split("@"))
+            while runner.is_alive() and rounds_logged(out) < at - 1:
+                time.sleep(0.5)
+            time.sleep(0.5)  # round `at` is under way
+            fed.kill(f"node{node}")
+            print(f"killed node{node} during round {at} ({time.perf_counter() - t0:.1f} s)")
+        runner.join()
+        if args.unregistered:
+            intruder.wait(60) if intruder.poll() is None else None
+            lines = [ln for ln in fed.log("unregistered").splitlines() if "rror" in ln or "enied" in ln
+                     or "PERMISSION" in ln or "nauth" in ln]
+            print("unregistered SuperNode (exit code %s) was told:\n  %s" % (intruder.poll(), "\n  ".join(lines[-4:])))
+        report(result["res"], out, t0, fed)
+
+
+def rounds_logged(out: Path) -> int:
+    files = sorted(out.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    return len(files[-1].read_text().splitlines()) if files else 0
+
+
+def report(res, out: Path, t0: float, fed: LocalFederation) -> None:
+    text = res.stdout + res.stderr
+    lines = [ln for ln in text.splitlines() if "fedproto" in ln or "dropped" in ln or "refused" in ln
+             or "failed" in ln or "no reply" in ln]
+    print("\n".join(lines[-30:]))
+    runs = sorted(out.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        print(text[-4000:])
+        print(fed.log("superlink")[-2000:])
+        raise SystemExit("no run folder was written")
+    print(f"\nrun folder: {runs[-1].parent}  (flwr run: {time.perf_counter() - t0:.1f} s in all)")
+    for row in map(json.loads, runs[-1].read_text().splitlines()):
+        keep = {k: row[k] for k in ("round", "loss_ce", "loss_proto", "acc_mean", "acc_proto_mean", "train_time_s",
+                                    "sampled", "replied", "failed", "timed_out", "dropped") if k in row}
+        print(json.dumps(keep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""A Flower federation on this machine: a SuperLink and SuperNodes on 127.0.0.1 as child processes.
+
+For tests, the example script (``examples/flower/run_local.py``) and trying a deployment before
+spreading it over machines. It drives Flower's own commands (``flower-superlink``,
+``flower-supernode``, ``flwr run``, ``flwr supernode register``); the traffic is Flower's.
+
+    with LocalFederation(workdir, tls=True, auth=True) as fed:
+        fed.start_superlink()
+        fed.start_supernode({"client-id": 0, "data": "/data/site0", "model": "cnn"})
+        result = fed.flwr_run("examples/flower/own_data", {"rounds": 3})
+
+TLS and authentication (:func:`make_credentials`, with the ``cryptography`` package Flower
+itself depends on): a CA, a SuperLink certificate for ``127.0.0.1``/``localhost`` signed by it,
+and one EC (P-384) key pair per SuperNode in OpenSSH format, as Flower's SuperNode
+authentication expects. With ``auth`` the SuperLink runs with ``--enable-supernode-auth`` and
+only SuperNodes whose public key was registered (``flwr supernode register``) may connect.
+
+Every process is started in its own process group and stopped when the context exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from fedproto.errors import ConfigError
+
+CONNECTION = "fedproto-local"
+"""Name of the SuperLink connection written to ``FLWR_HOME/config.toml``."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    """True when something accepts TCP connections on 127.0.0.1:``port``."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Credentials:
+    """Paths of the files :func:`make_credentials` writes (PEM certificates and keys; node keys in
+    OpenSSH format: ``node_keys[i]`` is (private key, public key) of SuperNode i)."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    node_keys: list[tuple[Path, Path]] = field(default_factory=list)
+
+
+def make_credentials(folder: str | Path, nodes: int, days: int = 30) -> Credentials:
+    """Write a CA, a SuperLink TLS certificate for 127.0.0.1 and localhost signed by it, and
+    ``nodes`` SuperNode key pairs (EC P-384, OpenSSH format) into ``folder``.
+
+    Raises:
+        ConfigError: ``nodes`` < 0.
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    if nodes < 0:
+        raise ConfigError(f"nodes={nodes}: give the number of SuperNode key pairs, >= 0")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def pem_key(key) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedproto local CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now)
+          .not_valid_after(now + datetime.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP384R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    out = Credentials(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    out.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out.server_key.write_bytes(pem_key(key))
+    for i in range(nodes):
+        k = ec.generate_private_key(ec.SECP384R1())
+        priv, pub = folder / f"node{i}", folder / f"node{i}.pub"
+        priv.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                         serialization.NoEncryption()))
+        pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                    serialization.PublicFormat.OpenSSH))
+        os.chmod(priv, 0o600)
+        out.node_keys.append((priv, pub))
+    return out
+
+
+def toml_value(v: Any) -> str:
+    """A value in the TOML form Flower's ``--node-config`` / ``--run-config`` parse."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def config_arg(values: Mapping[str, Any]) -> str:
+    """``key=value`` pairs separated by spaces (strings quoted)."""
+    return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
+
+
+class LocalFederation:
+    """A SuperLink and SuperNodes on 127.0.0.1 (see the module docstring).
+
+    Args:
+        workdir: folder for logs, the SuperLink database, ``FLWR_HOME`` and credentials.
+        tls: TLS between SuperNodes, ``flwr`` and the SuperLink (certificates made here).
+        auth: SuperNode authentication (needs ``tls``): only registered node keys connect.
+        simulation: start the SuperLink for Flower's simulation runtime (no SuperNodes; ``flwr
+            run`` gets ``num-supernodes``).
+        env: extra environment for every process (e.g. ``PYTHONPATH``).
+    Raises:
+        ConfigError: ``auth`` without ``tls``; Flower's commands not on PATH.
+    """
+
+    def __init__(self, workdir: str | Path, tls: bool = False, auth: bool = False, simulation: bool = False,
+                 env: Mapping[str, str] | None = None):
+        if auth and not tls:
+            raise ConfigError("SuperNode authentication needs TLS: pass tls=True with auth=True")
+        for cmd in ("flower-superlink", "flower-supernode", "flwr"):
+            if shutil.which(cmd) is None:
+                raise ConfigError(f"{cmd} is not on PATH; install Flower: pip install \"fedproto[flower]\"")
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.tls, self.auth, self.simulation = tls, auth, simulation
+        self.port = free_port()
+        self.home = self.workdir / "flwr-home"
+        self.home.mkdir(exist_ok=True)
+        self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        self.creds: Credentials | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._keys_made = 0
+        if tls:
+            self.creds = make_credentials(self.workdir / "credentials", 0)
+        conn = f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n'
+        conn += f'root-certificates = "{self.creds.ca_cert}"\n' if tls else "insecure = true\n"
+        (self.home / "config.toml").write_text(conn)
+
+    # -- processes ------------------------------------------------------------------------------
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        p = subprocess.Popen(args, env=self.env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        """The output of process ``name`` so far (``superlink``, ``node0``...)."""
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start_superlink(self, timeout: float = 60.0) -> None:
+        """Start the SuperLink and wait until it listens. Raises ConfigError if it exits or does not listen in time."""
+        args = ["flower-superlink", "--port", str(self.port), "--database", str(self.workdir / "superlink.db"),
+                "--disable-runtime-dependency-installation"]
+        if self.tls:
+            c = self.creds
+            args += ["--ssl-ca-certfile", str(c.ca_cert), "--ssl-certfile", str(c.server_cert),
+                     "--ssl-keyfile", str(c.server_key)]
+        else:
+            args.append("--insecure")
+        if self.auth:
+            args.append("--enable-supernode-auth")
+        if self.simulation:
+            args.append("--simulation")
+        p = self._start("superlink", args)
+        deadline = time.monotonic() + timeout
+        while not listening(self.port):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise ConfigError("the SuperLink did not start:\n" + self.log("superlink")[-3000:])
+            time.sleep(0.3)
+
+    def node_key(self, register: bool = True) -> tuple[Path, Path]:
+        """A new SuperNode key pair (private, public), registered with the SuperLink unless
+        ``register`` is False (``flwr supernode register``). Needs ``auth``."""
+        if not self.auth:
+            raise ConfigError("node keys are for SuperNode authentication: LocalFederation(..., tls=True, auth=True)")
+        i = self._keys_made
+        self._keys_made += 1
+        folder = self.workdir / "credentials" / f"key{i}"
+        priv, pub = make_credentials(folder, 1).node_keys[0]
+        if register:
+            res = subprocess.run(["flwr", "supernode", "register", str(pub), CONNECTION], env=self.env,
+                                 cwd=self.workdir, capture_output=True, text=True, timeout=120)
+            if res.returncode != 0:
+                raise ConfigError(f"flwr supernode register failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        return priv, pub
+
+    def start_supernode(self, node_config: Mapping[str, Any], name: str | None = None,
+                        key: Path | None = None, max_wait: float | None = None) -> subprocess.Popen:
+        """Start a SuperNode with ``node_config`` (its ``--node-config``); with ``auth``, ``key`` is
+        its private key (default: a new registered one). ``max_wait``: seconds it keeps trying to
+        connect (default: forever)."""
+        name = name or f"node{sum(n.startswith('node') for n in self.procs)}"
+        args = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
+                "--node-config", config_arg(node_config)]
+        args += ["--root-certificates", str(self.creds.ca_cert)] if self.tls else ["--insecure"]
+        if self.auth:
+            args += ["--auth-supernode-private-key", str(key or self.node_key()[0])]
+        if max_wait is not None:
+            args += ["--max-wait-time", str(max_wait)]
+        return self._start(name, args)
+
+    def kill(self, name: str) -> None:
+        """Kill process ``name`` and its children at once (SIGKILL: a node that drops off)."""
+        p = self.procs[name]
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+
+    def flwr_run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 600.0,
+                 num_supernodes: int | None = None) -> subprocess.CompletedProcess:
+        """``flwr run <app> --stream`` against this SuperLink with ``run_config`` overrides (keys
+        must be listed in the app's ``[tool.flwr.app.config]``); ``num_supernodes`` for the
+        simulation runtime. Returns the finished process (stdout and stderr as text)."""
+        args = ["flwr", "run", str(app), CONNECTION, "--stream"]
+        if run_config:
+            args += ["--run-config", config_arg(run_config)]
+        if num_supernodes is not None:
+            args += ["--federation-config", f"num-supernodes={int(num_supernodes)}"]
+        return subprocess.run(args, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
+
+    def stop(self) -> None:
+        """Stop every process started here (SIGTERM, then SIGKILL after 10 s); never raises."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 15)
+                except ProcessLookupError:
+                    pass
+        for name, p in self.procs.items():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+
+    def __enter__(self) -> "LocalFederation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["Credentials", "LocalFederation", "config_arg", "free_port", "listening", "make_credentials"]
