@@ -38,15 +38,23 @@ class LocalGrid(Grid):
     """A Flower Grid whose nodes are ClientApp contexts in this process (test double for a
     SuperLink): ``partition_ids[k]`` is node k's ``partition-id``."""
 
-    def __init__(self, run_config: dict, partition_ids: list[int], num_partitions: int | None = None):
+    def __init__(self, run_config: dict, partition_ids: list[int] | None = None, num_partitions: int | None = None,
+                 node_configs: list[dict] | None = None):
+        self.run_config = dict(run_config)
         self.contexts = {}
-        for k, pid in enumerate(partition_ids):
-            nid = 1000 + k
-            node_config = {"partition-id": pid, "num-partitions": num_partitions or len(partition_ids)}
-            self.contexts[nid] = Context(run_id=1, node_id=nid, node_config=node_config, state=RecordDict(),
-                                         run_config=dict(run_config))
+        configs = node_configs or [{"partition-id": pid, "num-partitions": num_partitions or len(partition_ids)}
+                                   for pid in partition_ids]
+        for k, nc in enumerate(configs):
+            self.add_node(1000 + k, nc)
         self._ids = itertools.count()
         self.sent: list[str] = []
+        self.silent: set[int] = set()  # nodes whose replies never arrive (a SuperNode that went away)
+        self.on_send = None  # called with (message type, group id) before each batch
+
+    def add_node(self, nid: int, node_config: dict) -> None:
+        """A SuperNode connects (a fresh context: a restarted node has lost its state)."""
+        self.contexts[nid] = Context(run_id=1, node_id=nid, node_config=dict(node_config), state=RecordDict(),
+                                     run_config=self.run_config)
 
     def set_run(self, run):
         pass
@@ -69,9 +77,14 @@ class LocalGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):
         replies = []
+        messages = list(messages)
+        if self.on_send and messages:
+            self.on_send(self, messages[0].metadata.message_type, messages[0].metadata.group_id)
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
             self.sent.append(msg.metadata.message_type)
+            if msg.metadata.dst_node_id in self.silent:
+                continue
             try:
                 replies.append(client_app.app(msg, self.contexts[msg.metadata.dst_node_id]))
             except Exception as e:  # a SuperNode turns a ClientApp exception into an error reply
@@ -259,3 +272,234 @@ def test_a_fractional_partition_id_is_refused():
     uc = _user_config()
     with pytest.raises(TrainingError, match=r"partition-id=2.5 is not a whole number"):
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2.5, 3]), out=False)
+
+
+# --- nodes with their own data and models (fedproto.flower.node) ------------------------------
+
+NODE_CLASSES = [(0, 1, 2, 3), (2, 3, 4, 5), (4, 5, 0, 1)]  # neighbours share classes
+NODE_MODELS = ["cnn", "projcnn:16-32", "cnn"]  # two architectures
+OWN = dict(dataset="custom", classes=10, embedding_dim=50, clients=3, rounds=2, lr=0.05, threads=1, seed=7,
+           execution="sequential", eval_every=0)
+
+
+def _own_config(**kw) -> dict:
+    """The Flower run config of a federation of own-data nodes."""
+    return {k.replace("_", "-"): v for k, v in {**OWN, **kw}.items()}
+
+
+def write_node_folders(root, shots=12, test_shots=4, labels=NODE_CLASSES) -> list:
+    """One folder per node with train.npz / test.npz of digits samples of its classes."""
+    from fedproto.data.datasets import load_dataset
+
+    ds = load_dataset("digits")
+    rng = np.random.default_rng(0)
+    folders = []
+    for i, classes in enumerate(labels):
+        folder = root / f"node{i}"
+        folder.mkdir(parents=True)
+        for split, x, y, k in (("train", ds.train_x, ds.train_y, shots), ("test", ds.test_x, ds.test_y, test_shots)):
+            idx = np.concatenate([rng.choice(np.flatnonzero(y.numpy() == c), k, replace=False) for c in classes])
+            np.savez(folder / f"{split}.npz", x=x.numpy()[idx], y=y.numpy()[idx])
+        folders.append(folder)
+    return folders
+
+
+def node_configs(folders, models=NODE_MODELS, extra: dict | None = None) -> list[dict]:
+    """``--node-config`` of each node: client-id, data folder, model (plus ``extra[i]``)."""
+    return [{"client-id": i, "data": str(f), "model": models[i], **(extra or {}).get(i, {})}
+            for i, f in enumerate(folders)]
+
+
+def in_process_reference(folders, models=NODE_MODELS, **options):
+    """The same clients through the Python API: fedproto.federation.federate, models built by the
+    zoo with the node's seeding rule (model_seed(seed, client-id))."""
+    from fedproto.federation import Client, federate
+    from fedproto.models.zoo import build_model
+
+    opts = {k: v for k, v in {**OWN, **options}.items() if k not in ("dataset", "classes", "clients", "embedding_dim")}
+    clients = []
+    for i, f in enumerate(folders):
+        tr, te = np.load(f / "train.npz"), np.load(f / "test.npz")
+        model = build_model(models[i], i, 1, 10, 8, 50, 0.5, opts["seed"])
+        clients.append(Client(model, (tr["x"], tr["y"]), (te["x"], te["y"])))
+    return federate(clients, num_classes=10, out=False, **opts)
+
+
+def test_own_data_nodes_give_the_python_api_numbers(tmp_path):
+    """Three nodes, each with its own .npz folder and model (two architectures), a server with no
+    data: the numbers of federate() with the same clients and seed."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
+    assert eng.setup.dataset is None and eng.setup.data == [] and all(s.model is None for s in eng.setup.states)
+    got = eng.run()
+    ref = in_process_reference(folders)
+    want = ref.run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+        assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
+    for a, b in zip(eng.history, ref.history):
+        assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
+        assert a["loss_proto"] == pytest.approx(b["loss_proto"], rel=1e-6, abs=1e-12)
+        assert a["up_params"] == b["up_params"]
+    assert eng.history[1]["loss_proto"] > 0  # global prototypes mix clients (shared classes)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["sampled"] == rows[0]["replied"] == [0, 1, 2] and rows[0]["failed"] == {}
+    assert got["model_params"][0] != got["model_params"][1]  # cnn and projcnn:16-32
+
+
+def test_a_node_sending_nan_prototypes_is_dropped_and_logged(tmp_path, caplog):
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    grid = LocalGrid(uc, node_configs=node_configs(folders, extra={1: {"misbehave": "nan"}}))
+    got = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["dropped"] == {"1": "prototypes hold NaN or infinite values"} for r in rows)
+    assert any("dropped the reply of client 1 (node 1001): prototypes hold NaN" in r.getMessage() for r in caplog.records)
+    assert np.isfinite(got["accuracy"]["acc_proto"]["mean"]) and np.isfinite(got["accuracy"]["acc"]["mean"])
+    protos = np.load(tmp_path / "run" / "prototypes.npz")
+    assert np.isfinite(protos["protos"]).all()
+    # the global prototypes come from clients 0 and 2 only: classes 0..5, none from client 1 alone
+    assert sorted(protos["classes"].tolist()) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_path):
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 3})
+    ncs = node_configs(folders)
+
+    def script(grid, kind, group):  # node 1002 (client 2) is gone in round 2, back on a new node in round 3
+        if kind == "train" and group == "2":
+            grid.silent.add(1002)
+        if kind == "train" and group == "3" and 1003 not in grid.contexts:
+            pass
+
+    grid = LocalGrid(uc, node_configs=ncs)
+    grid.on_send = script
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
+    orig = eng._sample
+
+    def sample(r):
+        if r == 3:
+            grid.contexts.pop(1002)
+            grid.add_node(1003, ncs[2])
+        return orig(r)
+
+    eng._sample = sample
+    eng.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["replied"] == [0, 1, 2] and rows[0]["timed_out"] == []
+    assert rows[1]["sampled"] == [0, 1, 2] and rows[1]["replied"] == [0, 1] and rows[1]["timed_out"] == [2]
+    assert rows[2]["replied"] == [0, 1, 2] and eng.nodes[2] == 1003
+    assert rows[1]["up_params"] == 2 / 3 * rows[0]["up_params"]
+
+
+def test_below_min_replies_the_round_is_retried_then_the_run_stops_keeping_earlier_rounds(tmp_path, monkeypatch):
+    from fedproto.flower import server_app
+    from fedproto.flower.common import FlowerOptions
+
+    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 3})
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+
+    def script(grid, kind, group):
+        if kind == "train" and group == "2":
+            grid.silent.update({1000, 1001})
+
+    grid.on_send = script
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1,
+                       options=FlowerOptions(min_replies=2, round_retries=1))
+    with pytest.raises(TrainingError, match=r"round 2: 1 valid replies, fewer than min-replies=2, after 1 retries .*"
+                                            r"rounds 1..1 are in .*metrics.jsonl"):
+        eng.run()
+    assert grid.sent.count("train") == 3 + 3 + 2  # round 1, round 2, its retry (the silent two)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1]
+
+
+def test_nodes_with_labels_outside_the_classes_or_another_embedding_size_are_refused(tmp_path, monkeypatch, caplog):
+    folders = write_node_folders(tmp_path, labels=[(0, 1), (1, 2), (2, 3)])
+    np.savez(folders[2] / "train.npz", x=np.zeros((4, 1, 8, 8), np.float32), y=np.array([1, 2, 12, 3]))
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\n"
+        "def wide(num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, num_classes))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ncs = node_configs(folders, models=["cnn", "mymodels:wide", "cnn"], extra={1: {"head": "3"}})
+    uc = _own_config()
+    eng = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=ncs), out=False, wait_s=0)
+    msgs = " ".join(r.getMessage() for r in caplog.records)
+    assert "node client-id=1: its model 'mymodels:wide' has embedding size 32, but the run's embedding-dim is 50" in msgs
+    assert "node client-id=2" in msgs and "label 12 is outside the run's classes 0..9" in msgs
+    assert sorted(eng.nodes) == [0]
+    assert eng.run()["clients"] == 3  # the run goes on with the node that joined
+
+
+def test_a_plain_classifier_from_a_factory_joins_with_its_head(tmp_path, monkeypatch):
+    folders = write_node_folders(tmp_path, labels=[(0, 1), (1, 2)])
+    (tmp_path / "mymodels2.py").write_text(
+        "import torch.nn as nn\n"
+        "def mlp(num_classes, embedding_dim):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, embedding_dim), nn.ReLU(), "
+        "nn.Linear(embedding_dim, num_classes))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ncs = node_configs(folders, models=["cnn", "mymodels2:mlp"], extra={1: {"head": "3"}})
+    uc = _own_config(**{"clients": 2})
+    got = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=ncs), out=False).run()
+    assert got["accuracy"]["acc"]["mean"] > 0.5
+
+
+def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_path):
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"algorithm": "fedavg"})
+    models = ["cnn", "cnn", "cnn"]
+    eng = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders, models=models)), out=False)
+    got = eng.run()
+    want = in_process_reference(folders, models=models, algorithm="fedavg").run()
+    assert got["accuracy"]["acc"]["mean"] == pytest.approx(want["accuracy"]["acc"]["mean"], abs=1e-9)
+    uc = _own_config(**{"algorithm": "fedavg"})
+    with pytest.raises(ConfigError, match=r"fedavg averages model weights.*clients \[1\] differ from client 0"):
+        FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
+
+
+def test_reply_checks_name_what_is_wrong():
+    from fedproto.algorithms import FedAvg, FedProto
+    from fedproto.simulation import reply_problem
+    from fedproto.training import OptimConfig
+
+    fp = FedProto(10, OptimConfig())
+    good = {"classes": np.array([1, 4]), "protos": np.ones((2, 5), np.float32), "counts": np.array([3, 2])}
+    assert reply_problem(fp, good, {}, 5) == ""
+    cases = {"prototypes have shape (2, 5), expected (2, 6)": ({}, 6),
+             "class ids outside 0..9 (1..12)": ({"classes": np.array([1, 12])}, 5),
+             "prototypes hold NaN": ({"protos": np.full((2, 5), np.inf, np.float32)}, 5),
+             "counts that are not positive whole numbers": ({"counts": np.array([3, 0])}, 5),
+             "repeats a class id": ({"classes": np.array([4, 4])}, 5),
+             "entry 'protos' is a list": ({"protos": [[1.0] * 5] * 2}, 5)}
+    for want, (change, d) in cases.items():
+        assert want in reply_problem(fp, {**good, **change}, {}, d)
+    fa = FedAvg(10, OptimConfig())
+    sent = {"w/a": np.zeros((2, 3), np.float32)}
+    assert reply_problem(fa, {"w/a": np.ones((2, 3), np.float32), "n": np.array([5])}, sent, 5) == ""
+    assert "shape (3, 2), expected (2, 3)" in reply_problem(fa, {"w/a": np.ones((3, 2), np.float32), "n": np.array([5])},
+                                                             sent, 5)
+    assert "'n' is not one positive whole number" in reply_problem(fa, {"w/a": np.ones((2, 3), np.float32),
+                                                                         "n": np.array([0])}, sent, 5)
+
+
+def test_client_folder_of_images_is_read_by_class_folder(tmp_path):
+    from PIL import Image
+
+    from fedproto.data.folder import load_client_folder
+    from fedproto.errors import DataError
+
+    for split in ("train", "test"):
+        for c in ("3", "cat"):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.fromarray(np.full((6, 6), 255 if c == "3" else 0, np.uint8)).save(tmp_path / split / c / "a.png")
+    (x, y), (tx, ty) = load_client_folder(tmp_path, 10, ["zero", "one", "two", "three", "cat"])
+    assert x.shape == (2, 1, 6, 6) and sorted(y.tolist()) == [3, 4] and float(x.max()) == 1.0
+    with pytest.raises(DataError, match="sub-folder 'cat' is not a class id 0..9"):
+        load_client_folder(tmp_path, 10)
