@@ -503,3 +503,44 @@ def test_client_folder_of_images_is_read_by_class_folder(tmp_path):
     assert x.shape == (2, 1, 6, 6) and sorted(y.tolist()) == [3, 4] and float(x.max()) == 1.0
     with pytest.raises(DataError, match="sub-folder 'cat' is not a class id 0..9"):
         load_client_folder(tmp_path, 10)
+
+
+def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_numbers(tmp_path):
+    """The real thing (a CI test): a SuperLink and 3 SuperNodes on 127.0.0.1 (free ports), each
+    with its own .npz folder and model (cnn, projcnn:16-32, cnn), ``flwr run`` of the own-data
+    Flower App (examples/flower/own_data), whose ServerApp has no dataset. Same numbers as
+    federate() with the same clients; every process is stopped at the end."""
+    from pathlib import Path
+
+    from fedproto.flower.common import FLOWER_KEYS
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    app_cfg = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    folders = write_node_folders(tmp_path / "data")
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "fed", env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for nc in node_configs(folders):
+            fed.start_supernode(nc)
+        res = fed.flwr_run(app, {"rounds": 2, "out-dir": str(out), "seed": 7}, timeout=300)
+        procs = list(fed.procs.values())
+    assert all(p.poll() is not None for p in procs)  # all stopped
+    logs = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:] + fed.log("superlink")[-2000:]
+    run = next(out.glob("*/summary.json")).parent
+    got = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replied"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
+    opts = {k.replace("-", "_"): v for k, v in app_cfg.items()
+            if k.replace("-", "_") not in (*FLOWER_KEYS, "dataset", "classes", "clients", "embedding_dim", "out_dir")}
+    ref = in_process_reference(folders, **{**opts, "rounds": 2, "seed": 7})
+    want = ref.run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+        assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
+    for a, b in zip(rows, ref.history):
+        assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
+        assert a["loss_proto"] == pytest.approx(b["loss_proto"], rel=1e-6, abs=1e-12)
+    assert got["params_per_round"] == want["params_per_round"]
