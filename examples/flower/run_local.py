@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -109,9 +110,12 @@ def main() -> None:
         runner.join()
         if args.unregistered:
             intruder.wait(60) if intruder.poll() is None else None
-            lines = [ln for ln in fed.log("unregistered").splitlines() if "rror" in ln or "enied" in ln
-                     or "PERMISSION" in ln or "nauth" in ln]
+            text = re.sub(r"\x1b\[[0-9;]*m", "", fed.log("unregistered"))  # no colour codes
+            lines = [ln for ln in text.splitlines() if "Exit Code" in ln or "Failed" in ln or "code:" in ln
+                     or "rror" in ln or "denied" in ln.lower()]
             print("unregistered SuperNode (exit code %s) was told:\n  %s" % (intruder.poll(), "\n  ".join(lines[-4:])))
+            link = re.sub(r"\x1b\[[0-9;]*m", "", fed.log("superlink"))
+            print("the SuperLink logged:\n  " + "\n  ".join(ln[:400] for ln in link.splitlines() if "ApiError" in ln))
         report(result["res"], out, t0, fed)
 
 
