@@ -10,6 +10,7 @@ SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), 
     python examples/flower/run_local.py --kill 2@2 --round-timeout 20
     python examples/flower/run_local.py --misbehave 1:nan
     python examples/flower/run_local.py --runtime simulation  # Flower's simulation runtime (Ray)
+    python examples/flower/run_local.py --compare             # then the same clients in-process, times side by side
 
 ``--tls`` makes a CA, a SuperLink certificate and (``--auth``) one registered key pair per
 SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registered and prints
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--round-timeout", type=float, default=60.0)
     ap.add_argument("--participation", type=float, default=1.0)
     ap.add_argument("--workdir", default="runs/flower-local")
+    ap.add_argument("--compare", action="store_true",
+                    help="then run the same clients in-process and print per-round times side by side")
     args = ap.parse_args()
 
     work = Path(args.workdir).resolve()
@@ -117,6 +120,43 @@ def main() -> None:
             link = re.sub(r"\x1b\[[0-9;]*m", "", fed.log("superlink"))
             print("the SuperLink logged:\n  " + "\n  ".join(ln[:400] for ln in link.splitlines() if "ApiError" in ln))
         report(result["res"], out, t0, fed)
+        if args.compare:
+            compare(out, work / "data", args)
+
+
+def compare(out: Path, data: Path, args) -> None:
+    """Run the same clients in-process (fedproto.federation.federate, same options and seed) and
+    print each round's wall time beside the deployment's, and both accuracies."""
+    import tomllib
+
+    from fedproto.federation import Client, federate
+    from fedproto.models.zoo import build_model
+
+    cfg = tomllib.loads((HERE / "own_data" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    skip = ("dataset", "classes", "clients", "embedding-dim", "out-dir", "round-timeout", "min-replies",
+            "round-retries", "wait-nodes", "participation")
+    opts = {k.replace("-", "_"): v for k, v in cfg.items() if k not in skip}
+    opts.update(rounds=args.rounds, algorithm=args.algorithm)
+    clients = []
+    for i in range(args.nodes):
+        tr, te = np.load(data / f"node{i}" / "train.npz"), np.load(data / f"node{i}" / "test.npz")
+        model = build_model(NODE_MODELS[i % len(NODE_MODELS)], i, 1, cfg["classes"], 8, cfg["embedding-dim"],
+                            cfg["dropout"], opts["seed"])
+        clients.append(Client(model, (tr["x"], tr["y"]), (te["x"], te["y"])))
+    sim = federate(clients, num_classes=cfg["classes"], out=False, **opts)
+    want = sim.run()
+    run = sorted(out.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)[-1]
+    rows = [json.loads(x) for x in run.read_text().splitlines()]
+    got = json.loads((run.parent / "summary.json").read_text())
+    print("\nround  deployment_s  simulator_s")
+    for a, b in zip(rows, sim.history):
+        print(f"{a['round']:5d}  {a['train_time_s']:12.2f}  {b['train_time_s']:11.3f}")
+    print(f"final evaluation: deployment {rows[-1].get('eval_time_s', float('nan')):.2f} s, simulator "
+          f"{sim.history[-1].get('eval_time_s', float('nan')):.3f} s")
+    print(f"wall time: deployment {got['wall_time_s']:.1f} s (ServerApp), simulator {want['wall_time_s']:.2f} s")
+    for key in ("acc", "acc_proto"):
+        if key in got["accuracy"]:
+            print(f"{key}: deployment {got['accuracy'][key]['mean']:.6f}, simulator {want['accuracy'][key]['mean']:.6f}")
 
 
 def rounds_logged(out: Path) -> int:

@@ -1,10 +1,13 @@
 """The Flower engine (DESIGN.md "Engines"): FedProto and every baseline over Flower's transport.
 
-Three adapters, no algorithm code: :mod:`.common` maps our messages (``dict[str, ndarray]``) and
-run options to Flower records, :mod:`.client_app` is the ``ClientApp`` (one client per
-SuperNode, chosen by its ``partition-id`` node config), :mod:`.server_app` is the ``ServerApp``
-(the in-process round engine with its client step sent over a Flower ``Grid``). Same config and
-seed give the same numbers as ``fedproto run --set execution=sequential``.
+Adapters, no algorithm code: :mod:`.common` maps our messages (``dict[str, ndarray]``) and run
+options to Flower records, :mod:`.client_app` is the ``ClientApp`` (one client per SuperNode:
+its own data folder and model, :mod:`.node`, or client ``partition-id`` of a benchmark
+partition), :mod:`.server_app` is the ``ServerApp`` (the in-process round engine with its client
+step sent over a Flower ``Grid``; it holds no data and no client model; it samples connected
+nodes, tolerates dropouts and checks every reply), :mod:`.local` starts a SuperLink and
+SuperNodes on this machine (with TLS and SuperNode authentication if asked). Same clients and
+seed give the numbers of an in-process run. See docs/flower.md.
 
 Needs the optional dependency ``flwr`` (``pip install "fedproto[flower]"``); importing a
 submodule without it raises :class:`ImportError` saying so.
