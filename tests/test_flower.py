@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import numpy as np
 import pytest
@@ -177,75 +178,30 @@ def test_checkpoints_and_resume_are_refused_under_flower():
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@pytest.mark.slow
-def test_flower_deployment_on_localhost_gives_the_simulation_numbers(tmp_path):
-    """The real thing: a SuperLink and two SuperNodes on 127.0.0.1, ``flwr run`` of the example
-    Flower app (examples/flower) with its run config overridden; every ClientApp call runs in
-    its own process, client state persists in the SuperNode. Same numbers as the simulation."""
-    import os
-    import shutil
-    import subprocess
-    import time
+def _benchmark_run_matches_the_simulation(tmp_path, simulation: bool):
+    """``flwr run`` of the benchmark app (examples/flower, digits, partition-id nodes) with
+    clients=2 rounds=2, on a deployment of 2 SuperNodes or on the simulation runtime: the
+    simulator's numbers."""
     from pathlib import Path
 
-    if shutil.which("flower-superlink") is None:
-        pytest.fail("flwr is installed but its flower-superlink command is not on PATH")
+    from fedproto.flower.local import LocalFederation
+
     app_dir = Path(__file__).resolve().parents[1] / "examples" / "flower"
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
-    (tmp_path / "home").mkdir()
-    link = _free_port()
-    (tmp_path / "home" / "config.toml").write_text(
-        f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{link}"\ninsecure = true\n')
-    procs = []
-
-    def start(args, log):
-        procs.append(subprocess.Popen(args, env=env, cwd=tmp_path, stdout=open(tmp_path / log, "w"),
-                                      stderr=subprocess.STDOUT))
-
-    try:
-        start(["flower-superlink", "--insecure", "--port", str(link), "--database", str(tmp_path / "link.db"),
-               "--disable-runtime-dependency-installation"], "superlink.log")
-        deadline = time.time() + 120
-        while not _listening(link):
-            if time.time() > deadline or procs[0].poll() is not None:
-                pytest.fail("the SuperLink did not start:\n" + (tmp_path / "superlink.log").read_text()[-3000:])
-            time.sleep(0.5)
-        for i in range(2):
-            start(["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{link}", "--port", str(_free_port()),
-                   "--node-config", f"partition-id={i} num-partitions=2"], f"node{i}.log")
-        out = tmp_path / "out"
-        over = f"clients=2 rounds=2 out-dir='{out}'"
-        t0 = time.time()
-        res = subprocess.run(["flwr", "run", str(app_dir), "local", "--stream", "--run-config", over], env=env,
-                             cwd=tmp_path, capture_output=True, text=True, timeout=400)
-        logs = res.stdout + res.stderr
-        assert "fedproto: fedproto on digits: accuracy" in logs, logs[-3000:]
-        summaries = list(out.glob("*/summary.json"))
-        assert len(summaries) == 1, logs[-3000:]
-        got = json.loads(summaries[0].read_text())
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = tmp_path / "out"
+    t0 = time.time()
+    with LocalFederation(tmp_path / "fed", simulation=simulation, env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        if not simulation:
+            for i in range(2):
+                fed.start_supernode({"partition-id": i, "num-partitions": 2})
+        res = fed.flwr_run(app_dir, {"clients": 2, "rounds": 2, "out-dir": str(out)}, timeout=400,
+                           num_supernodes=2 if simulation else None)
+    logs = res.stdout + res.stderr
+    assert "fedproto: fedproto on digits: accuracy" in logs, logs[-3000:]
+    summaries = list(out.glob("*/summary.json"))
+    assert len(summaries) == 1, logs[-3000:]
+    got = json.loads(summaries[0].read_text())
     print(f"flwr run took {time.time() - t0:.0f} s")
     app_cfg = {k: v for k, v in tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
                ["config"].items() if k != "out-dir"}
@@ -255,6 +211,21 @@ def test_flower_deployment_on_localhost_gives_the_simulation_numbers(tmp_path):
     for key in want["accuracy"]:
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
     assert got["params_per_round"] == want["params_per_round"]
+
+
+@pytest.mark.slow
+def test_flower_deployment_on_localhost_gives_the_simulation_numbers(tmp_path):
+    """The benchmark mode on a real deployment: a SuperLink and two SuperNodes on 127.0.0.1;
+    every ClientApp call runs in its own process, client state persists in the SuperNode."""
+    _benchmark_run_matches_the_simulation(tmp_path, simulation=False)
+
+
+@pytest.mark.slow
+def test_flower_simulation_runtime_gives_the_simulation_numbers(tmp_path):
+    """Flower's simulation runtime (a SuperLink started with --simulation, Ray backend,
+    ``--federation-config num-supernodes=2``): the simulator's numbers."""
+    pytest.importorskip("ray", reason="Flower's simulation runtime needs Ray: pip install \"fedproto[flower-sim]\"")
+    _benchmark_run_matches_the_simulation(tmp_path, simulation=True)
 
 
 def test_server_app_logs_a_user_mistake_in_one_line(caplog):
