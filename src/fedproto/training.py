@@ -21,6 +21,7 @@ so momentum does not carry across rounds).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -367,6 +368,8 @@ def train_client(
             raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term "
                              "or the 'l2' distance (a batch prototype)")
         net = gsm = GradSampleModule(model, loss_reduction="mean")
+        # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
