@@ -326,8 +326,9 @@ def test_a_node_sending_nan_prototypes_is_dropped_and_logged(tmp_path, caplog):
     grid = LocalGrid(uc, node_configs=node_configs(folders, extra={1: {"misbehave": "nan"}}))
     got = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["dropped"] == {"1": "prototypes hold NaN or infinite values"} for r in rows)
-    assert any("dropped the reply of client 1 (node 1001): prototypes hold NaN" in r.getMessage() for r in caplog.records)
+    why = "the prototype of class 2: values that are not finite; the prototype of class 3: values that are not finite"
+    assert all(r["dropped"] == [1] and r["dropped_why"]["1"].startswith(why) for r in rows)
+    assert any(f"dropped the reply of client 1 (node 1001): {why}" in r.getMessage() for r in caplog.records)
     assert np.isfinite(got["accuracy"]["acc_proto"]["mean"]) and np.isfinite(got["accuracy"]["acc"]["mean"])
     protos = np.load(tmp_path / "run" / "prototypes.npz")
     assert np.isfinite(protos["protos"]).all()
@@ -440,17 +441,22 @@ def test_reply_checks_name_what_is_wrong():
     from fedproto.simulation import reply_problem
     from fedproto.training import OptimConfig
 
-    fp = FedProto(10, OptimConfig())
+    fp = FedProto(10, OptimConfig(), embedding_dim=5)
     good = {"classes": np.array([1, 4]), "protos": np.ones((2, 5), np.float32), "counts": np.array([3, 2])}
     assert reply_problem(fp, good, {}, 5) == ""
-    cases = {"prototypes have shape (2, 5), expected (2, 6)": ({}, 6),
-             "class ids outside 0..9 (1..12)": ({"classes": np.array([1, 12])}, 5),
-             "prototypes hold NaN": ({"protos": np.full((2, 5), np.inf, np.float32)}, 5),
-             "counts that are not positive whole numbers": ({"counts": np.array([3, 0])}, 5),
+    cases = {"prototypes have shape (2, 5) and dtype float32, expected (2, 6) floats": ({}, 6),
              "repeats a class id": ({"classes": np.array([4, 4])}, 5),
+             "unexpected entries ['x']": ({"x": np.zeros(1)}, 5),
              "entry 'protos' is a list": ({"protos": [[1.0] * 5] * 2}, 5)}
     for want, (change, d) in cases.items():
         assert want in reply_problem(fp, {**good, **change}, {}, d)
+    # bad rows are dropped, the rest kept (Algorithm.reply_problems)
+    bad = {"classes": np.array([1, 12, 4, 5]), "protos": np.ones((4, 5), np.float32), "counts": np.array([3, 2, 2, 1.5])}
+    bad["protos"][2, 0] = np.nan
+    clean, why = fp.reply_problems(0, bad)
+    assert clean["classes"].tolist() == [1]
+    assert why == ["the prototype of class 12: class 12 outside 0..9", "the prototype of class 4: values that are not "
+                   "finite", "the prototype of class 5: count 1.5 not a whole number"]
     fa = FedAvg(10, OptimConfig())
     sent = {"w/a": np.zeros((2, 3), np.float32)}
     assert reply_problem(fa, {"w/a": np.ones((2, 3), np.float32), "n": np.array([5])}, sent, 5) == ""

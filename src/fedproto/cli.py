@@ -88,13 +88,27 @@ def run(
     lambda_proto: Optional[float] = typer.Option(None, "--lambda", "--lambda-proto", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
     distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text) (default: mse)"),
     proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3) (default: last_epoch)"),
-    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median (default: mean)"),
+    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median | trimmed (--trim) (default: mean)"),
     proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes (default: own)"),
     lambda_warmup: Optional[int] = typer.Option(None, help="FedProto: rounds of linear λ warm-up (0: constant λ) (default: 0)"),
     proto_momentum: Optional[float] = typer.Option(None, help="FedProto: server prototype momentum β in [0, 1) (default: 0)"),
     proto_normalize: Optional[bool] = typer.Option(None, "--proto-normalize/--no-proto-normalize", help="FedProto: L2-normalize embeddings and prototypes in the loss and inference (default: off)"),
     min_proto_samples: Optional[int] = typer.Option(None, help="FedProto: the server ignores local prototypes from fewer samples (default: 1)"),
     proto_dist_alert: Optional[float] = typer.Option(None, help="FedProto: warn when a client's prototype distance exceeds this x the median (0: off) (default: 3)"),
+    trim: Optional[float] = typer.Option(None, help="FedProto, --aggregation trimmed: fraction of a class's contributors cut from each end, per coordinate (default: 0.2)"),
+    min_contributors: Optional[int] = typer.Option(None, help="FedProto: a class gets (or changes) its global prototype only in rounds where at least this many clients send it (default: 1)"),
+    exclude_outliers: Optional[float] = typer.Option(None, help="FedProto: leave out of a round's aggregation clients whose prototype distance has a robust z-score (median, MAD) above Z (0: off; e.g. 3) (default: 0)"),
+    lambda_schedule: Optional[str] = typer.Option(None, help="FedProto: linear | cosine shape of the λ warm-up (--lambda-warmup) (default: linear)"),
+    freeze_after: Optional[int] = typer.Option(None, help="Two-stage training: after this round only the head trains (0: off) (default: 0)"),
+    eval_full_test: Optional[bool] = typer.Option(None, "--eval-full-test/--no-eval-full-test", help="Also evaluate every client model and their ensemble on the full test split (all classes) after the last round (default: off)"),
+    dp: Optional[str] = typer.Option(None, help="Differential privacy: off | prototypes (noised prototype release; guarantee for a fixed feature extractor) | full (DP-SGD + noised release) (default: off)"),
+    dp_noise: Optional[float] = typer.Option(None, help="DP noise multiplier sigma (default: 1)"),
+    dp_clip: Optional[float] = typer.Option(None, help="DP: L2 bound on each sample's embedding in the prototype release (default: 5)"),
+    dp_grad_clip: Optional[float] = typer.Option(None, help="DP-SGD (--dp full): per-sample gradient L2 bound (default: 1)"),
+    dp_delta: Optional[float] = typer.Option(None, help="DP: delta of the reported epsilon (default: 1e-5)"),
+    attack: Optional[str] = typer.Option(None, help="Simulated misbehaving clients: none | scale | random | nan | flip (default: none)"),
+    attackers: Optional[int] = typer.Option(None, help="Number of misbehaving clients, drawn from the seed (default: 0)"),
+    attack_scale: Optional[float] = typer.Option(None, help="Factor of --attack scale (default: 100)"),
     prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu (default: 0.01)"),
     personal_layers: Optional[str] = typer.Option(None, help="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's Params) | head (last layer only) (default: fc)"),
     rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round (default: 9)"),
@@ -169,7 +183,22 @@ def run(
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+        if key in summary.get("accuracy_honest", {}):
+            a = summary["accuracy_honest"][key]
+            table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+    full = summary.get("accuracy_full_test")
+    if full:
+        for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype")):
+            if key in full:
+                table.add_row(f"{label}, full test split", f"{_pct(full[key]['mean'])} ± {_pct(full[key]['std'])}")
+        table.add_row("ensemble (mean softmax), full test split", _pct(full["ensemble_softmax"]))
+        table.add_row("ensemble (vote), full test split", _pct(full["ensemble_vote"]))
     console.print(table)
+    if "privacy" in summary:
+        pv = summary["privacy"]
+        console.print(f"privacy ({pv['mode']}, noise {pv['noise_multiplier']:g}): epsilon {pv['epsilon_max']:.3g} "
+                      f"at delta {pv['delta']:g} (largest over clients; {pv['neighbouring']})",
+                      highlight=False, soft_wrap=True)
     ppr = summary["params_per_round"]
     console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
                   f"wall time {summary['wall_time_s']:.1f} s; results in {out}", highlight=False, soft_wrap=True)

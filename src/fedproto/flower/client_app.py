@@ -172,6 +172,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     n = node(context)
     _checked_round(n, msg)
     metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
+    metrics.update(n.algorithm.client_report(n.state))  # e.g. the privacy this client spent (dp)
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["num-examples"] = len(n.data.test_y)
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)

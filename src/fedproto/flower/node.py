@@ -20,7 +20,7 @@ Node config keys (``flower-supernode --node-config '...'``):
     out when the module returns ``(logits, embedding)`` itself.
 ``misbehave`` (optional, for tests of the server's checks only)
     ``nan``, ``scale``, ``random`` or ``flip``: the node corrupts every message it sends up
-    (:func:`corrupt`).
+    (:func:`fedproto.attacks.corrupt_message`).
 
 The run config declares the class set (``classes``) and the embedding size (``embedding-dim``);
 a node whose labels fall outside the classes or whose model has another embedding size is
@@ -117,6 +117,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     alg = build_algorithm(cfg, d)
     try:
         alg.check_setup(cfg, [y.numpy()])
+        alg.check_models([model])
         check_batches(cfg, [model], [len(y)])
     except FedprotoError as e:
         raise ConfigError(f"{who}: {e}") from None
@@ -158,25 +159,12 @@ def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) 
 
 
 def corrupt(message: Message, kind: str, rng: np.random.Generator, num_classes: int) -> Message:
-    """A misbehaving node's message (node config ``misbehave``, tests of the server's checks).
+    """A misbehaving node's message (node config ``misbehave``, tests of the server's checks):
+    :func:`fedproto.attacks.corrupt_message` (``nan``, ``scale``, ``random``, ``flip``), as the
+    simulator's ``attackers`` use it."""
+    from fedproto.attacks import corrupt_message
 
-    Uses :func:`fedproto.attacks.corrupt_message` where that module exists; otherwise (TEMPORARY
-    fallback until issue #14's ``fedproto.attacks`` is merged) only ``nan`` is available: every
-    float array is filled with NaN.
-
-    Raises:
-        ConfigError: ``kind`` other than ``nan`` without :mod:`fedproto.attacks`.
-    """
-    try:
-        from fedproto.attacks import corrupt_message
-    except ImportError:
-        corrupt_message = None
-    if corrupt_message is not None:
-        return corrupt_message(message, kind, rng, num_classes)
-    # TEMPORARY fallback (until fedproto.attacks from issue #14 is merged): NaN only
-    if kind != "nan":
-        raise ConfigError(f"misbehave={kind!r} needs fedproto.attacks (issue #14); only 'nan' works without it")
-    return {k: (np.full_like(v, np.nan) if v.dtype.kind == "f" else v.copy()) for k, v in message.items()}
+    return corrupt_message(message, kind, rng, num_classes)
 
 
 __all__ = ["LocalClient", "MISBEHAVIOURS", "corrupt", "load_local_client", "node_client_id", "whole"]

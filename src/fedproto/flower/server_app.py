@@ -106,6 +106,9 @@ class FlowerEngine(Simulation):
                          [np.arange(int(self.info.get(i, {}).get("test-samples", 0))) for i in range(cfg.clients)],
                          [s.classes for s in S])
         setup = Setup(None, part, S, [], build_algorithm(cfg, d), d)
+        if cfg.attackers:
+            raise ConfigError(f"attackers={cfg.attackers}: under Flower a client misbehaves on its own node; start that "
+                              "SuperNode with the node config misbehave=\"nan\" (or scale, random, flip) instead")
         super().__init__(cfg, setup=setup, out=out, on_round=on_round)
 
     # -- nodes ----------------------------------------------------------------------------------
@@ -253,7 +256,8 @@ class FlowerEngine(Simulation):
                 st["failed"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
-            valid = [i for i in out if not reply_problem(alg, out[i][0], msgs[i], d)]
+            valid = [i for i in out if not reply_problem(alg, out[i][0], msgs[i], d)
+                     and (alg.reply_problems(i, out[i][0])[0] or not out[i][0])]
             if len(valid) >= self.opts.min_replies:
                 break
             if attempt == self.opts.round_retries:
@@ -292,14 +296,11 @@ class FlowerEngine(Simulation):
         return ({cid_of[n]: r for n, r in ok.items()}, {cid_of[n]: w for n, w in failed.items()},
                 [cid_of[n] for n in missing])
 
-    def _check_replies(self, r: int, sent: dict[int, FedMessage], results: dict) -> dict[int, str]:
-        bad = {}
-        for i in sorted(results):
-            why = reply_problem(self.setup.algorithm, results[i][0], sent.get(i, {}), self.setup.embedding_dim)
-            if why:
-                bad[i] = why
-                log.warning("round %d: dropped the reply of client %d (node %s): %s", r, i, self.nodes.get(i), why)
-        return bad
+    def _client_report(self, cid: int) -> dict:
+        return {}  # the node's evaluate reply carries it (Algorithm.client_report runs on the node)
+
+    def _who(self, cid: int) -> str:
+        return f"client {cid} (node {self.nodes.get(cid)})"
 
     def evaluate(self) -> list[dict]:
         """Per-client metrics, computed on the nodes (list indexed by client id; NaN for clients
