@@ -403,7 +403,8 @@ def test_nodes_with_labels_outside_the_classes_or_another_embedding_size_are_ref
     uc = _own_config()
     eng = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=ncs), out=False, wait_s=0)
     msgs = " ".join(r.getMessage() for r in caplog.records)
-    assert "node client-id=1: its model 'mymodels:wide' has embedding size 32, but the run's embedding-dim is 50" in msgs
+    assert ("node client-id=1: its model 'mymodels:wide' has embedding size 32, but the run's embedding-dim is 50"
+            in msgs)
     assert "node client-id=2" in msgs and "label 12 is outside the run's classes 0..9" in msgs
     assert sorted(eng.nodes) == [0]
     assert eng.run()["clients"] == 3  # the run goes on with the node that joined
@@ -451,7 +452,8 @@ def test_reply_checks_name_what_is_wrong():
     for want, (change, d) in cases.items():
         assert want in reply_problem(fp, {**good, **change}, {}, d)
     # bad rows are dropped, the rest kept (Algorithm.reply_problems)
-    bad = {"classes": np.array([1, 12, 4, 5]), "protos": np.ones((4, 5), np.float32), "counts": np.array([3, 2, 2, 1.5])}
+    bad = {"classes": np.array([1, 12, 4, 5]), "protos": np.ones((4, 5), np.float32),
+           "counts": np.array([3, 2, 2, 1.5])}
     bad["protos"][2, 0] = np.nan
     clean, why = fp.reply_problems(0, bad)
     assert clean["classes"].tolist() == [1]
@@ -460,8 +462,8 @@ def test_reply_checks_name_what_is_wrong():
     fa = FedAvg(10, OptimConfig())
     sent = {"w/a": np.zeros((2, 3), np.float32)}
     assert reply_problem(fa, {"w/a": np.ones((2, 3), np.float32), "n": np.array([5])}, sent, 5) == ""
-    assert "shape (3, 2), expected (2, 3)" in reply_problem(fa, {"w/a": np.ones((3, 2), np.float32), "n": np.array([5])},
-                                                             sent, 5)
+    wrong = {"w/a": np.ones((3, 2), np.float32), "n": np.array([5])}
+    assert "shape (3, 2), expected (2, 3)" in reply_problem(fa, wrong, sent, 5)
     assert "'n' is not one positive whole number" in reply_problem(fa, {"w/a": np.ones((2, 3), np.float32),
                                                                          "n": np.array([0])}, sent, 5)
 

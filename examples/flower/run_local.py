@@ -156,7 +156,8 @@ def compare(out: Path, data: Path, args) -> None:
     print(f"wall time: deployment {got['wall_time_s']:.1f} s (ServerApp), simulator {want['wall_time_s']:.2f} s")
     for key in ("acc", "acc_proto"):
         if key in got["accuracy"]:
-            print(f"{key}: deployment {got['accuracy'][key]['mean']:.6f}, simulator {want['accuracy'][key]['mean']:.6f}")
+            a, b = got["accuracy"][key]["mean"], want["accuracy"][key]["mean"]
+            print(f"{key}: deployment {a:.6f}, simulator {b:.6f}")
 
 
 def rounds_logged(out: Path) -> int:
@@ -177,7 +178,7 @@ def report(res, out: Path, t0: float, fed: LocalFederation) -> None:
     print(f"\nrun folder: {runs[-1].parent}  (flwr run: {time.perf_counter() - t0:.1f} s in all)")
     for row in map(json.loads, runs[-1].read_text().splitlines()):
         keep = {k: row[k] for k in ("round", "loss_ce", "loss_proto", "acc_mean", "acc_proto_mean", "train_time_s",
-                                    "sampled", "replied", "failed", "timed_out", "dropped") if k in row}
+                                    "sampled", "replied", "failed", "timed_out", "dropped", "dropped_why") if k in row}
         print(json.dumps(keep))
 
 

@@ -548,7 +548,7 @@ class Simulation:
             self.run_dir.release()
 
     def _run(self, resume: bool) -> dict:
-        cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        alg = self.setup.algorithm
         self._ran = True
         # may refuse the set-up (weight sharing across architectures)
         self.message = alg.broadcast(1, self._initial_message())

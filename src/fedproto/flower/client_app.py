@@ -82,7 +82,8 @@ def node(context: Context) -> Node:
         key = cfg.model_dump_json() + repr(sorted(nc.items()))
         if key not in _CACHE:
             _CACHE.clear()  # one run at a time per process
-            _CACHE[key] = load_local_client(nc, cfg, list(FlowerOptions.from_user_config(context.run_config).class_names))
+            names = list(FlowerOptions.from_user_config(context.run_config).class_names)
+            _CACHE[key] = load_local_client(nc, cfg, names)
         lc = _CACHE[key]
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
     else:

@@ -96,7 +96,8 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                               "site0\" model=\"cnn\"")
     bad = node_config.get("misbehave")
     if bad is not None and bad not in MISBEHAVIOURS:
-        raise ConfigError(f"{who}: node config misbehave={bad!r}; choose one of {', '.join(MISBEHAVIOURS)} (tests only)")
+        raise ConfigError(f"{who}: node config misbehave={bad!r}; choose one of {', '.join(MISBEHAVIOURS)} "
+                          "(tests only)")
     C, d = cfg.num_classes, cfg.embedding_dim
     spec, head = node_config["model"].strip(), node_config.get("head")
     try:

@@ -100,15 +100,15 @@ class FlowerEngine(Simulation):
         self._discover(self.opts.wait_nodes)
         dims = {i: int(self.info[i]["embedding-dim"]) for i in self.info}
         d = cfg.embedding_dim if self.own_data else dims[min(dims)]
-        S = [ClientState(i, None, np.asarray(self.info[i]["classes"], np.int64) if i in self.info else np.zeros(0, np.int64))
+        S = [ClientState(i, None, np.asarray(self.info[i]["classes"] if i in self.info else [], np.int64))
              for i in range(cfg.clients)]
         part = Partition([np.arange(int(self.info.get(i, {}).get("train-samples", 0))) for i in range(cfg.clients)],
                          [np.arange(int(self.info.get(i, {}).get("test-samples", 0))) for i in range(cfg.clients)],
                          [s.classes for s in S])
         setup = Setup(None, part, S, [], build_algorithm(cfg, d), d)
         if cfg.attackers:
-            raise ConfigError(f"attackers={cfg.attackers}: under Flower a client misbehaves on its own node; start that "
-                              "SuperNode with the node config misbehave=\"nan\" (or scale, random, flip) instead")
+            raise ConfigError(f"attackers={cfg.attackers}: under Flower a client misbehaves on its own node; start "
+                              "that SuperNode with the node config misbehave=\"nan\" (or scale, random, flip) instead")
         super().__init__(cfg, setup=setup, out=out, on_round=on_round)
 
     # -- nodes ----------------------------------------------------------------------------------
