@@ -523,3 +523,34 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
         assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
         assert a["loss_proto"] == pytest.approx(b["loss_proto"], rel=1e-6, abs=1e-12)
     assert got["params_per_round"] == want["params_per_round"]
+
+
+def test_flower_options_are_read_and_checked():
+    from fedproto.flower.common import FlowerOptions
+
+    o = FlowerOptions.from_user_config({"round-timeout": 5, "min-replies": 2, "class-names": "cat, dog", "lr": 0.1})
+    assert (o.round_timeout, o.min_replies, o.round_retries, o.class_names) == (5.0, 2, 2, ("cat", "dog"))
+    with pytest.raises(ConfigError, match=r"min-replies=0; give a whole number >= 1"):
+        FlowerOptions.from_user_config({"min-replies": 0})
+    with pytest.raises(ConfigError, match=r"round-timeout=0; give a number of seconds > 0"):
+        FlowerOptions.from_user_config({"round_timeout": 0})
+    assert run_config({"dataset": "custom", "classes": 4, "round-timeout": 3}).model == "custom"
+
+
+def test_credentials_for_tls_and_node_authentication(tmp_path):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from fedproto.flower.local import LocalFederation, config_arg, make_credentials
+
+    c = make_credentials(tmp_path, 2)
+    cert = x509.load_pem_x509_certificate(c.server_cert.read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "127.0.0.1" in [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    assert cert.issuer == x509.load_pem_x509_certificate(c.ca_cert.read_bytes()).subject
+    priv, pub = c.node_keys[1]
+    key = serialization.load_ssh_private_key(priv.read_bytes(), None)
+    assert key.curve.name == "secp384r1" and pub.read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert config_arg({"client-id": 0, "data": "/a b", "x": 1.5}) == 'client-id=0 data="/a b" x=1.5'
+    with pytest.raises(ConfigError, match="SuperNode authentication needs TLS"):
+        LocalFederation(tmp_path / "fed", auth=True)
