@@ -18,16 +18,16 @@ from conftest import DATA, needs_mnist, run_cli
     "args, expect",
     [
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
-        (["--ways", "11"], "ways=11 is more than the 10 classes of mnist"),
-        (["--lambda-proto", "-1"], "lambda_proto=-1.0"),
-        (["--rounds", "0"], "rounds=0"),
-        (["--distance", "cosine"], "distance='cosine'"),
+        (["--ways", "11"], "--ways 11 is more than the 10 classes of mnist; use --ways 10 or fewer"),
+        (["--lambda-proto", "-1"], "--lambda-proto -1.0: Input should be greater than or equal to 0"),
+        (["--rounds", "0"], "--rounds 0"),
+        (["--distance", "cosine"], "Invalid value for '--distance': 'cosine' is not one of"),
         (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
         (["--model", "foo", "--data-dir", "/nonexistent", "--no-download"], "unknown model 'foo'"),
         (["--bogus"], "No such option"),  # click < 8.2: "No such option: --bogus", later "... '--bogus'"
-        (["--lr", "inf"], "lr=inf: Input should be a finite number"),
-        (["--seed", "-1"], "seed=-1"),
-        (["--threads", "100000"], "threads=100000"),
+        (["--lr", "inf"], "--lr inf: Input should be a finite number"),
+        (["--seed", "-1"], "--seed -1"),
+        (["--threads", "100000"], "--threads 100000"),
         (["--name", "../escape"], "is not a plain folder name"),
         (["--clients", "abc"], "Invalid value for '--clients'"),
     ],
@@ -214,7 +214,7 @@ def test_option_spellings_duplicates_and_model_lists(capsys, monkeypatch, tmp_pa
     code, text = run_cli(["run", "--config", str(dup), "--out-dir", str(tmp_path)], capsys, monkeypatch)
     assert code == 2 and "sets ways both at the top level and under [run]" in text
     for model, expect in (("cnn,", "has an empty entry"), ("cnn,,cnn", "has an empty entry"),
-                          ("cnn,cnn-mh,cnn", "lists 3 models but clients=2")):
+                          ("cnn,cnn-mh,cnn", "lists 3 models but --clients 2")):
         code, text = run_cli(["run", "--dataset", "digits", "--clients", "2", "--model", model, "--out-dir",
                               str(tmp_path)], capsys, monkeypatch)
         assert code == 2 and expect in text, (model, text)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -56,63 +57,16 @@ def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
-@app.command()
-def run(
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with run options (flags override it)."),
-    dataset: Optional[str] = typer.Option(None, help="mnist | femnist | cifar10 | digits (default: mnist)"),
-    data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files (else $FEDPROTO_DATA, else the user cache)."),
-    download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums) (default: download)"),
-    clients: Optional[int] = typer.Option(None, help="Number of clients m (default: 20)"),
-    ways: Optional[int] = typer.Option(None, help="Average classes per client n (default: 3)"),
-    shots: Optional[int] = typer.Option(None, help="Average training samples per class k (default: 100; digits 10; the shared FEMNIST sample needs about 10)"),
-    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients (default: MNIST 2 (tab. 1); FEMNIST, CIFAR-10, digits 1)"),
-    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client (default: 40; FEMNIST 3, digits 10)"),
-    noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper) (default: uniform)"),
-    partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer) | dirichlet (label skew, --alpha) (default: fewshot)"),
-    alpha: Optional[float] = typer.Option(None, help="Dirichlet concentration for --partition dirichlet (0.1: strong skew, 100: ~IID) (default: 0.5)"),
-    min_client_samples: Optional[int] = typer.Option(None, help="Dirichlet: redraw until every client holds this many training samples (default: 10)"),
-    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10) (default: off)"),
-    algorithm: Optional[str] = typer.Option(None, help="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem (default: fedproto)"),
-    model: Optional[str] = typer.Option(None, help="cnn | cnn-mh | resnet18 | resnet18-mh | projcnn:<c1>-<c2>[,...] (default: the paper's: cnn; cifar10: resnet18)"),
-    pretrained: Optional[str] = typer.Option(None, help="ResNet18 state dict file (torchvision layout) loaded into all but conv1, bn1, fc"),
-    embedding_dim: Optional[int] = typer.Option(None, help="Embedding (prototype) size d (default: 50)"),
-    dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN (default: 0.5)"),
-    rounds: Optional[int] = typer.Option(None, help="Communication rounds (default: tab. 1: mnist 100, femnist 120, cifar10 110, digits 20)"),
-    local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round (default: 1)"),
-    participation: Optional[float] = typer.Option(None, help="Clients sampled each round: a fraction in (0, 1] (max(1, round(fraction x clients)) take part) or a whole number of clients (default: 1, every client as in the paper)"),
-    batch_size: Optional[int] = typer.Option(None, help="Local batch size (default: 8, paper app. A)"),
-    lr: Optional[float] = typer.Option(None, help="SGD learning rate (default: 0.01)"),
-    momentum: Optional[float] = typer.Option(None, help="SGD momentum (default: 0.5)"),
-    weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay (default: 0)"),
-    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code) (default: keep)"),
-    lambda_proto: Optional[float] = typer.Option(None, "--lambda", "--lambda-proto", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
-    distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text) (default: mse)"),
-    proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3) (default: last_epoch)"),
-    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median (default: mean)"),
-    proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes (default: own)"),
-    lambda_warmup: Optional[int] = typer.Option(None, help="FedProto: rounds of linear λ warm-up (0: constant λ) (default: 0)"),
-    proto_momentum: Optional[float] = typer.Option(None, help="FedProto: server prototype momentum β in [0, 1) (default: 0)"),
-    proto_normalize: Optional[bool] = typer.Option(None, "--proto-normalize/--no-proto-normalize", help="FedProto: L2-normalize embeddings and prototypes in the loss and inference (default: off)"),
-    min_proto_samples: Optional[int] = typer.Option(None, help="FedProto: the server ignores local prototypes from fewer samples (default: 1)"),
-    proto_dist_alert: Optional[float] = typer.Option(None, help="FedProto: warn when a client's prototype distance exceeds this x the median (0: off) (default: 3)"),
-    prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu (default: 0.01)"),
-    personal_layers: Optional[str] = typer.Option(None, help="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's Params) | head (last layer only) (default: fc)"),
-    rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round (default: 9)"),
-    fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K (default: 3)"),
-    execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),
-    group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation (default: 128)"),
-    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds and after the last; 0: only after the last (default: 10)"),
-    checkpoint_every: Optional[int] = typer.Option(None, help="Write a checkpoint every N rounds, removed when the run finishes; 0: none (default: 0)"),
-    seed: Optional[int] = typer.Option(None, help="Seed (default: 1234)"),
-    out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
-    name: Optional[str] = typer.Option(None, help="Run directory name (default: derived from the config)"),
-    threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default) (default: 0)"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N | mps: where clients train; auto takes the first CUDA GPU if torch sees one (default: cpu)"),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's checkpoint, if it has one (same options required)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-):
-    """Train with the in-process simulator and write a run directory."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume")}
+RUN_HELP = """Train with the in-process simulator and write a run directory.
+
+Every option below is also a key of the --config TOML file (the name without the leading dashes,
+'-' or '_'); flags override the file. Defaults marked "per dataset" are the paper's for the
+dataset chosen. The options page of the docs (docs/options.md) lists them all."""
+
+
+def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
+    """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
+    overrides = {k: v for k, v in fields.items() if v is not None}
     from fedproto.simulation import Simulation, prepare
 
     from fedproto.results import RunDir
@@ -311,6 +265,32 @@ def _finish(results, wrote: str) -> None:
         raise typer.Exit(1)
 
 
+def _run_command() -> click.Command:
+    """``fedproto run`` as a click command whose options are generated from RunConfig's fields
+    (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
+    from fedproto.options import run_params
+
+    params = [
+        click.Option(["config", "--config"], type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help="TOML file with run options (flags override it)."),
+        *run_params(),
+        click.Option(["resume", "--resume"], is_flag=True, default=False,
+                     help="Continue from the run directory's checkpoint, if it has one (same options required)."),
+        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False, help="No progress bar."),
+    ]
+    return click.Command("run", callback=_run, params=params, help=RUN_HELP,
+                         short_help="Train with the in-process simulator and write a run directory.",
+                         context_settings={"max_content_width": 100, "help_option_names": ["--help", "-h"]})
+
+
+def command() -> click.Group:
+    """The whole command line as a click group: the typer app's commands and ``run``."""
+    group = typer.main.get_command(app)
+    group.add_command(_run_command(), "run")
+    group.commands = {"run": group.commands.pop("run"), **group.commands}  # `run` first in --help
+    return group
+
+
 def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
@@ -321,9 +301,12 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        app()
+        command()()
     except FedprotoError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, markup=True)
+        from fedproto.options import cli_wording
+
+        err_console.print(f"[bold red]error:[/] {escape(e.render(cli_wording))}", highlight=False, soft_wrap=True,
+                          markup=True)
         sys.exit(2)
     except OSError as e:  # a path the checks above did not cover: too long, full disk, permissions
         where = f" {str(e.filename)[:200]!r}" if e.filename else ""

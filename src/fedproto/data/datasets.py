@@ -42,6 +42,7 @@ import torch
 
 from fedproto.data.download import default_cache_dir, download_file
 from fedproto.errors import DataError
+from fedproto.data.registry import DATASETS, LOADABLE
 
 __all__ = [
     "CIFAR10_MD5",
@@ -59,7 +60,8 @@ __all__ = [
 DATA_ENV = "FEDPROTO_DATA"
 """Environment variable naming a data folder, searched after the explicit ``root``."""
 
-KNOWN_DATASETS = ("mnist", "digits", "femnist", "cifar10")
+KNOWN_DATASETS = LOADABLE
+"""Names :func:`load_dataset` accepts (from :mod:`fedproto.data.registry`)."""
 
 # --- MNIST -------------------------------------------------------------------------------
 
@@ -214,14 +216,8 @@ def load_dataset(
         if not r.exists() and (not download or key == "femnist"):
             raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to --data-dir, "
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
-    if key == "mnist":
-        return _load_mnist(root, download, progress)
-    if key == "digits":
-        return _cached(("digits",), _load_digits)
-    if key == "femnist":
-        return _load_femnist(root)
-    if key == "cifar10":
-        return _load_cifar10(root, download, progress)
+    if key in LOADABLE:
+        return DATASETS[key].loader(root, download, progress)
     raise DataError(f"Unknown dataset {name!r}. Known datasets: {', '.join(KNOWN_DATASETS)}.")
 
 
