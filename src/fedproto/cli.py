@@ -221,6 +221,10 @@ def reproduce(
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     try:
         _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads)
+    except FedprotoError as e:  # run options worded as reproduce takes them (--set key=value)
+        from fedproto.reproduce import set_message
+
+        _error(set_message(e))
     except KeyboardInterrupt:
         err_console.print(f"interrupted; the cells finished so far are in {out / 'status.json'} and the table "
                           "(a sweep: after its last cell); run the same command again to resume",
@@ -291,6 +295,12 @@ def command() -> click.Group:
     return group
 
 
+def _error(message: str) -> None:
+    """Print ``error: message`` on stderr and exit with code 2."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, markup=True)
+    sys.exit(2)
+
+
 def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
@@ -305,9 +315,7 @@ def main() -> None:
     except FedprotoError as e:
         from fedproto.options import cli_wording
 
-        err_console.print(f"[bold red]error:[/] {escape(e.render(cli_wording))}", highlight=False, soft_wrap=True,
-                          markup=True)
-        sys.exit(2)
+        _error(e.render(cli_wording))
     except OSError as e:  # a path the checks above did not cover: too long, full disk, permissions
         where = f" {str(e.filename)[:200]!r}" if e.filename else ""
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "

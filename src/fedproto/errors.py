@@ -6,6 +6,7 @@ without a traceback. Messages name the bad value and say how to fix it.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Callable
 
@@ -31,10 +32,13 @@ def opt(option: str, value: Any = NO_VALUE) -> str:
 
 
 def python_wording(option: str, value: Any = NO_VALUE) -> str:
-    """An option as a Python keyword: ``shots``, ``shots=10``, ``noise='gaussian'``."""
+    """An option as a Python keyword: ``shots``, ``shots=10``, ``noise='gaussian'``; a switch that
+    is no run option (``resume``) as ``resume=True``."""
+    from fedproto.config import RunConfig
+
     names = option.split("|")
     if value is NO_VALUE:
-        return " / ".join(names)
+        return " / ".join(n if n in RunConfig.model_fields else f"{n}=True" for n in names)
     return f"{names[0]}={value!r}"
 
 
@@ -76,6 +80,14 @@ class FedprotoError(Exception):
 
     def __str__(self) -> str:
         return self.render(python_wording)
+
+    def prefixed(self, prefix: str) -> FedprotoError:
+        """A copy of this error (same class, option, value and hint) whose message starts with
+        ``prefix``, e.g. ``"cell mnist-n3-fedproto-s1: "``; option references stay references."""
+        new = copy.copy(self)
+        new.message = prefix + self.message
+        new.args = (new.message,)
+        return new
 
 
 class ConfigError(FedprotoError, ValueError):

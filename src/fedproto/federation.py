@@ -249,7 +249,7 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
         with torch.no_grad():
             out = wrapped(sample)
     except ModelError as e:
-        raise ModelError(f"client {cid}: {e}") from None
+        raise e.prefixed(f"client {cid}: ") from None
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
         hint = ("its forward must return (logits, embedding), or give head='<final layer name>'" if head is None
                 else "check the input shape")

@@ -161,7 +161,10 @@ def run_params() -> list[click.Option]:
 def _cli_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    return shlex.quote(str(value))
+    text = str(value)
+    if text.startswith("<") and text.endswith(">"):  # a placeholder, e.g. <folder>
+        return text
+    return shlex.quote(text)
 
 
 def cli_wording(option: str, value: Any = NO_VALUE) -> str:

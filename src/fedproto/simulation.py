@@ -27,7 +27,7 @@ from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fie
 from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
@@ -108,15 +108,15 @@ def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
     no batch (names the clients)."""
     if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
         log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
-                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use --batch-size 4 or more",
+                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use batch_size 4 or more",
                     cfg.batch_size, cfg.model, cfg.batch_size)
     if cfg.drop_last:
         small = [i for i, n in enumerate(train_sizes) if n < cfg.batch_size]
         if small:
             raise ConfigError(
-                f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
-                f"(client {small[0]} holds {train_sizes[small[0]]} samples); lower --batch-size "
-                "or use --keep-last")
+                f"{opt('batch_size', cfg.batch_size)} with {opt('drop_last', True)} leaves clients {small[:10]} with "
+                f"no batch (client {small[0]} holds {train_sizes[small[0]]} samples)", option="batch_size",
+                value=cfg.batch_size, hint=f"lower {opt('batch_size')} or use {opt('drop_last', False)}")
 
 
 @dataclass
@@ -192,7 +192,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     empty = [i for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)) if len(tr) == 0 or len(te) == 0]
     if empty:
         raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
-                             "(for --partition dirichlet: raise --min-client-samples or --alpha, or use fewer clients)")
+                             f"(for {opt('partition', 'dirichlet')}: raise {opt('min_client_samples')} or "
+                             f"{opt('alpha')}, or use fewer {opt('clients')})")
     if cfg.augment and ds.input_shape[0] != 3:
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
@@ -434,12 +435,12 @@ class Simulation:
                 kept = (f" (an earlier finished run waits in {str(prev)!r} until the interrupted one finishes)"
                         if prev.is_dir() else "")
                 raise ConfigError(f"{str(self.run_dir.path)!r} holds an interrupted run's checkpoint{kept}: add "
-                                  f"--resume to continue it, or delete {str(ck)!r} (or pick another --name) to "
-                                  "start anew")
+                                  f"{opt('resume')} to continue it, or delete {str(ck)!r} (or pick another "
+                                  f"{opt('name')}) to start anew")
             if resume and not has_ckpt:
                 if (self.run_dir.path / "summary.json").is_file():
                     raise ConfigError(f"the run in {str(self.run_dir.path)!r} has finished (summary.json) and has no "
-                                      "checkpoint: nothing to resume; drop --resume to run it again")
+                                      f"checkpoint: nothing to resume; drop {opt('resume')} to run it again")
                 log.warning("no checkpoint in %s: starting at round 1", self.run_dir.path)
         if resume and has_ckpt:
             ckpt = load_checkpoint(self.run_dir.checkpoint)
@@ -495,12 +496,12 @@ class Simulation:
                                         "hold NaN or infinite values; clean or drop those samples")
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
-                    f"lower --lr (now {cfg.lr}){lam}")
+                    f"lower {opt('lr')} (now {cfg.lr}){lam}")
             for i, x in zip(ids, tr):
                 self.train_norm[i] = x.emb_norm_max
                 if not x.emb_norm_max <= EMBED_NORM_LIMIT:
                     log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
-                                "numbers may be meaningless: check its data, lower --lr, or for BatchNorm models "
+                                "numbers may be meaningless: check its data, lower lr, or for BatchNorm models "
                                 "its batch sizes", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
                                 "" if np.isfinite(x.emb_norm_max) else " (not finite)")
             train_time += t_train

@@ -179,14 +179,17 @@ class FedProto(Algorithm):
         if self.min_proto_samples > 1:
             most = max((int(np.bincount(np.asarray(y)).max()) for y in train_labels if len(y)), default=0)
             if self.min_proto_samples > most:
-                from fedproto.errors import ConfigError
+                from fedproto.errors import ConfigError, opt
 
-                raise ConfigError(f"min_proto_samples={self.min_proto_samples} is more than any client's samples of "
-                                  f"a class (largest: {most}), so no prototype would reach the server; use "
-                                  f"min_proto_samples <= {most}")
+                raise ConfigError(f"{opt('min_proto_samples', self.min_proto_samples)} is more than any client's "
+                                  f"samples of a class (largest: {most}), so no prototype would reach the server",
+                                  option="min_proto_samples", value=self.min_proto_samples,
+                                  hint=f"use {opt('min_proto_samples', most)} or less")
 
     def divergence_hint(self, cfg) -> str:
-        return f" or --lambda-proto (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
+        from fedproto.errors import opt
+
+        return f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
         """A stored server message needs a (K,) integer ``classes`` within 0..C-1 and (K, d) ``protos``."""

@@ -40,7 +40,9 @@ class FedProx(FedAvg):
         self.prox_mu = float(prox_mu)
 
     def divergence_hint(self, cfg) -> str:
-        return f" or --prox-mu (now {self.prox_mu})" if self.prox_mu > 0 else ""
+        from fedproto.errors import opt
+
+        return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> "FedProx":

@@ -52,5 +52,5 @@ def run_config(user_config: Mapping[str, Any], node_overrides: Mapping[str, Any]
     try:
         return build_config(None, data)
     except ConfigError as e:
-        raise ConfigError(f"Flower run config: {e}") from None
+        raise e.prefixed("Flower run config: ") from None
 

@@ -151,7 +151,9 @@ def main(grid: Grid, context: Context) -> None:
         cfg = run_config(context.run_config)
         summary = FlowerEngine(cfg, grid).run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
-        log.error("fedproto: %s", e)
+        from fedproto.options import flower_wording
+
+        log.error("fedproto: %s", e.render(flower_wording))  # options named as run-config keys
         return
     acc = summary["accuracy"].get("acc", {})
     log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round",
