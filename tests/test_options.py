@@ -92,8 +92,9 @@ def test_run_help_reads_at_80_columns(capsys, monkeypatch):
             assert re.search(re.escape(f) + r"(?![a-z-])", text), f
     switches = [line for line in text.splitlines() if "--download / --no-download" in line]
     assert switches and switches[0].split("--no-download")[1].startswith("  ")  # no metavar after a switch
-    assert "<bool>" not in text and "(default: mnist)" in text and "(default: 1234)" in text
-    assert "(default: per dataset: mnist 100, femnist 120, cifar10 110, digits 20)" in " ".join(text.split())
+    flat = " ".join(text.split())
+    assert "<bool>" not in text and "(default: mnist)" in flat and "(default: 1234)" in flat
+    assert "(default: per dataset: mnist 100, femnist 120, cifar10 110, digits 20)" in flat
 
 
 def test_errors_name_the_option_as_each_front_end_spells_it():
