@@ -9,13 +9,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
 from fedproto.config import build_config
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError
 from fedproto.reproduce import Cell, run_cell
 from fedproto.results import read_metrics
 from fedproto.simulation import Simulation
-from conftest import run_cli
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=15, stdev=1, test_shots=8, rounds=4, eval_every=2,
             lr=0.05, threads=1)
@@ -172,7 +172,7 @@ def test_full_disk_while_checkpointing_is_a_clear_error(tmp_path, monkeypatch):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos") from None
 
     d = tmp_path / "r"
     monkeypatch.setattr(torch, "save", full)

@@ -6,12 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from fedproto.config import build_config
-
 from conftest import DATA, needs_mnist, run_cli
 
-
+from fedproto.config import build_config
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import flat_weights
+
 from fedproto.config import build_config
 from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError

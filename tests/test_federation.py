@@ -125,7 +125,8 @@ def test_bad_input_is_refused_naming_the_client(digits):
     x, y = ok[2].train
     fails(ModelError, r"client 2: the model has no layer 'head'; its last layers", head="head")
     fails(ModelError, r"client 2: .*logits have shape \(1, 7\).*expected \(1, 10\)", model=TwoOutWrong())
-    fails(ModelError, r"client 2: the model.s forward returned a Tensor, not \(logits, embedding\); give head=", model=Classifier())
+    fails(ModelError, r"client 2: the model.s forward returned a Tensor, not \(logits, embedding\); give head=",
+          model=Classifier())
     fails(DataError, r"client 2: train label 12 is outside 0..9", train=(x, torch.full_like(y, 12)))
     bad = x.clone()
     bad[3, 0, 0, 0] = float("nan")

@@ -6,14 +6,13 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from conftest import run_cli
 from pydantic import Field
 
 from fedproto import options
 from fedproto.config import RunConfig, build_config
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
 from fedproto.errors import ConfigError, opt, python_wording
-
-from conftest import run_cli
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -114,8 +113,10 @@ def test_errors_name_the_option_as_each_front_end_spells_it():
     assert e.value.render(cli_wording) == "invalid configuration: --ways 11 is more than the 10 classes of mnist; " \
                                           "use --ways 10 or fewer"
     # switches, the grid's own options and two alternatives
-    assert cli_wording("drop_last", False) == "--keep-last" and set_wording("drop_last", False) == "--set drop_last=false"
-    assert python_wording("drop_last", False) == "drop_last=False" and flower_wording("noise", "gaussian") == 'noise="gaussian"'
+    assert cli_wording("drop_last", False) == "--keep-last"
+    assert set_wording("drop_last", False) == "--set drop_last=false"
+    assert python_wording("drop_last", False) == "drop_last=False"
+    assert flower_wording("noise", "gaussian") == 'noise="gaussian"'
     assert set_wording("ways", 3) == "--ways 3" and set_wording("out_dir|name") == "--out"
     assert cli_wording("out_dir|name") == "--out-dir / --name" and cli_wording("data_dir", "a b") == "--data-dir 'a b'"
     assert cli_wording("resume") == "--resume" and python_wording("resume") == "resume=True"

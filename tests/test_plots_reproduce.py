@@ -5,10 +5,10 @@ import csv
 import json
 
 import pytest
+from conftest import run_cli
 
 from fedproto import paper
 from fedproto.config import build_config
-from conftest import run_cli
 
 TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -168,7 +168,8 @@ def test_plot_sweep_direct(tmp_path):
     from fedproto.plots import plot_sweep
 
     rows = [{"value": k, "method": m, "acc_mean": a, "acc_std": 0.02}
-            for m, base in (("fedproto", 0.9), ("fedavg", 0.85)) for k, a in ((10, base - 0.1), (50, base), (100, base + 0.02))]
+            for m, base in (("fedproto", 0.9), ("fedavg", 0.85))
+            for k, a in ((10, base - 0.1), (50, base), (100, base + 0.02))]
     assert_png(plot_sweep(rows, "value", tmp_path / "fig3.png", xlabel="k"))
     # text values (a sweep over aggregation rules) are drawn at positions, not dropped as NaN
     import matplotlib.pyplot as plt
@@ -182,7 +183,8 @@ def test_plot_sweep_direct(tmp_path):
 
     plt.Axes.plot = spy
     try:
-        text = [{"value": v, "method": "fedproto", "acc_mean": a, "acc_std": 0.0} for v, a in (("mean", .9), ("median", .8))]
+        text = [{"value": v, "method": "fedproto", "acc_mean": a, "acc_std": 0.0}
+                for v, a in (("mean", .9), ("median", .8))]
         assert_png(plot_sweep(text, "value", tmp_path / "agg.png"))
     finally:
         plt.Axes.plot = monkey
@@ -215,7 +217,8 @@ def test_table_rows_seed_rule_and_appendix_paper_column(tmp_path):
     def summary(m, s):
         return {"accuracy": {"acc": {"mean": m, "std": s}}, "params_per_round": {"up": 3000.0}}
 
-    results = [rp.CellResult(cells[0], "done", summary(0.90, 0.02)), rp.CellResult(cells[1], "skipped", summary(0.94, 0.04))]
+    results = [rp.CellResult(cells[0], "done", summary(0.90, 0.02)),
+               rp.CellResult(cells[1], "skipped", summary(0.94, 0.04))]
     (row,) = rp.table_rows(results)
     assert (row["paper_mean"], row["paper_std"]) == (96.71, 0.43)  # appendix tab. 2, stdev 3
     assert abs(row["acc_mean"] - 92.0) < 1e-9 and abs(row["acc_std_clients"] - 3.0) < 1e-9

@@ -67,9 +67,8 @@ dataset chosen. The options page of the docs (docs/options.md) lists them all.""
 def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
     overrides = {k: v for k, v in fields.items() if v is not None}
-    from fedproto.simulation import Simulation, prepare
-
     from fedproto.results import RunDir
+    from fedproto.simulation import Simulation, prepare
 
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
@@ -109,7 +108,7 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                     saved += f"; the earlier finished run waits in {out / PREVIOUS} until this one finishes"
                 err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                                   f"(no summary.json: the run did not finish){saved}")
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
     from fedproto.plots import save_embeddings
 
     save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
@@ -170,7 +169,8 @@ def _damaged_files(run_dir: Path):
         if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG):
             raise FedprotoError(f"cannot plot {str(run_dir)!r}: {e.strerror} ({e.filename}); the run's files are "
                                 "fine, free space or fix the permissions and run `fedproto plot` again") from None
-        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files ({e.strerror}: {e.filename})") from None
+        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files "
+                            f"({e.strerror}: {e.filename})") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile) as e:
         raise FedprotoError(f"cannot plot {str(run_dir)!r}: its files are damaged or not written by fedproto "
                             f"({type(e).__name__}: {e}); run `fedproto run` again to rewrite them") from None
@@ -180,7 +180,8 @@ def _damaged_files(run_dir: Path):
 def onboard(
     run_dir: str = typer.Argument(..., help="A finished fedproto run directory"),
     clients: int = typer.Option(5, help="New clients to draw (the run's n-way k-shot protocol, unused samples)"),
-    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x local epochs)"),
+    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x "
+                                               "local epochs)"),
     seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
     data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
@@ -229,7 +230,7 @@ def reproduce(
         err_console.print(f"interrupted; the cells finished so far are in {out / 'status.json'} and the table "
                           "(a sweep: after its last cell); run the same command again to resume",
                           highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
 
 
 def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads) -> None:
@@ -263,8 +264,8 @@ def _finish(results, wrote: str) -> None:
     """The closing line of a grid or sweep; exit code 1 when any cell failed (the outputs are
     written either way)."""
     counts = {k: sum(r.status == k for r in results) for k in ("done", "skipped", "failed")}
-    console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed; "
-                  f"wrote {wrote}", highlight=False, soft_wrap=True)
+    console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, "
+                  f"{counts['failed']} failed; wrote {wrote}", highlight=False, soft_wrap=True)
     if counts["failed"]:
         raise typer.Exit(1)
 

@@ -41,7 +41,8 @@ RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
 
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
-               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None, "device": "cpu"}
+               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None,
+               "device": "cpu"}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -189,7 +190,7 @@ class RunConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "RunConfig":
+    def _check(self) -> RunConfig:
         # ConfigError is a ValueError: pydantic keeps it (ctx["error"]) and _config_error passes it on whole
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,

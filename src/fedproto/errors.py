@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _REF = "\x1f"  # delimits an option reference inside a message (never in user text: not printable)
 _VAL = "\x1e"  # separates the option's name from its JSON-encoded value

@@ -19,8 +19,9 @@ those of :class:`fedproto.simulation.Simulation`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -351,5 +352,5 @@ class FederationSimulation(Simulation):
         return summary
 
 
-__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",
-           "with_projection"]
+__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
+           "federate", "with_projection"]

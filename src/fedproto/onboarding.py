@@ -72,7 +72,8 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
     try:
         cfg = RunConfig(**{k: v for k, v in stored.items() if k in RunConfig.model_fields})
     except Exception as e:
-        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); {fix}") from None
+        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); "
+                        f"{fix}") from None
     if cfg.algorithm != "fedproto":
         raise ConfigError(f"the run in {str(run_dir)!r} used algorithm={cfg.algorithm!r}; onboarding downloads "
                           "global prototypes, which only a fedproto run has")
@@ -159,7 +160,8 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise ConfigError(f"cannot write {str(out)!r}: {e.strerror or e}; make the run directory writable") from None
+            raise ConfigError(f"cannot write {str(out)!r}: {e.strerror or e}; "
+                              "make the run directory writable") from None
     epochs = epochs or cfg.rounds * cfg.local_epochs
     base_seed = cfg.seed if seed is None else int(seed)
     pseed = int(np.random.SeedSequence([base_seed, SEED_TAG]).generate_state(1)[0])

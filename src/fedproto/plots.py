@@ -6,14 +6,14 @@ written as PNG with :func:`fedproto.results.atomic_write_bytes`.
 
 from __future__ import annotations
 
-import logging
-
 import io
 import itertools
 import json
+import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +127,8 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
     ax_loss.set_title("training losses")
     axes = [ax_acc, ax_loss]
     if monitored:  # FedProto's prototype-distance monitoring (practitioner's guide §4.3.5)
-        for key, label, color in (("proto_dist", "mean over clients", "C0"), ("proto_dist_max", "largest client", "C3")):
+        for key, label, color in (("proto_dist", "mean over clients", "C0"),
+                                  ("proto_dist_max", "largest client", "C3")):
             v = np.asarray([r[key] if isinstance(r.get(key), (int, float)) else np.nan for r in rows], dtype=float)
             ax_dist.plot(x, v, color=color, label=label)
         ax_dist.set_xlabel("round")
@@ -270,7 +271,7 @@ def plot_tsne_arrays(
         m = client == c
         ax.scatter(zh[m, 0], zh[m, 1], c=[colors[int(k)] for k in y[m]], marker=marker, s=14, alpha=0.7,
                    linewidths=0)
-    for j, (cls, p) in enumerate(zip(proto_classes if P else [], zp)):
+    for cls, p in zip(proto_classes if P else [], zp):
         ax.scatter([p[0]], [p[1]], marker="*", s=420, c=[colors[int(cls)]], edgecolors="black", linewidths=1.2,
                    zorder=5)
     from matplotlib.lines import Line2D

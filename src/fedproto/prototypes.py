@@ -8,7 +8,8 @@ classes are never filled with zeros and averaged in: they are masked out everywh
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch

@@ -30,9 +30,10 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, get_args, get_origin
+from typing import Any
 
 import numpy as np
 from rich.markup import escape
@@ -537,7 +538,7 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
             else:
                 ours_p = f"{params[0]:.1f}" if params else "–"
             cells.append(f"{ours_r} / {pr if pr is not None else 'n.a.'}")
-            cells.append(f"{ours_p} / {('%g' % pk) if pk is not None else 'n.a.'}")
+            cells.append(f"{ours_p} / {f'{pk:g}' if pk is not None else 'n.a.'}")
             out.append("| " + " | ".join(cells) + " |")
             for n in ways:
                 r = by.get((m, n))

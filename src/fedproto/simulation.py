@@ -13,20 +13,20 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
+from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
-from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
+from fedproto.devices import resolve_device
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
@@ -131,7 +131,7 @@ class Setup:
     embedding_dim: int
     device: torch.device = torch.device("cpu")
 
-    def to_device(self, device: torch.device) -> "Setup":
+    def to_device(self, device: torch.device) -> Setup:
         """Move every client model and every client's in-memory data (labels always) to ``device``
         in place; returns self. Data read from a ``Dataset`` stays where it is read, batch by batch."""
         self.device = torch.device(device)
@@ -143,7 +143,7 @@ class Setup:
                     setattr(d, k, getattr(d, k).to(self.device))
         return self
 
-    def to_dtype(self, dtype: torch.dtype) -> "Setup":
+    def to_dtype(self, dtype: torch.dtype) -> Setup:
         """Cast every client model and every client's data to ``dtype`` in place; returns self.
 
         ``torch.float64`` is for checks: rounding then sits near 1e-15, so two execution paths that
@@ -171,7 +171,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     """
     if cfg.dataset == "custom":
         raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
-                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, digits")
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
+                          "digits")
     ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
     if cfg.partition == "natural":
         if ds.train_groups is None or ds.test_groups is None:
@@ -265,7 +266,7 @@ class Simulation:
             key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
         groups = []
-        for key, members in by_arch.items():
+        for members in by_arch.values():
             models = [self.setup.states[i].model for i in members]
             if len(members) > 1 and can_batch(models):
                 # chunks: a very wide stack (thousands of clients) outgrows the caches; clients are
@@ -418,7 +419,7 @@ class Simulation:
             self.run_dir.release()
 
     def _run(self, resume: bool) -> dict:
-        cfg, alg, S = self.cfg, self.setup.algorithm, self.setup.states
+        alg, S = self.setup.algorithm, self.setup.states
         self._ran = True
         self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
         totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}

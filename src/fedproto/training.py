@@ -21,8 +21,8 @@ so momentum does not carry across rounds).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ from torch import nn
 
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
-
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:

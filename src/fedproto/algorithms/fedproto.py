@@ -55,8 +55,8 @@ class FedProto(Algorithm):
             (client filtering against noisy prototypes; counts are sent with the prototypes).
         proto_dist_alert: monitoring: each round the server measures every client's mean L2
             distance between its local and the global prototypes (``proto_dist``, the mean over
-            clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a warning for clients above ``proto_dist_alert`` x the median
-            (0: no warning). Changes no number.
+            clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a
+            warning for clients above ``proto_dist_alert`` x the median (0: no warning). Changes no number.
     Raises:
         ValueError: an option outside its range.
     """
@@ -110,7 +110,7 @@ class FedProto(Algorithm):
         self.last_cids: np.ndarray | None = None  # client ids of the last aggregation's messages, in order
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedProto":
+    def from_config(cls, cfg, embedding_dim: int) -> FedProto:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
                    cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert)

@@ -45,7 +45,7 @@ class FedProx(FedAvg):
         return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedProx":
+    def from_config(cls, cfg, embedding_dim: int) -> FedProx:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu)
 
     def objective(self, state: ClientState, message: Message) -> Objective:

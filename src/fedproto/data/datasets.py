@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from fedproto.data.download import default_cache_dir, download_file
-from fedproto.errors import DataError, opt
 from fedproto.data.registry import DATASETS, LOADABLE
+from fedproto.errors import DataError, opt
 
 __all__ = [
     "CIFAR10_MD5",

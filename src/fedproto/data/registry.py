@@ -16,9 +16,10 @@ not in the paper.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedproto.data.datasets import Dataset
@@ -130,5 +131,7 @@ def dataset_info(name: str) -> DatasetInfo:
 
 def per_dataset_default(field: str) -> str:
     """A per-dataset default as text for help and docs, e.g. ``mnist 100, femnist 120, ...``."""
-    return ", ".join(f"{n} {getattr(d, field):g}" if isinstance(getattr(d, field), float) else f"{n} {getattr(d, field)}"
-                     for n, d in DATASETS.items() if d.loader is not None)
+    def text(v: object) -> str:
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    return ", ".join(f"{n} {text(getattr(d, field))}" for n, d in DATASETS.items() if d.loader is not None)

@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, from_record, run_config, to_record
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, from_record, run_config, to_record
 from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"

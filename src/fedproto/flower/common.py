@@ -5,12 +5,13 @@ Raises ImportError with the install command when ``flwr`` is missing.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 try:
-    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.app import Array, ArrayRecord
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the Flower app needs the flwr package, which is not installed: pip install \"fedproto[flower]\""

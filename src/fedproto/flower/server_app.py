@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Iterable
-
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, run_config, to_record
+from collections.abc import Callable, Iterable
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
@@ -25,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedproto.algorithms.base import Message as FedMessage
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError, FedprotoError, TrainingError
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, run_config, to_record
 from fedproto.simulation import Simulation
 from fedproto.training import TrainResult
 
