@@ -107,7 +107,7 @@ def test_unwritable_out_dir_and_drop_last_without_batches(capsys, monkeypatch, t
     assert code == 2 and "cannot write the run directory" in text and "Traceback" not in text
     code, text = run_cli(["run", "--dataset", "digits", "--rounds", "1", "--batch-size", "1000", "--drop-last",
                           "--out-dir", str(tmp_path / "r")], capsys, monkeypatch)
-    assert code == 2 and "batch_size=1000 with drop_last" in text
+    assert code == 2 and "--batch-size 1000 with --drop-last leaves clients" in text and "--keep-last" in text
 
 
 def test_rerun_removes_stale_results_and_divergence_is_an_error(capsys, monkeypatch, tmp_path):

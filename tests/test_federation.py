@@ -136,7 +136,7 @@ def test_bad_input_is_refused_naming_the_client(digits):
     fails(DataError, r"client 2: train is a str", train="data/")
     with pytest.raises(ModelError, match=r"with_projection needs an adapted model.*embedding_dim=8"):
         with_projection(TwoOut(), 8)
-    with pytest.raises(ConfigError, match=r"drop_last leaves clients \[0, 1, 2, 3\] with no batch"):
+    with pytest.raises(ConfigError, match=r"drop_last=True leaves clients \[0, 1, 2, 3\] with no batch"):
         federate(ok, 10, drop_last=True, batch_size=500, out=False)
     with pytest.raises(ModelError, match="model is set by federate"):
         federate(ok, 10, model="cnn", out=False)
