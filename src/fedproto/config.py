@@ -349,6 +349,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     TOML keys are the field names of :class:`RunConfig`, at the top level or under a ``[run]``
     table (both may be used in one file; only the same key in both places is refused); ``-`` may
     stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`).
+
     Raises:
         ConfigError: missing/unreadable/invalid TOML, unknown keys, a key given twice, or invalid
             values.

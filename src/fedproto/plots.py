@@ -396,7 +396,10 @@ def plot_sweep(
             ax.plot(xs[ok], ys[ok], marker="o", color=color, label=label)
             if yerr:
                 es = np.nan_to_num(np.asarray([num(r.get(yerr)) for r in rs]) * scale)
-                ax.fill_between(xs[ok], ys[ok] - es[ok], ys[ok] + es[ok], color=color, alpha=0.15)
+                lo, hi = ys[ok] - es[ok], ys[ok] + es[ok]
+                if percent:  # an accuracy lies in [0, 100]
+                    lo, hi = np.clip(lo, 0, 100), np.clip(hi, 0, 100)
+                ax.fill_between(xs[ok], lo, hi, color=color, alpha=0.15)
         if ax2 is not None:
             y2s = np.asarray([num(r.get(y2)) for r in rs])
             ok2 = ~np.isnan(xs) & ~np.isnan(y2s)
