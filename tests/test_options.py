@@ -139,3 +139,12 @@ def test_one_dataset_registry():
     assert paper.DATASETS == PAPER_DATASETS == ("mnist", "femnist", "cifar10")
     assert paper.MAIN_STDEV == {"mnist": 2, "femnist": 1, "cifar10": 1}
     assert (DATASETS["cifar10"].lambda_proto, DATASETS["cifar10"].input_shape) == (0.1, (3, 32, 32))
+
+
+def test_readme_runs_what_ci_runs():
+    """The README's test command is the command CI ends with, and the README names no machine path."""
+    root = DOCS.parent
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines() if line.strip()]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert ci[-1] == "python -m pytest -q" and f"```bash\n{ci[-1]}\n```" in readme
+    assert "/work/" not in readme and len(readme.splitlines()) <= 200
