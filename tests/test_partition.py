@@ -71,7 +71,7 @@ def test_labels_outside_the_class_range_are_refused():
 
 
 def _documented_range(ways, shots, stdev, C, noise, dataset):
-    """The ranges as README.md states them (written out here, not taken from the library)."""
+    """The ranges as docs/options.md states them (written out here, not taken from the library)."""
     if noise == "uniform":
         k_hi = shots + stdev - 2 if dataset == "mnist" else shots + stdev
         return ((min(ways, max(2, ways - stdev)), max(ways, min(C - 1, ways + stdev))),

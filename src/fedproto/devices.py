@@ -6,7 +6,7 @@ and Flower records never see a device tensor. Data held in memory is moved once 
 read from a ``Dataset`` is moved batch by batch.
 
 Numbers on a GPU differ from the CPU's in the last float32 bits (other kernels), like those of
-another CPU (README, "Reproducibility").
+another CPU (docs/results.md, "Reproducibility").
 """
 
 from __future__ import annotations

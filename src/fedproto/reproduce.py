@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import re
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,11 +45,6 @@ from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, Fe
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 METHODS: dict[str, str] = {
     # method key -> algorithm name (ALGORITHMS registry)
@@ -115,11 +109,11 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+    """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string
+    (:func:`fedproto.options.parse_value`, which the ``fedproto run`` flags of other types use too)."""
+    from fedproto.options import parse_value as parse
+
+    return parse(text)
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
