@@ -318,5 +318,5 @@ def test_tsne_says_marker_shapes_are_clients(monkeypatch, tmp_path):
     plot_tsne_arrays(rng.normal(size=(n, 5)), rng.integers(0, 10, n), np.repeat(np.arange(20), 4),
                      tmp_path / "tsne.png", proto_classes=np.arange(3), protos=rng.normal(size=(3, 5)))
     caption = figs[0].axes[0].get_xlabel()
-    assert caption == (f"colour: class · marker shape: client (20 clients; shapes repeat after {len(MARKERS)} "
-                       "clients) · star: global prototype of the class")
+    assert caption == (f"colour: class · marker shape: client (20 clients; shapes repeat after {len(MARKERS)})\n"
+                       "star: global prototype of the class")

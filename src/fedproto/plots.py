@@ -302,9 +302,9 @@ def plot_tsne_arrays(
         ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     ax.set_xticks([])
     ax.set_yticks([])
-    repeat = f"; shapes repeat after {len(MARKERS)} clients" if len(clients) > len(MARKERS) else ""
+    repeat = f"; shapes repeat after {len(MARKERS)}" if len(clients) > len(MARKERS) else ""
     ax.set_xlabel(f"colour: class · marker shape: client ({len(clients)} clients{repeat})"
-                  + (" · star: global prototype of the class" if P else ""))
+                  + ("\nstar: global prototype of the class" if P else ""))
     ax.set_title(title or f"t-SNE of test embeddings: {len(h)} samples, {len(clients)} clients"
                  + (f", {P} global prototypes" if P else ""))
     return _save(fig, path)
