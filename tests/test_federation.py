@@ -4,6 +4,7 @@ is refused before training, naming the client."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
 from fedproto.errors import ConfigError, DataError, ModelError
 from fedproto.federation import Client, federate, with_projection
+from fedproto.privacy import epsilon
 
 
 class TwoOut(nn.Module):
@@ -203,3 +205,18 @@ def test_breaker_findings_are_refused_before_training(digits, tmp_path):
     cs[2].train = (x[:-1], y[:-1])
     with pytest.raises(Exception, match=r"other client data \(clients \[2\] differ"):
         federate(cs, 10, rounds=3, checkpoint_every=1, out=run, eval_every=0).run(resume=True)
+
+
+def test_robust_and_private_options_through_the_python_api(digits, caplog):
+    """Issue #14's options reach your own federation: a NaN-sending client is dropped, the median
+    keeps the global prototypes finite, DP reports ε, the full-test evaluation is skipped (no shared
+    test split) with a warning, and freeze_after needs a known head."""
+    sim = federate(_clients(digits, TwoOut), num_classes=10, rounds=3, out=False, attack="nan", attackers=1,
+                   aggregation="median", dp="prototypes", dp_noise=1.0, eval_full_test=True, eval_every=0)
+    s = sim.run()
+    assert np.isfinite(sim.message["protos"]).all() and s["attack"]["clients"] == sorted(sim.attackers)
+    assert all(h["dropped"] == sorted(sim.attackers) for h in sim.history)
+    assert "accuracy_honest" in s and "accuracy_full_test" not in s and "no shared test split" in caplog.text
+    assert s["privacy"]["epsilon_max"] == pytest.approx(epsilon([(1.0, 1.0, 3)], 1e-5))
+    with pytest.raises(ConfigError, match="name no head layer"):
+        federate(_clients(digits, TwoOut), num_classes=10, rounds=3, out=False, freeze_after=1)

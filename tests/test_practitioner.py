@@ -77,7 +77,8 @@ def test_server_momentum_filtering_and_monitoring():
     assert alg.last_contributors.tolist() == [1, 1, 1]
     # monitoring covers every client's sent prototypes, the ignored one included
     np.testing.assert_allclose(alg.last_distances, [(3 + 3) / 2, (93 + 0) / 2])
-    assert alg.round_metrics() == {"proto_dist": 24.75, "proto_dist_max": 46.5, "proto_dist_argmax": 1}
+    # λ the clients used in round 2 (no warm-up: the full λ = 1)
+    assert alg.round_metrics() == {"lambda": 1.0, "proto_dist": 24.75, "proto_dist_max": 46.5, "proto_dist_argmax": 1}
 
 
 def test_client_distances_and_outlier_warning(caplog):

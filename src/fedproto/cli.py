@@ -122,7 +122,22 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+        if key in summary.get("accuracy_honest", {}):
+            a = summary["accuracy_honest"][key]
+            table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+    full = summary.get("accuracy_full_test")
+    if full:
+        for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype")):
+            if key in full:
+                table.add_row(f"{label}, full test split", f"{_pct(full[key]['mean'])} ± {_pct(full[key]['std'])}")
+        table.add_row("ensemble (mean softmax), full test split", _pct(full["ensemble_softmax"]))
+        table.add_row("ensemble (vote), full test split", _pct(full["ensemble_vote"]))
     console.print(table)
+    if "privacy" in summary:
+        pv = summary["privacy"]
+        console.print(f"privacy ({pv['mode']}, noise {pv['noise_multiplier']:g}): epsilon {pv['epsilon_max']:.3g} "
+                      f"at delta {pv['delta']:g} (largest over clients; {pv['neighbouring']})",
+                      highlight=False, soft_wrap=True)
     ppr = summary["params_per_round"]
     console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
                   f"wall time {summary['wall_time_s']:.1f} s; results in {out}", highlight=False, soft_wrap=True)

@@ -31,18 +31,22 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device")
+                  "proto_dist_alert", "device", "eval_full_test")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
 RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
-    k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples")}}
+    k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
+                               "min_contributors", "exclude_outliers", "lambda_schedule")}}
 """Fields that change the numbers of these algorithms only."""
 
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
                "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None,
-               "device": "cpu"}
+               "device": "cpu",
+               "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
+               "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
+               "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -127,8 +131,9 @@ class RunConfig(BaseModel):
     proto_source: Literal["last_epoch", "after_training"] = Field(
         "last_epoch", description="Local prototypes from the last epoch's batches (official code) or from a "
         "pass after training (eq. 3)")
-    aggregation: Literal["mean", "weighted", "median"] = Field(
-        "mean", description="Global prototypes: mean (official code), weighted (eq. 6, convex) or median")
+    aggregation: Literal["mean", "weighted", "median", "trimmed"] = Field(
+        "mean", description="Global prototypes: mean (official code), weighted (eq. 6, convex), median or "
+        "trimmed (see trim)")
     proto_classes: Literal["own", "all"] = Field("own", description="Nearest-prototype inference among the "
                                                  "client's own classes or all classes")
     # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
@@ -142,6 +147,36 @@ class RunConfig(BaseModel):
                                    "prototypes from fewer samples")
     proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6, description="FedProto: warn when a client's prototype "
                                     "distance exceeds this times the median (0: off)")
+    # robust aggregation, schedules and stages (issue #14; practitioner's guide §4.2-4.3; off by default)
+    trim: float = Field(0.2, ge=0.0, lt=0.5, description=(
+        "FedProto, aggregation 'trimmed': fraction of a class's contributors cut from each end, per coordinate"))
+    min_contributors: int = Field(1, ge=1, le=1_000_000, description=(
+        "FedProto: a class gets (or changes) its global prototype only in rounds where at least this many "
+        "clients send it"))
+    exclude_outliers: float = Field(0.0, ge=0.0, le=1e6, description=(
+        "FedProto: leave out of a round's aggregation the clients whose prototype distance has a robust "
+        "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
+    lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
+        "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
+    freeze_after: int = Field(0, ge=0, le=10_000_000, description=(
+        "Two-stage training: after this round only the head trains, the feature extractor is frozen (0: off)"))
+    eval_full_test: bool = Field(False, description=(
+        "Also evaluate each client's model, and the ensemble of all client models, on the full test split "
+        "(all classes) after the last round"))
+    # differential privacy of what leaves a client (fedproto.privacy)
+    dp: Literal["off", "prototypes", "full"] = Field("off", description=(
+        "Differential privacy: prototypes (clipped, noised prototype release; guarantee for a fixed feature "
+        "extractor) or full (DP-SGD local training + noised release: sample-level guarantee for all uploads)"))
+    dp_noise: float = Field(1.0, ge=0.0, le=1e6, description="DP noise multiplier sigma (noise std / sensitivity)")
+    dp_clip: float = Field(5.0, gt=0.0, le=1e9, description=(
+        "DP: L2 bound C on each sample's embedding in the prototype release (near the typical embedding norm)"))
+    dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP: the delta at which epsilon is reported")
+    # misbehaving clients, for experiments (fedproto.attacks)
+    attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
+        "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
+    attackers: int = Field(0, ge=0, le=1_000_000, description="Number of misbehaving clients (drawn from the seed)")
+    attack_scale: float = Field(100.0, ge=-1e12, le=1e12, description="Factor of attack 'scale'")
     # baselines (tab. 1)
     prox_mu: float = Field(0.01, ge=0, le=1e6, description="FedProx proximal weight mu (arXiv 1812.06127)")
     personal_layers: Literal["fc", "head"] = Field(
@@ -246,6 +281,32 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('proto_dist_alert', self.proto_dist_alert)} would flag clients below the "
                               "median", option="proto_dist_alert", value=self.proto_dist_alert,
                               hint="use 0 (no warning) or a factor >= 1 (e.g. 3)")
+        if self.attackers > self.clients:
+            raise ConfigError(f"{opt('attackers', self.attackers)} is more than {opt('clients', self.clients)}",
+                              option="attackers", value=self.attackers, hint=f"use at most {self.clients}")
+        if (self.attack == "none") != (self.attackers == 0):
+            raise ConfigError(f"{opt('attack', self.attack)} with {opt('attackers', self.attackers)}",
+                              option="attack", value=self.attack, hint="give both (an attack other than 'none' and "
+                              "a number of attackers >= 1) or neither")
+        if self.dp != "off":
+            if self.algorithm != "fedproto":
+                raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "
+                                  f"{opt('algorithm', self.algorithm)} sends model weights, which it does not cover",
+                                  option="dp", value=self.dp,
+                                  hint=f"use {opt('algorithm', 'fedproto')} or {opt('dp', 'off')}")
+            if self.dp == "full" and self.execution == "batched":
+                raise ConfigError(f"{opt('dp', 'full')} trains with DP-SGD on the sequential path", option="execution",
+                                  value=self.execution,
+                                  hint=f"use {opt('execution', 'auto')} or {opt('execution', 'sequential')}")
+            if self.dp == "full" and self.distance == "l2":
+                raise ConfigError(f"{opt('dp', 'full')} needs a loss that is a mean of per-sample terms; "
+                                  f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
+                                  value=self.distance,
+                                  hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
+        if self.freeze_after and self.algorithm == "fedrep":
+            raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
+                              "the body each round", option="freeze_after", value=self.freeze_after,
+                              hint=f"use {opt('freeze_after', 0)} with fedrep")
         C = self.num_classes
         if self.dataset != "custom" and self.ways > C:
             raise ConfigError(f"{opt('ways', self.ways)} is more than the {C} classes of {self.dataset}",

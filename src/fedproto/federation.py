@@ -333,6 +333,7 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
     check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
     alg = build_algorithm(cfg, d)
     alg.check_setup(cfg, [x.y.numpy() for x in data])
+    alg.check_models([s.model for s in states])
     from fedproto.devices import resolve_device
 
     setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-AggregationRule = Literal["mean", "weighted", "median"]
+AggregationRule = Literal["mean", "weighted", "median", "trimmed"]
 DistanceForm = Literal["mse", "squared_l2", "l2"]
 
-AGGREGATION_RULES: tuple[str, ...] = ("mean", "weighted", "median")
+AGGREGATION_RULES: tuple[str, ...] = ("mean", "weighted", "median", "trimmed")
+LAMBDA_SCHEDULES: tuple[str, ...] = ("linear", "cosine")
 DISTANCE_FORMS: tuple[str, ...] = ("mse", "squared_l2", "l2")
 
 
@@ -61,6 +62,8 @@ def aggregate_prototypes(
     counts: Sequence[np.ndarray],
     num_classes: int,
     rule: AggregationRule = "mean",
+    trim: float = 0.2,
+    min_contributors: int = 1,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Server aggregation of local prototypes into global prototypes, per class.
 
@@ -74,18 +77,30 @@ def aggregate_prototypes(
             every global prototype toward zero by the number of contributors (Pitfalls), and it
             is not offered.
         ``median``: coordinate-wise median over N_j (robust aggregation, practitioner's guide).
+        ``trimmed``: coordinate-wise trimmed mean over N_j (:func:`scipy.stats.trim_mean`): per
+            coordinate, the ``int(trim * |N_j|)`` largest and as many smallest values are cut and
+            the rest averaged; with ``trim * |N_j| < 1`` nothing is cut (a plain mean). Robust
+            against fewer than ``int(trim * |N_j|)`` bad clients per class (practitioner's guide §4.2).
 
     Args:
         classes: per client (K_i,) int class ids. protos: per client (K_i, d). counts: per client (K_i,).
         num_classes: C.
+        trim: the fraction cut from each end for ``trimmed``, in [0, 0.5).
+        min_contributors: a class held by fewer clients gets no global prototype from this call
+            (the caller may keep an earlier one); 1 keeps every class.
     Returns:
         global classes (K,) int64 sorted, global protos (K, d) float32, contributors (K,) int64
         (number of clients that held each class).
     Raises:
-        ValueError: unknown rule, inconsistent shapes, or a class id outside 0..C-1.
+        ValueError: unknown rule, ``trim`` outside [0, 0.5), ``min_contributors`` < 1,
+            inconsistent shapes, or a class id outside 0..C-1.
     """
     if rule not in AGGREGATION_RULES:
         raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {AGGREGATION_RULES}")
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim={trim} is outside [0, 0.5): it is the fraction cut from each end")
+    if min_contributors < 1:
+        raise ValueError(f"min_contributors={min_contributors}: use 1 or more")
     if not protos:
         return np.zeros(0, np.int64), np.zeros((0, 0), np.float32), np.zeros(0, np.int64)
     cls = np.concatenate([np.asarray(c, np.int64) for c in classes])
@@ -98,9 +113,12 @@ def aggregate_prototypes(
         raise ValueError(f"class id {bad} is outside 0..{num_classes - 1} (num_classes={num_classes})")
     d = P.shape[1]
     contributors = np.bincount(cls, minlength=num_classes)
-    present = np.nonzero(contributors)[0]
-    if rule == "median":
-        out = np.stack([np.median(P[cls == j], axis=0) for j in present]) if len(present) else np.zeros((0, d))
+    present = np.nonzero(contributors >= min_contributors)[0]
+    if rule in ("median", "trimmed"):
+        from scipy.stats import trim_mean
+
+        one = (lambda v: np.median(v, axis=0)) if rule == "median" else (lambda v: trim_mean(v, trim, axis=0))
+        out = np.stack([one(P[cls == j]) for j in present]) if len(present) else np.zeros((0, d))
     else:
         w = n if rule == "weighted" else np.ones_like(n)
         acc = np.zeros((num_classes, d))
@@ -288,11 +306,48 @@ def client_distances(
     return out
 
 
-def lambda_at(round: int, lambda_proto: float, warmup: int) -> float:
-    """λ of round ``round`` (1-based) under a linear warm-up of ``warmup`` rounds
-    (practitioner's guide §4.3.1: a small λ while prototypes are poor, then the full value):
-    λ · min(1, (round - 1) / warmup); ``warmup`` 0 gives λ every round. Round 1 has no global
-    prototypes anyway, so round 2 starts at λ / warmup and round warmup + 1 reaches λ."""
+def lambda_at(round: int, lambda_proto: float, warmup: int, schedule: str = "linear") -> float:
+    """λ of round ``round`` (1-based) under a warm-up of ``warmup`` rounds (practitioner's guide
+    §4.3.1: a small λ while prototypes are poor, then the full value). With t = min(1, (round - 1)
+    / warmup): ``linear`` gives λ · t, ``cosine`` gives λ · (1 - cos(π t)) / 2 (slow start and
+    finish, the same end points); ``warmup`` 0 gives λ every round. Round 1 has no global
+    prototypes anyway, so round 2 starts at λ / warmup (linear) and round warmup + 1 reaches λ.
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    if schedule not in LAMBDA_SCHEDULES:
+        raise ValueError(f"lambda schedule {schedule!r}: choose one of {', '.join(LAMBDA_SCHEDULES)}")
     if warmup <= 0:
         return float(lambda_proto)
-    return float(lambda_proto) * min(1.0, max(0, round - 1) / warmup)
+    t = min(1.0, max(0, round - 1) / warmup)
+    if schedule == "cosine":
+        t = (1.0 - float(np.cos(np.pi * t))) / 2.0
+    return float(lambda_proto) * t
+
+
+def robust_z(values: np.ndarray) -> np.ndarray:
+    """Robust z-scores over clients: (x - median) / MAD, with the MAD scaled to the standard
+    deviation of a normal distribution (:func:`scipy.stats.median_abs_deviation`,
+    ``scale="normal"``), NaN entries ignored and kept NaN. Where the MAD is 0 (half the clients or
+    more at the median), a value above the median scores +inf and the others 0.
+
+    Args:
+        values: (m,) per-client numbers (e.g. prototype distances, :func:`client_distances`).
+    Returns:
+        (m,) float64 z-scores.
+    """
+    from scipy.stats import median_abs_deviation
+
+    v = np.asarray(values, np.float64)
+    out = np.full(v.shape, np.nan)
+    ok = np.isfinite(v)
+    if not ok.any():
+        return out
+    med = float(np.median(v[ok]))
+    mad = float(median_abs_deviation(v[ok], scale="normal"))
+    if mad > 0:
+        out[ok] = (v[ok] - med) / mad
+    else:
+        out[ok] = np.where(v[ok] > med, np.inf, 0.0)
+    return out

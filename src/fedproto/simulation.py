@@ -22,6 +22,7 @@ import torch
 
 from fedproto.algorithms import ALGORITHMS
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
+from fedproto.attacks import attacker_ids, corrupt_message
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
 from fedproto.data.datasets import Dataset, load_dataset
@@ -37,6 +38,7 @@ from fedproto.training import (
     Objective,
     can_batch,
     has_batchnorm,
+    predict,
     train_group,
 )
 
@@ -47,7 +49,9 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (raises :class:`ConfigError` for an unknown name)."""
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {cfg.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[cfg.algorithm].from_config(cfg, embedding_dim)
+    alg = ALGORITHMS[cfg.algorithm].from_config(cfg, embedding_dim)
+    alg.freeze_after = cfg.freeze_after
+    return alg
 
 
 def client_rng(seed: int, round: int, cid: int) -> np.random.Generator:
@@ -216,6 +220,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     ]
     alg = build_algorithm(cfg, d)
     alg.check_setup(cfg, [ds.train_y.numpy()[tr] for tr in part.train_idx])
+    alg.check_models(models)
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);
     # every step would hold the same samples, so cap it there
     largest = max((len(tr) for tr in part.train_idx), default=1)
@@ -254,12 +259,13 @@ class Simulation:
         self.message: Message = {}
         self.history: list[dict] = []
         self.train_norm: dict[int, float] = {}  # client -> largest training embedding norm of its last round
+        self.attackers = set(attacker_ids(cfg.seed, len(self.setup.states), cfg.attackers))
         self._ran = False
 
     # -------------------------------------------------------------------------------------------
     def _groups(self, ids: list[int]) -> list[list[int]]:
         mode = self.cfg.execution
-        if mode == "sequential":
+        if mode == "sequential" or self.setup.algorithm.sequential_only:
             return [[i] for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
@@ -289,7 +295,7 @@ class Simulation:
             plans = []
             for i in group:
                 alg.prepare(S[i], msgs[i])
-                objs.append(alg.objective(S[i], msgs[i]))
+                objs.append(alg.local_objective(S[i], msgs[i]))
                 plans.append(alg.plan(S[i], objs[-1], len(D[i].x), client_rng(self.cfg.seed, round, i)))
             results = train_group([S[i].model for i in group], [D[i].x for i in group],
                                   [D[i].y for i in group], plans, objs[0], alg.opt, objs)
@@ -322,6 +328,42 @@ class Simulation:
         """Per-client metrics on each client's own test set (list indexed by client id)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         return [alg.evaluate(S[i], alg.downlink(self.message, i), D[i]) for i in range(len(S))]
+
+    def full_test_evaluation(self) -> dict | None:
+        """Evaluation beyond the personalized test sets (practitioner's guide §4.3): every client's
+        model on the dataset's full test split (all classes; :meth:`Algorithm.full_test_metrics`,
+        both inference rules where the algorithm has prototypes) and the ensemble of all client
+        models on it: the mean of their softmax outputs (``ensemble_softmax``) and a majority vote
+        of their predictions (``ensemble_vote``; ties to the lowest class). None (with a warning)
+        when the run has no dataset test split (your own clients).
+
+        Returns:
+            ``{"summary": {...}, "clients": [per-client dict]}``; accuracies in [0, 1].
+        """
+        ds = self.setup.dataset
+        if ds is None:
+            log.warning("eval_full_test: your own clients have no shared test split; only the per-client test sets "
+                        "are evaluated")
+            return None
+        alg, S = self.setup.algorithm, self.setup.states
+        x, y = ds.test_x, ds.test_y
+        C = self.cfg.num_classes
+        probs = torch.zeros(len(y), C, dtype=torch.float64)
+        votes = torch.zeros(len(y), C, dtype=torch.float64)
+        per = []
+        for i, s in enumerate(S):
+            logits, h = predict(s.model, x)
+            logits, h = logits.cpu(), h.cpu()
+            per.append(alg.full_test_metrics(s, alg.downlink(self.message, i), logits, h, y))
+            probs += torch.softmax(logits.to(torch.float64), 1)
+            votes[torch.arange(len(y)), logits.argmax(1)] += 1.0
+        out = {"test_set": f"the full test split: {len(y)} samples of all {C} classes (each client's model, and "
+                           f"the ensemble of all {len(S)})"}
+        for k in per[0]:
+            out[k] = dict(zip(("mean", "std"), summarize([m[k] for m in per])))
+        out["ensemble_softmax"] = float((probs.argmax(1) == y).to(torch.float64).mean())
+        out["ensemble_vote"] = float((votes.argmax(1) == y).to(torch.float64).mean())
+        return {"summary": out, "clients": per}
 
     def _checkpoint_state(self, r: int, totals: dict, train_time: float, wall: float) -> dict:
         return {
@@ -421,7 +463,8 @@ class Simulation:
     def _run(self, resume: bool) -> dict:
         alg, S = self.setup.algorithm, self.setup.states
         self._ran = True
-        self.message = alg.initial_message(S)  # may refuse the set-up (weight sharing across architectures)
+        # may refuse the set-up (weight sharing across architectures)
+        self.message = alg.broadcast(1, alg.initial_message(S))
         totals = {"up_params": 0, "up_bytes": 0, "down_params": 0, "down_bytes": 0}
         train_time = wall_before = 0.0
         start = 1
@@ -477,17 +520,24 @@ class Simulation:
             received = {i: alg.downlink(self.message, i) for i in ids}
             down = [message_size(received[i]) for i in ids]
             results = self._client_step(r, ids, received)
+            for i in self.attackers.intersection(ids):  # simulated misbehaving clients (fedproto.attacks)
+                rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, r, i, 0xA77]))
+                results[i] = (corrupt_message(results[i][0], cfg.attack, rng, self.cfg.num_classes,
+                                              cfg.attack_scale), results[i][1])
             msgs = [results[i][0] for i in ids]
             tr = [results[i][1] for i in ids]
             up = [message_size(m) for m in msgs]
-            self.message = alg.aggregate(r, {i: results[i][0] for i in ids})
+            self.message = alg.broadcast(r + 1, alg.aggregate(r, {i: results[i][0] for i in ids}))
             t_train = time.perf_counter() - t0
             monitor = alg.round_metrics()
             for cid, dist, med in alg.outliers():
                 log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median "
                             "%.3g over clients; check its data (proto_dist_alert=%s)", r, cid, dist, dist / med,
                             med, cfg.proto_dist_alert)
-            bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()]
+            # a simulated misbehaving client may diverge (its messages go through the server's checks); the run
+            # stops when an honest client does
+            bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()
+                   and i not in self.attackers]
             if bad:
                 lam = alg.divergence_hint(cfg)
                 dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
@@ -539,6 +589,8 @@ class Simulation:
                 self.on_round(row)
         if not per_client:  # resumed after the last round's checkpoint: evaluate the restored models
             per_client = self.evaluate()
+        per_client = [{**m, **alg.client_report(S[i])} for i, m in enumerate(per_client)]
+        full = self.full_test_evaluation() if cfg.eval_full_test else None
         wall = time.perf_counter() - t_start
         last = self.history[-1]
         summary = {
@@ -565,6 +617,28 @@ class Simulation:
             "train_time_s": train_time,
             "execution": cfg.execution,
         }
+        if self.attackers:
+            honest = [m for i, m in enumerate(per_client) if i not in self.attackers]
+            summary["attack"] = {"kind": cfg.attack, "clients": sorted(self.attackers)}
+            summary["accuracy_honest"] = {
+                "test_set": summary["test_set"] + f"; the {len(honest)} clients that did not misbehave",
+                **{k: dict(zip(("mean", "std"), summarize([m[k] for m in honest])))
+                   for k in per_client[0] if k not in HEALTH_KEYS and k != "dp_epsilon"}}
+        if full is not None:
+            summary["accuracy_full_test"] = full["summary"]
+            for i, m in enumerate(full["clients"]):
+                per_client[i].update({f"full_{k}": v for k, v in m.items()})
+        if cfg.dp != "off":
+            eps = [m["dp_epsilon"] for m in per_client]
+            summary["privacy"] = {
+                "mode": cfg.dp, "noise_multiplier": cfg.dp_noise, "embedding_clip": cfg.dp_clip,
+                "grad_clip": cfg.dp_grad_clip if cfg.dp == "full" else None, "delta": cfg.dp_delta,
+                "epsilon_max": float(max(eps)), "epsilon_mean": float(np.mean(eps)),
+                "accountant": "Opacus RDP (subsampled Gaussian per DP-SGD step, Gaussian per prototype release)",
+                "neighbouring": "one training sample of a client added or removed" + (
+                    "; for a fixed feature extractor (the extractor's training is not covered)"
+                    if cfg.dp == "prototypes" else ""),
+            }
         if self.run_dir:
             self.run_dir.write_summary(summary)
             rows = []

@@ -21,6 +21,7 @@ so momentum does not carry across rounds).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -113,6 +114,7 @@ class Objective:
         collect: collect the embeddings of the last epoch's training passes per class
             (official code's local prototypes).
         normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
+        dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
     """
 
     phases: list[Phase]
@@ -124,6 +126,19 @@ class Objective:
     prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
     normalize: bool = False
+    dp_sgd: "DPSGD | None" = None
+
+
+@dataclass
+class DPSGD:
+    """DP-SGD settings of one client's round (Opacus's ``DPOptimizer``): per-sample gradients
+    clipped to L2 norm ``max_grad_norm``, their sum plus Gaussian noise of std ``noise_multiplier``
+    x ``max_grad_norm`` divided by ``expected_batch_size`` (q x n of the Poisson plan,
+    :func:`poisson_plan`). The noise generator is seeded with the plan's ``seed``."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    expected_batch_size: int
 
 
 @dataclass
@@ -142,6 +157,7 @@ class Plan:
     last_epoch: list[torch.Tensor]
     noise: list[dict[str, torch.Tensor]] = field(default_factory=list)
     aug: list[torch.Tensor] = field(default_factory=list)
+    seed: int = 0  # further randomness of the step drawn by torch (the DP-SGD noise)
 
 
 @dataclass
@@ -230,6 +246,47 @@ def make_plan(
     return Plan(orders, weights, lasts, noises, augs)
 
 
+def poisson_plan(
+    n: int, phases: Sequence[Phase], batch_size: int, noise_widths: dict[str, int], p_drop: float,
+    rng: np.random.Generator,
+) -> Plan:
+    """A batch plan of Poisson subsampling for DP-SGD: each epoch has ``ceil(n / B)`` steps, and
+    each step holds every local sample independently with probability q = min(1, B / n), so
+    batch sizes vary (empty batches included); the privacy accountant assumes exactly this
+    sampling (:mod:`fedproto.privacy`). Rows are padded to the largest batch with weight 0;
+    dropout masks as :func:`make_plan`. No augmentation, no trailing-batch rule.
+
+    Returns:
+        A :class:`Plan`; its sample rate is ``min(1, batch_size / n)``.
+    """
+    q = min(1.0, batch_size / max(n, 1))
+    steps_per_epoch = -(-n // batch_size)
+    orders, weights, lasts, noises = [], [], [], []
+    for ph in phases:
+        picks, last = [], []
+        for e in range(ph.epochs):
+            for _ in range(steps_per_epoch):
+                picks.append(np.nonzero(rng.random(n) < q)[0])
+                last.append(e == ph.epochs - 1)
+        S = len(picks)
+        W = max([len(p) for p in picks] + [1])
+        order = np.zeros((S, W), np.int64)
+        w = np.zeros((S, W), np.float32)
+        for i, p in enumerate(picks):
+            order[i, : len(p)] = p
+            w[i, : len(p)] = 1.0
+        noise = {}
+        if p_drop > 0:
+            keep = 1.0 - p_drop
+            for name, width in noise_widths.items():
+                noise[name] = torch.from_numpy(((rng.random((S, W, width)) < keep) / keep).astype(np.float32))
+        orders.append(torch.from_numpy(order))
+        weights.append(torch.from_numpy(w))
+        lasts.append(torch.from_numpy(np.array(last, bool)))
+        noises.append(noise)
+    return Plan(orders, weights, lasts, noises, [])
+
+
 def augment_batch(x: torch.Tensor, params: torch.Tensor, pad: int = AUGMENT_PAD) -> torch.Tensor:
     """Random crop + horizontal flip of a batch, vectorised (one gather, no per-sample loop).
 
@@ -302,11 +359,28 @@ def train_client(
     steps = 0
     norm_max = torch.zeros((), dtype=torch.float64, device=dev)
     named = dict(model.named_parameters())
+    net, gsm = model, None
+    if obj.dp_sgd is not None:
+        from opacus import GradSampleModule
+
+        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2"):
+            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term "
+                             "or the 'l2' distance (a batch prototype)")
+        net = gsm = GradSampleModule(model, loss_reduction="mean")
+        # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
             p.requires_grad_(ph.trains is None or ph.trains(n_))
         optim = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+        if obj.dp_sgd is not None:
+            from opacus.optimizers import DPOptimizer
+
+            dp = obj.dp_sgd
+            gen = torch.Generator(device=dev).manual_seed(plan.seed + pi)
+            optim = DPOptimizer(optim, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                                expected_batch_size=dp.expected_batch_size, loss_reduction="mean", generator=gen)
         order, weight, last = plan.order[pi], plan.weight[pi], plan.last_epoch[pi]
         noise = plan.noise[pi] if plan.noise else {}
         aug = plan.aug[pi] if plan.aug else None
@@ -318,7 +392,7 @@ def train_client(
             if aug is not None:
                 xb = augment_batch(xb, aug[s][valid])
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
-            logits, h = model(xb, nb)
+            logits, h = net(xb, nb)
             ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
             loss = ce + obj.lambda_proto * lp
             if obj.prox_mu > 0 and obj.prox_ref is not None:
@@ -336,6 +410,8 @@ def train_client(
                 hd = h.detach()
                 sums.index_add_(0, yb, hd)
                 counts += torch.bincount(yb, minlength=C)
+    if gsm is not None:
+        gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again
     for p in named.values():
         p.requires_grad_(True)
     if sums is not None:

@@ -83,6 +83,12 @@ class Algorithm:
 
     name = "base"
     shares_weights = False
+    sequential_only = False
+    """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
+
+    freeze_after = 0
+    """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
+    server's messages carry ``head_only``); 0: off. Set from the config by the engine."""
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
         self.num_classes = num_classes
@@ -103,6 +109,30 @@ class Algorithm:
         """Options of this algorithm that can make training diverge, worded for the error the
         engine raises on a non-finite loss (default: none)."""
         return ""
+
+    def check_models(self, models: list[ProtoModel]) -> None:
+        """Refuse client models this algorithm's options cannot train (raise ``ConfigError`` naming
+        the clients); called before round 1. Default: with ``freeze_after``, every model needs a
+        known head (:meth:`ProtoModel.is_head_param`)."""
+        if self.freeze_after:
+            headless = [i for i, m in enumerate(models) if not any(m.is_head_param(n) for n, _ in m.named_parameters())]
+            if headless:
+                from fedproto.errors import ConfigError
+
+                raise ConfigError(f"freeze_after={self.freeze_after} trains the head alone, but the models of clients "
+                                  f"{headless[:10]} name no head layer; give their head (fedproto.federation.Client"
+                                  "(head=...)) or use freeze_after=0")
+
+    def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
+        """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
+        dropped (``{}``: nothing usable) and one reason per dropped part; the engine logs them.
+        Default: everything kept."""
+        return message, []
+
+    def client_report(self, state: ClientState) -> dict[str, float]:
+        """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent);
+        default: none."""
+        return {}
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
         """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
@@ -140,6 +170,14 @@ class Algorithm:
         """Clients flagged by the last aggregation's monitoring: (client, value, median)."""
         return []
 
+    def broadcast(self, round: int, message: Message) -> Message:
+        """The server message for round ``round`` (1-based): ``message`` (from
+        :meth:`initial_message` or :meth:`aggregate`) plus ``head_only`` (one int8) in the second
+        stage, rounds after :attr:`freeze_after`."""
+        if self.freeze_after and round > self.freeze_after:
+            return {**message, "head_only": np.ones(1, np.int8)}
+        return message
+
     def downlink(self, message: Message, cid: int) -> Message:
         """What client ``cid`` receives of the server message (default: all of it). The engine
         counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
@@ -152,6 +190,16 @@ class Algorithm:
     def objective(self, state: ClientState, message: Message) -> Objective:
         """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
         return Objective(phases=[Phase(self.local_epochs)])
+
+    def local_objective(self, state: ClientState, message: Message) -> Objective:
+        """:meth:`objective` as every engine uses it: in the second stage (``head_only`` in the
+        message, :meth:`broadcast`) each phase trains the head's parameters only."""
+        obj = self.objective(state, message)
+        if "head_only" in message:
+            head = state.model.is_head_param
+            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))))
+                          for p in obj.phases]
+        return obj
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         """Build the client's message after local training."""
@@ -168,11 +216,18 @@ class Algorithm:
     ) -> tuple[Message, TrainResult]:
         """Reference client step: prepare, train (sequential path), finish."""
         self.prepare(state, message)
-        obj = self.objective(state, message)
+        obj = self.local_objective(state, message)
         res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.x), rng), obj, self.opt)
         return self.finish(state, message, data, res), res
 
     # -- evaluation -------------------------------------------------------------------------
+    def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,
+                          y: torch.Tensor) -> dict[str, float]:
+        """Scores of a client's model on a test set of all classes (the full test split) from its
+        outputs: logits (N, C), embeddings h (N, d), labels y (N,). Default: classifier accuracy
+        (argmax over all C classes), in [0, 1]."""
+        return {"acc": float((logits.argmax(1) == y).to(torch.float64).mean()) if len(y) else float("nan")}
+
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
         the outputs' health (:data:`HEALTH_KEYS`)."""

@@ -9,6 +9,8 @@ cross-entropy only.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -16,6 +18,7 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.prototypes import (
     AGGREGATION_RULES,
     DISTANCE_FORMS,
+    LAMBDA_SCHEDULES,
     aggregate_prototypes,
     class_sums,
     client_distances,
@@ -25,8 +28,12 @@ from fedproto.prototypes import (
     momentum_prototypes,
     nearest_prototype,
     prototype_table,
+    robust_z,
 )
-from fedproto.training import Objective, OptimConfig, Phase, TrainResult, embed_all, predict
+from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
+from fedproto.training import DPSGD, Objective, OptimConfig, Phase, TrainResult, embed_all, poisson_plan, predict
+
+log = logging.getLogger(__name__)
 
 
 class FedProto(Algorithm):
@@ -57,6 +64,24 @@ class FedProto(Algorithm):
             distance between its local and the global prototypes (``proto_dist``, the mean over
             clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a
             warning for clients above ``proto_dist_alert`` x the median (0: no warning). Changes no number.
+
+    Robustness and privacy (issue #14; the practitioner's guide §4.2; off by default):
+        trim: the fraction cut from each end by ``aggregation="trimmed"``.
+        min_contributors: a class gets (or changes) its global prototype only in rounds where at
+            least this many clients send it (else it keeps the previous one, if any).
+        exclude_outliers: Z > 0: each round, each client's mean L2 distance between its local
+            prototypes and a provisional coordinate-wise median of the round's prototypes is
+            scored with :func:`fedproto.prototypes.robust_z`; clients scoring above Z are left
+            out of that round's aggregation (``excluded`` in the metrics). The median is the
+            reference because a mean is dragged toward the very clients to be found.
+        lambda_schedule: ``linear`` or ``cosine`` warm-up (:func:`fedproto.prototypes.lambda_at`);
+            the λ used in each round is ``lambda`` in the metrics.
+        dp, dp_noise, dp_clip, dp_grad_clip, dp_delta: differential privacy of the uploaded
+            prototypes (:mod:`fedproto.privacy`); ``dp_epsilon`` per client in ``clients.csv``.
+
+    Every reply is checked before aggregation: a prototype row that is not finite, of another
+    size than d, or of a class outside 0..C-1 (or with a count below 1) is dropped and named in
+    the log and in the metrics (``dropped``), never averaged in.
     Raises:
         ValueError: an option outside its range.
     """
@@ -80,8 +105,33 @@ class FedProto(Algorithm):
         proto_normalize: bool = False,
         min_proto_samples: int = 1,
         proto_dist_alert: float = 3.0,
+        trim: float = 0.2,
+        min_contributors: int = 1,
+        exclude_outliers: float = 0.0,
+        lambda_schedule: str = "linear",
+        dp: str = "off",
+        dp_noise: float = 1.0,
+        dp_clip: float = 5.0,
+        dp_grad_clip: float = 1.0,
+        dp_delta: float = 1e-5,
     ):
         super().__init__(num_classes, opt, local_epochs)
+        if not 0.0 <= trim < 0.5 or min_contributors < 1 or exclude_outliers < 0:
+            raise ValueError(f"trim={trim} (in [0, 0.5)), min_contributors={min_contributors} (>= 1), "
+                             f"exclude_outliers={exclude_outliers} (>= 0): one is out of range")
+        if dp not in DP_MODES or dp_noise < 0 or not dp_clip > 0 or not dp_grad_clip > 0 or not 0 < dp_delta < 1:
+            raise ValueError(f"dp={dp!r} (one of {', '.join(DP_MODES)}), dp_noise={dp_noise} (>= 0), dp_clip={dp_clip} "
+                             f"(> 0), dp_grad_clip={dp_grad_clip} (> 0), dp_delta={dp_delta} (in (0, 1)): one is "
+                             "out of range")
+        self.trim, self.min_contributors = float(trim), int(min_contributors)
+        self.exclude_outliers = float(exclude_outliers)
+        self.lambda_schedule = lambda_schedule
+        self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
+        self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
+        self.sequential_only = dp == "full"
+        self.last_excluded: list[int] = []
+        self.last_dropped: list[int] = []
+        self.last_round = 0
         if lambda_warmup < 0 or not 0.0 <= proto_momentum < 1.0 or min_proto_samples < 1 or proto_dist_alert < 0:
             raise ValueError(f"lambda_warmup={lambda_warmup} (>= 0), proto_momentum={proto_momentum} (in [0, 1)), "
                              f"min_proto_samples={min_proto_samples} (>= 1), proto_dist_alert={proto_dist_alert} "
@@ -89,6 +139,7 @@ class FedProto(Algorithm):
         for opt_name, value, allowed in (("distance", distance, DISTANCE_FORMS),
                                          ("proto_source", proto_source, ("last_epoch", "after_training")),
                                          ("aggregation", aggregation, AGGREGATION_RULES),
+                                         ("lambda_schedule", lambda_schedule, LAMBDA_SCHEDULES),
                                          ("proto_classes", proto_classes, ("own", "all"))):
             if value not in allowed:
                 raise ValueError(f"{opt_name}={value!r}: choose one of {', '.join(allowed)}")
@@ -113,7 +164,9 @@ class FedProto(Algorithm):
     def from_config(cls, cfg, embedding_dim: int) -> FedProto:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
-                   cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert)
+                   cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
+                   cfg.trim, cfg.min_contributors, cfg.exclude_outliers, cfg.lambda_schedule, cfg.dp, cfg.dp_noise,
+                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
@@ -129,11 +182,37 @@ class FedProto(Algorithm):
             table=table,
             mask=mask,
             form=self.distance,
-            collect=self.proto_source == "last_epoch",
+            collect=self.proto_source == "last_epoch" and self.dp == "off",
             normalize=self.proto_normalize,
+            dp_sgd=DPSGD(self.dp_noise, self.dp_grad_clip, self.opt.batch_size) if self.dp == "full" else None,
         )
 
+    def plan(self, state: ClientState, obj, n: int, rng: np.random.Generator):
+        """The batch plan; with ``dp="full"`` Poisson-sampled (:func:`fedproto.training.poisson_plan`)
+        with the DP-SGD noise seed drawn after it; with any ``dp`` mode the seed of the release noise
+        is then drawn too (kept in the client's state: the noise never leaves the client)."""
+        if self.dp != "full":
+            plan = super().plan(state, obj, n, rng)
+        else:
+            m = state.model
+            plan = poisson_plan(n, obj.phases, self.opt.batch_size, m.noise_widths(), m.dropout, rng)
+            plan.seed = int(rng.integers(2**62))
+            state.extra["dp_rate"] = min(1.0, self.opt.batch_size / max(n, 1))
+            if obj.dp_sgd is not None:
+                obj.dp_sgd.expected_batch_size = max(1, round(state.extra["dp_rate"] * n))
+        if self.dp != "off":
+            state.extra["dp_seed"] = int(rng.integers(2**62))
+        return plan
+
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        if self.dp != "off":  # each sample counted once, in an eval-mode pass (fedproto.privacy)
+            rng = np.random.default_rng(state.extra.pop("dp_seed"))
+            classes, protos, cnt = noisy_prototypes(embed_all(state.model, data.x), data.y, state.classes,
+                                                    self.dp_clip, self.dp_noise, rng)
+            state.extra["dp_releases"] = int(state.extra.get("dp_releases", 0)) + 1
+            if self.dp == "full":
+                state.extra["dp_steps"] = int(state.extra.get("dp_steps", 0)) + int(result.steps)
+            return {"classes": classes, "protos": protos, "counts": cnt}
         if self.proto_source == "last_epoch":
             sums, counts = result.sums, result.counts
         else:
@@ -141,22 +220,76 @@ class FedProto(Algorithm):
         classes, protos, cnt = local_prototypes(sums, counts)
         return {"classes": classes, "protos": protos, "counts": cnt}
 
+    def client_report(self, state: ClientState) -> dict[str, float]:
+        """With ``dp``: the client's privacy spent so far, ``dp_epsilon`` at ``dp_delta``
+        (:func:`fedproto.privacy.epsilon` over its prototype releases and DP-SGD steps)."""
+        if self.dp == "off":
+            return {}
+        hist = [(self.dp_noise, 1.0, int(state.extra.get("dp_releases", 0)))]
+        if self.dp == "full":
+            hist.append((self.dp_noise, float(state.extra.get("dp_rate", 1.0)), int(state.extra.get("dp_steps", 0))))
+        return {"dp_epsilon": epsilon(hist, self.dp_delta)}
+
+    def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
+        """A client's reply with its bad prototype rows dropped, and why each was dropped: rows
+        whose values are not finite, whose class is outside 0..C-1 or whose count is below 1, and
+        the whole reply when its arrays do not fit together ((K,) classes, (K, d) protos, (K,)
+        counts with d the embedding size)."""
+        try:
+            c = np.asarray(message["classes"])
+            p = np.asarray(message["protos"])
+            n = np.asarray(message["counts"])
+        except KeyError as e:
+            return {}, [f"no {e.args[0]!r} entry"]
+        if (c.ndim != 1 or p.ndim != 2 or n.shape != c.shape or len(p) != len(c) or c.dtype.kind not in "iu"
+                or (len(c) and p.shape[1] != self.embedding_dim)):
+            return {}, [f"arrays that do not fit: classes {c.shape} {c.dtype}, protos {p.shape}, counts {n.shape} "
+                        f"(expected (K,) int, (K, {self.embedding_dim}), (K,))"]
+        ok = np.ones(len(c), bool)
+        why = []
+        for j in range(len(c)):
+            reason = ("values that are not finite" if not np.isfinite(p[j]).all() else
+                      f"class {c[j]} outside 0..{self.num_classes - 1}" if not 0 <= c[j] < self.num_classes else
+                      f"count {n[j]} below 1" if not n[j] >= 1 else "")
+            if reason:
+                ok[j] = False
+                why.append(f"the prototype of class {c[j]}: {reason}")
+        return {"classes": c[ok], "protos": p[ok], "counts": n[ok]}, why
+
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
         ``min_proto_samples`` filtering, with ``proto_momentum`` against the previous global
         prototypes, plus the λ of round ``round + 1`` when warming up. A class that no client sent this
         round (client sampling, ``min_proto_samples``) keeps its previous global prototype, with 0
         contributors this round."""
+        self.last_round = round
+        checked, dropped = {}, []
+        for cid, m in messages.items():
+            checked[cid], why = self.reply_problems(cid, m)
+            if why:
+                dropped.append(int(cid))
+                log.warning("round %d: client %d's reply: dropped %s", round, cid, "; ".join(why[:3])
+                            + (f" (and {len(why) - 3} more)" if len(why) > 3 else ""))
+        self.last_dropped = dropped
+        messages = {cid: m for cid, m in checked.items() if m}
         cids = list(messages)
         messages = list(messages.values())
         keep = [np.asarray(m["counts"]) >= self.min_proto_samples for m in messages]
-        cls, protos, contrib = aggregate_prototypes(
-            [np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
-            [np.asarray(m["protos"])[k] for m, k in zip(messages, keep)],
-            [np.asarray(m["counts"])[k] for m, k in zip(messages, keep)],
-            self.num_classes,
-            self.aggregation,
-        )
+        kept = ([np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
+                [np.asarray(m["protos"])[k] for m, k in zip(messages, keep)],
+                [np.asarray(m["counts"])[k] for m, k in zip(messages, keep)])
+        self.last_excluded = []
+        if self.exclude_outliers > 0 and len(messages) > 2:
+            ref_c, ref_p, _ = aggregate_prototypes(*kept, self.num_classes, "median")
+            z = robust_z(client_distances(kept[0], kept[1], ref_c, ref_p))
+            out = [j for j in range(len(messages)) if z[j] > self.exclude_outliers]
+            if out and len(out) < len(messages):
+                self.last_excluded = [int(cids[j]) for j in out]
+                log.info("round %d: clients %s left out of the aggregation (robust z > %s)", round,
+                         self.last_excluded, self.exclude_outliers)
+                kept = tuple([v for j, v in enumerate(part) if j not in out] for part in kept)
+        cls, protos, contrib = aggregate_prototypes(*kept, self.num_classes, self.aggregation, self.trim,
+                                                    self.min_contributors)
         if self.global_classes is not None:
             # a class no (sampled) client sent this round keeps its previous global prototype
             now = dict(zip(cls.tolist(), contrib.tolist()))
@@ -170,8 +303,24 @@ class FedProto(Algorithm):
         self.last_cids = np.array(cids, np.int64)
         out = {"classes": cls, "protos": protos}
         if self.lambda_warmup > 0:
-            out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup)], np.float32)
+            out["lambda"] = np.array([lambda_at(round + 1, self.lambda_proto, self.lambda_warmup,
+                                                self.lambda_schedule)], np.float32)
         return out
+
+    def check_models(self, models) -> None:
+        """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
+        BatchNorm (its statistics mix the samples of a batch, so per-sample gradients do not
+        exist; Opacus refuses them too)."""
+        super().check_models(models)
+        if self.dp == "full":
+            from fedproto.errors import ConfigError
+            from fedproto.training import has_batchnorm
+
+            bn = [i for i, m in enumerate(models) if has_batchnorm(m)]
+            if bn:
+                raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
+                                  f"clients {bn[:10]} have BatchNorm layers; use models without BatchNorm (e.g. "
+                                  "GroupNorm, or model='cnn') or dp='prototypes'")
 
     def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
         """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every
@@ -214,10 +363,18 @@ class FedProto(Algorithm):
         """Prototype-distance monitoring of the last aggregation: mean and max over clients of
         each client's mean L2 distance to the global prototypes, and the client with the max."""
         d = self.last_distances
+        out: dict = {}
+        if self.last_round:  # the λ the clients trained with in that round (0 in round 1: no prototypes yet)
+            out["lambda"] = 0.0 if self.last_round == 1 else lambda_at(self.last_round, self.lambda_proto,
+                                                                         self.lambda_warmup, self.lambda_schedule)
+        if self.exclude_outliers > 0:
+            out["excluded"] = list(self.last_excluded)
+        if self.last_dropped:
+            out["dropped"] = list(self.last_dropped)
         if d is None or not np.isfinite(d).any():
-            return {}
+            return out
         i = int(np.nanargmax(d))
-        return {"proto_dist": float(np.nanmean(d)), "proto_dist_max": float(d[i]),
+        return {**out, "proto_dist": float(np.nanmean(d)), "proto_dist_max": float(d[i]),
                 "proto_dist_argmax": int(self._cid(i))}
 
     def _cid(self, j: int) -> int:
@@ -254,6 +411,17 @@ class FedProto(Algorithm):
             allowed &= own
         pred = nearest_prototype(h, table, allowed, self.proto_normalize)
         out["acc_proto"] = float((pred.to(y.device) == y).float().mean()) if n else float("nan")
+        return out
+
+    def full_test_metrics(self, state: ClientState, message: Message, logits, h, y) -> dict[str, float]:
+        """As :meth:`Algorithm.full_test_metrics`, plus ``acc_proto``: nearest global prototype
+        (eq. 4) among all classes with one (``proto_classes`` does not apply: the test set holds
+        every class)."""
+        out = super().full_test_metrics(state, message, logits, h, y)
+        table, mask = self._table(message)
+        if table is not None and len(y):
+            pred = nearest_prototype(h, table, mask, self.proto_normalize)
+            out["acc_proto"] = float((pred == y).to(torch.float64).mean())
         return out
 
     def proto_distance(self, state: ClientState, message: Message, data: ClientData) -> float:

@@ -1,0 +1,288 @@
+"""Robust and private prototypes (issue #14): trimmed mean, minimum contributors, outlier
+exclusion, λ schedules, two-stage training, evaluation on the full test split, differential
+privacy, and simulated misbehaving clients."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedproto.algorithms.fedproto import FedProto
+from fedproto.attacks import attacker_ids, corrupt_message
+from fedproto.config import build_config
+from fedproto.errors import ConfigError, TrainingError
+from fedproto.privacy import clip_rows, epsilon, noisy_prototypes
+from fedproto.prototypes import aggregate_prototypes, lambda_at, robust_z
+from fedproto.simulation import Simulation
+from fedproto.training import DPSGD, Objective, OptimConfig, Phase, make_plan, poisson_plan, train_client
+
+from conftest import float64_sim
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(**kw):
+    base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=4, eval_every=0,
+                threads=1)
+    return build_config(overrides={**base, **kw})
+
+
+# -- aggregation rules ---------------------------------------------------------------------------
+def test_trimmed_mean_and_min_contributors_values():
+    vals = [1.0, 2.0, 3.0, 4.0, 100.0]
+    classes = [np.array([0]) for _ in vals] + [np.array([1])]
+    protos = [np.array([[v, -v]]) for v in vals] + [np.array([[7.0, 7.0]])]
+    counts = [np.array([1])] * 6
+    cls, p, n = aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.2)
+    assert cls.tolist() == [0, 1] and n.tolist() == [5, 1]
+    assert p.tolist() == [[3.0, -3.0], [7.0, 7.0]]  # 1 cut from each end (int(0.2 * 5)): mean of 2, 3, 4
+    _, p, _ = aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.1)  # int(0.5) = 0: plain mean
+    assert p[0].tolist() == [22.0, -22.0]
+    cls, p, n = aggregate_prototypes(classes, protos, counts, 3, "median", min_contributors=2)
+    assert cls.tolist() == [0] and p.tolist() == [[3.0, -3.0]] and n.tolist() == [5]  # class 1: one client only
+    with pytest.raises(ValueError, match="trim=0.5"):
+        aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.5)
+
+
+def test_robust_z_values():
+    z = robust_z(np.array([1.0, 2.0, 3.0, 4.0, 100.0, np.nan]))
+    mad = 1.482602218505602  # median |x - 3| = 1, scaled to a normal standard deviation
+    assert z[:5] == pytest.approx([-2 / mad, -1 / mad, 0.0, 1 / mad, 97 / mad])
+    assert math.isnan(z[5])
+    assert robust_z(np.array([1.0, 1.0, 1.0, 5.0])).tolist() == [0.0, 0.0, 0.0, math.inf]
+
+
+def test_lambda_schedules():
+    assert [lambda_at(r, 2.0, 4, "cosine") for r in (1, 3, 5, 9)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
+    assert lambda_at(2, 2.0, 4, "cosine") == pytest.approx(2.0 * (1 - math.cos(math.pi / 4)) / 2)  # 0.2929
+    assert lambda_at(2, 2.0, 4, "linear") == 0.5
+    with pytest.raises(ValueError, match="'step'"):
+        lambda_at(2, 1.0, 4, "step")
+
+
+def test_the_lambda_used_each_round_is_in_the_metrics():
+    sim = Simulation(_cfg(lambda_warmup=2, lambda_schedule="cosine", rounds=4), out=False)
+    sim.run()
+    assert [h["lambda"] for h in sim.history] == pytest.approx([0.0, 0.5, 1.0, 1.0])
+
+
+# -- misbehaving clients -------------------------------------------------------------------------
+def test_corrupt_message_kinds():
+    msg = {"classes": np.array([0, 3, 9]), "protos": np.arange(6, dtype=np.float32).reshape(3, 2) + 1,
+           "counts": np.array([5, 6, 7])}
+    rng = np.random.default_rng(0)
+    assert (corrupt_message(msg, "scale", rng, 10)["protos"] == msg["protos"] * 100).all()
+    assert np.isnan(corrupt_message(msg, "nan", rng, 10)["protos"]).all()
+    r = corrupt_message(msg, "random", rng, 10)["protos"]
+    assert np.linalg.norm(r, axis=1) == pytest.approx(np.linalg.norm(msg["protos"], axis=1), rel=1e-6)
+    assert not np.allclose(r, msg["protos"])
+    f = corrupt_message(msg, "flip", rng, 10)
+    assert f["classes"].tolist() == [0, 1, 4]  # 9 -> 0, 0 -> 1, 3 -> 4, kept sorted
+    assert f["protos"].tolist() == [[5.0, 6.0], [1.0, 2.0], [3.0, 4.0]] and f["counts"].tolist() == [7, 5, 6]
+    assert msg["protos"][0].tolist() == [1.0, 2.0]  # the honest message is untouched
+    assert attacker_ids(1234, 20, 4) == attacker_ids(1234, 20, 4) and len(set(attacker_ids(1234, 20, 4))) == 4
+    with pytest.raises(ValueError, match="attack 'loud'"):
+        corrupt_message(msg, "loud", rng, 10)
+
+
+def test_bad_replies_are_dropped_and_named(caplog):
+    alg = FedProto(10, OptimConfig(), embedding_dim=2)
+    good = {"classes": np.array([1, 2]), "protos": np.ones((2, 2), np.float32), "counts": np.array([3, 3])}
+    bad = {"classes": np.array([1, 2, 11]), "protos": np.array([[np.nan, 0], [5, 5], [1, 1]], np.float32),
+           "counts": np.array([3, 0, 3])}
+    wrong = {"classes": np.array([1]), "protos": np.ones((1, 3), np.float32), "counts": np.array([1])}
+    out = alg.aggregate(1, {0: good, 4: bad, 7: wrong})
+    assert out["classes"].tolist() == [1, 2] and out["protos"].tolist() == [[1, 1], [1, 1]]
+    assert alg.round_metrics()["dropped"] == [4, 7]
+    text = caplog.text
+    assert "client 4's reply" in text and "class 1: values that are not finite" in text
+    assert "count 0 below 1" in text and "class 11 outside 0..9" in text and "(K, 2)" in text
+
+
+DIGITS20 = dict(dataset="digits", clients=20, ways=3, shots=8, stdev=1, test_shots=10, rounds=20, eval_every=0,
+                threads=1)
+
+
+def _honest(sim):
+    per = sim.evaluate()
+    return np.mean([m["acc_proto"] for i, m in enumerate(per) if i not in sim.attackers])
+
+
+def test_poisoning_small_version():
+    """2 of 20 digits clients send scaled or NaN prototypes (the README's MNIST table, small)."""
+    clean = Simulation(build_config(overrides=DIGITS20), out=False)
+    clean.run()
+    clean.attackers = set(attacker_ids(1234, 20, 2))
+    ref = _honest(clean)
+    for rule in ("mean", "weighted", "median", "trimmed"):  # NaN never reaches a global prototype
+        sim = Simulation(build_config(overrides={**DIGITS20, "attack": "nan", "attackers": 2, "aggregation": rule}),
+                         out=False)
+        sim.run()
+        assert np.isfinite(sim.message["protos"]).all() and len(sim.message["classes"]) == 10
+        assert sorted(sim.history[-1]["dropped"]) == sorted(sim.attackers)
+    with pytest.raises(TrainingError, match="diverged"):  # the mean follows 100x prototypes until honest clients blow up
+        Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2}), out=False).run()
+    for kw in ({"aggregation": "median"}, {"aggregation": "trimmed", "trim": 0.4}, {"exclude_outliers": 3.0}):
+        sim = Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2, **kw}), out=False)
+        s = sim.run()
+        assert abs(_honest(sim) - ref) < 0.03, kw
+        assert s["attack"]["clients"] == sorted(sim.attackers)
+        if "exclude_outliers" in kw:
+            assert all(sim.attackers <= set(h["excluded"]) for h in sim.history)  # every round
+            assert np.mean([len(h["excluded"]) for h in sim.history]) < 3  # few honest clients left out
+
+
+# -- two stages, full test split -----------------------------------------------------------------
+@pytest.mark.parametrize("algorithm,execution", [("fedproto", "sequential"), ("fedproto", "batched"),
+                                                 ("fedavg", "batched"), ("local", "sequential")])
+def test_second_stage_trains_the_head_only(algorithm, execution):
+    cfg = _cfg(algorithm=algorithm, execution=execution, rounds=3, freeze_after=2)
+    sim = Simulation(cfg, out=False)
+    before = {}
+
+    def snap(row):
+        if row["round"] == 2:
+            before.update({n: p.detach().clone() for n, p in sim.setup.states[0].model.named_parameters()})
+
+    msgs = []
+    sim.on_round = lambda row: (snap(row), msgs.append(dict(sim.message)))
+    sim.run()
+    model = sim.setup.states[0].model
+    if algorithm == "fedavg":  # clients load the global model: its body stays as it was after round 2
+        body = [n for n, _ in model.named_parameters() if not model.is_head_param(n)]
+        assert body and all(np.array_equal(msgs[1]["w/" + n], msgs[2]["w/" + n]) for n in body)
+        assert not all(np.array_equal(msgs[1]["w/" + n], msgs[2]["w/" + n]) for n, _ in model.named_parameters()
+                       if model.is_head_param(n))
+    else:
+        for n, p in model.named_parameters():
+            changed = not torch.equal(before[n], p.detach())
+            assert changed == model.is_head_param(n), n
+    assert "head_only" in sim.message and "head_only" not in msgs[0]
+
+
+def test_freeze_after_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match="fedrep"):
+        _cfg(algorithm="fedrep", freeze_after=2)
+
+
+def test_full_test_split_and_ensemble():
+    sim = Simulation(_cfg(rounds=3, eval_full_test=True), out=False)
+    s = sim.run()
+    full = s["accuracy_full_test"]
+    ds = sim.setup.dataset
+    assert "full test split" in full["test_set"] and str(len(ds.test_y)) in full["test_set"]
+    from fedproto.training import predict
+
+    outs = [predict(st.model, ds.test_x)[0].double() for st in sim.setup.states]
+    probs = sum(torch.softmax(o, 1) for o in outs)
+    assert full["ensemble_softmax"] == pytest.approx(float((probs.argmax(1) == ds.test_y).double().mean()), abs=1e-12)
+    accs = [float((o.argmax(1) == ds.test_y).double().mean()) for o in outs]
+    assert full["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert 0 <= full["acc_proto"]["mean"] <= 1 and 0 <= full["ensemble_vote"] <= 1
+
+
+# -- differential privacy ------------------------------------------------------------------------
+def test_accountant_matches_opacus_published_value():
+    # Opacus's own accountant test (opacus/tests/accountants_test.py): sigma 1.5, q 0.04, 2250 steps
+    assert epsilon([(1.5, 0.04, 2250)], 1e-5) == pytest.approx(7.32911117143, abs=1e-8)
+    assert epsilon([(1.5, 0.04, 1000), (1.5, 0.04, 1250)], 1e-5) == pytest.approx(7.32911117143, abs=1e-8)
+    assert epsilon([(0.0, 1.0, 3)], 1e-5) == math.inf and epsilon([], 1e-5) == 0.0
+    assert epsilon([(2.0, 1.0, 10)], 1e-5) > epsilon([(2.0, 1.0, 5)], 1e-5)
+    with pytest.raises(ValueError, match="dp_delta=1.5"):
+        epsilon([(1.0, 1.0, 1)], 1.5)
+
+
+def test_noisy_prototypes_clip_and_noise():
+    h = torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 2.0]])
+    y = torch.tensor([1, 1, 4])
+    assert np.allclose(clip_rows(h, 1.0).numpy(), [[0.6, 0.8], [0.3, 0.4], [0.0, 1.0]])
+    rng = np.random.default_rng(0)
+    c, p, n = noisy_prototypes(h, y, np.array([1, 4]), 1.0, 0.0, rng)
+    assert c.tolist() == [1, 4] and n.tolist() == [2, 1]
+    assert np.allclose(p, [[0.45, 0.6], [0.0, 1.0]])
+    # with noise: the sums get std sigma * sqrt(2) * C, the counts sigma * sqrt(2): measured over draws
+    draws = [noisy_prototypes(h, y, np.array([1, 4]), 1.0, 2.0, np.random.default_rng(s)) for s in range(2000)]
+    P = np.stack([d[1] for d in draws])
+    assert np.isfinite(P).all() and not np.allclose(P[0], P[1])
+    again = noisy_prototypes(h, y, np.array([1, 4]), 1.0, 2.0, np.random.default_rng(5))
+    assert (again[1] == draws[5][1]).all()  # reproducible
+
+
+def test_dp_sgd_with_full_batches_and_no_noise_is_plain_sgd():
+    """q = 1 (the batch holds every sample), sigma 0 and a clip bound no gradient reaches: Opacus's
+    DP-SGD step equals plain SGD on the whole batch (float64)."""
+    torch.manual_seed(0)
+    from fedproto.models.zoo import build_client_models
+
+    m1 = build_client_models("cnn", 1, 1, 10, 8, 16, 0.0, 0)[0].double()
+    m2 = build_client_models("cnn", 1, 1, 10, 8, 16, 0.0, 0)[0].double()
+    m2.load_state_dict(m1.state_dict())
+    x, y = torch.randn(12, 1, 8, 8, dtype=torch.float64), torch.arange(12) % 3
+    opt = OptimConfig(batch_size=12)
+    plan_p = poisson_plan(12, [Phase(3)], 12, {}, 0.0, np.random.default_rng(0))
+    assert plan_p.order[0].shape == (3, 12) and bool((plan_p.weight[0] == 1).all())
+    plan = make_plan(12, [Phase(3)], opt, {}, 0.0, np.random.default_rng(0))
+    table = torch.randn(10, 16, dtype=torch.float64)
+    mask = torch.ones(10, dtype=torch.bool)
+    kw = dict(phases=[Phase(3)], lambda_proto=0.5, table=table, mask=mask)
+    r1 = train_client(m1, x, y, plan, Objective(**kw), opt)
+    r2 = train_client(m2, x, y, plan_p, Objective(**kw, dp_sgd=DPSGD(0.0, 1e9, 12)), opt)
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0), n
+    assert r1.loss_ce == pytest.approx(r2.loss_ce, abs=1e-12)
+    assert not any(hasattr(p, "grad_sample") for p in m2.parameters())  # Opacus's hooks and buffers are gone
+    assert not m2._forward_hooks and not any(mod._forward_hooks or mod._backward_hooks for mod in m2.modules())
+
+
+def test_dp_runs_report_epsilon_and_are_reproducible():
+    s1 = Simulation(_cfg(dp="full", dp_noise=1.0, rounds=2), out=False).run()
+    s2 = Simulation(_cfg(dp="full", dp_noise=1.0, rounds=2), out=False).run()
+    assert s1["accuracy"] == s2["accuracy"]
+    pv = s1["privacy"]
+    assert pv["delta"] == 1e-5 and 0 < pv["epsilon_mean"] <= pv["epsilon_max"] < math.inf
+    sp = Simulation(_cfg(dp="prototypes", dp_noise=1.0, rounds=2), out=False).run()
+    # two prototype releases, sigma 1: the Gaussian mechanism composed twice
+    assert sp["privacy"]["epsilon_max"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    assert sp["privacy"]["epsilon_max"] < pv["epsilon_max"]
+    assert "fixed feature extractor" in sp["privacy"]["neighbouring"]
+    assert Simulation(_cfg(dp="prototypes", dp_noise=0.0, rounds=1), out=False).run()["privacy"]["epsilon_max"] == \
+        math.inf
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp="prototypes", algorithm="fedavg"), "sends model weights"),
+    (dict(dp="full", execution="batched"), "sequential"),
+    (dict(dp="full", distance="l2"), "per-sample"),
+    (dict(attack="scale"), "give both"),
+    (dict(attackers=2), "give both"),
+    (dict(attack="nan", attackers=7), "attackers=7 is more than clients=6"),
+    (dict(aggregation="trimmed", trim=0.5), "trim"),
+    (dict(dp="full", dp_noise=-1.0), "dp_noise"),
+])
+def test_bad_options_are_refused(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _cfg(**kw)
+
+
+def test_dp_full_refuses_batchnorm_models():
+    with pytest.raises(ConfigError, match="BatchNorm"):
+        Simulation(_cfg(dp="full", model="resnet18", embedding_dim=512), out=False)
+
+
+def test_attack_and_dp_runs_match_in_float64_across_paths():
+    """The prototype release with noise and the simulated attackers act after training, so the
+    batched path still equals the sequential one (float64)."""
+    kw = dict(dp="prototypes", dp_noise=0.5, attack="random", attackers=1, rounds=3, aggregation="trimmed")
+    a = float64_sim(_cfg(execution="sequential", **kw))
+    b = float64_sim(_cfg(execution="batched", **kw))
+    a.run()
+    b.run()
+    assert np.abs(a.message["protos"] - b.message["protos"]).max() < 1e-6  # float32 messages
