@@ -126,7 +126,7 @@ class Objective:
     prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
     normalize: bool = False
-    dp_sgd: "DPSGD | None" = None
+    dp_sgd: DPSGD | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
 from fedproto.prototypes import (
     AGGREGATION_RULES,
     DISTANCE_FORMS,
@@ -30,7 +31,6 @@ from fedproto.prototypes import (
     prototype_table,
     robust_z,
 )
-from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, TrainResult, embed_all, poisson_plan, predict
 
 log = logging.getLogger(__name__)
