@@ -83,7 +83,8 @@ def worker(args) -> dict:
 
 
 def run_worker(**kw) -> dict:
-    cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items() if v is not None]
+    cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
+                                                    if v is not None]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -120,7 +121,7 @@ def main() -> None:
             runs[m].append(run_worker(mode=m, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
                                       threads=args.threads or None))
     rows = []
-    for m, rs in runs.items():
+    for rs in runs.values():
         r = dict(rs[0])
         r["round_s_all"] = [t for x in rs for t in x["round_s_all"]]
         r["round_s_median"] = statistics.median(r["round_s_all"])
@@ -138,7 +139,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | "
               f"{seq / r['round_s_median']:.2f}x | {r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | "
-              f"{r['eval_s']:.3f} | {r['peak_rss_mb']:.0f} | {100 * r['acc_mean']:.4f} / {100 * r['acc_proto_mean']:.4f} |")
+              f"{r['eval_s']:.3f} | {r['peak_rss_mb']:.0f} | "
+              f"{100 * r['acc_mean']:.4f} / {100 * r['acc_proto_mean']:.4f} |")
     scale = []
     if args.scale:
         print("\nScaling (batched, ways 3, shots 10):")

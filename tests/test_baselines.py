@@ -11,8 +11,8 @@ import copy
 import numpy as np
 import pytest
 import torch
-
 from conftest import flat_weights, float64_sim
+
 from fedproto.algorithms import ALGORITHMS, FedAvg, FedProx, FedRep, FeSEM, Local
 from fedproto.algorithms.base import ClientState
 from fedproto.algorithms.fedavg import weights_message

@@ -9,13 +9,13 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
 from fedproto.config import build_config
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError
 from fedproto.reproduce import Cell, run_cell
 from fedproto.results import read_metrics
 from fedproto.simulation import Simulation
-from conftest import run_cli
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=15, stdev=1, test_shots=8, rounds=4, eval_every=2,
             lr=0.05, threads=1)
@@ -172,7 +172,7 @@ def test_full_disk_while_checkpointing_is_a_clear_error(tmp_path, monkeypatch):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos") from None
 
     d = tmp_path / "r"
     monkeypatch.setattr(torch, "save", full)
@@ -190,25 +190,13 @@ def test_resume_ignores_options_that_change_no_number(tmp_path):
     assert [r["round"] for r in read_metrics(d)] == [1, 2, 3, 4]
 
 
-def test_reproduce_advice_uses_set_options():
-    from fedproto.reproduce import as_set_options
-
-    assert as_set_options("lower --lr (now 100.0) or --lambda-proto (now 1e6)") == (
-        "lower --set lr=... (now 100.0) or --set lambda_proto=... (now 1e6)")
-    assert as_set_options("lower --batch-size or use --keep-last") == (
-        "lower --set batch_size=... or use --set drop_last=false")
-    assert as_set_options("use --noise gaussian, --model cnn-mh, --ways 3 or --rounds 5") == (
-        "use --set noise=gaussian, --set model=cnn-mh, --ways 3 or --rounds 5")
-    assert as_set_options("write the run elsewhere (--out-dir / --name)") == "write the run elsewhere (--out)"
-
-
 def test_a_checkpoint_is_never_replaced_without_resume(tmp_path, capsys, monkeypatch):
     """Reported fault: the same command without --resume deleted an interrupted run's checkpoint."""
     d = tmp_path / "r"
     with pytest.raises(_Stop):
         Simulation(_cfg(checkpoint_every=1), out=d, on_round=_interrupt_at(3)).run()
     before = (d / "checkpoint.pt").read_bytes()
-    with pytest.raises(ConfigError, match=r"holds an interrupted run's checkpoint: add --resume"):
+    with pytest.raises(ConfigError, match=r"holds an interrupted run's checkpoint: add resume=True"):
         Simulation(_cfg(checkpoint_every=1), out=d).run()
     assert (d / "checkpoint.pt").read_bytes() == before and len(read_metrics(d)) == 3
     args = ["run", "--dataset", "digits", "--clients", "4", "--shots", "15", "--test-shots", "8", "--rounds", "4",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import flat_weights
+
 from fedproto.config import build_config
 from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError
@@ -35,7 +35,7 @@ def test_bad_and_unavailable_devices_are_refused_before_training():
         with pytest.raises(ConfigError, match="device"):
             build_config(overrides={"device": bad})
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match=r"device='cuda:1' but torch sees no CUDA GPU.*--device cpu"):
+        with pytest.raises(ConfigError, match=r"device='cuda:1' but torch sees no CUDA GPU.*device='cpu'"):
             prepare(_cfg(device="cuda:1"))
     mps = getattr(torch.backends, "mps", None)
     if mps is None or not mps.is_available():

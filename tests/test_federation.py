@@ -127,7 +127,8 @@ def test_bad_input_is_refused_naming_the_client(digits):
     x, y = ok[2].train
     fails(ModelError, r"client 2: the model has no layer 'head'; its last layers", head="head")
     fails(ModelError, r"client 2: .*logits have shape \(1, 7\).*expected \(1, 10\)", model=TwoOutWrong())
-    fails(ModelError, r"client 2: the model.s forward returned a Tensor, not \(logits, embedding\); give head=", model=Classifier())
+    fails(ModelError, r"client 2: the model.s forward returned a Tensor, not \(logits, embedding\); give head=",
+          model=Classifier())
     fails(DataError, r"client 2: train label 12 is outside 0..9", train=(x, torch.full_like(y, 12)))
     bad = x.clone()
     bad[3, 0, 0, 0] = float("nan")
@@ -137,7 +138,7 @@ def test_bad_input_is_refused_naming_the_client(digits):
     fails(DataError, r"client 2: train is a str", train="data/")
     with pytest.raises(ModelError, match=r"with_projection needs an adapted model.*embedding_dim=8"):
         with_projection(TwoOut(), 8)
-    with pytest.raises(ConfigError, match=r"drop_last leaves clients \[0, 1, 2, 3\] with no batch"):
+    with pytest.raises(ConfigError, match=r"drop_last=True leaves clients \[0, 1, 2, 3\] with no batch"):
         federate(ok, 10, drop_last=True, batch_size=500, out=False)
     with pytest.raises(ModelError, match="model is set by federate"):
         federate(ok, 10, model="cnn", out=False)

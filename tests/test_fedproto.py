@@ -5,15 +5,15 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import flat_weights, float64_sim, needs_mnist
+
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import build_config
+from fedproto.errors import ModelError
 from fedproto.models.base import WrappedModel, check_embedding_dims
 from fedproto.simulation import Simulation
 from fedproto.training import OptimConfig
-from fedproto.errors import ModelError
 
 
 class Fixed(torch.nn.Module):
@@ -59,7 +59,8 @@ def test_proto_inference_restricted_to_own_classes():
     y = torch.tensor([0])
     s = _state(0, torch.tensor([[5.0, 0, 0]]), [0, 2])  # class 1 is not the client's own
     own = FedProto(3, OptimConfig(), embedding_dim=2, proto_classes="own").evaluate(s, msg, ClientData(x, y, x, y))
-    everything = FedProto(3, OptimConfig(), embedding_dim=2, proto_classes="all").evaluate(s, msg, ClientData(x, y, x, y))
+    everything = FedProto(3, OptimConfig(), embedding_dim=2, proto_classes="all").evaluate(s, msg,
+                                                                                            ClientData(x, y, x, y))
     assert own["acc_proto"] == 1.0 and everything["acc_proto"] == 0.0
 
 

@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("flwr")
 
 import tomllib  # noqa: E402  (flwr needs Python >= 3.11, which has it)
-
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import DATA
+
 from fedproto.config import build_config
 from fedproto.data.partition import fewshot_partition, natural_partition
 from fedproto.errors import ConfigError, DataError, ModelError, PartitionError
@@ -82,7 +82,7 @@ def test_natural_partition_one_client_per_writer(femnist):
     c = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=4)
     assert a.writers == b.writers and a.writers != c.writers and a.writers == sorted(a.writers)
     assert len(set(a.writers)) == 20
-    with pytest.raises(PartitionError, match=rf"only {W} writers are available.*--clients {W}"):
+    with pytest.raises(PartitionError, match=rf"only {W} writers are available.*use clients={W} or fewer"):
         natural_partition(tr_g, te_g, tr_y, te_y, W + 1, seed=0)
 
 
@@ -120,9 +120,9 @@ def test_femnist_fewshot_feasible_and_capacity_error(femnist):
 
 def test_capacity_hint_is_the_largest_shots_that_fits():
     tr_y, te_y = np.repeat(np.arange(10), 60), np.repeat(np.arange(10), 20)
-    with pytest.raises(PartitionError, match=r"--shots (\d+) is the largest") as e:
+    with pytest.raises(PartitionError, match=r"shots=(\d+) is the largest") as e:
         fewshot_partition(tr_y, te_y, 10, 20, 3, 40, 2, 5, "uniform", 5, "cifar10")
-    fit = int(str(e.value).split("--shots ")[1].split()[0])
+    fit = int(str(e.value).split("shots=")[-1].split()[0])
     fewshot_partition(tr_y, te_y, 10, 20, 3, fit, 2, 5, "uniform", 5, "cifar10")
     with pytest.raises(PartitionError):
         fewshot_partition(tr_y, te_y, 10, 20, 3, fit + 1, 2, 5, "uniform", 5, "cifar10")
@@ -312,7 +312,7 @@ def test_augmentation_is_a_crop_and_flip_of_the_padded_image():
     out = augment_batch(x, params)
     assert torch.equal(out, _reference_augment(x, params, AUGMENT_PAD))
     assert torch.equal(out[0], x[0]) and torch.equal(out[1], x[1].flip(-1))
-    for xi, oi, (dy, dx, flip) in zip(x, out, params.tolist()):
+    for xi, oi, (dy, dx, _flip) in zip(x, out, params.tolist()):
         vals = oi[oi != 0]
         assert len(vals) == len(torch.unique(vals)) and bool(torch.isin(vals, xi).all())  # values moved, not mixed
         assert (oi == 0).sum() == 3 * (32 * 32 - (32 - abs(dy - AUGMENT_PAD)) * (32 - abs(dx - AUGMENT_PAD)))
@@ -320,7 +320,8 @@ def test_augmentation_is_a_crop_and_flip_of_the_padded_image():
     big = make_plan(400, [Phase(1)], OptimConfig(augment=True), {"fc1": 5}, 0.5, np.random.default_rng(1))
     plain = make_plan(400, [Phase(1)], OptimConfig(), {"fc1": 5}, 0.5, np.random.default_rng(1))
     a = big.aug[0]
-    assert set(a[..., :2].unique().tolist()) == set(range(2 * AUGMENT_PAD + 1)) and set(a[..., 2].unique().tolist()) == {0, 1}
+    assert set(a[..., :2].unique().tolist()) == set(range(2 * AUGMENT_PAD + 1))
+    assert set(a[..., 2].unique().tolist()) == {0, 1}
     assert plain.aug == [] and torch.equal(big.order[0], plain.order[0])
     assert torch.equal(big.noise[0]["fc1"], plain.noise[0]["fc1"])
 

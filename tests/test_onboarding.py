@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import csv
-import re
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
+from conftest import needs_mnist, run_cli
 
 from fedproto.config import build_config
-from fedproto.data.partition import fewshot_partition
 from fedproto.data.datasets import load_dataset
+from fedproto.data.partition import fewshot_partition
 from fedproto.errors import ConfigError, DataError
 from fedproto.onboarding import onboard
 from fedproto.simulation import Simulation
-from conftest import needs_mnist, run_cli
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,7 +39,8 @@ def test_new_clients_gain_from_the_global_prototypes(tmp_path):
     assert p["acc"]["mean"] > 0.85 and l["acc"]["mean"] > 0.8
     # new clients train on samples no member used, and the run's files record them
     ds = load_dataset("mnist")
-    members = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 5, 3, 30, 1, 20, "uniform", cfg.seed, "mnist")
+    members = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 5, 3, 30, 1, 20, "uniform", cfg.seed,
+                                "mnist")
     used = set(np.concatenate(members.train_idx).tolist())
     new = np.concatenate(s["train_idx"])
     assert len(new) == len(set(new.tolist())) == sum(r["train_samples"] for r in s["clients_detail"])
@@ -47,7 +48,8 @@ def test_new_clients_gain_from_the_global_prototypes(tmp_path):
     written = json.loads((tmp_path / "m" / "onboard" / "summary.json").read_text())
     assert written["arms"] == s["arms"] and "train_idx" not in written
     rows = list(csv.DictReader((tmp_path / "m" / "onboard" / "clients.csv").open()))
-    assert len(rows) == 3 and float(rows[0]["prototypes_acc"]) == pytest.approx(s["clients_detail"][0]["prototypes_acc"])
+    assert len(rows) == 3
+    assert float(rows[0]["prototypes_acc"]) == pytest.approx(s["clients_detail"][0]["prototypes_acc"])
     assert onboard(tmp_path / "m", clients=3, epochs=10, write=False)["arms"] == s["arms"]  # reproducible
 
 
@@ -158,6 +160,6 @@ def test_onboarding_shortfall_names_a_count_that_fits(tmp_path):
     Simulation(cfg).run()
     with pytest.raises(PartitionError) as e:
         onboard(tmp_path / "ob", clients=1150, write=False)
-    found = re.search(r"--clients (\d+) fits with this --seed", str(e.value))
+    found = re.search(r"clients=(\d+) fits with this seed", str(e.value))  # Python: keywords, not flags
     assert found and int(found.group(1)) >= 1000, str(e.value)
-    assert "--shots" not in str(e.value) and "train split" not in str(e.value)
+    assert "shots" not in str(e.value).split(";")[-1] and "train split" not in str(e.value)

@@ -48,7 +48,7 @@ def test_gaussian_noise_model():
 def test_uniform_shots_never_reach_below_one():
     # reported fault: shots=1, stdev=3 drew k in [-1, 4]; a negative k sliced a class backwards
     # (one client got 17,720 MNIST samples, another none) and the run went on
-    with pytest.raises(PartitionError, match=r"shots=1 with stdev=3: .*\[-1, \.\.\.\].*--shots 3 or more"):
+    with pytest.raises(PartitionError, match=r"shots=1 with stdev=3: .*\[-1, \.\.\.\].*use shots=3 or more"):
         draw_ways_shots(6, 3, 1, 3, 10, "uniform", np.random.default_rng(0), "mnist")
     n, k = draw_ways_shots(500, 3, 3, 3, 10, "uniform", np.random.default_rng(0), "mnist")
     assert k.min() == 1 and k.max() <= 4
@@ -71,7 +71,7 @@ def test_labels_outside_the_class_range_are_refused():
 
 
 def _documented_range(ways, shots, stdev, C, noise, dataset):
-    """The ranges as README.md states them (written out here, not taken from the library)."""
+    """The ranges as docs/options.md states them (written out here, not taken from the library)."""
     if noise == "uniform":
         k_hi = shots + stdev - 2 if dataset == "mnist" else shots + stdev
         return ((min(ways, max(2, ways - stdev)), max(ways, min(C - 1, ways + stdev))),

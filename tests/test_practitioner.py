@@ -149,4 +149,5 @@ def test_options_of_other_algorithms_are_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="fedproto.simulation"):
         prepare(_cfg(algorithm="fedavg", proto_momentum=0.5, personal_layers="head"), progress=False)
     assert "fedavg ignores personal_layers, proto_momentum" in caplog.text
-    assert "proto_momentum acts on fedproto only" in caplog.text and "personal_layers acts on fedper, fedrep" in caplog.text
+    assert "proto_momentum acts on fedproto only" in caplog.text
+    assert "personal_layers acts on fedper, fedrep" in caplog.text

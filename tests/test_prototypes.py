@@ -7,8 +7,8 @@ from fedproto.prototypes import (
     class_sums,
     local_prototypes,
     nearest_prototype,
-    prototype_table,
     proto_loss,
+    prototype_table,
 )
 
 
@@ -98,7 +98,7 @@ def test_nearest_prototype_never_leaves_the_allowed_classes():
             h = torch.randn(16, 4, generator=gen) * scale
             if bad is not None:
                 h[::3, 1] = bad
-            for trial in range(5):
+            for _ in range(5):
                 allowed = torch.rand(10, generator=gen) < 0.4
                 allowed[int(torch.randint(10, (1,), generator=gen))] = True
                 for normalize in (False, True):

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import float64_sim
 
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.attacks import attacker_ids, corrupt_message
@@ -18,8 +19,6 @@ from fedproto.privacy import clip_rows, epsilon, noisy_prototypes
 from fedproto.prototypes import aggregate_prototypes, lambda_at, robust_z
 from fedproto.simulation import Simulation
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, make_plan, poisson_plan, train_client
-
-from conftest import float64_sim
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -128,7 +127,8 @@ def test_poisoning_small_version():
         sim.run()
         assert np.isfinite(sim.message["protos"]).all() and len(sim.message["classes"]) == 10
         assert sorted(sim.history[-1]["dropped"]) == sorted(sim.attackers)
-    with pytest.raises(TrainingError, match="diverged"):  # the mean follows 100x prototypes until honest clients blow up
+    # the mean follows 100x prototypes until honest clients blow up
+    with pytest.raises(TrainingError, match="diverged"):
         Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2}), out=False).run()
     for kw in ({"aggregation": "median"}, {"aggregation": "trimmed", "trim": 0.4}, {"exclude_outliers": 3.0}):
         sim = Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2, **kw}), out=False)

@@ -92,8 +92,8 @@ def test_batched_prox_and_head_only_phase_match_sequential():
     ref_w = {k: v.detach().clone() + 0.05 for k, v in models[0].named_parameters()}
     ref = [copy.deepcopy(m) for m in models]
     opt = OptimConfig()
-    obj = Objective([Phase(1, trains=lambda n: n.startswith("fc2.")), Phase(1, trains=lambda n: not n.startswith("fc2."))],
-                    prox_mu=0.5, prox_ref=ref_w)
+    obj = Objective([Phase(1, trains=lambda n: n.startswith("fc2.")),
+                     Phase(1, trains=lambda n: not n.startswith("fc2."))], prox_mu=0.5, prox_ref=ref_w)
     plans = _plans(models, xs, obj, opt)
     for g in range(3):
         train_client(ref[g], xs[g], ys[g], plans[g], obj, opt)

@@ -116,7 +116,8 @@ def main() -> None:
             text = re.sub(r"\x1b\[[0-9;]*m", "", fed.log("unregistered"))  # no colour codes
             lines = [ln for ln in text.splitlines() if "Exit Code" in ln or "Failed" in ln or "code:" in ln
                      or "rror" in ln or "denied" in ln.lower()]
-            print("unregistered SuperNode (exit code %s) was told:\n  %s" % (intruder.poll(), "\n  ".join(lines[-4:])))
+            told = "\n  ".join(lines[-4:])
+            print(f"unregistered SuperNode (exit code {intruder.poll()}) was told:\n  {told}")
             link = re.sub(r"\x1b\[[0-9;]*m", "", fed.log("superlink"))
             print("the SuperLink logged:\n  " + "\n  ".join(ln[:400] for ln in link.splitlines() if "ApiError" in ln))
         report(result["res"], out, t0, fed)

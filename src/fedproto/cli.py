@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -56,80 +57,18 @@ def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
-@app.command()
-def run(
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file with run options (flags override it)."),
-    dataset: Optional[str] = typer.Option(None, help="mnist | femnist | cifar10 | digits (default: mnist)"),
-    data_dir: Optional[str] = typer.Option(None, help="Folder with the dataset files (else $FEDPROTO_DATA, else the user cache)."),
-    download: Optional[bool] = typer.Option(None, "--download/--no-download", help="Download missing files (with checksums) (default: download)"),
-    clients: Optional[int] = typer.Option(None, help="Number of clients m (default: 20)"),
-    ways: Optional[int] = typer.Option(None, help="Average classes per client n (default: 3)"),
-    shots: Optional[int] = typer.Option(None, help="Average training samples per class k (default: 100; digits 10; the shared FEMNIST sample needs about 10)"),
-    stdev: Optional[int] = typer.Option(None, help="Spread of n and k across clients (default: MNIST 2 (tab. 1); FEMNIST, CIFAR-10, digits 1)"),
-    test_shots: Optional[int] = typer.Option(None, help="Test samples per own class per client (default: 40; FEMNIST 3, digits 10)"),
-    noise: Optional[str] = typer.Option(None, help="uniform (official code) | gaussian (paper) (default: uniform)"),
-    partition: Optional[str] = typer.Option(None, help="fewshot (n-way k-shot, paper) | natural (one client per FEMNIST writer) | dirichlet (label skew, --alpha) (default: fewshot)"),
-    alpha: Optional[float] = typer.Option(None, help="Dirichlet concentration for --partition dirichlet (0.1: strong skew, 100: ~IID) (default: 0.5)"),
-    min_client_samples: Optional[int] = typer.Option(None, help="Dirichlet: redraw until every client holds this many training samples (default: 10)"),
-    augment: Optional[bool] = typer.Option(None, "--augment/--no-augment", help="Random crop (pad 4) + horizontal flip at train time (CIFAR-10) (default: off)"),
-    algorithm: Optional[str] = typer.Option(None, help="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem (default: fedproto)"),
-    model: Optional[str] = typer.Option(None, help="cnn | cnn-mh | resnet18 | resnet18-mh | projcnn:<c1>-<c2>[,...] (default: the paper's: cnn; cifar10: resnet18)"),
-    pretrained: Optional[str] = typer.Option(None, help="ResNet18 state dict file (torchvision layout) loaded into all but conv1, bn1, fc"),
-    embedding_dim: Optional[int] = typer.Option(None, help="Embedding (prototype) size d (default: 50)"),
-    dropout: Optional[float] = typer.Option(None, help="Dropout p of the CNN (default: 0.5)"),
-    rounds: Optional[int] = typer.Option(None, help="Communication rounds (default: tab. 1: mnist 100, femnist 120, cifar10 110, digits 20)"),
-    local_epochs: Optional[int] = typer.Option(None, help="Local epochs per round (default: 1)"),
-    participation: Optional[float] = typer.Option(None, help="Clients sampled each round: a fraction in (0, 1] (max(1, round(fraction x clients)) take part) or a whole number of clients (default: 1, every client as in the paper)"),
-    batch_size: Optional[int] = typer.Option(None, help="Local batch size (default: 8, paper app. A)"),
-    lr: Optional[float] = typer.Option(None, help="SGD learning rate (default: 0.01)"),
-    momentum: Optional[float] = typer.Option(None, help="SGD momentum (default: 0.5)"),
-    weight_decay: Optional[float] = typer.Option(None, help="SGD weight decay (default: 0)"),
-    drop_last: Optional[bool] = typer.Option(None, "--drop-last/--keep-last", help="Skip the last partial batch (official code) (default: keep)"),
-    lambda_proto: Optional[float] = typer.Option(None, "--lambda", "--lambda-proto", help="λ (default: 1 MNIST/FEMNIST, 0.1 CIFAR-10)"),
-    distance: Optional[str] = typer.Option(None, help="mse (official) | squared_l2 (app. B) | l2 (main text) (default: mse)"),
-    proto_source: Optional[str] = typer.Option(None, help="last_epoch (official) | after_training (eq. 3) (default: last_epoch)"),
-    aggregation: Optional[str] = typer.Option(None, help="mean (official) | weighted (eq. 6, convex) | median | trimmed (--trim) (default: mean)"),
-    proto_classes: Optional[str] = typer.Option(None, help="Prototype inference among own | all classes (default: own)"),
-    lambda_warmup: Optional[int] = typer.Option(None, help="FedProto: rounds of linear λ warm-up (0: constant λ) (default: 0)"),
-    proto_momentum: Optional[float] = typer.Option(None, help="FedProto: server prototype momentum β in [0, 1) (default: 0)"),
-    proto_normalize: Optional[bool] = typer.Option(None, "--proto-normalize/--no-proto-normalize", help="FedProto: L2-normalize embeddings and prototypes in the loss and inference (default: off)"),
-    min_proto_samples: Optional[int] = typer.Option(None, help="FedProto: the server ignores local prototypes from fewer samples (default: 1)"),
-    proto_dist_alert: Optional[float] = typer.Option(None, help="FedProto: warn when a client's prototype distance exceeds this x the median (0: off) (default: 3)"),
-    trim: Optional[float] = typer.Option(None, help="FedProto, --aggregation trimmed: fraction of a class's contributors cut from each end, per coordinate (default: 0.2)"),
-    min_contributors: Optional[int] = typer.Option(None, help="FedProto: a class gets (or changes) its global prototype only in rounds where at least this many clients send it (default: 1)"),
-    exclude_outliers: Optional[float] = typer.Option(None, help="FedProto: leave out of a round's aggregation clients whose prototype distance has a robust z-score (median, MAD) above Z (0: off; e.g. 3) (default: 0)"),
-    lambda_schedule: Optional[str] = typer.Option(None, help="FedProto: linear | cosine shape of the λ warm-up (--lambda-warmup) (default: linear)"),
-    freeze_after: Optional[int] = typer.Option(None, help="Two-stage training: after this round only the head trains (0: off) (default: 0)"),
-    eval_full_test: Optional[bool] = typer.Option(None, "--eval-full-test/--no-eval-full-test", help="Also evaluate every client model and their ensemble on the full test split (all classes) after the last round (default: off)"),
-    dp: Optional[str] = typer.Option(None, help="Differential privacy: off | prototypes (noised prototype release; guarantee for a fixed feature extractor) | full (DP-SGD + noised release) (default: off)"),
-    dp_noise: Optional[float] = typer.Option(None, help="DP noise multiplier sigma (default: 1)"),
-    dp_clip: Optional[float] = typer.Option(None, help="DP: L2 bound on each sample's embedding in the prototype release (default: 5)"),
-    dp_grad_clip: Optional[float] = typer.Option(None, help="DP-SGD (--dp full): per-sample gradient L2 bound (default: 1)"),
-    dp_delta: Optional[float] = typer.Option(None, help="DP: delta of the reported epsilon (default: 1e-5)"),
-    attack: Optional[str] = typer.Option(None, help="Simulated misbehaving clients: none | scale | random | nan | flip (default: none)"),
-    attackers: Optional[int] = typer.Option(None, help="Number of misbehaving clients, drawn from the seed (default: 0)"),
-    attack_scale: Optional[float] = typer.Option(None, help="Factor of --attack scale (default: 100)"),
-    prox_mu: Optional[float] = typer.Option(None, help="FedProx proximal weight mu (default: 0.01)"),
-    personal_layers: Optional[str] = typer.Option(None, help="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's Params) | head (last layer only) (default: fc)"),
-    rep_head_epochs: Optional[int] = typer.Option(None, help="FedRep head epochs per round (default: 9)"),
-    fesem_clusters: Optional[int] = typer.Option(None, help="FeSEM clusters K (default: 3)"),
-    execution: Optional[str] = typer.Option(None, help="auto | sequential | batched (default: auto)"),
-    group_size: Optional[int] = typer.Option(None, help="Most clients trained as one batched computation (default: 128)"),
-    eval_every: Optional[int] = typer.Option(None, help="Evaluate every N rounds and after the last; 0: only after the last (default: 10)"),
-    checkpoint_every: Optional[int] = typer.Option(None, help="Write a checkpoint every N rounds, removed when the run finishes; 0: none (default: 0)"),
-    seed: Optional[int] = typer.Option(None, help="Seed (default: 1234)"),
-    out_dir: Optional[str] = typer.Option(None, help="Parent folder of run directories (default: runs)"),
-    name: Optional[str] = typer.Option(None, help="Run directory name (default: derived from the config)"),
-    threads: Optional[int] = typer.Option(None, help="torch threads (0: torch's default) (default: 0)"),
-    device: Optional[str] = typer.Option(None, help="auto | cpu | cuda | cuda:N | mps: where clients train; auto takes the first CUDA GPU if torch sees one (default: cpu)"),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's checkpoint, if it has one (same options required)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-):
-    """Train with the in-process simulator and write a run directory."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "quiet", "resume")}
-    from fedproto.simulation import Simulation, prepare
+RUN_HELP = """Train with the in-process simulator and write a run directory.
 
+Every option below is also a key of the --config TOML file (the name without the leading dashes,
+'-' or '_'); flags override the file. Defaults marked "per dataset" are the paper's for the
+dataset chosen. The options page of the docs (docs/options.md) lists them all."""
+
+
+def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
+    """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
+    overrides = {k: v for k, v in fields.items() if v is not None}
     from fedproto.results import RunDir
+    from fedproto.simulation import Simulation, prepare
 
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
@@ -169,7 +108,7 @@ def run(
                     saved += f"; the earlier finished run waits in {out / PREVIOUS} until this one finishes"
                 err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                                   f"(no summary.json: the run did not finish){saved}")
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
     from fedproto.plots import save_embeddings
 
     save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
@@ -245,7 +184,8 @@ def _damaged_files(run_dir: Path):
         if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG):
             raise FedprotoError(f"cannot plot {str(run_dir)!r}: {e.strerror} ({e.filename}); the run's files are "
                                 "fine, free space or fix the permissions and run `fedproto plot` again") from None
-        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files ({e.strerror}: {e.filename})") from None
+        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files "
+                            f"({e.strerror}: {e.filename})") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile) as e:
         raise FedprotoError(f"cannot plot {str(run_dir)!r}: its files are damaged or not written by fedproto "
                             f"({type(e).__name__}: {e}); run `fedproto run` again to rewrite them") from None
@@ -255,7 +195,8 @@ def _damaged_files(run_dir: Path):
 def onboard(
     run_dir: str = typer.Argument(..., help="A finished fedproto run directory"),
     clients: int = typer.Option(5, help="New clients to draw (the run's n-way k-shot protocol, unused samples)"),
-    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x local epochs)"),
+    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x "
+                                               "local epochs)"),
     seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
     data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
@@ -296,11 +237,15 @@ def reproduce(
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     try:
         _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads)
+    except FedprotoError as e:  # run options worded as reproduce takes them (--set key=value)
+        from fedproto.reproduce import set_message
+
+        _error(set_message(e))
     except KeyboardInterrupt:
         err_console.print(f"interrupted; the cells finished so far are in {out / 'status.json'} and the table "
                           "(a sweep: after its last cell); run the same command again to resume",
                           highlight=False, soft_wrap=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
 
 
 def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads) -> None:
@@ -334,10 +279,42 @@ def _finish(results, wrote: str) -> None:
     """The closing line of a grid or sweep; exit code 1 when any cell failed (the outputs are
     written either way)."""
     counts = {k: sum(r.status == k for r in results) for k in ("done", "skipped", "failed")}
-    console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed; "
-                  f"wrote {wrote}", highlight=False, soft_wrap=True)
+    console.print(f"{len(results)} cells: {counts['done']} run, {counts['skipped']} skipped, "
+                  f"{counts['failed']} failed; wrote {wrote}", highlight=False, soft_wrap=True)
     if counts["failed"]:
         raise typer.Exit(1)
+
+
+def _run_command() -> click.Command:
+    """``fedproto run`` as a click command whose options are generated from RunConfig's fields
+    (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
+    from fedproto.options import run_params
+
+    params = [
+        click.Option(["config", "--config"], type=click.Path(path_type=Path), default=None, metavar="FILE",
+                     help="TOML file with run options (flags override it)."),
+        *run_params(),
+        click.Option(["resume", "--resume"], is_flag=True, default=False,
+                     help="Continue from the run directory's checkpoint, if it has one (same options required)."),
+        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False, help="No progress bar."),
+    ]
+    return click.Command("run", callback=_run, params=params, help=RUN_HELP,
+                         short_help="Train with the in-process simulator and write a run directory.",
+                         context_settings={"max_content_width": 100, "help_option_names": ["--help", "-h"]})
+
+
+def command() -> click.Group:
+    """The whole command line as a click group: the typer app's commands and ``run``."""
+    group = typer.main.get_command(app)
+    group.add_command(_run_command(), "run")
+    group.commands = {"run": group.commands.pop("run"), **group.commands}  # `run` first in --help
+    return group
+
+
+def _error(message: str) -> None:
+    """Print ``error: message`` on stderr and exit with code 2."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, markup=True)
+    sys.exit(2)
 
 
 def main() -> None:
@@ -350,10 +327,11 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        app()
+        command()()
     except FedprotoError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True, markup=True)
-        sys.exit(2)
+        from fedproto.options import cli_wording
+
+        _error(e.render(cli_wording))
     except OSError as e:  # a path the checks above did not cover: too long, full disk, permissions
         where = f" {str(e.filename)[:200]!r}" if e.filename else ""
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "

@@ -14,34 +14,16 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedproto.errors import ConfigError
+from fedproto.data.registry import DATASETS as REGISTRY
+from fedproto.errors import ConfigError, opt
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-DATASETS = {
-    # name: (num_classes, default λ (app. A), default rounds (tab. 1))
-    "mnist": (10, 1.0, 100),
-    "femnist": (62, 1.0, 120),
-    "cifar10": (10, 0.1, 110),
-    "digits": (10, 1.0, 20),
-    "custom": (0, 1.0, 20),  # your own clients (fedproto.federation.federate): classes given by `classes`
-}
-
-# Per-dataset defaults filled in when a value is not given (shots: the paper's k = 100; the
-# 8x8 digits hold about 125 training samples per class, so 10). model: the paper's (§Experiments:
-# the CNN for MNIST and FEMNIST, ResNet18 for CIFAR-10); rounds: tab. 1's FedProto rounds.
-# stdev: tab. 1 (MNIST 2, FEMNIST and CIFAR-10 1). test_shots: official code 40 for MNIST; the
-# shared FEMNIST copy (a 5% LEAF writer sample) holds as few as 3 test samples of some letters.
-DATASET_DEFAULTS = {
-    "mnist": {"stdev": 2, "test_shots": 40, "shots": 100, "model": "cnn", "rounds": 100},
-    "femnist": {"stdev": 1, "test_shots": 3, "shots": 100, "model": "cnn", "rounds": 120},
-    "cifar10": {"stdev": 1, "test_shots": 40, "shots": 100, "model": "resnet18", "rounds": 110},
-    "digits": {"stdev": 1, "test_shots": 10, "shots": 10, "model": "cnn", "rounds": 20},
-    "custom": {"stdev": 0, "test_shots": 1, "shots": 1, "model": "custom", "rounds": 20},
-}
+DATASETS = REGISTRY
+"""Every dataset by name: :data:`fedproto.data.registry.DATASETS`."""
 
 
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
@@ -60,7 +42,8 @@ RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
 
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
-               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None, "device": "cpu",
+               "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None,
+               "device": "cpu",
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0}
@@ -92,48 +75,78 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     # data and partition
-    dataset: str = "mnist"
-    classes: Optional[int] = Field(None, ge=2, le=1_000_000)  # dataset "custom" only: number of classes C
-    data_dir: Optional[str] = None
-    download: bool = True
-    clients: int = Field(20, ge=1, le=1_000_000)
-    ways: int = Field(3, ge=1, le=100_000)
-    shots: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> 100 (paper), digits 10
-    stdev: int = Field(None, ge=0, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
-    test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS
-    noise: Literal["uniform", "gaussian"] = "uniform"
-    partition: Literal["fewshot", "natural", "dirichlet"] = "fewshot"
-    alpha: float = Field(0.5, gt=0.0, le=1e6)  # Dirichlet concentration (partition="dirichlet")
-    min_client_samples: int = Field(10, ge=1, le=10_000_000)  # Dirichlet: least training samples per client
-    augment: bool = False
+    dataset: str = Field("mnist", description="Dataset: " + " | ".join(n for n in REGISTRY if n != "custom")
+                         + " (custom: your own clients, set by fedproto.federation.federate)")
+    classes: Optional[int] = Field(None, ge=2, le=1_000_000,
+                                   description="Number of classes C (dataset custom only; federate sets it)")
+    data_dir: Optional[str] = Field(None, description="Folder with the dataset files (else $FEDPROTO_DATA, "
+                                    "else the user cache)")
+    download: bool = Field(True, description="Download missing files (checked against checksums)")
+    clients: int = Field(20, ge=1, le=1_000_000, description="Number of clients m")
+    ways: int = Field(3, ge=1, le=100_000, description="Average classes per client n")
+    shots: int = Field(None, ge=1, le=10_000_000, validate_default=False,
+                       description="Average training samples per class k (the shared FEMNIST sample needs "
+                       "about 10)")
+    stdev: int = Field(None, ge=0, le=10_000_000, validate_default=False,
+                       description="Spread of n and k across clients (tab. 1)")
+    test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False,
+                            description="Test samples per own class per client")
+    noise: Literal["uniform", "gaussian"] = Field("uniform", description="How n and k spread across clients: "
+                                                  "uniform (official code) or gaussian (paper)")
+    partition: Literal["fewshot", "natural", "dirichlet"] = Field(
+        "fewshot", description="fewshot (n-way k-shot, paper), natural (one client per FEMNIST writer) or "
+        "dirichlet (label skew, see alpha)")
+    alpha: float = Field(0.5, gt=0.0, le=1e6, description="Dirichlet concentration for partition dirichlet "
+                         "(0.1: strong skew, 100: about IID)")
+    min_client_samples: int = Field(10, ge=1, le=10_000_000, description="Dirichlet: redraw until every client "
+                                    "holds this many training samples")
+    augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
-    algorithm: str = "fedproto"
-    model: str = Field(None, validate_default=False)  # None -> DATASET_DEFAULTS (cifar10: resnet18)
-    pretrained: Optional[str] = None
-    embedding_dim: int = Field(50, ge=1, le=65_536)
-    dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem")
+    model: str = Field(None, validate_default=False, description="cnn | cnn-mh | resnet18 | resnet18-mh | "
+                       "projcnn:<c1>-<c2>, or a comma list of these, one per client in turn")
+    pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
+                                      "into all but conv1, bn1 and fc")
+    embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of cnn and "
+                               "projcnn models")
+    dropout: float = Field(0.5, ge=0.0, lt=1.0, description="Dropout p of the CNN")
     # training
-    rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False)  # None -> DATASET_DEFAULTS (tab. 1)
-    local_epochs: int = Field(1, ge=1, le=100_000)
-    # clients per round: a fraction in (0, 1], or a count > 1 (paper: 1, all of them); fedproto.simulation.sample_clients
-    participation: float = Field(1.0, gt=0.0, le=1_000_000)
-    batch_size: int = Field(8, ge=1, le=10_000_000)
-    lr: float = Field(0.01, gt=0.0, le=100.0)
-    momentum: float = Field(0.5, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
-    drop_last: bool = False
+    rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False,
+                        description="Communication rounds (tab. 1)")
+    local_epochs: int = Field(1, ge=1, le=100_000, description="Local epochs per round")
+    participation: float = Field(1.0, gt=0.0, le=1_000_000, description="Clients per round: a fraction in "
+                                 "(0, 1] (max(1, round(fraction x clients)) take part) or a whole number of "
+                                 "clients; 1: every client, as in the paper")
+    batch_size: int = Field(8, ge=1, le=10_000_000, description="Local batch size (app. A)")
+    lr: float = Field(0.01, gt=0.0, le=100.0, description="SGD learning rate")
+    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="SGD weight decay")
+    drop_last: bool = Field(False, json_schema_extra={"off_flag": "--keep-last"},
+                            description="Skip the last partial batch of every epoch (official code)")
     # FedProto
-    lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6)
-    distance: Literal["mse", "squared_l2", "l2"] = "mse"
-    proto_source: Literal["last_epoch", "after_training"] = "last_epoch"
-    aggregation: Literal["mean", "weighted", "median", "trimmed"] = "mean"
-    proto_classes: Literal["own", "all"] = "own"
+    lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6, json_schema_extra={"aliases": ["lambda"]},
+                                          description="λ, the weight of the prototype loss (app. A)")
+    distance: Literal["mse", "squared_l2", "l2"] = Field(
+        "mse", description="Prototype distance: mse (official code), squared_l2 (app. B) or l2 (main text)")
+    proto_source: Literal["last_epoch", "after_training"] = Field(
+        "last_epoch", description="Local prototypes from the last epoch's batches (official code) or from a "
+        "pass after training (eq. 3)")
+    aggregation: Literal["mean", "weighted", "median", "trimmed"] = Field(
+        "mean", description="Global prototypes: mean (official code), weighted (eq. 6, convex), median or "
+        "trimmed (see trim)")
+    proto_classes: Literal["own", "all"] = Field("own", description="Nearest-prototype inference among the "
+                                                 "client's own classes or all classes")
     # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
-    lambda_warmup: int = Field(0, ge=0, le=10_000_000)  # rounds of linear λ warm-up
-    proto_momentum: float = Field(0.0, ge=0.0, lt=1.0)  # server prototype momentum β
-    proto_normalize: bool = False  # L2-normalize embeddings and prototypes (loss and inference)
-    min_proto_samples: int = Field(1, ge=1, le=10_000_000)  # server ignores smaller local prototypes
-    proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6)  # warn: client distance > x median (0: off)
+    lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of linear λ warm-up "
+                               "(0: constant λ)")
+    proto_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="FedProto: server prototype momentum β "
+                                  "in [0, 1)")
+    proto_normalize: bool = Field(False, description="FedProto: L2-normalize embeddings and prototypes in the "
+                                  "loss and at inference")
+    min_proto_samples: int = Field(1, ge=1, le=10_000_000, description="FedProto: the server ignores local "
+                                   "prototypes from fewer samples")
+    proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6, description="FedProto: warn when a client's prototype "
+                                    "distance exceeds this times the median (0: off)")
     # robust aggregation, schedules and stages (issue #14; practitioner's guide §4.2-4.3; off by default)
     trim: float = Field(0.2, ge=0.0, lt=0.5, description=(
         "FedProto, aggregation 'trimmed': fraction of a class's contributors cut from each end, per coordinate"))
@@ -165,20 +178,30 @@ class RunConfig(BaseModel):
     attackers: int = Field(0, ge=0, le=1_000_000, description="Number of misbehaving clients (drawn from the seed)")
     attack_scale: float = Field(100.0, ge=-1e12, le=1e12, description="Factor of attack 'scale'")
     # baselines (tab. 1)
-    prox_mu: float = Field(0.01, ge=0, le=1e6)  # FedProx mu (arXiv 1812.06127)
-    personal_layers: Literal["fc", "head"] = "fc"  # FedPer/FedRep: what stays local (tab. 1 Params: all fc layers)
-    rep_head_epochs: int = Field(9, ge=1, le=100_000)  # FedRep head epochs per round (official code: 9 head + 1 body)
-    fesem_clusters: int = Field(3, ge=1, le=1_000_000)  # FeSEM K (arXiv 2005.01026)
+    prox_mu: float = Field(0.01, ge=0, le=1e6, description="FedProx proximal weight mu (arXiv 1812.06127)")
+    personal_layers: Literal["fc", "head"] = Field(
+        "fc", description="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's "
+        "Params) or head (the last layer only)")
+    rep_head_epochs: int = Field(9, ge=1, le=100_000, description="FedRep head epochs per round (official code: "
+                                 "9 head + 1 body)")
+    fesem_clusters: int = Field(3, ge=1, le=1_000_000, description="FeSEM clusters K (arXiv 2005.01026)")
     # engine and output
-    execution: Literal["auto", "sequential", "batched"] = "auto"
-    group_size: int = Field(128, ge=1, le=1_000_000)  # most clients trained as one batched computation
-    eval_every: int = Field(10, ge=0, le=10_000_000)
-    checkpoint_every: int = Field(0, ge=0, le=10_000_000)  # rounds between checkpoints (0: none)
-    seed: int = Field(1234, ge=0, lt=2**32)
-    out_dir: str = Field("runs", min_length=1)
-    name: Optional[str] = None
-    threads: int = Field(0, ge=0, le=1024)
-    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$")  # see fedproto.devices
+    execution: Literal["auto", "sequential", "batched"] = Field(
+        "auto", description="Train clients one after another (sequential), many as one batched computation "
+        "(batched), or pick (auto)")
+    group_size: int = Field(128, ge=1, le=1_000_000, description="Most clients trained as one batched "
+                            "computation")
+    eval_every: int = Field(10, ge=0, le=10_000_000, description="Evaluate every N rounds and after the last "
+                            "(0: only after the last)")
+    checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Write a checkpoint every N rounds, "
+                                  "removed when the run finishes (0: none)")
+    seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
+    out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
+    name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")
+    threads: int = Field(0, ge=0, le=1024, description="torch threads (0: torch's default)")
+    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$",
+                        description="Where clients train: auto | cpu | cuda | cuda:N | mps (auto: the first "
+                        "CUDA GPU if torch sees one)")
 
     @model_validator(mode="before")
     @classmethod
@@ -187,7 +210,7 @@ class RunConfig(BaseModel):
             data = {**data, "device": data["device"].strip().lower()}  # "CUDA", " cpu" are the devices meant
         if isinstance(data, dict):
             ds = data.get("dataset", "mnist")
-            defaults = DATASET_DEFAULTS.get(ds, DATASET_DEFAULTS["mnist"]) if isinstance(ds, str) else {}
+            defaults = REGISTRY.get(ds, REGISTRY["mnist"]).defaults() if isinstance(ds, str) else {}
             data = dict(data)
             for k in ("data_dir", "out_dir", "pretrained"):  # "~/data" means the home folder
                 if isinstance(data.get(k), str) and data[k].startswith("~"):
@@ -202,72 +225,92 @@ class RunConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> "RunConfig":
+    def _check(self) -> RunConfig:
+        # ConfigError is a ValueError: pydantic keeps it (ctx["error"]) and _config_error passes it on whole
         if self.dataset not in DATASETS:
-            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+            raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
+                              hint=f"choose one of {', '.join(DATASETS)}")
         from fedproto.algorithms import ALGORITHMS
 
         if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+            raise ConfigError(f"unknown algorithm {self.algorithm!r}", option="algorithm", value=self.algorithm,
+                              hint=f"choose one of {', '.join(ALGORITHMS)}")
         from fedproto.errors import ModelError
         from fedproto.models.zoo import check_model_name
 
         if self.dataset == "custom":
             if self.classes is None:
-                raise ValueError("dataset='custom' needs classes=C, the number of classes of your labels "
-                                 "(fedproto.federation.federate sets it)")
+                raise ConfigError(f"{opt('dataset', 'custom')} needs {opt('classes')}, the number of classes of "
+                                  "your labels", option="classes", hint="fedproto.federation.federate sets it")
             if self.model != "custom" or self.partition != "fewshot":
-                raise ValueError("dataset='custom' brings its own models and clients: leave model and partition "
-                                 "out (fedproto.federation.federate builds them)")
+                raise ConfigError(f"{opt('dataset', 'custom')} brings its own models and clients",
+                                  option="model", value=self.model,
+                                  hint=f"leave {opt('model')} and {opt('partition')} out "
+                                  "(fedproto.federation.federate builds them)")
         elif self.classes is not None:
-            raise ValueError(f"classes={self.classes} applies to dataset='custom' only; {self.dataset} has "
-                             f"{DATASETS[self.dataset][0]} classes: leave classes out")
+            raise ConfigError(f"{opt('classes', self.classes)} applies to {opt('dataset', 'custom')} only; "
+                              f"{self.dataset} has {REGISTRY[self.dataset].classes} classes", option="classes",
+                              value=self.classes, hint=f"leave {opt('classes')} out")
         try:
             if self.dataset != "custom":
                 check_model_name(self.model)
         except ModelError as e:
-            raise ValueError(str(e)) from None
+            raise ConfigError(e.message, option="model", value=self.model, hint=e.hint) from None
         if self.name is not None and not _PLAIN_NAME.fullmatch(self.name):
-            raise ValueError(f"name={self.name!r} is not a plain folder name; use letters, digits and "
-                             "'.', '_', '-', '+', '=' (starting with a letter, digit or '_'; at most 200 "
-                             "characters; no '/', spaces or other symbols)")
+            raise ConfigError(f"{opt('name', self.name)} is not a plain folder name", option="name", value=self.name,
+                              hint="use letters, digits and '.', '_', '-', '+', '=' (starting with a letter, digit "
+                              "or '_'; at most 200 characters; no '/', spaces or other symbols)")
         specs = {m.strip() for m in self.model.split(",")}
         if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
-            raise ValueError(f"embedding_dim={self.embedding_dim} does not apply to {self.model}: its embedding is "
-                             "the 512-d layer4 output; leave --embedding-dim out (it sets cnn and projcnn models)")
+            raise ConfigError(f"{opt('embedding_dim', self.embedding_dim)} does not apply to {self.model}: its "
+                              "embedding is the 512-d layer4 output", option="embedding_dim",
+                              value=self.embedding_dim,
+                              hint=f"leave {opt('embedding_dim')} out (it sets cnn and projcnn models)")
         n_specs = len(self.model.split(","))
         if self.dataset != "custom" and n_specs > self.clients:
-            raise ValueError(f"model={self.model!r} lists {n_specs} models but clients={self.clients}, so some would "
-                             "never be used; list at most one model per client")
+            raise ConfigError(f"{opt('model', self.model)} lists {n_specs} models but "
+                              f"{opt('clients', self.clients)}, so some would never be used", option="model",
+                              value=self.model, hint="list at most one model per client")
         if self.participation > 1 and (self.participation != int(self.participation)
                                        or self.participation > self.clients):
-            raise ValueError(f"participation={self.participation!r}: give a fraction in (0, 1] or a whole number of "
-                             f"clients per round, at most clients={self.clients}")
+            raise ConfigError(f"{opt('participation', self.participation)} is neither a fraction nor a whole "
+                              "number of clients", option="participation", value=self.participation,
+                              hint=f"give a fraction in (0, 1] or a whole number of clients per round, at most "
+                              f"{opt('clients', self.clients)}")
         if 0 < self.proto_dist_alert < 1:
-            raise ValueError(f"proto_dist_alert={self.proto_dist_alert} would flag clients below the median; use 0 "
-                             "(no warning) or a factor >= 1 (e.g. 3)")
+            raise ConfigError(f"{opt('proto_dist_alert', self.proto_dist_alert)} would flag clients below the "
+                              "median", option="proto_dist_alert", value=self.proto_dist_alert,
+                              hint="use 0 (no warning) or a factor >= 1 (e.g. 3)")
         if self.attackers > self.clients:
-            raise ValueError(f"attackers={self.attackers} is more than clients={self.clients}; use at most "
-                             f"{self.clients}")
+            raise ConfigError(f"{opt('attackers', self.attackers)} is more than {opt('clients', self.clients)}",
+                              option="attackers", value=self.attackers, hint=f"use at most {self.clients}")
         if (self.attack == "none") != (self.attackers == 0):
-            raise ValueError(f"attack={self.attack!r} with attackers={self.attackers}: give both (an attack other "
-                             "than 'none' and a number of attackers >= 1) or neither")
+            raise ConfigError(f"{opt('attack', self.attack)} with {opt('attackers', self.attackers)}",
+                              option="attack", value=self.attack, hint="give both (an attack other than 'none' and "
+                              "a number of attackers >= 1) or neither")
         if self.dp != "off":
             if self.algorithm != "fedproto":
-                raise ValueError(f"dp={self.dp!r} protects FedProto's prototypes; algorithm={self.algorithm!r} sends "
-                                 "model weights, which it does not cover: use algorithm='fedproto' or dp='off'")
+                raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "
+                                  f"{opt('algorithm', self.algorithm)} sends model weights, which it does not cover",
+                                  option="dp", value=self.dp,
+                                  hint=f"use {opt('algorithm', 'fedproto')} or {opt('dp', 'off')}")
             if self.dp == "full" and self.execution == "batched":
-                raise ValueError("dp='full' trains with DP-SGD on the sequential path: use execution='auto' or "
-                                 "'sequential'")
+                raise ConfigError(f"{opt('dp', 'full')} trains with DP-SGD on the sequential path", option="execution",
+                                  value=self.execution,
+                                  hint=f"use {opt('execution', 'auto')} or {opt('execution', 'sequential')}")
             if self.dp == "full" and self.distance == "l2":
-                raise ValueError("dp='full' needs a loss that is a mean of per-sample terms; distance='l2' compares "
-                                 "a batch prototype: use distance='mse' or 'squared_l2'")
+                raise ConfigError(f"{opt('dp', 'full')} needs a loss that is a mean of per-sample terms; "
+                                  f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
+                                  value=self.distance,
+                                  hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
         if self.freeze_after and self.algorithm == "fedrep":
-            raise ValueError(f"freeze_after={self.freeze_after}: FedRep already trains its head alone before the "
-                             "body each round; use freeze_after=0 with fedrep")
+            raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
+                              "the body each round", option="freeze_after", value=self.freeze_after,
+                              hint=f"use {opt('freeze_after', 0)} with fedrep")
         C = self.num_classes
         if self.dataset != "custom" and self.ways > C:
-            raise ValueError(f"ways={self.ways} is more than the {C} classes of {self.dataset}; use ways <= {C}")
+            raise ConfigError(f"{opt('ways', self.ways)} is more than the {C} classes of {self.dataset}",
+                              option="ways", value=self.ways, hint=f"use {opt('ways', C)} or fewer")
         return self
 
     def result_fields(self) -> dict[str, Any]:
@@ -278,12 +321,12 @@ class RunConfig(BaseModel):
     @property
     def num_classes(self) -> int:
         """C: the dataset's number of classes (``classes`` for dataset ``custom``)."""
-        return self.classes if self.dataset == "custom" else DATASETS[self.dataset][0]
+        return self.classes if self.dataset == "custom" else REGISTRY[self.dataset].classes
 
     @property
     def lam(self) -> float:
         """λ in force: the given value, or the paper's for the dataset (app. A)."""
-        return self.lambda_proto if self.lambda_proto is not None else DATASETS[self.dataset][1]
+        return self.lambda_proto if self.lambda_proto is not None else REGISTRY[self.dataset].lambda_proto
 
     def run_name(self) -> str:
         """The run directory's name: ``name`` if given, else ``algorithm-dataset[-model]-nN-kK-sSEED``
@@ -294,7 +337,7 @@ class RunConfig(BaseModel):
         if self.dataset == "custom":
             return f"{self.algorithm}-custom-m{self.clients}-s{self.seed}"
         model = ""
-        if self.model != DATASET_DEFAULTS[self.dataset]["model"]:
+        if self.model != REGISTRY[self.dataset].model:
             model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]
         if self.partition == "natural":
             return f"{self.algorithm}-{self.dataset}{model}-natural-m{self.clients}-s{self.seed}"
@@ -303,24 +346,42 @@ class RunConfig(BaseModel):
         return f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
 
 
-def _format(err: ValidationError) -> str:
+def _config_error(err: ValidationError) -> ConfigError:
+    """One ConfigError for all problems pydantic found: the option, the value and the hint of
+    the first, the messages of all (option references kept for each front end to word)."""
     lines = []
+    first: dict[str, Any] = {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
+        loc = ".".join(str(p) for p in e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):
+            lines.append(cause.message if not cause.hint else f"{cause.message}; {cause.hint}")
+            first = first or {"option": cause.option, "value": cause.value}
+        elif e["type"] == "extra_forbidden":
             known = ", ".join(RunConfig.model_fields)
             lines.append(f"unknown option {loc!r}; known options: {known}")
+            first = first or {"option": loc, "value": e.get("input")}
         elif "input" in e and e["loc"]:
-            lines.append(f"{loc}={e['input']!r}: {msg}")
+            lines.append(f"{opt(loc, e['input'])}: {e['msg'].removeprefix('Value error, ')}")
+            first = first or {"option": loc, "value": e["input"]}
         else:
-            lines.append(msg)
-    return "invalid configuration: " + "; ".join(lines)
+            lines.append(e["msg"].removeprefix("Value error, "))
+    causes = [(e.get("ctx") or {}).get("error") for e in err.errors()]
+    if len(causes) == 1 and isinstance(causes[0], ConfigError):
+        c = causes[0]
+        return ConfigError(f"invalid configuration: {c.message}", option=c.option, value=c.value, hint=c.hint)
+    return ConfigError("invalid configuration: " + "; ".join(lines), **first)
 
 
-KEY_ALIASES = {"lambda": "lambda_proto"}
-"""Other spellings accepted for option names in TOML files and ``--set``: ``-`` for ``_``, and the
-``--lambda`` flag's name."""
+def _aliases() -> dict[str, str]:
+    from fedproto.options import aliases
+
+    return {a: name for name in RunConfig.model_fields for a in aliases(name)}
+
+
+KEY_ALIASES = _aliases()
+"""Other names accepted for options in TOML files, ``--set`` and Flower run configs (each field's
+``json_schema_extra["aliases"]``): ``lambda`` for ``lambda_proto``; ``-`` may stand for ``_``."""
 
 
 def normal_key(key: str) -> str:
@@ -346,8 +407,10 @@ def _normal_keys(data: dict[str, Any], file: Path | None = None) -> dict[str, An
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Merge defaults, an optional TOML file and overrides (None values are ignored).
 
-    TOML keys are the field names of :class:`RunConfig` (top level, or under a ``[run]`` table, not
-    both), ``-`` may stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`).
+    TOML keys are the field names of :class:`RunConfig`, at the top level or under a ``[run]``
+    table (both may be used in one file; only the same key in both places is refused); ``-`` may
+    stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`).
+
     Raises:
         ConfigError: missing/unreadable/invalid TOML, unknown keys, a key given twice, or invalid
             values.
@@ -363,7 +426,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         p = Path(file)
         if not p.is_file():
             what = "is not a regular file" if p.exists() else "does not exist"
-            raise ConfigError(f"config file {str(p)!r} {what}; pass an existing TOML file to --config")
+            raise ConfigError(f"config file {str(p)!r} {what}", hint="pass an existing TOML file")
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a leading BOM is not an error
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
@@ -382,4 +445,4 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
     try:
         return RunConfig(**data)
     except ValidationError as e:
-        raise ConfigError(_format(e)) from None
+        raise _config_error(e) from None

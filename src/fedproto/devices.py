@@ -6,14 +6,14 @@ and Flower records never see a device tensor. Data held in memory is moved once 
 read from a ``Dataset`` is moved batch by batch.
 
 Numbers on a GPU differ from the CPU's in the last float32 bits (other kernels), like those of
-another CPU (README, "Reproducibility").
+another CPU (docs/results.md, "Reproducibility").
 """
 
 from __future__ import annotations
 
 import torch
 
-from fedproto.errors import ConfigError
+from fedproto.errors import ConfigError, opt
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -34,14 +34,15 @@ def resolve_device(spec: str) -> torch.device:
     if spec == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise ConfigError("device='mps' but this torch build or machine has no Apple MPS backend; use "
-                              "--device cpu (or auto)")
+            raise ConfigError(f"{opt('device', 'mps')} but this torch build or machine has no Apple MPS backend",
+                              option="device", value=spec, hint=f"use {opt('device', 'cpu')} (or auto)")
         return torch.device("mps")
     if spec == "cuda" or spec.startswith("cuda:"):
         index = int(spec.partition(":")[2] or 0)
         if not torch.cuda.is_available():
-            raise ConfigError(f"device={spec!r} but torch sees no CUDA GPU (torch {torch.__version__}, CUDA build: "
-                              f"{torch.version.cuda or 'no'}); use --device cpu, or auto to take a GPU when there is one")
+            raise ConfigError(f"{opt('device', spec)} but torch sees no CUDA GPU (torch {torch.__version__}, CUDA "
+                              f"build: {torch.version.cuda or 'no'})", option="device", value=spec,
+                              hint=f"use {opt('device', 'cpu')}, or auto to take a GPU when there is one")
         count = torch.cuda.device_count()
         if index >= count:
             raise ConfigError(f"device={spec!r} but torch sees {count} CUDA GPU(s) (cuda:0..cuda:{count - 1}); pick "

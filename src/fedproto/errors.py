@@ -6,13 +6,97 @@ without a traceback. Messages name the bad value and say how to fix it.
 
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+_REF = "\x1f"  # delimits an option reference inside a message (never in user text: not printable)
+_VAL = "\x1e"  # separates the option's name from its JSON-encoded value
+NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
+"""Marks an option reference without a value (``opt("lr")``) and an error without a value."""
+
+Wording = Callable[[str, Any], str]
+"""``wording(option, value)`` -> how a front end names a run option (value may be NO_VALUE)."""
+
+
+def opt(option: str, value: Any = NO_VALUE) -> str:
+    """A reference to the run option ``option`` (a RunConfig field name; ``a|b`` for two
+    alternatives), optionally with the value to give, for use inside an error message.
+
+    Each front end words it its own way (:meth:`FedprotoError.render`): ``--shots 10`` on the
+    command line, ``--set shots=10`` in ``fedproto reproduce``, ``shots=10`` in Python and in a
+    Flower run config. The reference is kept as data, not parsed back out of prose.
+    """
+    encoded = "" if value is NO_VALUE else _VAL + json.dumps(value)
+    return f"{_REF}{option}{encoded}{_REF}"
+
+
+def python_wording(option: str, value: Any = NO_VALUE) -> str:
+    """An option as a Python keyword: ``shots``, ``shots=10``, ``noise='gaussian'``; a switch that
+    is no run option (``resume``) as ``resume=True``."""
+    from fedproto.config import RunConfig
+
+    names = option.split("|")
+    if value is NO_VALUE:
+        return " / ".join(n if n in RunConfig.model_fields else f"{n}=True" for n in names)
+    return f"{names[0]}={value!r}"
+
+
+def render(text: str, wording: Wording = python_wording) -> str:
+    """``text`` with every :func:`opt` reference worded by ``wording``."""
+    if _REF not in text:
+        return text
+    parts = text.split(_REF)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            out.append(part)
+            continue
+        name, _, encoded = part.partition(_VAL)
+        out.append(wording(name, json.loads(encoded) if encoded else NO_VALUE))
+    return "".join(out)
+
 
 class FedprotoError(Exception):
-    """Base class of all user-facing errors (bad config, missing data, impossible partition)."""
+    """Base class of all user-facing errors (bad config, missing data, impossible partition).
+
+    Args:
+        message: what is wrong; may hold :func:`opt` references, which :meth:`render` words
+            for the front end at hand (``str(error)`` words them as Python keywords).
+        option: the run option at fault (a RunConfig field name), when there is one.
+        value: the value given for it (:data:`NO_VALUE` when not known).
+        hint: how to fix it (may hold :func:`opt` references too); appended as "; hint".
+    """
+
+    def __init__(self, message: str = "", *args: Any, option: str | None = None, value: Any = NO_VALUE,
+                 hint: str | None = None):
+        super().__init__(message, *args)
+        self.message, self.option, self.value, self.hint = str(message), option, value, hint
+
+    def render(self, wording: Wording = python_wording) -> str:
+        """The message (and hint) with option references worded by ``wording``."""
+        text = self.message if not self.hint else f"{self.message}; {self.hint}"
+        return render(text, wording)
+
+    def __str__(self) -> str:
+        return self.render(python_wording)
+
+    def prefixed(self, prefix: str) -> FedprotoError:
+        """A copy of this error (same class, option, value and hint) whose message starts with
+        ``prefix``, e.g. ``"cell mnist-n3-fedproto-s1: "``; option references stay references."""
+        new = copy.copy(self)
+        new.message = prefix + self.message
+        new.args = (new.message,)
+        return new
 
 
 class ConfigError(FedprotoError, ValueError):
-    """A run configuration value is invalid (raised before any training starts)."""
+    """A run configuration value is invalid (raised before any training starts).
+
+    ``option``, ``value`` and ``hint`` say which option, what was given and how to fix it; a
+    front end words the message with :meth:`~FedprotoError.render`.
+    """
 
 
 class DataError(FedprotoError):

@@ -19,8 +19,9 @@ those of :class:`fedproto.simulation.Simulation`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -249,7 +250,7 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
         with torch.no_grad():
             out = wrapped(sample)
     except ModelError as e:
-        raise ModelError(f"client {cid}: {e}") from None
+        raise e.prefixed(f"client {cid}: ") from None
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
         hint = ("its forward must return (logits, embedding), or give head='<final layer name>'" if head is None
                 else "check the input shape")
@@ -352,5 +353,5 @@ class FederationSimulation(Simulation):
         return summary
 
 
-__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt", "federate",
-           "with_projection"]
+__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
+           "federate", "with_projection"]

@@ -38,7 +38,7 @@ from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
-from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError
+from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
@@ -61,7 +61,7 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
             prev = run_dir / PREVIOUS / "summary.json"
             if prev.is_file():
                 fix = (f"its earlier finished run waits in {str(prev.parent)!r} while a newer run is unfinished "
-                       "(resume that one with --resume, or pass the .previous folder)")
+                       f"(resume that one with {opt('resume')}, or pass the .previous folder)")
             raise DataError(f"{str(run_dir)!r} has no {name}; {fix}")
     try:
         stored = json.loads((run_dir / "config.json").read_text())
@@ -72,7 +72,8 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
     try:
         cfg = RunConfig(**{k: v for k, v in stored.items() if k in RunConfig.model_fields})
     except Exception as e:
-        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); {fix}") from None
+        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); "
+                        f"{fix}") from None
     if cfg.algorithm != "fedproto":
         raise ConfigError(f"the run in {str(run_dir)!r} used algorithm={cfg.algorithm!r}; onboarding downloads "
                           "global prototypes, which only a fedproto run has")
@@ -159,7 +160,8 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
-            raise ConfigError(f"cannot write {str(out)!r}: {e.strerror or e}; make the run directory writable") from None
+            raise ConfigError(f"cannot write {str(out)!r}: {e.strerror or e}; "
+                              "make the run directory writable") from None
     epochs = epochs or cfg.rounds * cfg.local_epochs
     base_seed = cfg.seed if seed is None else int(seed)
     pseed = int(np.random.SeedSequence([base_seed, SEED_TAG]).generate_state(1)[0])
@@ -171,7 +173,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     if stored is not None and stored != members.summary()["train_samples_total"]:
         raise DataError(f"the {cfg.dataset} data read now gives the members {members.summary()['train_samples_total']} "
                         f"training samples, the run had {stored}: it is not the data the run used; pass its "
-                        "folder with --data-dir")
+                        f"folder with {opt('data_dir')}")
     free = np.setdiff1d(np.arange(len(train_y)), np.concatenate(members.train_idx))
     try:
         part = fewshot_partition(train_y[free], test_y, ds.num_classes, clients, cfg.ways, cfg.shots, cfg.stdev,
@@ -185,8 +187,8 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if _fits(train_y[free], test_y, ds.num_classes, mid, cfg, pseed) else (lo, mid - 1)
-        advice = (f"--clients {lo} fits with this --seed (or try another --seed)" if lo >= 1 else
-                  "no smaller --clients fits with this --seed: try another --seed")
+        advice = (f"{opt('clients', lo)} fits with this {opt('seed')} (or try another {opt('seed')})" if lo >= 1
+                  else f"no smaller {opt('clients')} fits with this {opt('seed')}: try another {opt('seed')}")
         raise PartitionError(
             f"the {len(free)} training samples the run's clients left unused cannot supply {clients} new clients: "
             f"class {e.short_class} runs short ({e.needed} samples needed, {e.available} unused; "
@@ -199,7 +201,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
         if small:
             raise ConfigError(f"the run used drop_last with batch_size={cfg.batch_size}, so new clients {small[:10]} "
                               f"(client {small[0]}: {len(part.train_idx[small[0]])} samples) would get no batch; "
-                              "onboard other clients (--seed) or onboard a run without drop_last")
+                              f"onboard other clients ({opt('seed')}) or onboard a run without drop_last")
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, clients, C, ds.num_classes, H, cfg.embedding_dim, cfg.dropout, pseed,
                                  pretrained=cfg.pretrained)

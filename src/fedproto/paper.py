@@ -17,13 +17,17 @@ Transcription notes:
 
 from __future__ import annotations
 
+from fedproto.data.registry import DATASETS as REGISTRY
+from fedproto.data.registry import PAPER_DATASETS
+
 METHODS = ("local", "fesem", "fedprox", "fedper", "fedavg", "fedrep", "fedproto", "fedproto-mh")
 """Method keys, in the paper's row order."""
 
-DATASETS = ("mnist", "femnist", "cifar10")
+DATASETS = PAPER_DATASETS
+"""The paper's datasets (:data:`fedproto.data.registry.PAPER_DATASETS`)."""
 
-MAIN_STDEV = {"mnist": 2, "femnist": 1, "cifar10": 1}
-"""Spread of n in the main table (tab. 1)."""
+MAIN_STDEV = {name: REGISTRY[name].stdev for name in DATASETS}
+"""Spread of n in the main table (tab. 1; the registry's default stdev)."""
 
 APPENDIX_STDEV = {"mnist": 3, "femnist": 2, "cifar10": 2}
 """The second heterogeneity level of the appendix (tab. 2-4)."""

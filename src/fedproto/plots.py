@@ -6,14 +6,14 @@ written as PNG with :func:`fedproto.results.atomic_write_bytes`.
 
 from __future__ import annotations
 
-import logging
-
 import io
 import itertools
 import json
+import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +65,13 @@ def _class_colors(num: int) -> list:
 # curves
 
 
+def accuracy_limits(low: float, high: float) -> tuple[float, float]:
+    """y-limits of an accuracy panel (in %) that hold the band or error bar [low, high] with a margin
+    of 8% of its height (at least 2 points) on both sides, so no bar end sits on an axis."""
+    pad = max(2.0, 0.08 * (high - low))
+    return low - pad, high + pad
+
+
 def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
     """Accuracy (classifier and nearest-prototype, mean ± std over clients, evaluated rounds),
     training losses (cross-entropy, prototype term) and, for FedProto runs that record it, the
@@ -93,25 +100,30 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
         fig, (ax_acc, ax_loss, ax_dist) = _figure(16, 4.2, ncols=3)
     else:
         fig, (ax_acc, ax_loss) = _figure(11, 4.2, ncols=2)
+    band_lo, band_hi = [], []
     for key, label, color in (("acc", "classifier", "C0"), ("acc_proto", "nearest prototype (eq. 4)", "C1")):
         pts = [(r["round"], r.get(f"{key}_mean"), r.get(f"{key}_std")) for r in rows]
         pts = [(x, m, s or 0.0) for x, m, s in pts if m is not None and not math.isnan(m)]
         if not pts:
             continue
         x, m, s = (np.asarray(v, dtype=float) for v in zip(*pts))
+        lo, hi = np.clip(100 * (m - s), 0, 100), np.clip(100 * (m + s), 0, 100)  # an accuracy lies in [0, 100]
+        band_lo.append(float(lo.min()))
+        band_hi.append(float(hi.max()))
         ax_acc.plot(x, 100 * m, marker="o", ms=3, color=color, label=label)
         if len(x) > 1:
-            ax_acc.fill_between(x, 100 * (m - s), 100 * (m + s), color=color, alpha=0.2)
+            ax_acc.fill_between(x, lo, hi, color=color, alpha=0.2)
         else:
-            ax_acc.errorbar(x, 100 * m, yerr=100 * s, color=color, capsize=4)
+            ax_acc.errorbar(x, 100 * m, yerr=[100 * m - lo, hi - 100 * m], color=color, capsize=4)
     ax_acc.set_xlabel("round")
     ax_acc.set_ylabel("test accuracy % (mean ± std over clients)")
     ax_acc.set_title("accuracy (per-client test sets)")
-    if ax_acc.has_data():
-        ax_acc.legend(loc="lower right")
+    if band_lo:  # the whole band or error bar inside the panel, with a margin (a short run has one bar)
+        ax_acc.set_ylim(*accuracy_limits(min(band_lo), max(band_hi)))
+        ax_acc.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False, fontsize=9)
     x = np.asarray([r["round"] for r in rows], dtype=float)
     ce = np.asarray([np.nan if r.get("loss_ce") is None else r["loss_ce"] for r in rows], dtype=float)
-    ax_loss.plot(x, ce, color="C0", label="cross-entropy")
+    ax_loss.plot(x, ce, color="C0", marker="o" if len(x) == 1 else None, label="cross-entropy")
     ax_loss.set_xlabel("round")
     ax_loss.set_ylabel("cross-entropy (mean over clients)")
     lp = np.asarray([np.nan if r.get("loss_proto") is None else r["loss_proto"] for r in rows], dtype=float)
@@ -127,9 +139,10 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
     ax_loss.set_title("training losses")
     axes = [ax_acc, ax_loss]
     if monitored:  # FedProto's prototype-distance monitoring (practitioner's guide §4.3.5)
-        for key, label, color in (("proto_dist", "mean over clients", "C0"), ("proto_dist_max", "largest client", "C3")):
+        for key, label, color in (("proto_dist", "mean over clients", "C0"),
+                                  ("proto_dist_max", "largest client", "C3")):
             v = np.asarray([r[key] if isinstance(r.get(key), (int, float)) else np.nan for r in rows], dtype=float)
-            ax_dist.plot(x, v, color=color, label=label)
+            ax_dist.plot(x, v, color=color, marker="o" if len(x) == 1 else None, label=label)
         ax_dist.set_xlabel("round")
         ax_dist.set_ylabel("L2 distance, local to global prototypes")
         ax_dist.set_title("prototype distance (monitoring)")
@@ -270,7 +283,7 @@ def plot_tsne_arrays(
         m = client == c
         ax.scatter(zh[m, 0], zh[m, 1], c=[colors[int(k)] for k in y[m]], marker=marker, s=14, alpha=0.7,
                    linewidths=0)
-    for j, (cls, p) in enumerate(zip(proto_classes if P else [], zp)):
+    for cls, p in zip(proto_classes if P else [], zp):
         ax.scatter([p[0]], [p[1]], marker="*", s=420, c=[colors[int(cls)]], edgecolors="black", linewidths=1.2,
                    zorder=5)
     from matplotlib.lines import Line2D
@@ -289,6 +302,9 @@ def plot_tsne_arrays(
         ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
     ax.set_xticks([])
     ax.set_yticks([])
+    repeat = f"; shapes repeat after {len(MARKERS)}" if len(clients) > len(MARKERS) else ""
+    ax.set_xlabel(f"colour: class · marker shape: client ({len(clients)} clients{repeat})"
+                  + ("\nstar: global prototype of the class" if P else ""))
     ax.set_title(title or f"t-SNE of test embeddings: {len(h)} samples, {len(clients)} clients"
                  + (f", {P} global prototypes" if P else ""))
     return _save(fig, path)
@@ -380,7 +396,10 @@ def plot_sweep(
             ax.plot(xs[ok], ys[ok], marker="o", color=color, label=label)
             if yerr:
                 es = np.nan_to_num(np.asarray([num(r.get(yerr)) for r in rs]) * scale)
-                ax.fill_between(xs[ok], ys[ok] - es[ok], ys[ok] + es[ok], color=color, alpha=0.15)
+                lo, hi = ys[ok] - es[ok], ys[ok] + es[ok]
+                if percent:  # an accuracy lies in [0, 100]
+                    lo, hi = np.clip(lo, 0, 100), np.clip(hi, 0, 100)
+                ax.fill_between(xs[ok], lo, hi, color=color, alpha=0.15)
         if ax2 is not None:
             y2s = np.asarray([num(r.get(y2)) for r in rs])
             ok2 = ~np.isnan(xs) & ~np.isnan(y2s)
@@ -394,8 +413,9 @@ def plot_sweep(
         ax2.set_ylabel(y2label or y2)
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
-    if handles:
-        ax.legend(handles, labels, loc="best", fontsize=9)
+    if handles:  # below the axes: inside, it would cover points of one of the two y-axes (fig. 4)
+        ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=min(len(handles), 3),
+                  fontsize=9, frameon=False)
     if title:
         ax.set_title(title)
     return _save(fig, path)

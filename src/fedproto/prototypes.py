@@ -8,7 +8,8 @@ classes are never filled with zeros and averaged in: they are masked out everywh
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -286,8 +287,11 @@ def client_distances(
     local prototypes and the global prototypes of the same classes.
 
     Args:
-        classes, protos: per client (K_i,) and (K_i, d) local prototypes. global_classes: (K,);
-            global_protos: (K, d).
+        classes: per client, the (K_i,) classes of its local prototypes.
+        protos: per client, the (K_i, d) local prototypes.
+        global_classes: (K,) classes of the global prototypes.
+        global_protos: (K, d) global prototypes.
+
     Returns:
         (m,) float64, nan for a client none of whose classes has a global prototype.
     """

@@ -28,27 +28,23 @@ import json
 import logging
 import math
 import re
-import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence, get_args, get_origin
+from typing import Any
 
 import numpy as np
 from rich.markup import escape
 
 from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import ADDED_FIELDS, DATASETS, RunConfig, build_config, normal_key, result_fields
+from fedproto.config import ADDED_FIELDS, RunConfig, build_config, normal_key, result_fields
+from fedproto.data.registry import DATASETS, PAPER_DATASETS
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 METHODS: dict[str, str] = {
     # method key -> algorithm name (ALGORITHMS registry)
@@ -63,16 +59,16 @@ METHODS: dict[str, str] = {
 }
 """Method keys of tab. 1 and the algorithm each runs."""
 
-MODELS: dict[str, str] = {"mnist": "cnn", "femnist": "cnn", "cifar10": "resnet18", "digits": "cnn"}
-"""Model of every method except FedProto-mh, per dataset (§Experiments)."""
+MODELS: dict[str, str] = {n: d.model for n, d in DATASETS.items() if d.loader is not None}
+"""Model of every method except FedProto-mh, per dataset (§Experiments; from the dataset registry)."""
 
-MH_MODELS: dict[str, str] = {"mnist": "cnn-mh", "femnist": "cnn-mh", "cifar10": "resnet18-mh", "digits": "cnn-mh"}
+MH_MODELS: dict[str, str] = {n: d.mh_model for n, d in DATASETS.items() if d.loader is not None}
 """FedProto-mh's heterogeneous models per dataset (§Experiments: conv channels 18/20/22 for the
-CNN, per-client strides for ResNet18)."""
+CNN, per-client strides for ResNet18; from the dataset registry)."""
 
 HETEROGENEOUS = {"fedproto-mh"}
 
-DEFAULT_DATASETS = ("mnist", "femnist", "cifar10")
+DEFAULT_DATASETS = PAPER_DATASETS
 DEFAULT_WAYS = (3, 4, 5)
 DEFAULT_SEEDS = (1234,)
 
@@ -113,11 +109,11 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
 
 
 def parse_value(text: str) -> Any:
-    """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+    """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string
+    (:func:`fedproto.options.parse_value`, which the ``fedproto run`` flags of other types use too)."""
+    from fedproto.options import parse_value as parse
+
+    return parse(text)
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
@@ -194,7 +190,7 @@ def default_rounds(dataset: str, method: str) -> int:
     """Tab. 1's rounds of ``method`` on ``dataset``; the dataset default (FedProto's rounds) for
     Local (0 rounds: no communication) and for datasets outside the paper."""
     r = paper.rounds(dataset, method)
-    return r if r else DATASETS[dataset][2]
+    return r if r else DATASETS[dataset].rounds
 
 
 def model_for(dataset: str, method: str) -> str:
@@ -204,10 +200,9 @@ def model_for(dataset: str, method: str) -> str:
 
 def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path, name: str,
                 rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None) -> RunConfig:
-    """The RunConfig of one cell: paper stdev < ``sets`` < the grid's own keys (raises ConfigError)."""
+    """The RunConfig of one cell: the dataset's defaults (the paper's stdev, tab. 1) < ``sets`` < the
+    grid's own keys (raises ConfigError)."""
     over: dict[str, Any] = {}
-    if dataset in paper.MAIN_STDEV:
-        over["stdev"] = paper.MAIN_STDEV[dataset]
     sets = dict(sets or {})
     model = model_for(dataset, method)
     if "model" in sets:  # --set model=cnn: that family for every method, its "-mh" variant for fedproto-mh
@@ -223,7 +218,7 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
     try:
         return build_config(None, over)
     except ConfigError as e:
-        raise ConfigError(f"cell {name}: {e}") from None
+        raise e.prefixed(f"cell {name}: ") from None
 
 
 def cell_name(dataset: str, ways: int, method: str, seed: int, param: str | None = None, value: Any = None) -> str:
@@ -330,7 +325,7 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
         try:
             summary = sim.run(resume=(d / CHECKPOINT_FILE).is_file())  # an interrupted cell goes on from it
         except CheckpointMismatch as e:  # an interrupted cell of other options: never thrown away silently
-            return CellResult(cell, "failed", None, as_set_options(str(e)), time.perf_counter() - t0)
+            return CellResult(cell, "failed", None, set_message(e), time.perf_counter() - t0)
         except CheckpointError as e:  # damaged: nothing to keep
             log.warning("%s: %s; running the cell from round 1", cell.name, e)
             (d / CHECKPOINT_FILE).unlink(missing_ok=True)
@@ -338,41 +333,17 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
             summary = sim.run()
         save_embeddings(sim, d)
     except FedprotoError as e:
-        return CellResult(cell, "failed", None, as_set_options(str(e)), time.perf_counter() - t0)
+        return CellResult(cell, "failed", None, set_message(e), time.perf_counter() - t0)
     return CellResult(cell, "done", summary, "", time.perf_counter() - t0)
 
 
-def _flag_words() -> str:
-    from fedproto.models.zoo import MODEL_NAMES
+def set_message(error: FedprotoError) -> str:
+    """An error as ``fedproto reproduce`` words it: run options as ``--set key=value``, the grid's
+    own fields as its options (``--ways``, ``--rounds``, ``--out``); see
+    :func:`fedproto.options.set_wording`."""
+    from fedproto.options import set_wording
 
-    words = {str(a) for f in RunConfig.model_fields.values() if get_origin(f.annotation) is Literal
-             for a in get_args(f.annotation)} | {m for m in MODEL_NAMES if "<" not in m}
-    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
-
-
-_RUN_FLAG = re.compile(r"--([a-z][a-z0-9-]*)\b(?: (\d+(?:\.\d+)?|(?:" + _flag_words() + r"))\b)?")
-_FLAG_FIELD = {"lambda": "lambda_proto", "keep-last": "drop_last", "drop-last": "drop_last",
-               "no-download": "download"}
-_FLAG_VALUE = {"keep-last": "false", "drop-last": "true", "no-download": "false"}
-
-
-def as_set_options(message: str) -> str:
-    """Rewrite ``fedproto run`` flags in an error message as the ``--set`` options of reproduce.
-
-    ``"use --shots 10 or --noise gaussian"`` -> ``"use --set shots=10 or --set noise=gaussian"``;
-    a flag without a value gets ``=...``; switches get their value (``--keep-last`` ->
-    ``--set drop_last=false``). Flags of the grid's own fields (``--ways``, ``--rounds``, ...)
-    stay, and ``--out-dir / --name`` becomes reproduce's ``--out``.
-    """
-    def sub(m: re.Match) -> str:
-        flag = m.group(1)
-        field = _FLAG_FIELD.get(flag, flag.replace("-", "_"))
-        if field not in RunConfig.model_fields or field in GRID_KEYS:
-            return m.group(0)
-        value = _FLAG_VALUE.get(flag) or m.group(2) or "..."
-        return f"--set {field}={value}"
-
-    return _RUN_FLAG.sub(sub, message.replace("--out-dir / --name", "--out"))
+    return error.render(set_wording)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -561,7 +532,7 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
             else:
                 ours_p = f"{params[0]:.1f}" if params else "–"
             cells.append(f"{ours_r} / {pr if pr is not None else 'n.a.'}")
-            cells.append(f"{ours_p} / {('%g' % pk) if pk is not None else 'n.a.'}")
+            cells.append(f"{ours_p} / {f'{pk:g}' if pk is not None else 'n.a.'}")
             out.append("| " + " | ".join(cells) + " |")
             for n in ways:
                 r = by.get((m, n))

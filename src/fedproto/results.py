@@ -12,8 +12,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -197,10 +198,10 @@ class RunDir:
         process holds it (two runs in one folder would mix their files)."""
         owner = self.lock_owner()
         if owner is not None:
-            from fedproto.errors import ConfigError
+            from fedproto.errors import ConfigError, opt
 
             raise ConfigError(f"another fedproto process (pid {owner}) is writing {str(self.path)!r}; wait for it "
-                              "to finish or stop it, or write this run elsewhere (--name / --out-dir)")
+                              f"to finish or stop it, or write this run elsewhere ({opt('out_dir|name')})")
         self._write(atomic_write_bytes, self.path / LOCK, str(os.getpid()).encode())
 
     def release(self) -> None:
@@ -219,12 +220,12 @@ class RunDir:
         return self.path / CHECKPOINT_FILE
 
     def _unwritable(self, e: OSError) -> Exception:
-        from fedproto.errors import ConfigError
+        from fedproto.errors import ConfigError, opt
 
         file = Path(str(e.filename)) if e.filename else self.path
         where = f"the run directory {str(self.path)!r}" if file == self.path else f"{str(file)!r}"
-        return ConfigError(f"cannot write {where}: {e.strerror or e}; free or fix that path, or write the run "
-                           "elsewhere (--out-dir / --name)")
+        return ConfigError(f"cannot write {where}: {e.strerror or e}", option="out_dir",
+                           hint=f"free or fix that path, or write the run elsewhere ({opt('out_dir|name')})")
 
     def _write(self, fn, *args) -> None:
         try:

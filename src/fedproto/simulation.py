@@ -13,22 +13,22 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.algorithms import ALGORITHMS
+from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.attacks import attacker_ids, corrupt_message
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
-from fedproto.devices import resolve_device
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError
+from fedproto.devices import resolve_device
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
 from fedproto.models.base import check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
@@ -126,15 +126,15 @@ def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
     no batch (names the clients)."""
     if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
         log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
-                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use --batch-size 4 or more",
+                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use batch_size 4 or more",
                     cfg.batch_size, cfg.model, cfg.batch_size)
     if cfg.drop_last:
         small = [i for i, n in enumerate(train_sizes) if n < cfg.batch_size]
         if small:
             raise ConfigError(
-                f"batch_size={cfg.batch_size} with drop_last leaves clients {small[:10]} with no batch "
-                f"(client {small[0]} holds {train_sizes[small[0]]} samples); lower --batch-size "
-                "or use --keep-last")
+                f"{opt('batch_size', cfg.batch_size)} with {opt('drop_last', True)} leaves clients {small[:10]} with "
+                f"no batch (client {small[0]} holds {train_sizes[small[0]]} samples)", option="batch_size",
+                value=cfg.batch_size, hint=f"lower {opt('batch_size')} or use {opt('drop_last', False)}")
 
 
 @dataclass
@@ -149,7 +149,7 @@ class Setup:
     embedding_dim: int
     device: torch.device = torch.device("cpu")
 
-    def to_device(self, device: torch.device) -> "Setup":
+    def to_device(self, device: torch.device) -> Setup:
         """Move every client model and every client's in-memory data (labels always) to ``device``
         in place; returns self. Data read from a ``Dataset`` stays where it is read, batch by batch."""
         self.device = torch.device(device)
@@ -161,7 +161,7 @@ class Setup:
                     setattr(d, k, getattr(d, k).to(self.device))
         return self
 
-    def to_dtype(self, dtype: torch.dtype) -> "Setup":
+    def to_dtype(self, dtype: torch.dtype) -> Setup:
         """Cast every client model and every client's data to ``dtype`` in place; returns self.
 
         ``torch.float64`` is for checks: rounding then sits near 1e-15, so two execution paths that
@@ -189,7 +189,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     """
     if cfg.dataset == "custom":
         raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
-                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, digits")
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
+                          "digits")
     ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
     if cfg.partition == "natural":
         if ds.train_groups is None or ds.test_groups is None:
@@ -210,7 +211,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     empty = [i for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)) if len(tr) == 0 or len(te) == 0]
     if empty:
         raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
-                             "(for --partition dirichlet: raise --min-client-samples or --alpha, or use fewer clients)")
+                             f"(for {opt('partition', 'dirichlet')}: raise {opt('min_client_samples')} or "
+                             f"{opt('alpha')}, or use fewer {opt('clients')})")
     if cfg.augment and ds.input_shape[0] != 3:
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
@@ -284,7 +286,7 @@ class Simulation:
             key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
         groups = []
-        for key, members in by_arch.items():
+        for members in by_arch.values():
             models = [self.setup.states[i].model for i in members]
             if len(members) > 1 and can_batch(models):
                 # chunks: a very wide stack (thousands of clients) outgrows the caches; clients are
@@ -566,12 +568,12 @@ class Simulation:
                 kept = (f" (an earlier finished run waits in {str(prev)!r} until the interrupted one finishes)"
                         if prev.is_dir() else "")
                 raise ConfigError(f"{str(self.run_dir.path)!r} holds an interrupted run's checkpoint{kept}: add "
-                                  f"--resume to continue it, or delete {str(ck)!r} (or pick another --name) to "
-                                  "start anew")
+                                  f"{opt('resume')} to continue it, or delete {str(ck)!r} (or pick another "
+                                  f"{opt('name')}) to start anew")
             if resume and not has_ckpt:
                 if (self.run_dir.path / "summary.json").is_file():
                     raise ConfigError(f"the run in {str(self.run_dir.path)!r} has finished (summary.json) and has no "
-                                      "checkpoint: nothing to resume; drop --resume to run it again")
+                                      f"checkpoint: nothing to resume; drop {opt('resume')} to run it again")
                 log.warning("no checkpoint in %s: starting at round 1", self.run_dir.path)
         if resume and has_ckpt:
             ckpt = load_checkpoint(self.run_dir.checkpoint)
@@ -638,12 +640,12 @@ class Simulation:
                                         "hold NaN or infinite values; clean or drop those samples")
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
-                    f"lower --lr (now {cfg.lr}){lam}")
+                    f"lower {opt('lr')} (now {cfg.lr}){lam}")
             for i, x in zip(ids, tr):
                 self.train_norm[i] = x.emb_norm_max
                 if not x.emb_norm_max <= EMBED_NORM_LIMIT:
                     log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
-                                "numbers may be meaningless: check its data, lower --lr, or for BatchNorm models "
+                                "numbers may be meaningless: check its data, lower lr, or for BatchNorm models "
                                 "its batch sizes", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
                                 "" if np.isfinite(x.emb_norm_max) else " (not finite)")
             train_time += t_train

@@ -22,8 +22,8 @@ so momentum does not carry across rounds).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +32,6 @@ from torch import nn
 
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
-
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
@@ -127,7 +126,7 @@ class Objective:
     prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
     normalize: bool = False
-    dp_sgd: "DPSGD | None" = None
+    dp_sgd: DPSGD | None = None
 
 
 @dataclass

@@ -96,7 +96,7 @@ class Algorithm:
         self.local_epochs = local_epochs
 
     @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> "Algorithm":
+    def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
         """Build from a :class:`fedproto.config.RunConfig` (subclasses read their own fields)."""
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
 

@@ -41,7 +41,7 @@ WEIGHT_PREFIX = "w/"
 COUNT_KEY = "n"
 
 
-def shared_tensors(model: ProtoModel, include=None) -> "OrderedDict[str, torch.Tensor]":
+def shared_tensors(model: ProtoModel, include=None) -> OrderedDict[str, torch.Tensor]:
     """Name -> tensor of the parameters and floating-point buffers that pass ``include(name)``
     (None: all), in ``named_parameters`` then ``named_buffers`` order."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()

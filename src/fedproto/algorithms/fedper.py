@@ -49,7 +49,7 @@ class FedPer(FedAvg):
         self.personal_layers = personal_layers
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedPer":
+    def from_config(cls, cfg, embedding_dim: int) -> FedPer:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.personal_layers)
 
     def is_personal(self, model: ProtoModel):

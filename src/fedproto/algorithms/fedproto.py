@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
 from fedproto.prototypes import (
     AGGREGATION_RULES,
     DISTANCE_FORMS,
@@ -30,7 +31,6 @@ from fedproto.prototypes import (
     prototype_table,
     robust_z,
 )
-from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, TrainResult, embed_all, poisson_plan, predict
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class FedProto(Algorithm):
             (client filtering against noisy prototypes; counts are sent with the prototypes).
         proto_dist_alert: monitoring: each round the server measures every client's mean L2
             distance between its local and the global prototypes (``proto_dist``, the mean over
-            clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a warning for clients above ``proto_dist_alert`` x the median
-            (0: no warning). Changes no number.
+            clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a
+            warning for clients above ``proto_dist_alert`` x the median (0: no warning). Changes no number.
 
     Robustness and privacy (issue #14; the practitioner's guide §4.2; off by default):
         trim: the fraction cut from each end by ``aggregation="trimmed"``.
@@ -161,7 +161,7 @@ class FedProto(Algorithm):
         self.last_cids: np.ndarray | None = None  # client ids of the last aggregation's messages, in order
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedProto":
+    def from_config(cls, cfg, embedding_dim: int) -> FedProto:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
                    cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
@@ -233,8 +233,8 @@ class FedProto(Algorithm):
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
         """A client's reply with its bad prototype rows dropped, and why each was dropped: rows
         whose values are not finite, whose class is outside 0..C-1 or whose count is below 1 or not
-        a whole number, and the whole reply (``{}``) when no row is left or its arrays do not fit together ((K,) classes, (K, d) protos, (K,)
-        counts with d the embedding size)."""
+        a whole number, and the whole reply (``{}``) when no row is left or its arrays do not fit
+        together ((K,) classes, (K, d) protos, (K,) counts with d the embedding size)."""
         try:
             c = np.asarray(message["classes"])
             p = np.asarray(message["protos"])
@@ -331,14 +331,17 @@ class FedProto(Algorithm):
         if self.min_proto_samples > 1:
             most = max((int(np.bincount(np.asarray(y)).max()) for y in train_labels if len(y)), default=0)
             if self.min_proto_samples > most:
-                from fedproto.errors import ConfigError
+                from fedproto.errors import ConfigError, opt
 
-                raise ConfigError(f"min_proto_samples={self.min_proto_samples} is more than any client's samples of "
-                                  f"a class (largest: {most}), so no prototype would reach the server; use "
-                                  f"min_proto_samples <= {most}")
+                raise ConfigError(f"{opt('min_proto_samples', self.min_proto_samples)} is more than any client's "
+                                  f"samples of a class (largest: {most}), so no prototype would reach the server",
+                                  option="min_proto_samples", value=self.min_proto_samples,
+                                  hint=f"use {opt('min_proto_samples', most)} or less")
 
     def divergence_hint(self, cfg) -> str:
-        return f" or --lambda-proto (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
+        from fedproto.errors import opt
+
+        return f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
         """A stored server message needs a (K,) integer ``classes`` within 0..C-1 and (K, d) ``protos``."""

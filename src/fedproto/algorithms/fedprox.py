@@ -40,10 +40,12 @@ class FedProx(FedAvg):
         self.prox_mu = float(prox_mu)
 
     def divergence_hint(self, cfg) -> str:
-        return f" or --prox-mu (now {self.prox_mu})" if self.prox_mu > 0 else ""
+        from fedproto.errors import opt
+
+        return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedProx":
+    def from_config(cls, cfg, embedding_dim: int) -> FedProx:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu)
 
     def objective(self, state: ClientState, message: Message) -> Objective:

@@ -5,7 +5,8 @@ local (``personal_layers``: by default every fully connected layer, as FedPer an
 Params column, 110k on MNIST, about the paper CNN's 20 x 5,280 conv parameters; ``"head"``: the
 last layer only, FedRep's own split), but each round's local training alternates: first
 ``rep_head_epochs`` epochs update only the head with the body frozen, then ``local_epochs``
-epochs update only the body with the head frozen (two :class:`~fedproto.training.Phase` s; each phase starts a fresh SGD optimizer).
+epochs update only the body with the head frozen (two :class:`~fedproto.training.Phase` s; each
+phase starts a fresh SGD optimizer).
 
 Default ``rep_head_epochs`` = 9: FedRep's point is "many local updates of the low-dimensional head
 for every update of the representation" (abstract); the official FedRep code's defaults
@@ -47,7 +48,7 @@ class FedRep(FedPer):
         self.rep_head_epochs = int(rep_head_epochs)
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FedRep":
+    def from_config(cls, cfg, embedding_dim: int) -> FedRep:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs, cfg.personal_layers)
 
     def objective(self, state: ClientState, message: Message) -> Objective:

@@ -72,7 +72,7 @@ class FeSEM(FedAvg):
         self.last_distances: np.ndarray | None = None
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> "FeSEM":
+    def from_config(cls, cfg, embedding_dim: int) -> FeSEM:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed)
 
     def _message(self) -> Message:

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from fedproto.data.download import default_cache_dir, download_file
-from fedproto.errors import DataError
+from fedproto.data.registry import DATASETS, LOADABLE
+from fedproto.errors import DataError, opt
 
 __all__ = [
     "CIFAR10_MD5",
@@ -59,7 +60,8 @@ __all__ = [
 DATA_ENV = "FEDPROTO_DATA"
 """Environment variable naming a data folder, searched after the explicit ``root``."""
 
-KNOWN_DATASETS = ("mnist", "digits", "femnist", "cifar10")
+KNOWN_DATASETS = LOADABLE
+"""Names :func:`load_dataset` accepts (from :mod:`fedproto.data.registry`)."""
 
 # --- MNIST -------------------------------------------------------------------------------
 
@@ -210,18 +212,12 @@ def load_dataset(
         r = Path(root).expanduser()
         if r.exists() and not r.is_dir():
             raise DataError(f"data folder {str(r)!r} is a file, not a folder; pass the folder that holds "
-                            f"{key}/ (or its files) to --data-dir")
+                            f"{key}/ (or its files) to {opt('data_dir')}")
         if not r.exists() and (not download or key == "femnist"):
-            raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to --data-dir, "
+            raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to {opt('data_dir')}, "
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
-    if key == "mnist":
-        return _load_mnist(root, download, progress)
-    if key == "digits":
-        return _cached(("digits",), _load_digits)
-    if key == "femnist":
-        return _load_femnist(root)
-    if key == "cifar10":
-        return _load_cifar10(root, download, progress)
+    if key in LOADABLE:
+        return DATASETS[key].loader(root, download, progress)
     raise DataError(f"Unknown dataset {name!r}. Known datasets: {', '.join(KNOWN_DATASETS)}.")
 
 
@@ -337,7 +333,7 @@ def _to_images(x: np.ndarray, shape: tuple[int, int, int]) -> torch.Tensor:
 
 def _how_to_point(name: str) -> str:
     return (
-        f"pass --data-dir <folder> (Python: root=<folder>; files in <folder>/{name}/) "
+        f"pass {opt('data_dir', '<folder>')} (load_dataset: root=<folder>; files in <folder>/{name}/) "
         f"or set {DATA_ENV}=<folder>"
     )
 
@@ -386,8 +382,8 @@ def _load_mnist(root: str | Path | None, download: bool, progress: bool) -> Data
         target = _download_root(root) / "mnist"
         if not download:
             raise DataError(
-                f"{missing}\nTo fix it: {_how_to_point('mnist')}, or allow downloading (--download; Python: download=True) "
-                f"on a machine with internet access (files go to {target})."
+                f"{missing}\nTo fix it: {_how_to_point('mnist')}, or allow downloading "
+                f"({opt('download', True)}) on a machine with internet access (files go to {target})."
             )
         try:
             _download_mnist(target, progress)
@@ -454,7 +450,7 @@ def _read_idx(path: Path, expected_dims: tuple[int | None, ...], md5: str) -> np
     Returns a read-only uint8 array of the header's dimensions.
     """
     fix = (
-        "Delete it and run again with downloading allowed (--download; Python: download=True) to "
+        f"Delete it and run again with downloading allowed ({opt('download', True)}) to "
         "re-download it, "
         "or replace it with a good copy."
     )
@@ -775,8 +771,8 @@ def _load_cifar10(root: str | Path | None, download: bool, progress: bool) -> Da
         target = _download_root(root) / "cifar10" / _CIFAR10_ARCHIVE
         if not download:
             raise DataError(
-                f"{missing}\nTo fix it: {_how_to_point('cifar10')}, or allow downloading (--download; Python: download=True) "
-                f"on a machine with internet access (the archive goes to {target})."
+                f"{missing}\nTo fix it: {_how_to_point('cifar10')}, or allow downloading "
+                f"({opt('download', True)}) on a machine with internet access (the archive goes to {target})."
             )
         try:
             download_file(
@@ -821,7 +817,8 @@ def _read_cifar10(source: Path) -> Dataset:
                         parse(base, f, f"{source}:{info.name}")
         except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             raise DataError(
-                f"Cannot read {source}: {exc}. Delete it and run again with downloading allowed (--download; Python: download=True), "
+                f"Cannot read {source}: {exc}. Delete it and run again with downloading allowed "
+                f"({opt('download', True)}), "
                 "or replace it with a good copy."
             ) from exc
         absent = [m for m in _CIFAR10_MEMBERS if m not in batches]

@@ -31,7 +31,7 @@ from typing import Literal
 
 import numpy as np
 
-from fedproto.errors import PartitionError
+from fedproto.errors import PartitionError, opt
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,10 @@ def draw_ways_shots(
     if noise == "uniform":
         if k_lo < 1:
             raise PartitionError(
-                f"shots={shots} with stdev={stdev}: the official code's uniform noise draws each client's "
-                f"shots from [k - s + 1, ...] = [{k_lo}, ...], below 1 sample per class; "
-                f"use --shots {stdev} or more, --stdev {shots} or less, or --noise gaussian (clipped at 1)")
+                f"{opt('shots', shots)} with {opt('stdev', stdev)}: the official code's uniform noise draws each "
+                f"client's shots from [k - s + 1, ...] = [{k_lo}, ...], below 1 sample per class; "
+                f"use {opt('shots', stdev)} or more, {opt('stdev', shots)} or less, or {opt('noise', 'gaussian')} "
+                "(clipped at 1)")
         n = rng.integers(n_lo, n_hi + 1, size=num_clients)
         k = rng.integers(k_lo, int(k_hi) + 1, size=num_clients)
     else:
@@ -138,10 +139,10 @@ def _femnist_note(dataset: str) -> str:
     if dataset != "femnist":
         return ""
     return (
-        ". Note: the FEMNIST copy read here may be a LEAF writer sample (e.g. --sf 0.05: 14,640 "
+        ". Note: the FEMNIST copy read here may be a LEAF writer sample (e.g. LEAF's --sf 0.05: 14,640 "
         "train / 1,677 test samples; the 52 letter classes hold only ~53-142 train and 3-17 test "
-        "samples each), far from the paper's k=100 shots; with 20 clients about --shots 10 and "
-        "--test-shots 3 fit. Or use --partition natural (one client per writer)"
+        f"samples each), far from the paper's k=100 shots; with 20 clients about {opt('shots', 10)} and "
+        f"{opt('test_shots', 3)} fit. Or use {opt('partition', 'natural')} (one client per writer)"
     )
 
 
@@ -205,8 +206,9 @@ def fewshot_partition(
         for c, ki in zip(classes, k):
             offsets[c] += ki - shots
         fit = int(np.min((train_avail[held] - offsets[held]) // holders[held]))
-        hint = (f"with this seed and these clients, --shots {fit} is the largest that fits; or lower --clients "
-                "or --ways" if fit >= 1 else "no --shots value fits: lower --clients or --ways")
+        hint = (f"with this seed and these clients, {opt('shots', fit)} is the largest that fits; or lower "
+                f"{opt('clients')} or {opt('ways')}" if fit >= 1
+                else f"no {opt('shots')} value fits: lower {opt('clients')} or {opt('ways')}")
         raise PartitionError(
             f"class {j} runs short: {holders[j]} client{'s' if holders[j] != 1 else ''} x ~{shots} shots need "
             f"{need[j]} training samples but the train split has {train_avail[j]} (short by "
@@ -219,8 +221,8 @@ def fewshot_partition(
     if test_short:
         j = test_short[0]
         raise PartitionError(
-            f"class {j} has {test_avail[j]} test samples but test_shots={test_shots}; "
-            f"lower --test-shots to at most {int(test_avail[test_short].min())} (the test split holds "
+            f"class {j} has {test_avail[j]} test samples but {opt('test_shots', test_shots)}; "
+            f"lower {opt('test_shots')} to at most {int(test_avail[test_short].min())} (the test split holds "
             f"{int(test_avail.min())}-{int(test_avail.max())} samples per class){_femnist_note(dataset)}"
         )
 
@@ -294,12 +296,12 @@ def natural_partition(
     if len(eligible) == 0:
         raise PartitionError(
             f"no writer is eligible for the natural partition ({W} writers in all; eligible: >= 1 train "
-            f"and >= {min_test} test samples); check the dataset's files or use partition='fewshot'")
+            f"and >= {min_test} test samples); check the dataset's files or use {opt('partition', 'fewshot')}")
     if num_clients > len(eligible):
         raise PartitionError(
-            f"clients={num_clients} but only {len(eligible)} writers are available for the natural "
+            f"{opt('clients', num_clients)} but only {len(eligible)} writers are available for the natural "
             f"partition ({W} writers in all; eligible: >= 1 train and >= {min_test} test samples); "
-            f"use --clients {len(eligible)} or fewer"
+            f"use {opt('clients', len(eligible))} or fewer"
         )
     if num_clients == len(eligible):
         chosen = eligible

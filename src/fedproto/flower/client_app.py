@@ -27,15 +27,13 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.models.base import count_parameters
 from fedproto.simulation import Setup, client_step, prepare

@@ -5,13 +5,14 @@ Raises ImportError with the install command when ``flwr`` is missing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 try:
-    from flwr.app import Array, ArrayRecord, ConfigRecord
+    from flwr.app import Array, ArrayRecord
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "the Flower app needs the flwr package, which is not installed: pip install \"fedproto[flower]\""
@@ -66,7 +67,7 @@ class FlowerOptions:
     class_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_user_config(cls, user_config: Mapping[str, Any]) -> "FlowerOptions":
+    def from_user_config(cls, user_config: Mapping[str, Any]) -> FlowerOptions:
         """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value."""
         data = {normal_key(str(k)): v for k, v in user_config.items()}
         out = {}
@@ -110,5 +111,5 @@ def run_config(user_config: Mapping[str, Any], node_overrides: Mapping[str, Any]
     try:
         return build_config(None, data)
     except ConfigError as e:
-        raise ConfigError(f"Flower run config: {e}") from None
+        raise e.prefixed("Flower run config: ") from None
 

@@ -28,9 +28,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fedproto.errors import ConfigError
 
@@ -263,7 +264,7 @@ class LocalFederation:
                     os.killpg(p.pid, 15)
                 except ProcessLookupError:
                     pass
-        for name, p in self.procs.items():
+        for p in self.procs.values():
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
@@ -272,7 +273,7 @@ class LocalFederation:
                 except ProcessLookupError:
                     pass
 
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> LocalFederation:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
-
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, run_config, to_record
-
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
@@ -47,6 +44,7 @@ from fedproto.algorithms.base import Message as FedMessage
 from fedproto.config import RunConfig
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, FedprotoError, TrainingError
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, run_config, to_record
 from fedproto.simulation import Setup, Simulation, build_algorithm, reply_problem, sample_clients
 from fedproto.training import TrainResult
 
@@ -354,7 +352,9 @@ def main(grid: Grid, context: Context) -> None:
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"
         summary = FlowerEngine(cfg, grid, out=out, options=opts).run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
-        log.error("fedproto: %s", e)
+        from fedproto.options import flower_wording
+
+        log.error("fedproto: %s", e.render(flower_wording))  # options named as run-config keys
         return
     acc = summary["accuracy"].get("acc", {})
     log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round; "

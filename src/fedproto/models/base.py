@@ -7,7 +7,7 @@ checks this once at start (:func:`check_embedding_dims`).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn

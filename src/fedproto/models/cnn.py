@@ -7,7 +7,6 @@ FedProto-mh varies c2 (18/20/22, official code); the embedding stays 50-d.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

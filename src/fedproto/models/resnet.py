@@ -24,10 +24,9 @@ BatchNorm keeps running statistics, so these models are trained on the sequentia
 
 from __future__ import annotations
 
-import pickle
-
 import contextlib
 import os
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedproto.errors import ModelError
+from fedproto.errors import ModelError, opt
 from fedproto.models.base import ProtoModel
 from fedproto.models.cnn import PaperCNN, ProjectedCNN
 from fedproto.models.resnet import MH_STRIDES, ResNet18, load_pretrained, read_state_dict
@@ -111,8 +111,9 @@ def build_client_models(
     if pretrained is not None:
         targets = [m for m in models if isinstance(m, ResNet18)]
         if not targets:
-            raise ModelError(f"pretrained weights are for resnet18 models, but model {name!r} has none; "
-                             "use --model resnet18 (or resnet18-mh) or drop --pretrained")
+            raise ModelError(f"pretrained weights are for resnet18 models, but model {name!r} has none",
+                             option="pretrained", hint=f"use {opt('model', 'resnet18')} (or resnet18-mh) or "
+                             f"drop {opt('pretrained')}")
         state = dict(pretrained) if isinstance(pretrained, Mapping) else read_state_dict(pretrained)
         origin = None if isinstance(pretrained, Mapping) else str(pretrained)
         for m in targets:
