@@ -8,6 +8,7 @@ SuperLink nor Ray. Messages cross as Flower records (arrays serialized to bytes)
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
 import time
@@ -553,3 +554,22 @@ def test_credentials_for_tls_and_node_authentication(tmp_path):
     assert config_arg({"client-id": 0, "data": "/a b", "x": 1.5}) == 'client-id=0 data="/a b" x=1.5'
     with pytest.raises(ConfigError, match="SuperNode authentication needs TLS"):
         LocalFederation(tmp_path / "fed", auth=True)
+
+
+def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
+    """Client 2's node stops answering from round 2 on: the summary says 2 of 3 clients were
+    evaluated, and the mean is over those two."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 2})
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+
+    def script(grid, kind, group):
+        if group == "2":
+            grid.silent.add(1002)
+
+    grid.on_send = script
+    summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1).run()
+    assert summary["clients"] == 3 and summary["clients_evaluated"] == 2
+    rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    accs = [float(r["acc"]) for r in rows if r["acc"]]
+    assert len(accs) == 2 and summary["accuracy"]["acc"]["mean"] == pytest.approx(sum(accs) / 2)

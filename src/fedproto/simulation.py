@@ -714,6 +714,9 @@ class Simulation:
             "train_time_s": train_time,
             "execution": cfg.execution,
         }
+        scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
+        if scored < len(per_client):  # clients whose node did not answer the evaluation (Flower)
+            summary["clients_evaluated"] = scored
         if self.attackers:
             honest = [m for i, m in enumerate(per_client) if i not in self.attackers]
             summary["attack"] = {"kind": cfg.attack, "clients": sorted(self.attackers)}

@@ -357,6 +357,8 @@ def main(grid: Grid, context: Context) -> None:
         log.error("fedproto: %s", e.render(flower_wording))  # options named as run-config keys
         return
     acc = summary["accuracy"].get("acc", {})
-    log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %d clients, %.1fk parameters up per round; "
+    n = summary["clients"]
+    over = f"{summary['clients_evaluated']} of {n}" if "clients_evaluated" in summary else f"{n}"
+    log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %s clients, %.1fk parameters up per round; "
                 "results in %s", cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")),
-                100 * acc.get("std", float("nan")), summary["clients"], summary["params_per_round"]["up"] / 1e3, out)
+                100 * acc.get("std", float("nan")), over, summary["params_per_round"]["up"] / 1e3, out)
