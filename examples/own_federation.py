@@ -3,7 +3,7 @@ clients with label skew, half with a larger and half with a smaller CNN written 
 trained with FedProto. The guide's two CNNs end in 4,096- and 1,024-wide features; their
 embeddings are projected to one size (``embedding_dim``) so that prototypes can be averaged.
 
-    FEDPROTO_DATA=/path/to/data python examples/own_federation.py --rounds 10 --threads 2
+    FEDPROTO_DATA=/path/to/data python examples/own_federation.py --rounds 10 --threads 1
     python examples/own_federation.py --head-split     # the same models given by their head name
 
 Prints the summary's accuracies and the wall time.

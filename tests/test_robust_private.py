@@ -286,3 +286,12 @@ def test_attack_and_dp_runs_match_in_float64_across_paths():
     a.run()
     b.run()
     assert np.abs(a.message["protos"] - b.message["protos"]).max() < 1e-6  # float32 messages
+
+
+def test_a_second_run_into_a_finished_run_folder_says_so(tmp_path, caplog):
+    """Variants of an option share the derived run name: the second run warns that it replaces the
+    finished one (found by a new user running the README's attack command after the default run)."""
+    Simulation(_cfg(rounds=1), out=tmp_path / "run").run()
+    assert "holds a finished run" not in caplog.text
+    Simulation(_cfg(rounds=1, attack="nan", attackers=1), out=tmp_path / "run").run()
+    assert f"{tmp_path / 'run'} holds a finished run" in caplog.text and "--name" in caplog.text

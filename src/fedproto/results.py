@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import os
 import shutil
@@ -148,6 +149,9 @@ class RunDir:
         prev = self.path / PREVIOUS
         try:
             if history is None and (self.path / "summary.json").is_file():
+                logging.getLogger(__name__).warning(
+                    "%s holds a finished run: this run replaces it when it finishes (until then it waits in %s and "
+                    "comes back if this run fails); give another name (--name) to keep both", self.path, PREVIOUS)
                 if prev.exists():
                     shutil.rmtree(prev)
                 prev.mkdir()
