@@ -295,3 +295,48 @@ def test_a_second_run_into_a_finished_run_folder_says_so(tmp_path, caplog):
     assert "holds a finished run" not in caplog.text
     Simulation(_cfg(rounds=1, attack="nan", attackers=1), out=tmp_path / "run").run()
     assert f"{tmp_path / 'run'} holds a finished run" in caplog.text and "--name" in caplog.text
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    attackers = set(attacker_ids(1234, 6, 1))
+    assert [int(r["attacker"]) for r in rows] == [int(i in attackers) for i in range(6)]
+
+
+def test_breaker_findings_on_the_robust_and_private_options(caplog):
+    """Issue #14's breaker: ε never below 0; exclusion does not drop sole holders of a class (MAD 0)
+    and says it cannot act; BatchNorm statistics stay frozen in the second stage; attacks that would
+    change nothing, all-attacker runs and unreachable min_contributors are refused; λ is 0 in the
+    metrics while no global prototype exists; the attackers are marked in clients.csv."""
+    assert epsilon([(5.0, 1.0, 1)], 0.1) >= 0.0
+    with pytest.raises(ConfigError, match="dp_delta"):
+        _cfg(dp="prototypes", dp_delta=0.5)
+    for kw, match in ((dict(algorithm="fedavg", attack="flip", attackers=1), "without class ids"),
+                      (dict(algorithm="local", attack="scale", attackers=1), "sends nothing"),
+                      (dict(attack="scale", attackers=6), "no honest")):
+        with pytest.raises(ConfigError, match=match):
+            _cfg(**kw)
+    with pytest.raises(ConfigError, match="min_contributors=7 is more than any class"):
+        Simulation(_cfg(min_contributors=7), out=False)
+    with pytest.raises(ConfigError, match="min_contributors=3"):  # 2 of 6 clients per round
+        Simulation(_cfg(min_contributors=3, participation=2.0), out=False)
+    # sole holders of a class are not outliers: 2 clients, nobody comparable
+    alg = FedProto(4, OptimConfig(), embedding_dim=2, exclude_outliers=3.0)
+    msgs = {i: {"classes": np.array([i]), "protos": np.full((1, 2), float(i), np.float32),
+                "counts": np.array([5])} for i in range(4)}
+    out = alg.aggregate(1, msgs)
+    assert out["classes"].tolist() == [0, 1, 2, 3] and alg.last_excluded == []
+    assert "exclude_outliers cannot act" in caplog.text
+    # BatchNorm running statistics of the body stay as they were in the second stage
+    sim = Simulation(_cfg(model="resnet18", embedding_dim=512, rounds=2, freeze_after=1, clients=2, shots=10),
+                     out=False)
+    snap = {}
+    sim.on_round = lambda row: snap.update({k: v.clone() for k, v in sim.setup.states[0].model.state_dict().items()}
+                                           if row["round"] == 1 else {})
+    sim.run()
+    after = sim.setup.states[0].model.state_dict()
+    body = [k for k in after if not sim.setup.states[0].model.is_head_param(k)]
+    assert any("running_var" in k for k in body) and all(torch.equal(snap[k], after[k]) for k in body)
+    # λ reported 0 while no prototype existed; attackers marked
+    s = Simulation(_cfg(rounds=2, attack="nan", attackers=1, lambda_warmup=0), out=False)
+    s.run()
+    assert [h["lambda"] for h in s.history] == [0.0, 1.0]

@@ -31,7 +31,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "eval_full_test")
+                  "proto_dist_alert", "device")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -137,8 +137,8 @@ class RunConfig(BaseModel):
     proto_classes: Literal["own", "all"] = Field("own", description="Nearest-prototype inference among the "
                                                  "client's own classes or all classes")
     # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
-    lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of linear λ warm-up "
-                               "(0: constant λ)")
+    lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of λ warm-up, linear or "
+                               "cosine (lambda_schedule) (0: constant λ)")
     proto_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="FedProto: server prototype momentum β "
                                   "in [0, 1)")
     proto_normalize: bool = Field(False, description="FedProto: L2-normalize embeddings and prototypes in the "
@@ -171,7 +171,8 @@ class RunConfig(BaseModel):
     dp_clip: float = Field(5.0, gt=0.0, le=1e9, description=(
         "DP: L2 bound C on each sample's embedding in the prototype release (near the typical embedding norm)"))
     dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
-    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="DP: the delta at which epsilon is reported")
+    dp_delta: float = Field(1e-5, gt=0.0, le=0.1, description=(
+        "DP: the delta at which epsilon is reported (at most 0.1; usually below 1 / a client's samples)"))
     # misbehaving clients, for experiments (fedproto.attacks)
     attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
@@ -288,6 +289,19 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('attack', self.attack)} with {opt('attackers', self.attackers)}",
                               option="attack", value=self.attack, hint="give both (an attack other than 'none' and "
                               "a number of attackers >= 1) or neither")
+        if self.attackers and self.attackers == self.clients:
+            raise ConfigError(f"{opt('attackers', self.attackers)} makes every client misbehave, leaving no honest "
+                              "client to measure", option="attackers", value=self.attackers,
+                              hint=f"use at most {self.clients - 1}")
+        if self.attackers and self.algorithm == "local":
+            raise ConfigError(f"{opt('attack', self.attack)} alters what a client sends, and "
+                              f"{opt('algorithm', 'local')} sends nothing", option="attack", value=self.attack,
+                              hint=f"use another algorithm or {opt('attack', 'none')}")
+        if self.attack == "flip" and self.algorithm != "fedproto":
+            raise ConfigError(f"{opt('attack', 'flip')} attaches prototypes to other classes; "
+                              f"{opt('algorithm', self.algorithm)} sends weights without class ids, so it would "
+                              "change nothing", option="attack", value=self.attack,
+                              hint="use attack scale, random or nan")
         if self.dp != "off":
             if self.algorithm != "fedproto":
                 raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "

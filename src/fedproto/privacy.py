@@ -93,7 +93,7 @@ def epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
             release). Entries with ``steps`` 0 are ignored.
         delta: in (0, 1).
     Returns:
-        ε (``inf`` when any applied mechanism has noise multiplier 0; 0.0 for an empty history).
+        ε >= 0 (``inf`` when any applied mechanism has noise multiplier 0; 0.0 for an empty history).
     Raises:
         ValueError: ``delta`` outside (0, 1).
     """
@@ -106,6 +106,11 @@ def epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
         return 0.0
     if any(s <= 0 for s, _, _ in used):
         return math.inf
+    import warnings
+
     acc = RDPAccountant()
     acc.history = used
-    return float(acc.get_epsilon(delta=delta))
+    with warnings.catch_warnings():  # "optimal order is the smallest alpha": ε is still a valid upper bound
+        warnings.filterwarnings("ignore", message="Optimal order is the")
+        eps = float(acc.get_epsilon(delta=delta))
+    return max(0.0, eps)  # the RDP conversion can go below 0 for a large δ, where 0 already holds

@@ -741,7 +741,10 @@ class Simulation:
             }
         if self.run_dir:
             self.run_dir.write_summary(summary)
-            self.run_dir.write_clients(self._client_rows(per_client))
+            rows = self._client_rows(per_client)
+            if self.attackers:  # which clients misbehaved (fedproto.attacks)
+                rows = [{**r, 'attacker': int(int(r['client']) in self.attackers)} for r in rows]
+            self.run_dir.write_clients(rows)
             if "protos" in self.message:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))

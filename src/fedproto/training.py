@@ -95,10 +95,13 @@ class OptimConfig:
 
 @dataclass
 class Phase:
-    """A run of local epochs that trains the parameters whose names pass ``trains`` (None: all)."""
+    """A run of local epochs that trains the parameters whose names pass ``trains`` (None: all).
+    ``frozen_eval``: BatchNorm layers none of whose parameters train run in eval mode, so their
+    running statistics stay as they are too (the frozen feature extractor of two-stage training)."""
 
     epochs: int
     trains: Callable[[str], bool] | None = None
+    frozen_eval: bool = False
 
 
 @dataclass
@@ -373,6 +376,11 @@ def train_client(
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
             p.requires_grad_(ph.trains is None or ph.trains(n_))
+        for mod_name, mod in model.named_modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                frozen = ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
+                                                    for n_, _ in mod.named_parameters())
+                mod.train(not frozen)
         optim = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
         if obj.dp_sgd is not None:
             from opacus.optimizers import DPOptimizer

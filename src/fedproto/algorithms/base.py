@@ -222,7 +222,7 @@ class Algorithm:
         obj = self.objective(state, message)
         if "head_only" in message:
             head = state.model.is_head_param
-            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))))
+            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)
                           for p in obj.phases]
         return obj
 

@@ -130,6 +130,8 @@ class FedProto(Algorithm):
         self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
         self.sequential_only = dp == "full"
         self.last_excluded: list[int] = []
+        self._warned_exclusion = False  # exclude_outliers could not act (logged once)
+        self._had_protos = False  # the clients of the last aggregated round had global prototypes
         self.last_dropped: list[int] = []
         self.last_round = 0
         if lambda_warmup < 0 or not 0.0 <= proto_momentum < 1.0 or min_proto_samples < 1 or proto_dist_alert < 0:
@@ -230,6 +232,37 @@ class FedProto(Algorithm):
             hist.append((self.dp_noise, float(state.extra.get("dp_rate", 1.0)), int(state.extra.get("dp_steps", 0))))
         return {"dp_epsilon": epsilon(hist, self.dp_delta)}
 
+    def _outlier_rows(self, round: int, kept) -> list[int]:
+        """Which of the round's replies ``kept`` (classes, protos, counts per reply) to leave out:
+        each reply's mean L2 distance to the coordinate-wise median of the class's prototypes,
+        over the classes at least 3 replies hold (with 1 or 2 holders the median cannot tell who is
+        off), scored by :func:`robust_z`; above ``exclude_outliers`` is out. Nobody is left out
+        when fewer than 3 replies can be compared or their MAD is 0 (a warning says so, once)."""
+        from scipy.stats import median_abs_deviation
+
+        classes, protos, counts = kept
+        held = [np.asarray(c, np.int64) for c in classes]
+        holders = np.bincount(np.concatenate(held) if held else np.zeros(0, np.int64), minlength=self.num_classes)
+        shared = np.nonzero(holders >= 3)[0]
+        sel = [np.isin(c, shared) for c in held]
+        cc = [c[m] for c, m in zip(held, sel)]
+        pp = [np.asarray(p)[m] for p, m in zip(protos, sel)]
+        nn = [np.asarray(n)[m] for n, m in zip(counts, sel)]
+        ref_c, ref_p, _ = aggregate_prototypes(cc, pp, nn, self.num_classes, "median")
+        d = client_distances(cc, pp, ref_c, ref_p)
+        ok = np.isfinite(d)
+        if ok.sum() < 3 or median_abs_deviation(d[ok]) == 0:
+            if not self._warned_exclusion:
+                self._warned_exclusion = True
+                why = (f"only {int(ok.sum())} clients hold classes that 3 or more clients hold" if ok.sum() < 3
+                       else "half or more of the comparable clients lie at the same distance (MAD 0)")
+                log.warning("round %d: exclude_outliers cannot act: %s; nobody is left out while this holds",
+                            round, why)
+            return []
+        z = robust_z(d)
+        out = [j for j in range(len(classes)) if z[j] > self.exclude_outliers]
+        return out if len(out) < len(classes) else []
+
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
         """A client's reply with its bad prototype rows dropped, and why each was dropped: rows
         whose values are not finite, whose class is outside 0..C-1 or whose count is below 1 or not
@@ -266,6 +299,7 @@ class FedProto(Algorithm):
         round (client sampling, ``min_proto_samples``) keeps its previous global prototype, with 0
         contributors this round."""
         self.last_round = round
+        self._had_protos = self.global_classes is not None and len(self.global_classes) > 0
         checked, dropped = {}, []
         for cid, m in messages.items():
             checked[cid], why = self.reply_problems(cid, m)
@@ -282,14 +316,12 @@ class FedProto(Algorithm):
                 [np.asarray(m["protos"])[k] for m, k in zip(messages, keep)],
                 [np.asarray(m["counts"])[k] for m, k in zip(messages, keep)])
         self.last_excluded = []
-        if self.exclude_outliers > 0 and len(messages) > 2:
-            ref_c, ref_p, _ = aggregate_prototypes(*kept, self.num_classes, "median")
-            z = robust_z(client_distances(kept[0], kept[1], ref_c, ref_p))
-            out = [j for j in range(len(messages)) if z[j] > self.exclude_outliers]
-            if out and len(out) < len(messages):
+        if self.exclude_outliers > 0:
+            out = self._outlier_rows(round, kept)
+            if out:
                 self.last_excluded = [int(cids[j]) for j in out]
-                log.info("round %d: clients %s left out of the aggregation (robust z > %s)", round,
-                         self.last_excluded, self.exclude_outliers)
+                log.warning("round %d: clients %s left out of the aggregation (robust z-score of their prototype "
+                            "distance > %s)", round, self.last_excluded, self.exclude_outliers)
                 kept = tuple([v for j, v in enumerate(part) if j not in out] for part in kept)
         cls, protos, contrib = aggregate_prototypes(*kept, self.num_classes, self.aggregation, self.trim,
                                                     self.min_contributors)
@@ -327,7 +359,24 @@ class FedProto(Algorithm):
 
     def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
         """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every
-        client's count of every class."""
+        client's count of every class; ``min_contributors`` must be reachable: refused when it
+        exceeds the clients taking part in a round or the holders of every class."""
+        if self.min_contributors > 1:
+            from fedproto.errors import ConfigError, opt
+
+            holders = np.zeros(self.num_classes, np.int64)
+            for y in train_labels:
+                if len(y):
+                    holders[np.unique(np.asarray(y))] += 1
+            p = float(getattr(cfg, "participation", 1.0))
+            per_round = len(train_labels) if p == 1.0 else (int(p) if p > 1 else max(1, round(p * len(train_labels))))
+            most = int(min(holders.max(initial=0), per_round))
+            if self.min_contributors > most:
+                raise ConfigError(f"{opt('min_contributors', self.min_contributors)} is more than any class ever has "
+                                  f"in a round (at most {most}: {int(holders.max(initial=0))} clients hold the most "
+                                  f"widely held class, {per_round} take part per round), so no global prototype "
+                                  "would be made", option="min_contributors", value=self.min_contributors,
+                                  hint=f"use {opt('min_contributors', most)} or less")
         if self.min_proto_samples > 1:
             most = max((int(np.bincount(np.asarray(y)).max()) for y in train_labels if len(y)), default=0)
             if self.min_proto_samples > most:
@@ -341,7 +390,13 @@ class FedProto(Algorithm):
     def divergence_hint(self, cfg) -> str:
         from fedproto.errors import opt
 
-        return f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
+        out = f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
+        if self.dp != "off":
+            out += f", or {opt('dp_noise')} (now {self.dp_noise:g}) or {opt('dp_clip')} (now {self.dp_clip:g})"
+        if getattr(cfg, "attackers", 0) and self.aggregation in ("mean", "weighted") and not self.exclude_outliers:
+            out += (f"; with misbehaving clients ({opt('attack')}) the mean follows their prototypes: use "
+                    f"{opt('aggregation', 'median')}, {opt('aggregation', 'trimmed')} or {opt('exclude_outliers')}")
+        return out
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
         """A stored server message needs a (K,) integer ``classes`` within 0..C-1 and (K, d) ``protos``."""
@@ -388,9 +443,9 @@ class FedProto(Algorithm):
         each client's mean L2 distance to the global prototypes, and the client with the max."""
         d = self.last_distances
         out: dict = {}
-        if self.last_round:  # the λ the clients trained with in that round (0 in round 1: no prototypes yet)
-            out["lambda"] = 0.0 if self.last_round == 1 else lambda_at(self.last_round, self.lambda_proto,
-                                                                         self.lambda_warmup, self.lambda_schedule)
+        if self.last_round:  # the λ the clients trained with in that round (0 while no global prototype exists)
+            out["lambda"] = lambda_at(self.last_round, self.lambda_proto, self.lambda_warmup,
+                                      self.lambda_schedule) if self._had_protos else 0.0
         if self.exclude_outliers > 0:
             out["excluded"] = list(self.last_excluded)
         if self.last_dropped:
