@@ -29,9 +29,10 @@ from fedproto.results import PREVIOUS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Federated prototype learning (FedProto, arXiv 2105.00243).")
-# markup off: messages carry paths and "[...]" text; markup is asked for where it is used
-err_console = Console(stderr=True, markup=False)
-console = Console(markup=False)
+# markup off: messages carry paths and "[...]" text; markup is asked for where it is used; emoji off:
+# user values such as "cuda:abc" or "x:fire:y" are printed as typed, not as emoji
+err_console = Console(stderr=True, markup=False, emoji=False)
+console = Console(markup=False, emoji=False)
 
 
 def _version(value: bool) -> None:

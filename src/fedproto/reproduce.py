@@ -41,7 +41,7 @@ from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
 from fedproto.config import ADDED_FIELDS, RunConfig, build_config, normal_key, result_fields
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError, same_value, unknown_text
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,9 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
         if k not in RunConfig.model_fields:
-            raise ConfigError(f"--set: unknown option {k!r}; known options: {', '.join(RunConfig.model_fields)}")
+            from fedproto.options import keys
+
+            raise ConfigError(f"--set: unknown option {k!r}" + unknown_text(k, keys()))
         if k in out:
             raise ConfigError(f"--set {k} is given twice (or under two spellings); keep one")
         out[k] = parse_value(v.strip())
@@ -266,10 +268,20 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
         for m in methods:
             for s in seeds:
                 name = cell_name(dataset, ways, m, s, param, v)
-                cells.append(Cell(dataset, ways, m, s,
-                                  cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v},
-                                              data_dir), name, param, v))
+                try:
+                    cfg = cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v}, data_dir)
+                except ConfigError as e:  # the swept value named as the --sweep the user typed
+                    raise e.rewritten(lambda o, x, v=v: _sweep_ref(param, v) if o == fld and same_value(x, v)
+                                      else None) from None
+                cells.append(Cell(dataset, ways, m, s, cfg, name, param, v))
     return cells
+
+
+def _sweep_ref(param: str, value: Any) -> str:
+    """A swept value as the user gave it: ``--sweep lambda=abc``."""
+    from fedproto.config import toml_value
+
+    return f"--sweep {param}={value if isinstance(value, str) else toml_value(value)}"
 
 
 def _comparable(cfg: dict) -> dict:
