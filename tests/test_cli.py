@@ -303,3 +303,14 @@ def test_reproduce_set_and_sweep_values_are_worded_as_given(capsys, monkeypatch,
     code, text = run_cli(base + ["--set", "rouns=3"], capsys, monkeypatch)
     assert code == 2 and "unknown option 'rouns'; did you mean 'rounds'?" in text
     assert "known options" not in text
+
+
+def test_participation_above_the_client_count_says_so(capsys, monkeypatch, tmp_path):
+    """Reported: '--participation 4 --clients 3' said '4.0 is neither a fraction nor a whole number'."""
+    code, text = run_cli(["run", "--dataset", "digits", "--participation", "4", "--clients", "3", "--out-dir",
+                          str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "--participation 4 is more than --clients 3" in text and "neither" not in text, text
+    from fedproto.simulation import sample_clients
+
+    with pytest.raises(ValueError, match="participation=4 is more than the 3 clients"):
+        sample_clients(1, 1, 3, 4.0)

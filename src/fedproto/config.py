@@ -271,6 +271,10 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('model', self.model)} lists {n_specs} models but "
                               f"{opt('clients', self.clients)}, so some would never be used", option="model",
                               value=self.model, hint="list at most one model per client")
+        if self.participation > self.clients and self.participation == int(self.participation):
+            raise ConfigError(f"{opt('participation', int(self.participation))} is more than "
+                              f"{opt('clients', self.clients)}", option="participation", value=self.participation,
+                              hint=f"give at most {self.clients} clients per round, or a fraction in (0, 1]")
         if self.participation > 1 and (self.participation != int(self.participation)
                                        or self.participation > self.clients):
             raise ConfigError(f"{opt('participation', self.participation)} is neither a fraction nor a whole "
