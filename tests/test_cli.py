@@ -314,3 +314,47 @@ def test_participation_above_the_client_count_says_so(capsys, monkeypatch, tmp_p
 
     with pytest.raises(ValueError, match="participation=4 is more than the 3 clients"):
         sample_clients(1, 1, 3, 4.0)
+
+
+@pytest.mark.parametrize("args", [["-h"], ["reproduce", "-h"], ["run", "-h"], ["plot", "-h"]])
+def test_short_help_option(args, capsys, monkeypatch):
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and "Usage:" in text and "No such option" not in text, text
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--lambda-proto", "1", "--lambda", "2"], "--lambda-proto and --lambda both set lambda_proto; give it once"),
+    (["--lr", "1", "--lr=2"], "--lr is given twice; give it once"),
+    (["--drop-last", "--keep-last"], "--drop-last and --keep-last both set drop_last"),
+    (["--rounds=1_0"], "'1_0' is not a valid integer"),
+    (["--lr", "0.0_1"], "'0.0_1' is not a valid float"),
+])
+def test_run_refuses_an_option_twice_and_digit_separators(args, expect, capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "--out-dir", str(tmp_path), *args], capsys, monkeypatch)
+    assert code == 2 and expect in " ".join(t.strip("│ ") for t in text.split()), text
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_option_value_that_looks_like_a_flag_is_no_duplicate(capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "-q", "-q", "--dataset", "digits", "--name", "--lr", "--lr", "0.1", "--out-dir",
+                          str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "--name --lr is not a plain folder name" in text, text
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--seeds", "1,,2"], "--seeds '1,,2' has an empty item"),
+    (["--seeds", "1_0"], "--seeds: '1_0' is not a valid value"),
+    (["--sweep", "lambda=1,,2"], "--sweep 'lambda=1,,2' has an empty value"),
+])
+def test_reproduce_refuses_empty_list_items(args, expect, capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--out",
+                          str(tmp_path / "o"), *args], capsys, monkeypatch)
+    assert code == 2 and expect in text, text
+
+
+def test_run_help_names_toml_keys_of_switches(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, text = run_cli(["run", "--help"], capsys, monkeypatch)
+    text = " ".join(text.split())
+    assert code == 0 and "drop_last = false" in text and "download = false" in text
+    assert "is also a key" not in text

@@ -131,6 +131,24 @@ class _TomlValue(click.ParamType):
         return parse_value(value) if isinstance(value, str) else value
 
 
+class _Int(click.types.IntParamType):
+    """click's INT without Python's digit separators (``1_0`` is no way to write 10 on a command line)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "_" in value:
+            self.fail(f"{value!r} is not a valid integer ('_' is not allowed in numbers).", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _Float(click.types.FloatParamType):
+    """click's FLOAT without Python's digit separators."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "_" in value:
+            self.fail(f"{value!r} is not a valid float ('_' is not allowed in numbers).", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 _METAVAR = {int: "INT", float: "FLOAT", str: "TEXT"}
 
 
@@ -144,7 +162,7 @@ def field_option(field: str) -> click.Option:
     if choices:
         return click.Option([field, *names], type=click.Choice([str(c) for c in choices]), default=None,
                             metavar="[" + "|".join(map(str, choices)) + "]", help=help_text(field))
-    ptype = {int: click.INT, float: click.FLOAT, str: click.STRING}.get(kind, _TomlValue())
+    ptype = {int: _Int(), float: _Float(), str: click.STRING}.get(kind, _TomlValue())
     return click.Option([field, *names], type=ptype, default=None, metavar=_METAVAR.get(kind, "VALUE"),
                         help=help_text(field))
 

@@ -92,12 +92,17 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
     """A comma-separated option as a list (``default`` when None); raises ConfigError."""
     if text is None:
         return list(default)
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
         raise ConfigError(f"--{kind} is empty; give a comma-separated list")
+    if not all(items):
+        raise ConfigError(f"--{kind} {text!r} has an empty item; give a comma-separated list without empty "
+                          f"items, e.g. {','.join(t for t in items if t)}")
     out = []
     for t in items:
         try:
+            if conv is int and "_" in t:  # int() reads 1_0 as 10
+                raise ValueError(t)
             v = conv(t)
         except ValueError:
             raise ConfigError(f"--{kind}: {t!r} is not a valid value") from None
@@ -148,7 +153,10 @@ def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
         raise ConfigError(f"--sweep {name}: cannot sweep {fld!r}; use the grid options for it")
     if fld not in RunConfig.model_fields:
         raise ConfigError(f"--sweep: unknown parameter {name!r}; use lambda, shots or a run option name")
-    values = [parse_value(v.strip()) for v in vals.split(",") if v.strip()]
+    texts = [v.strip() for v in vals.split(",")]
+    if any(texts) and not all(texts):
+        raise ConfigError(f"--sweep {spec!r} has an empty value; give param=v1,v2,... without empty items")
+    values = [parse_value(v) for v in texts if v]
     if not values:
         raise ConfigError(f"--sweep {spec!r}: no values")
     seen: list = []
