@@ -240,3 +240,121 @@ def test_version(capsys, monkeypatch):
 
     code, text = run_cli(["--version"], capsys, monkeypatch)
     assert code == 0 and text.strip() == f"fedproto {__version__}"
+
+
+@pytest.mark.parametrize("toml, expect", [
+    ("rounds = 1979-05-27\n", "rounds = 1979-05-27 in '{f}': Input should be a valid integer"),
+    ("lr = 07:32:00\n", "lr = 07:32:00 in '{f}': Input should be a valid number"),
+    ('rounds = "3"\n', "rounds = \"3\" in '{f}': Input should be a valid integer"),
+    ('download = "yes"\n', "download = \"yes\" in '{f}': Input should be a valid boolean"),
+    ('model = ["cnn"]\n', "model = [\"cnn\"] in '{f}': Input should be a valid string"),
+    ("ways = 11\n", "ways = 11 in '{f}' is more than the 10 classes of mnist"),
+    ("Rounds = 1\n", "unknown option 'Rounds' in '{f}'; did you mean 'rounds'?"),
+    ("test-shotz = 1\n", "unknown option 'test-shotz' in '{f}'; did you mean 'test_shots'?"),
+])
+def test_toml_values_are_named_as_toml_keys(toml, expect, capsys, monkeypatch, tmp_path):
+    """Reported: a TOML date crashed (TypeError, exit 1); TOML values were worded as flags
+    ('--rounds 3' for rounds = "3"); an unknown key listed all 70 options with no suggestion."""
+    f = tmp_path / "c.toml"
+    f.write_text(toml)
+    code, text = run_cli(["run", "--config", str(f), "--out-dir", str(tmp_path / "o")], capsys, monkeypatch)
+    text = " ".join(text.split())
+    assert code == 2 and expect.format(f=f) in text and "Traceback" not in text, text
+    assert "--" not in text.split("error:")[1].split(";")[0]  # no flag wording for a file value
+    assert "known options:" not in text
+
+
+def test_flag_values_stay_flags_over_a_toml_file(capsys, monkeypatch, tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('rounds = 2\ndataset = "digits"\n')
+    code, text = run_cli(["run", "--config", str(f), "--lr", "1000", "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "--lr 1000.0: Input should be less than or equal to 100" in text
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["run", "--device", "cuda:abc"], "--device cuda:abc:"),
+    (["run", "--name", "a:fire:b"], "--name a:fire:b is not"),
+    (["run", "--model", "projcnn:smile:"], "'projcnn:smile:'"),
+    (["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--set", "device=cuda:abc"],
+     "--set device=cuda:abc:"),
+])
+def test_user_values_are_printed_as_typed_not_as_emoji(args, expect, capsys, monkeypatch, tmp_path):
+    """Reported: rich read ':abc:' and ':fire:' in error text as emoji codes."""
+    code, text = run_cli([*args, "--out-dir" if args[0] == "run" else "--out", str(tmp_path / "o")],
+                         capsys, monkeypatch)
+    assert code == 2 and expect in " ".join(text.split()) and "🔤" not in text and "🔥" not in text, text
+
+
+def test_consoles_print_emoji_codes_as_text():
+    from fedproto.cli import console, err_console
+
+    for c in (console, err_console):
+        with c.capture() as cap:
+            c.print("/tmp/x:fire:y")
+        assert cap.get().strip() == "/tmp/x:fire:y"
+
+
+def test_reproduce_set_and_sweep_values_are_worded_as_given(capsys, monkeypatch, tmp_path):
+    base = ["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--out", str(tmp_path / "o")]
+    code, text = run_cli(base + ["--set", "lr=1979-05-27"], capsys, monkeypatch)
+    assert code == 2 and "--set lr=1979-05-27: Input should be a valid number" in text, text
+    code, text = run_cli(base + ["--sweep", "lambda=abc"], capsys, monkeypatch)
+    assert code == 2 and "--sweep lambda=abc: Input should be a valid number" in text and "--set" not in text, text
+    code, text = run_cli(base + ["--set", "rouns=3"], capsys, monkeypatch)
+    assert code == 2 and "unknown option 'rouns'; did you mean 'rounds'?" in text
+    assert "known options" not in text
+
+
+def test_participation_above_the_client_count_says_so(capsys, monkeypatch, tmp_path):
+    """Reported: '--participation 4 --clients 3' said '4.0 is neither a fraction nor a whole number'."""
+    code, text = run_cli(["run", "--dataset", "digits", "--participation", "4", "--clients", "3", "--out-dir",
+                          str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "--participation 4 is more than --clients 3" in text and "neither" not in text, text
+    from fedproto.simulation import sample_clients
+
+    with pytest.raises(ValueError, match="participation=4 is more than the 3 clients"):
+        sample_clients(1, 1, 3, 4.0)
+
+
+@pytest.mark.parametrize("args", [["-h"], ["reproduce", "-h"], ["run", "-h"], ["plot", "-h"]])
+def test_short_help_option(args, capsys, monkeypatch):
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and "Usage:" in text and "No such option" not in text, text
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--lambda-proto", "1", "--lambda", "2"], "--lambda-proto and --lambda both set lambda_proto; give it once"),
+    (["--lr", "1", "--lr=2"], "--lr is given twice; give it once"),
+    (["--drop-last", "--keep-last"], "--drop-last and --keep-last both set drop_last"),
+    (["--rounds=1_0"], "'1_0' is not a valid integer"),
+    (["--lr", "0.0_1"], "'0.0_1' is not a valid float"),
+])
+def test_run_refuses_an_option_twice_and_digit_separators(args, expect, capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "--out-dir", str(tmp_path), *args], capsys, monkeypatch)
+    assert code == 2 and expect in " ".join(t.strip("│ ") for t in text.split()), text
+    assert not any(tmp_path.iterdir())
+
+
+def test_run_option_value_that_looks_like_a_flag_is_no_duplicate(capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["run", "-q", "-q", "--dataset", "digits", "--name", "--lr", "--lr", "0.1", "--out-dir",
+                          str(tmp_path)], capsys, monkeypatch)
+    assert code == 2 and "--name --lr is not a plain folder name" in text, text
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--seeds", "1,,2"], "--seeds '1,,2' has an empty item"),
+    (["--seeds", "1_0"], "--seeds: '1_0' is not a valid value"),
+    (["--sweep", "lambda=1,,2"], "--sweep 'lambda=1,,2' has an empty value"),
+])
+def test_reproduce_refuses_empty_list_items(args, expect, capsys, monkeypatch, tmp_path):
+    code, text = run_cli(["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto", "--out",
+                          str(tmp_path / "o"), *args], capsys, monkeypatch)
+    assert code == 2 and expect in text, text
+
+
+def test_run_help_names_toml_keys_of_switches(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, text = run_cli(["run", "--help"], capsys, monkeypatch)
+    text = " ".join(text.split())
+    assert code == 0 and "drop_last = false" in text and "download = false" in text
+    assert "is also a key" not in text

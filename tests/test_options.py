@@ -148,3 +148,41 @@ def test_readme_runs_what_ci_runs():
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert ci[-1] == "python -m pytest -q" and f"```bash\n{ci[-1]}\n```" in readme
     assert "/work/" not in readme and len(readme.splitlines()) <= 200
+
+
+def test_option_references_hold_any_value():
+    """Reported: a TOML date in an error message raised TypeError from json.dumps."""
+    import datetime
+
+    from fedproto.errors import ConfigError, opt
+    from fedproto.options import cli_wording, flower_wording, set_wording
+
+    e = ConfigError(f"{opt('rounds', datetime.date(1979, 5, 27))} and {opt('lr', datetime.time(7, 32))} and "
+                    f"{opt('name', object.__new__(type('Odd', (), {'__repr__': lambda s: 'odd'})))}")
+    assert e.render(cli_wording) == "--rounds 1979-05-27 and --lr 07:32:00 and --name odd"
+    assert e.render(set_wording).startswith("--rounds 1979-05-27 and --set lr=07:32:00")
+    assert str(e).startswith("rounds=1979-05-27 and lr=07:32:00")
+    assert flower_wording("rounds", "3") == 'rounds="3"'
+    assert ConfigError(opt("x", {(1, 2): 3})).render(cli_wording)  # keys JSON cannot hold
+
+
+def test_unknown_keys_get_a_suggestion_per_front_end():
+    from fedproto.config import build_config
+    from fedproto.errors import ConfigError
+    from fedproto.options import FLOWER_KEYS, cli_wording, flower_wording
+
+    with pytest.raises(ConfigError) as info:
+        build_config(overrides={"round_timout": 5})
+    assert "did you mean 'round-timeout'?" in info.value.render(flower_wording)
+    assert "did you mean 'round_timeout'" not in info.value.render(cli_wording)  # no Flower key for fedproto run
+    with pytest.raises(ConfigError) as info:
+        build_config(overrides={"rouns": 5})
+    assert "did you mean 'rounds'?" in str(info.value) and "known options" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        build_config(overrides={"xyzzy": 5})
+    assert "known options: dataset, classes" in str(info.value)
+    try:
+        from fedproto.flower.common import FLOWER_KEYS as flower_keys
+    except ImportError:
+        return
+    assert FLOWER_KEYS == flower_keys

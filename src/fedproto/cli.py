@@ -27,11 +27,14 @@ from fedproto.config import build_config
 from fedproto.errors import FedprotoError
 from fedproto.results import PREVIOUS
 
+HELP_OPTIONS = {"help_option_names": ["--help", "-h"]}
+"""-h works like --help in every command."""
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Federated prototype learning (FedProto, arXiv 2105.00243).")
-# markup off: messages carry paths and "[...]" text; markup is asked for where it is used
-err_console = Console(stderr=True, markup=False)
-console = Console(markup=False)
+                  context_settings=HELP_OPTIONS, help="Federated prototype learning (FedProto, arXiv 2105.00243).")
+# markup off: messages carry paths and "[...]" text; markup is asked for where it is used; emoji off:
+# user values such as "cuda:abc" or "x:fire:y" are printed as typed, not as emoji
+err_console = Console(stderr=True, markup=False, emoji=False)
+console = Console(markup=False, emoji=False)
 
 
 def _version(value: bool) -> None:
@@ -59,9 +62,37 @@ def _pct(x) -> str:
 
 RUN_HELP = """Train with the in-process simulator and write a run directory.
 
-Every option below is also a key of the --config TOML file (the name without the leading dashes,
-'-' or '_'); flags override the file. Defaults marked "per dataset" are the paper's for the
-dataset chosen. The options page of the docs (docs/options.md) lists them all."""
+Every run option below can also be set in the --config TOML file: its key is the option's field
+name, the first flag without the leading dashes ('-' or '_' between words), and a switch is
+true or false there (--drop-last/--keep-last: drop_last = false; --no-download: download =
+false). Flags override the file. Defaults marked "per dataset" are the paper's for the dataset
+chosen. The options page of the docs (docs/options.md) lists every key."""
+
+
+class _RunCommand(click.Command):
+    """``fedproto run``: refuses an option given twice (under one flag or two, e.g. --lambda-proto
+    and --lambda), which click would settle silently by taking the last."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        by_flag = {o: p for p in self.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+        seen: dict[str, str] = {}
+        i = 0
+        while i < len(args):
+            token = args[i]
+            if token == "--":
+                break
+            name, eq, _ = token.partition("=") if token.startswith("--") else (token, "", "")
+            p = by_flag.get(name)
+            if p is not None:
+                if p.name in seen and not (p.is_flag and seen[p.name] == name):  # -q -q: harmless
+                    twice = (f"{name} is given twice" if seen[p.name] == name
+                             else f"{seen[p.name]} and {name} both set {p.name}")
+                    raise click.UsageError(f"{twice}; give it once", ctx)
+                seen[p.name] = name
+                if not p.is_flag and not eq:
+                    i += 1  # its value, which may look like a flag
+            i += 1
+        return super().parse_args(ctx, args)
 
 
 def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
@@ -298,9 +329,9 @@ def _run_command() -> click.Command:
                      help="Continue from the run directory's checkpoint, if it has one (same options required)."),
         click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False, help="No progress bar."),
     ]
-    return click.Command("run", callback=_run, params=params, help=RUN_HELP,
-                         short_help="Train with the in-process simulator and write a run directory.",
-                         context_settings={"max_content_width": 100, "help_option_names": ["--help", "-h"]})
+    return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
+                       short_help="Train with the in-process simulator and write a run directory.",
+                       context_settings={"max_content_width": 100, **HELP_OPTIONS})
 
 
 def command() -> click.Group:

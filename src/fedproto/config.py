@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedproto.data.registry import DATASETS as REGISTRY
-from fedproto.errors import ConfigError, opt
+from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, same_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -272,6 +272,10 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('model', self.model)} lists {n_specs} models but "
                               f"{opt('clients', self.clients)}, so some would never be used", option="model",
                               value=self.model, hint="list at most one model per client")
+        if self.participation > self.clients and self.participation == int(self.participation):
+            raise ConfigError(f"{opt('participation', int(self.participation))} is more than "
+                              f"{opt('clients', self.clients)}", option="participation", value=self.participation,
+                              hint=f"give at most {self.clients} clients per round, or a fraction in (0, 1]")
         if self.participation > 1 and (self.participation != int(self.participation)
                                        or self.participation > self.clients):
             raise ConfigError(f"{opt('participation', self.participation)} is neither a fraction nor a whole "
@@ -360,29 +364,69 @@ class RunConfig(BaseModel):
         return f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
 
 
-def _config_error(err: ValidationError) -> ConfigError:
+def toml_value(value: Any) -> str:
+    """``value`` as a TOML file writes it: ``"3"`` (a string keeps its quotes), ``true``,
+    ``["cnn"]``, ``1979-05-27``, ``{a = 1}``."""
+    import json
+    import math
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str) and not isinstance(value, RawValue):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if value != value else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
+
+
+def _format(key: str, value: Any, file: Path) -> str:
+    """A value read from a TOML file, named as the user wrote it: ``rounds = "3" in 'run.toml'``."""
+    return f"{key} = {toml_value(value)} in {str(file)!r}"
+
+
+def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | None = None,
+                  file: Path | None = None) -> ConfigError:
     """One ConfigError for all problems pydantic found: the option, the value and the hint of
-    the first, the messages of all (option references kept for each front end to word)."""
+    the first, the messages of all (option references kept for each front end to word).
+
+    ``from_file`` maps the fields whose value came from the TOML ``file`` (not overridden) to
+    (the key as written there, the value read): those values are named as the TOML line, not as
+    a flag."""
+    from_file = from_file or {}
+
+    def where(option: str, value: Any) -> str | None:  # a reference to a value read from the file
+        if option in from_file and value is not NO_VALUE and same_value(value, from_file[option][1]):
+            return _format(from_file[option][0], from_file[option][1], file)
+        return None
+
     lines = []
     first: dict[str, Any] = {}
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, ConfigError):
+            cause = cause.rewritten(where)
             lines.append(cause.message if not cause.hint else f"{cause.message}; {cause.hint}")
             first = first or {"option": cause.option, "value": cause.value}
         elif e["type"] == "extra_forbidden":
-            known = ", ".join(RunConfig.model_fields)
-            lines.append(f"unknown option {loc!r}; known options: {known}")
+            key, place = (from_file[loc][0], f" in {str(file)!r}") if loc in from_file else (loc, "")
+            lines.append(f"unknown option {key!r}{place}" + opt(UNKNOWN + key))
             first = first or {"option": loc, "value": e.get("input")}
         elif "input" in e and e["loc"]:
-            lines.append(f"{opt(loc, e['input'])}: {e['msg'].removeprefix('Value error, ')}")
+            ref = where(loc, e["input"]) or opt(loc, e["input"])
+            lines.append(f"{ref}: {e['msg'].removeprefix('Value error, ')}")
             first = first or {"option": loc, "value": e["input"]}
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
     causes = [(e.get("ctx") or {}).get("error") for e in err.errors()]
     if len(causes) == 1 and isinstance(causes[0], ConfigError):
-        c = causes[0]
+        c = causes[0].rewritten(where)
         return ConfigError(f"invalid configuration: {c.message}", option=c.option, value=c.value, hint=c.hint)
     return ConfigError("invalid configuration: " + "; ".join(lines), **first)
 
@@ -404,11 +448,12 @@ def normal_key(key: str) -> str:
     return KEY_ALIASES.get(key, key)
 
 
-def _normal_keys(data: dict[str, Any], file: Path | None = None) -> dict[str, Any]:
+def _normal_keys(data: dict[str, Any], file: Path | None = None,
+                 given: dict[str, str] | None = None) -> dict[str, Any]:
     """Option names with ``-`` read as ``_`` and :data:`KEY_ALIASES` applied; a name given twice
-    that way is a ConfigError."""
+    that way is a ConfigError. ``given`` (when passed) receives each field's name as written."""
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}
+    given = {} if given is None else given
     for k, v in data.items():
         key = normal_key(k)
         if key in out:
@@ -452,11 +497,16 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
                 raise ConfigError(f"config file {str(p)!r} sets {', '.join(both)} both at the top level and under "
                                   "[run]; keep one")
             data = {**top, **data["run"]}
-        data = _normal_keys(data, p)
+        written: dict[str, str] = {}
+        data = _normal_keys(data, p, written)
+        from_file = {k: (written[k], v) for k, v in data.items()}
+    else:
+        from_file, p = {}, None
     for k, v in _normal_keys(overrides or {}).items():
         if v is not None:
             data[k] = v
+            from_file.pop(k, None)
     try:
         return RunConfig(**data)
     except ValidationError as e:
-        raise _config_error(e) from None
+        raise _config_error(e, from_file, p) from None

@@ -7,6 +7,7 @@ without a traceback. Messages name the bad value and say how to fix it.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,65 @@ Wording = Callable[[str, Any], str]
 """``wording(option, value)`` -> how a front end names a run option (value may be NO_VALUE)."""
 
 
+_RAW = "\x1d"  # marks a value JSON cannot hold (a TOML date or time, any object): kept as its text
+
+
+class RawValue(str):
+    """A value that JSON cannot hold (a TOML date or time, any other object), carried as its
+    text: worded bare (``1979-05-27``), not as a quoted string."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _encode(value: Any) -> str:
+    def other(o: Any) -> dict:
+        return {_RAW: o.isoformat() if hasattr(o, "isoformat") else str(o)}
+
+    try:
+        return json.dumps(value, default=other)
+    except (TypeError, ValueError):  # keys JSON cannot hold, a value that contains itself
+        return json.dumps({_RAW: repr(value)})
+
+
+def _decode(encoded: str) -> Any:
+    return json.loads(encoded, object_hook=lambda d: RawValue(d[_RAW]) if set(d) == {_RAW} else d)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two option values are the same as :func:`opt` carries them (a value decoded
+    from a reference compared with the one given)."""
+    try:
+        x, y = _decode(_encode(a)), _decode(_encode(b))
+    except (TypeError, ValueError):
+        return False
+    return x == y and isinstance(x, bool) == isinstance(y, bool)
+
+
+UNKNOWN = "?"
+"""Prefix of an :func:`opt` reference to an unknown option key (``opt("?Rounds")``): each front
+end words it as its own suggestion ("did you mean 'rounds'?") or its list of known keys."""
+
+
+def suggestion(key: str, candidates: list[str]) -> str | None:
+    """The candidate closest to the unknown ``key`` (case ignored first), or None."""
+    lowered = {c.lower(): c for c in candidates}
+    if str(key).lower() in lowered:
+        return lowered[str(key).lower()]
+    close = difflib.get_close_matches(str(key), candidates, n=1, cutoff=0.6)
+    if not close:
+        close = [lowered[c] for c in difflib.get_close_matches(str(key).lower(), list(lowered), n=1, cutoff=0.6)]
+    return close[0] if close else None
+
+
+def unknown_text(key: str, candidates: list[str], shown: Callable[[str], str] = repr) -> str:
+    """How a front end continues "unknown option 'x'": a suggestion, else the known names."""
+    near = suggestion(key, candidates)
+    if near is not None:
+        return f"; did you mean {shown(near)}?"
+    return "; known options: " + ", ".join(candidates)
+
+
 def opt(option: str, value: Any = NO_VALUE) -> str:
     """A reference to the run option ``option`` (a RunConfig field name; ``a|b`` for two
     alternatives), optionally with the value to give, for use inside an error message.
@@ -28,7 +88,7 @@ def opt(option: str, value: Any = NO_VALUE) -> str:
     command line, ``--set shots=10`` in ``fedproto reproduce``, ``shots=10`` in Python and in a
     Flower run config. The reference is kept as data, not parsed back out of prose.
     """
-    encoded = "" if value is NO_VALUE else _VAL + json.dumps(value)
+    encoded = "" if value is NO_VALUE else _VAL + _encode(value)
     return f"{_REF}{option}{encoded}{_REF}"
 
 
@@ -37,6 +97,8 @@ def python_wording(option: str, value: Any = NO_VALUE) -> str:
     is no run option (``resume``) as ``resume=True``."""
     from fedproto.config import RunConfig
 
+    if option.startswith(UNKNOWN):
+        return unknown_text(option[1:], list(RunConfig.model_fields))
     names = option.split("|")
     if value is NO_VALUE:
         return " / ".join(n if n in RunConfig.model_fields else f"{n}=True" for n in names)
@@ -45,6 +107,12 @@ def python_wording(option: str, value: Any = NO_VALUE) -> str:
 
 def render(text: str, wording: Wording = python_wording) -> str:
     """``text`` with every :func:`opt` reference worded by ``wording``."""
+    return rewrite(text, wording)
+
+
+def rewrite(text: str, wording: Callable[[str, Any], str | None]) -> str:
+    """``text`` with each :func:`opt` reference replaced by ``wording(option, value)``; a
+    reference for which it returns None stays a reference."""
     if _REF not in text:
         return text
     parts = text.split(_REF)
@@ -54,7 +122,8 @@ def render(text: str, wording: Wording = python_wording) -> str:
             out.append(part)
             continue
         name, _, encoded = part.partition(_VAL)
-        out.append(wording(name, json.loads(encoded) if encoded else NO_VALUE))
+        worded = wording(name, _decode(encoded) if encoded else NO_VALUE)
+        out.append(f"{_REF}{part}{_REF}" if worded is None else worded)
     return "".join(out)
 
 
@@ -87,6 +156,15 @@ class FedprotoError(Exception):
         ``prefix``, e.g. ``"cell mnist-n3-fedproto-s1: "``; option references stay references."""
         new = copy.copy(self)
         new.message = prefix + self.message
+        new.args = (new.message,)
+        return new
+
+    def rewritten(self, wording: Callable[[str, Any], str | None]) -> FedprotoError:
+        """A copy whose option references in message and hint are replaced by ``wording``
+        where it returns a text (see :func:`rewrite`), e.g. to name a value by where it came from."""
+        new = copy.copy(self)
+        new.message = rewrite(self.message, wording)
+        new.hint = None if self.hint is None else rewrite(self.hint, wording)
         new.args = (new.message,)
         return new
 

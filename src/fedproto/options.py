@@ -26,7 +26,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import click
 from pydantic.fields import FieldInfo
 
-from fedproto.errors import NO_VALUE
+from fedproto.errors import NO_VALUE, UNKNOWN, unknown_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -131,6 +131,24 @@ class _TomlValue(click.ParamType):
         return parse_value(value) if isinstance(value, str) else value
 
 
+class _Int(click.types.IntParamType):
+    """click's INT without Python's digit separators (``1_0`` is no way to write 10 on a command line)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "_" in value:
+            self.fail(f"{value!r} is not a valid integer ('_' is not allowed in numbers).", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _Float(click.types.FloatParamType):
+    """click's FLOAT without Python's digit separators."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "_" in value:
+            self.fail(f"{value!r} is not a valid float ('_' is not allowed in numbers).", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 _METAVAR = {int: "INT", float: "FLOAT", str: "TEXT"}
 
 
@@ -144,7 +162,7 @@ def field_option(field: str) -> click.Option:
     if choices:
         return click.Option([field, *names], type=click.Choice([str(c) for c in choices]), default=None,
                             metavar="[" + "|".join(map(str, choices)) + "]", help=help_text(field))
-    ptype = {int: click.INT, float: click.FLOAT, str: click.STRING}.get(kind, _TomlValue())
+    ptype = {int: _Int(), float: _Float(), str: click.STRING}.get(kind, _TomlValue())
     return click.Option([field, *names], type=ptype, default=None, metavar=_METAVAR.get(kind, "VALUE"),
                         help=help_text(field))
 
@@ -156,6 +174,16 @@ def run_params() -> list[click.Option]:
 
 # ------------------------------------------------------------------------------------------------
 # how each front end names an option (errors carry references, see fedproto.errors.opt)
+
+
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+"""Keys of a Flower run config that are no RunConfig option (:class:`fedproto.flower.common.FlowerOptions`;
+kept equal to ``fedproto.flower.common.FLOWER_KEYS`` by a test)."""
+
+
+def keys() -> list[str]:
+    """Every TOML / ``--set`` key: the field names, then their aliases."""
+    return [*_fields(), *(a for name in _fields() for a in aliases(name))]
 
 
 def _cli_value(value: Any) -> str:
@@ -170,6 +198,8 @@ def _cli_value(value: Any) -> str:
 def cli_wording(option: str, value: Any = NO_VALUE) -> str:
     """An option as a ``fedproto run`` flag: ``--shots``, ``--shots 10``, ``--keep-last``."""
     fields = _fields()
+    if option.startswith(UNKNOWN):  # an unknown key of a TOML file: suggest a TOML key
+        return unknown_text(option[1:], keys())
     words = []
     for name in option.split("|"):
         if name not in fields:  # an action of the command line (--resume, --config)
@@ -193,6 +223,8 @@ def set_wording(option: str, value: Any = NO_VALUE) -> str:
     """An option as ``fedproto reproduce`` takes it: ``--set shots=10`` (or the grid's own option,
     ``--ways 3``, ``--out``)."""
     fields = _fields()
+    if option.startswith(UNKNOWN):
+        return unknown_text(option[1:], keys())
     words: list[str] = []
     for name in option.split("|"):
         if name in REPRODUCE_OPTIONS:
@@ -209,6 +241,8 @@ def set_wording(option: str, value: Any = NO_VALUE) -> str:
 
 def flower_wording(option: str, value: Any = NO_VALUE) -> str:
     """An option as a Flower run-config key: ``local-epochs``, ``shots=10``."""
+    if option.startswith(UNKNOWN):  # the Flower engine's own keys are run-config keys too
+        return unknown_text(option[1:].replace("_", "-"), [k.replace("_", "-") for k in (*keys(), *FLOWER_KEYS)])
     names = [n.replace("_", "-") for n in option.split("|")]
     if value is NO_VALUE:
         return " / ".join(names)

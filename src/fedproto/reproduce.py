@@ -41,7 +41,7 @@ from fedproto import paper
 from fedproto.checkpoint import CHECKPOINT_FILE
 from fedproto.config import ADDED_FIELDS, RunConfig, build_config, normal_key, result_fields
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError
+from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError, same_value, unknown_text
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -92,12 +92,17 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
     """A comma-separated option as a list (``default`` when None); raises ConfigError."""
     if text is None:
         return list(default)
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    if not items:
+    items = [t.strip() for t in str(text).split(",")]
+    if not any(items):
         raise ConfigError(f"--{kind} is empty; give a comma-separated list")
+    if not all(items):
+        raise ConfigError(f"--{kind} {text!r} has an empty item; give a comma-separated list without empty "
+                          f"items, e.g. {','.join(t for t in items if t)}")
     out = []
     for t in items:
         try:
+            if conv is int and "_" in t:  # int() reads 1_0 as 10
+                raise ValueError(t)
             v = conv(t)
         except ValueError:
             raise ConfigError(f"--{kind}: {t!r} is not a valid value") from None
@@ -128,7 +133,9 @@ def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
         if k not in RunConfig.model_fields:
-            raise ConfigError(f"--set: unknown option {k!r}; known options: {', '.join(RunConfig.model_fields)}")
+            from fedproto.options import keys
+
+            raise ConfigError(f"--set: unknown option {k!r}" + unknown_text(k, keys()))
         if k in out:
             raise ConfigError(f"--set {k} is given twice (or under two spellings); keep one")
         out[k] = parse_value(v.strip())
@@ -146,7 +153,10 @@ def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
         raise ConfigError(f"--sweep {name}: cannot sweep {fld!r}; use the grid options for it")
     if fld not in RunConfig.model_fields:
         raise ConfigError(f"--sweep: unknown parameter {name!r}; use lambda, shots or a run option name")
-    values = [parse_value(v.strip()) for v in vals.split(",") if v.strip()]
+    texts = [v.strip() for v in vals.split(",")]
+    if any(texts) and not all(texts):
+        raise ConfigError(f"--sweep {spec!r} has an empty value; give param=v1,v2,... without empty items")
+    values = [parse_value(v) for v in texts if v]
     if not values:
         raise ConfigError(f"--sweep {spec!r}: no values")
     seen: list = []
@@ -266,10 +276,20 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
         for m in methods:
             for s in seeds:
                 name = cell_name(dataset, ways, m, s, param, v)
-                cells.append(Cell(dataset, ways, m, s,
-                                  cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v},
-                                              data_dir), name, param, v))
+                try:
+                    cfg = cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v}, data_dir)
+                except ConfigError as e:  # the swept value named as the --sweep the user typed
+                    raise e.rewritten(lambda o, x, v=v: _sweep_ref(param, v) if o == fld and same_value(x, v)
+                                      else None) from None
+                cells.append(Cell(dataset, ways, m, s, cfg, name, param, v))
     return cells
+
+
+def _sweep_ref(param: str, value: Any) -> str:
+    """A swept value as the user gave it: ``--sweep lambda=abc``."""
+    from fedproto.config import toml_value
+
+    return f"--sweep {param}={value if isinstance(value, str) else toml_value(value)}"
 
 
 def _comparable(cfg: dict) -> dict:

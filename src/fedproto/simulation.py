@@ -78,6 +78,8 @@ def sample_clients(seed: int, round: int, num_clients: int, participation: float
     """
     if not participation > 0 or (participation > 1 and (participation != int(participation)
                                                           or participation > num_clients)):
+        if participation > num_clients and participation == int(participation):
+            raise ValueError(f"participation={participation:g} is more than the {num_clients} clients")
         raise ValueError(f"participation={participation} is neither a fraction in (0, 1] nor a whole number of "
                          f"clients up to {num_clients}")
     if participation == 1.0 or participation == num_clients:
