@@ -573,3 +573,27 @@ def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     accs = [float(r["acc"]) for r in rows if r["acc"]]
     assert len(accs) == 2 and summary["accuracy"]["acc"]["mean"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
+    """A node that claims the client-id of a connected node is refused (naming both nodes); the
+    client keeps its node and its classes, and no take-over back and forth."""
+    folders = write_node_folders(tmp_path)
+    ncs = node_configs(folders)
+    uc = _own_config(**{"rounds": 3})
+    grid = LocalGrid(uc, node_configs=ncs)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
+    orig = eng._sample
+
+    def sample(r):
+        if r == 2:
+            grid.add_node(1003, {**ncs[1], "data": str(folders[2])})
+        return orig(r)
+
+    eng._sample = sample
+    eng.run()
+    assert eng.nodes == {0: 1000, 1: 1001, 2: 1002}
+    assert eng.info[1]["classes"] == [2, 3, 4, 5]
+    assert "client-id=1 is already taken by node 1001" in eng.refused[1003] and "node 1003" in eng.refused[1003]
+    assert not any("is back on node" in r.getMessage() for r in caplog.records)
+    assert grid.sent.count("query") == 4  # node 1003 asked once

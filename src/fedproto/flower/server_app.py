@@ -92,6 +92,7 @@ class FlowerEngine(Simulation):
         self.info: dict[int, dict] = {}  # client id -> what its node said when it joined
         self.joins: dict[int, FedMessage] = {}  # client id -> its join message
         self.refused: dict[int, str] = {}  # node id -> why it was refused (not asked again)
+        self._duplicates: dict[int, int] = {}  # refused node id -> the client id it claimed (held by a live node)
         self._status: dict = {}
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
@@ -133,10 +134,16 @@ class FlowerEngine(Simulation):
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
         that fails the query (its own data or model refused, e.g. labels outside the classes) is
         logged with its reason and not asked again. ``strict`` (the start): two nodes with one
-        client id raise ConfigError; later, a new node with a known client id replaces the old
-        one (the client came back)."""
+        client id raise ConfigError; later, a new node with a known client id is refused while
+        the client's node is still connected, and replaces it once that node is gone (the client
+        came back)."""
+        connected = set(self.grid.get_node_ids())
+        for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
+            if self.nodes.get(cid) not in connected:
+                del self._duplicates[nid]
+                self.refused.pop(nid, None)
         known = set(self.nodes.values()) | set(self.refused)
-        new = [nid for nid in self.grid.get_node_ids() if nid not in known]
+        new = [nid for nid in connected if nid not in known]
         if not new:
             return []
         ok, failed, missing = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
@@ -160,6 +167,14 @@ class FlowerEngine(Simulation):
             why = self._refusal(cid, info)
             if why:
                 self.refused[nid] = why
+                log.warning("node %d (client %d) refused: %s", nid, cid, why)
+                continue
+            if cid in self.nodes and self.nodes[cid] != nid and self.nodes[cid] in connected:
+                key = "client-id" if self.own_data else "partition-id"
+                why = (f"{key}={cid} is already taken by node {self.nodes[cid]}, which is still connected; node "
+                       f"{nid} is refused while node {self.nodes[cid]} is there: give each SuperNode its own {key}")
+                self.refused[nid] = why
+                self._duplicates[nid] = cid
                 log.warning("node %d (client %d) refused: %s", nid, cid, why)
                 continue
             if cid in self.nodes and self.nodes[cid] != nid:
