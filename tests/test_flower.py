@@ -534,6 +534,10 @@ def test_flower_options_are_read_and_checked():
         FlowerOptions.from_user_config({"min-replies": 0})
     with pytest.raises(ConfigError, match=r"round-timeout=0; give a number of seconds > 0"):
         FlowerOptions.from_user_config({"round_timeout": 0})
+    for key in ("round-timeout", "wait-nodes", "min-replies", "round-retries"):
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=rf"Flower run config: {key}={bad!r}; give .*not NaN or infinity"):
+                FlowerOptions.from_user_config({key: bad})
     assert run_config({"dataset": "custom", "classes": 4, "round-timeout": 3}).model == "custom"
 
 
