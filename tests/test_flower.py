@@ -601,3 +601,24 @@ def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
     assert "client-id=1 is already taken by node 1001" in eng.refused[1003] and "node 1003" in eng.refused[1003]
     assert not any("is back on node" in r.getMessage() for r in caplog.records)
     assert grid.sent.count("query") == 4  # node 1003 asked once
+
+
+def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monkeypatch, caplog):
+    from fedproto.flower import server_app
+    from fedproto.flower.common import FlowerOptions
+
+    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    ncs = node_configs(folders, extra={i: {"misbehave": "nan"} for i in range(3)})
+    eng = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=ncs), out=tmp_path / "run",
+                       options=FlowerOptions(round_retries=0))
+    with pytest.raises(TrainingError) as e:
+        eng.run()
+    msg = str(e.value)
+    assert msg.startswith("round 1: 0 valid replies, fewer than min-replies=1, after 0 retries (failed: none; "
+                          "timed out: none; dropped: {'0': 'the prototype of class 0: values that are not finite")
+    assert "check the data and models of the nodes whose replies were dropped" in msg
+    assert "restart" not in msg
+    logged = [r.getMessage() for r in caplog.records if "dropped the reply of client" in r.getMessage()]
+    assert len(logged) == 3 and "client 1 (node 1001): the prototype of class 2" in logged[1]

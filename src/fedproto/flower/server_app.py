@@ -248,7 +248,7 @@ class FlowerEngine(Simulation):
         messages of clients asked on a retry to ``msgs``). Raises TrainingError when the retries
         are spent."""
         self.round = round
-        alg, d = self.setup.algorithm, self.setup.embedding_dim
+        alg = self.setup.algorithm
         st = {"sampled": list(ids), "replied": [], "failed": {}, "timed_out": []}
         out: dict[int, tuple] = {}
         ask = list(ids)
@@ -269,17 +269,33 @@ class FlowerEngine(Simulation):
                 st["failed"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
-            valid = [i for i in out if not reply_problem(alg, out[i][0], msgs[i], d)
-                     and (alg.reply_problems(i, out[i][0])[0] or not out[i][0])]
+            dropped = {i: self._unusable(i, out[i][0], msgs[i]) for i in sorted(out)}
+            dropped = {i: why for i, why in dropped.items() if why}
+            valid = [i for i in out if i not in dropped]
             if len(valid) >= self.opts.min_replies:
-                break
+                break  # the dropped replies are logged and recorded by the round's reply check
+            for i, why in dropped.items():
+                log.warning("round %d: dropped the reply of %s: %s", round, self._who(i), why)
             if attempt == self.opts.round_retries:
                 self._status = {**st, "replied": sorted(out)}
-                where = f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})" if self.run_dir else ""
+                where = (f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})"
+                         if self.run_dir and round > 1 else "")
+                hints = []
+                if st["timed_out"]:
+                    hints.append("restart the SuperNodes that did not reply")
+                if st["failed"]:
+                    hints.append("fix what the failed nodes report (a node error, or a training that diverged: "
+                                 "check that node's data, model and lr)")
+                if dropped:
+                    hints.append("check the data and models of the nodes whose replies were dropped (their replies "
+                                 "arrived but were unusable; a node config misbehave= corrupts them on purpose)")
+                if not hints:
+                    hints.append("start more SuperNodes")
                 raise TrainingError(
                     f"round {round}: {len(valid)} valid replies, fewer than min-replies={self.opts.min_replies}, "
                     f"after {self.opts.round_retries} retries (failed: {st['failed'] or 'none'}; timed out: "
-                    f"{st['timed_out'] or 'none'}){where}; restart the missing SuperNodes and run again")
+                    f"{st['timed_out'] or 'none'}; dropped: "
+                    f"{ {str(i): w for i, w in dropped.items()} or 'none'}){where}; {'; '.join(hints)}, and run again")
             log.warning("round %d: %d valid replies, fewer than min-replies=%d; retrying (%d of %d)", round, len(valid),
                         self.opts.min_replies, attempt + 1, self.opts.round_retries)
             time.sleep(RETRY_PAUSE_S)
@@ -290,6 +306,17 @@ class FlowerEngine(Simulation):
         st["replied"] = sorted(out)
         self._status = st
         return out
+
+    def _unusable(self, cid: int, reply: FedMessage, sent: FedMessage) -> str:
+        """Why the reply of ``cid`` would be dropped whole by the round's reply check ('' if usable)."""
+        alg, d = self.setup.algorithm, self.setup.embedding_dim
+        why = reply_problem(alg, reply, sent, d)
+        if why or not reply:
+            return why
+        clean, parts = alg.reply_problems(cid, reply)
+        if clean:
+            return ""
+        return "; ".join(parts[:3]) + (f" (and {len(parts) - 3} more)" if len(parts) > 3 else "") or "nothing usable"
 
     def _send(self, kind: str, ids: Iterable[int], msgs: dict[int, FedMessage]):
         """Send ``kind`` to the clients ``ids``: (replies by client id, failures by client id,
