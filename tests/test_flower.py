@@ -622,3 +622,32 @@ def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monke
     assert "restart" not in msg
     logged = [r.getMessage() for r in caplog.records if "dropped the reply of client" in r.getMessage()]
     assert len(logged) == 3 and "client 1 (node 1001): the prototype of class 2" in logged[1]
+
+
+def test_refused_nodes_and_late_joiners_are_recorded_in_the_run_folder(tmp_path):
+    folders = write_node_folders(tmp_path)
+    np.savez(folders[2] / "train.npz", x=np.zeros((4, 1, 8, 8), np.float32), y=np.array([1, 2, 12, 3]))
+    late = write_node_folders(tmp_path / "late", labels=[(6, 7, 8)])[0]
+    ncs = node_configs(folders)
+    uc = _own_config(**{"rounds": 2, "clients": 4})
+    grid = LocalGrid(uc, node_configs=ncs)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", wait_s=0)
+    orig = eng._sample
+
+    def sample(r):
+        if r == 2:
+            grid.add_node(1003, {"client-id": 3, "data": str(late), "model": "cnn"})
+        return orig(r)
+
+    eng._sample = sample
+    eng.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (ref,) = rows[0]["refused"]
+    assert (ref["node_id"], ref["client_id"]) == (1002, 2) and "label 12 is outside" in ref["reason"]
+    assert "refused" not in rows[1] and rows[1]["replied"] == [0, 1, 3]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["refused"][0]["client_id"] == 2 and sorted(config["nodes"]) == ["0", "1", "3"]
+    with open(tmp_path / "run" / "clients.csv") as f:
+        clients = {r["client"]: r for r in csv.DictReader(f)}
+    assert (clients["3"]["ways"], clients["3"]["classes"], clients["3"]["train_samples"]) == ("3", "6 7 8", "36")
+    assert clients["2"]["ways"] == "0"

@@ -31,6 +31,7 @@ ServerApp runs: ``out_dir/<run name>-run<Flower run id>``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -93,6 +94,8 @@ class FlowerEngine(Simulation):
         self.joins: dict[int, FedMessage] = {}  # client id -> its join message
         self.refused: dict[int, str] = {}  # node id -> why it was refused (not asked again)
         self._duplicates: dict[int, int] = {}  # refused node id -> the client id it claimed (held by a live node)
+        self.refusals: list[dict] = []  # every refusal: node_id, client_id (None if unknown), reason, round
+        self._logged_refusals = 0  # refusals already in a metrics.jsonl row
         self._status: dict = {}
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
@@ -149,7 +152,8 @@ class FlowerEngine(Simulation):
         ok, failed, missing = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
                                               for nid in new])
         for nid, why in failed.items():
-            self.refused[nid] = why
+            m = re.search(r"client-id=(\d+)", why)
+            self._refuse(nid, int(m.group(1)) if m else None, why)
             log.warning("node %d refused: %s", nid, why)
         if strict:
             seen: dict[int, list[int]] = {}
@@ -166,23 +170,30 @@ class FlowerEngine(Simulation):
             cid = int(info["cid"])
             why = self._refusal(cid, info)
             if why:
-                self.refused[nid] = why
+                self._refuse(nid, cid, why)
                 log.warning("node %d (client %d) refused: %s", nid, cid, why)
                 continue
             if cid in self.nodes and self.nodes[cid] != nid and self.nodes[cid] in connected:
                 key = "client-id" if self.own_data else "partition-id"
                 why = (f"{key}={cid} is already taken by node {self.nodes[cid]}, which is still connected; node "
                        f"{nid} is refused while node {self.nodes[cid]} is there: give each SuperNode its own {key}")
-                self.refused[nid] = why
+                self._refuse(nid, cid, why)
                 self._duplicates[nid] = cid
                 log.warning("node %d (client %d) refused: %s", nid, cid, why)
                 continue
             if cid in self.nodes and self.nodes[cid] != nid:
                 log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
             self.nodes[cid], self.info[cid] = nid, info
+            if hasattr(self, "setup"):  # joined after the start: what the server knows of it comes from this reply
+                self.setup.states[cid].classes = np.asarray(info["classes"], np.int64)
+                self.setup.partition.classes[cid] = self.setup.states[cid].classes
             self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
             joined.append(cid)
         return joined
+
+    def _refuse(self, nid: int, cid: int | None, why: str) -> None:
+        self.refused[nid] = why
+        self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
 
     def _refusal(self, cid: int, info: dict) -> str:
         m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
@@ -241,7 +252,11 @@ class FlowerEngine(Simulation):
         return [live[j] for j in sample_clients(self.cfg.seed, round, len(live), p)]
 
     def _round_status(self) -> dict:
-        return self._status
+        """The round's ``sampled``/``replied``/``failed``/``timed_out``, plus ``refused``: the nodes
+        refused since the previous row (at the start: during discovery), with client id and reason."""
+        new = self.refusals[self._logged_refusals:]
+        self._logged_refusals = len(self.refusals)
+        return {**self._status, **({"refused": [dict(r) for r in new]} if new else {})}
 
     def _client_step(self, round: int, ids: list[int], msgs: dict[int, FedMessage]) -> dict:
         """Train the sampled clients on their nodes; retry below ``min_replies`` (adding the
@@ -347,6 +362,8 @@ class FlowerEngine(Simulation):
         whose node is not connected or did not reply)."""
         alg = self.setup.algorithm
         self._query_new()
+        if self.run_dir:  # nodes that joined or were refused after the start
+            self.run_dir.write_config(self._config_record())
         ids = sorted(self.nodes)
         replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
@@ -362,7 +379,8 @@ class FlowerEngine(Simulation):
                 "flower": {"round_timeout": self.opts.round_timeout, "min_replies": self.opts.min_replies,
                            "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes},
                 "nodes": {str(i): {**{k: v for k, v in self.info[i].items() if k != "cid"}, "node_id": self.nodes[i]}
-                          for i in sorted(self.info)}}
+                          for i in sorted(self.info)},
+                "refused": [dict(r) for r in self.refusals]}
 
     def _model_params(self) -> list[int | None]:
         return [int(self.info[i]["params"]) if i in self.info else None for i in range(len(self.setup.states))]
