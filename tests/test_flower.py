@@ -651,3 +651,53 @@ def test_refused_nodes_and_late_joiners_are_recorded_in_the_run_folder(tmp_path)
         clients = {r["client"]: r for r in csv.DictReader(f)}
     assert (clients["3"]["ways"], clients["3"]["classes"], clients["3"]["train_samples"]) == ("3", "6 7 8", "36")
     assert clients["2"]["ways"] == "0"
+
+
+_BAD_MODELS = """
+import torch.nn as nn
+def raises(num_classes):
+    raise RuntimeError("boom in factory")
+class Tuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Flatten(), nn.Linear(64, 50))
+        self.h = nn.Linear(50, 10)
+    def forward(self, x):
+        e = self.f(x)
+        return self.h(e), e
+def tuple_model():
+    return Tuple()
+"""
+
+
+@pytest.mark.parametrize("extra, data, want", [
+    ({"model": "badmodels_t:raises"}, None, r"model factory 'badmodels_t:raises' failed \(RuntimeError: boom"),
+    ({"model": "importboom_t:f"}, None, r"'importboom_t:f' failed while importing \(RuntimeError: import-time boom"),
+    ({"model": ":"}, None, r"model ':' is neither a zoo model .* nor an import path package.module:factory"),
+    ({"model": ".mod:f"}, None, r"model '.mod:f' is neither a zoo model"),
+    ({"model": "projcnn:abc"}, None, r"bad model spec 'projcnn:abc': write projcnn:<channels>-<channels>"),
+    ({"model": "badmodels_t:tuple_model", "head": "h"}, None,
+     r"failed on a training input .*; if its forward returns \(logits, embedding\) itself, leave out head='h'"),
+    ({"model": "cnn"}, "small", r"model 'cnn' cannot be built for inputs of shape \(1, 2, 2\) .*give larger images"),
+    ({"model": "cnn"}, "scalar", r"x has shape \(\) and y \(1,\); give one row of x"),
+    ({"hed": "fc"}, None, r"unknown node config key\(s\) 'hed'; the known keys are client-id, data, model, head"),
+    ({"clientid": 2, "modle": "cnn"}, None, r"unknown node config key\(s\) 'clientid', 'modle'"),
+])
+def test_every_node_refusal_names_the_client_and_the_fix(tmp_path, monkeypatch, extra, data, want):
+    from fedproto.flower.node import load_local_client
+
+    (tmp_path / "badmodels_t.py").write_text(_BAD_MODELS)
+    (tmp_path / "importboom_t.py").write_text("raise RuntimeError('import-time boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = tmp_path / "node"
+    folder.mkdir()
+    x = {"small": np.zeros((4, 1, 2, 2), np.float32), "scalar": np.float32(3)}.get(data)
+    x = np.random.default_rng(0).normal(size=(4, 1, 8, 8)).astype(np.float32) if x is None else x
+    for split in ("train", "test"):
+        np.savez(folder / f"{split}.npz", x=x, y=np.array([0, 1, 2, 3]) if x.ndim else np.array([0]))
+    nc = {"client-id": 4, "data": str(folder), "model": "cnn", **extra}
+    if "clientid" in extra:
+        del nc["client-id"]
+    prefix = "this SuperNode" if "clientid" in extra else "node client-id=4"
+    with pytest.raises(ConfigError, match=rf"^{prefix}: .*{want}"):
+        load_local_client(nc, run_config(_own_config()))

@@ -84,6 +84,9 @@ def _read_npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise DataError(f"{str(path)!r} holds arrays {sorted(arrays)}, expected 'x' and 'y'; save it with "
                         "numpy.savez(path, x=inputs, y=labels)")
     x, y = arrays["x"], arrays["y"]
+    if x.ndim == 0 or y.ndim == 0:
+        raise DataError(f"{str(path)!r}: x has shape {x.shape} and y {y.shape}; give one row of x and one label in y "
+                        "per sample, e.g. x (n, C, H, W) and y (n,)")
     if x.dtype.kind not in "biuf" or y.dtype.kind not in "biuf":
         raise DataError(f"{str(path)!r}: x has dtype {x.dtype} and y {y.dtype}; both must be numbers")
     if y.ndim != 1 or len(y) != len(x):
