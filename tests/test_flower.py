@@ -701,3 +701,22 @@ def test_every_node_refusal_names_the_client_and_the_fix(tmp_path, monkeypatch, 
     prefix = "this SuperNode" if "clientid" in extra else "node client-id=4"
     with pytest.raises(ConfigError, match=rf"^{prefix}: .*{want}"):
         load_local_client(nc, run_config(_own_config()))
+
+
+def test_images_are_grayscale_or_rgb_per_client_and_16_bit_images_are_scaled(tmp_path):
+    from PIL import Image
+
+    from fedproto.data.folder import load_client_folder
+
+    mixed, deep = tmp_path / "mixed", tmp_path / "deep"
+    for split in ("train", "test"):
+        for root in (mixed, deep):
+            (root / split / "0").mkdir(parents=True)
+    Image.fromarray(np.full((4, 4), 255, np.uint8)).save(mixed / "train" / "0" / "a.png")  # grayscale
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(mixed / "test" / "0" / "a.png")  # RGB
+    (x, _), (tx, _) = load_client_folder(mixed, 2)
+    assert x.shape == tx.shape == (1, 3, 4, 4) and float(x.min()) == 1.0
+    for split, v in (("train", 65535), ("test", 32768)):
+        Image.fromarray(np.full((4, 4), v, np.uint16)).save(deep / split / "0" / "a.png")  # 16-bit PNG
+    (x, _), (tx, _) = load_client_folder(deep, 2)
+    assert x.shape == (1, 1, 4, 4) and float(x.max()) == 1.0 and float(tx.max()) == pytest.approx(32768 / 65535)
