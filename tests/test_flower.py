@@ -720,3 +720,13 @@ def test_images_are_grayscale_or_rgb_per_client_and_16_bit_images_are_scaled(tmp
         Image.fromarray(np.full((4, 4), v, np.uint16)).save(deep / split / "0" / "a.png")  # 16-bit PNG
     (x, _), (tx, _) = load_client_folder(deep, 2)
     assert x.shape == (1, 1, 4, 4) and float(x.max()) == 1.0 and float(tx.max()) == pytest.approx(32768 / 65535)
+
+
+def test_min_replies_above_clients_is_refused_up_front():
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _own_config()
+    grid = LocalGrid(uc, node_configs=[])
+    with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
+        FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
+    assert grid.sent == []

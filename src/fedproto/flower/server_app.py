@@ -87,6 +87,9 @@ class FlowerEngine(Simulation):
             round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
             min_replies=opts.min_replies, round_retries=opts.round_retries,
             wait_nodes=opts.wait_nodes if wait_s is None else wait_s, class_names=opts.class_names)
+        if self.opts.min_replies > cfg.clients:
+            raise ConfigError(f"Flower run config: min-replies={self.opts.min_replies} is larger than clients="
+                              f"{cfg.clients}, so no round could have enough replies; give min-replies <= clients")
         self.grid = grid
         self.round = 0
         self.nodes: dict[int, int] = {}  # client id -> node id of its (current) SuperNode
