@@ -726,7 +726,7 @@ def test_min_replies_above_clients_is_refused_up_front():
     from fedproto.flower.common import FlowerOptions
 
     uc = _own_config()
-    grid = LocalGrid(uc, node_configs=[])
+    grid = LocalGrid(uc, partition_ids=[])
     with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
         FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
     assert grid.sent == []
