@@ -534,6 +534,10 @@ def test_flower_options_are_read_and_checked():
         FlowerOptions.from_user_config({"min-replies": 0})
     with pytest.raises(ConfigError, match=r"round-timeout=0; give a number of seconds > 0"):
         FlowerOptions.from_user_config({"round_timeout": 0})
+    for key in ("round-timeout", "wait-nodes", "min-replies", "round-retries"):
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ConfigError, match=rf"Flower run config: {key}={bad!r}; give .*not NaN or infinity"):
+                FlowerOptions.from_user_config({key: bad})
     assert run_config({"dataset": "custom", "classes": 4, "round-timeout": 3}).model == "custom"
 
 
@@ -573,3 +577,156 @@ def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     accs = [float(r["acc"]) for r in rows if r["acc"]]
     assert len(accs) == 2 and summary["accuracy"]["acc"]["mean"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
+    """A node that claims the client-id of a connected node is refused (naming both nodes); the
+    client keeps its node and its classes, and no take-over back and forth."""
+    folders = write_node_folders(tmp_path)
+    ncs = node_configs(folders)
+    uc = _own_config(**{"rounds": 3})
+    grid = LocalGrid(uc, node_configs=ncs)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
+    orig = eng._sample
+
+    def sample(r):
+        if r == 2:
+            grid.add_node(1003, {**ncs[1], "data": str(folders[2])})
+        return orig(r)
+
+    eng._sample = sample
+    eng.run()
+    assert eng.nodes == {0: 1000, 1: 1001, 2: 1002}
+    assert eng.info[1]["classes"] == [2, 3, 4, 5]
+    assert "client-id=1 is already taken by node 1001" in eng.refused[1003] and "node 1003" in eng.refused[1003]
+    assert not any("is back on node" in r.getMessage() for r in caplog.records)
+    assert grid.sent.count("query") == 4  # node 1003 asked once
+
+
+def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monkeypatch, caplog):
+    from fedproto.flower import server_app
+    from fedproto.flower.common import FlowerOptions
+
+    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    ncs = node_configs(folders, extra={i: {"misbehave": "nan"} for i in range(3)})
+    eng = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=ncs), out=tmp_path / "run",
+                       options=FlowerOptions(round_retries=0))
+    with pytest.raises(TrainingError) as e:
+        eng.run()
+    msg = str(e.value)
+    assert msg.startswith("round 1: 0 valid replies, fewer than min-replies=1, after 0 retries (failed: none; "
+                          "timed out: none; dropped: {'0': 'the prototype of class 0: values that are not finite")
+    assert "check the data and models of the nodes whose replies were dropped" in msg
+    assert "restart" not in msg
+    logged = [r.getMessage() for r in caplog.records if "dropped the reply of client" in r.getMessage()]
+    assert len(logged) == 3 and "client 1 (node 1001): the prototype of class 2" in logged[1]
+
+
+def test_refused_nodes_and_late_joiners_are_recorded_in_the_run_folder(tmp_path):
+    folders = write_node_folders(tmp_path)
+    np.savez(folders[2] / "train.npz", x=np.zeros((4, 1, 8, 8), np.float32), y=np.array([1, 2, 12, 3]))
+    late = write_node_folders(tmp_path / "late", labels=[(6, 7, 8)])[0]
+    ncs = node_configs(folders)
+    uc = _own_config(**{"rounds": 2, "clients": 4})
+    grid = LocalGrid(uc, node_configs=ncs)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", wait_s=0)
+    orig = eng._sample
+
+    def sample(r):
+        if r == 2:
+            grid.add_node(1003, {"client-id": 3, "data": str(late), "model": "cnn"})
+        return orig(r)
+
+    eng._sample = sample
+    eng.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (ref,) = rows[0]["refused"]
+    assert (ref["node_id"], ref["client_id"]) == (1002, 2) and "label 12 is outside" in ref["reason"]
+    assert "refused" not in rows[1] and rows[1]["replied"] == [0, 1, 3]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["refused"][0]["client_id"] == 2 and sorted(config["nodes"]) == ["0", "1", "3"]
+    with open(tmp_path / "run" / "clients.csv") as f:
+        clients = {r["client"]: r for r in csv.DictReader(f)}
+    assert (clients["3"]["ways"], clients["3"]["classes"], clients["3"]["train_samples"]) == ("3", "6 7 8", "36")
+    assert clients["2"]["ways"] == "0"
+
+
+_BAD_MODELS = """
+import torch.nn as nn
+def raises(num_classes):
+    raise RuntimeError("boom in factory")
+class Tuple(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Sequential(nn.Flatten(), nn.Linear(64, 50))
+        self.h = nn.Linear(50, 10)
+    def forward(self, x):
+        e = self.f(x)
+        return self.h(e), e
+def tuple_model():
+    return Tuple()
+"""
+
+
+@pytest.mark.parametrize("extra, data, want", [
+    ({"model": "badmodels_t:raises"}, None, r"model factory 'badmodels_t:raises' failed \(RuntimeError: boom"),
+    ({"model": "importboom_t:f"}, None, r"'importboom_t:f' failed while importing \(RuntimeError: import-time boom"),
+    ({"model": ":"}, None, r"model ':' is neither a zoo model .* nor an import path package.module:factory"),
+    ({"model": ".mod:f"}, None, r"model '.mod:f' is neither a zoo model"),
+    ({"model": "projcnn:abc"}, None, r"bad model spec 'projcnn:abc': write projcnn:<channels>-<channels>"),
+    ({"model": "badmodels_t:tuple_model", "head": "h"}, None,
+     r"failed on a training input .*; if its forward returns \(logits, embedding\) itself, leave out head='h'"),
+    ({"model": "cnn"}, "small", r"model 'cnn' cannot be built for inputs of shape \(1, 2, 2\) .*give larger images"),
+    ({"model": "cnn"}, "scalar", r"x has shape \(\) and y \(1,\); give one row of x"),
+    ({"hed": "fc"}, None, r"unknown node config key\(s\) 'hed'; the known keys are client-id, data, model, head"),
+    ({"clientid": 2, "modle": "cnn"}, None, r"unknown node config key\(s\) 'clientid', 'modle'"),
+])
+def test_every_node_refusal_names_the_client_and_the_fix(tmp_path, monkeypatch, extra, data, want):
+    from fedproto.flower.node import load_local_client
+
+    (tmp_path / "badmodels_t.py").write_text(_BAD_MODELS)
+    (tmp_path / "importboom_t.py").write_text("raise RuntimeError('import-time boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = tmp_path / "node"
+    folder.mkdir()
+    x = {"small": np.zeros((4, 1, 2, 2), np.float32), "scalar": np.float32(3)}.get(data)
+    x = np.random.default_rng(0).normal(size=(4, 1, 8, 8)).astype(np.float32) if x is None else x
+    for split in ("train", "test"):
+        np.savez(folder / f"{split}.npz", x=x, y=np.array([0, 1, 2, 3]) if x.ndim else np.array([0]))
+    nc = {"client-id": 4, "data": str(folder), "model": "cnn", **extra}
+    if "clientid" in extra:
+        del nc["client-id"]
+    prefix = "this SuperNode" if "clientid" in extra else "node client-id=4"
+    with pytest.raises(ConfigError, match=rf"^{prefix}: .*{want}"):
+        load_local_client(nc, run_config(_own_config()))
+
+
+def test_images_are_grayscale_or_rgb_per_client_and_16_bit_images_are_scaled(tmp_path):
+    from PIL import Image
+
+    from fedproto.data.folder import load_client_folder
+
+    mixed, deep = tmp_path / "mixed", tmp_path / "deep"
+    for split in ("train", "test"):
+        for root in (mixed, deep):
+            (root / split / "0").mkdir(parents=True)
+    Image.fromarray(np.full((4, 4), 255, np.uint8)).save(mixed / "train" / "0" / "a.png")  # grayscale
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(mixed / "test" / "0" / "a.png")  # RGB
+    (x, _), (tx, _) = load_client_folder(mixed, 2)
+    assert x.shape == tx.shape == (1, 3, 4, 4) and float(x.min()) == 1.0
+    for split, v in (("train", 65535), ("test", 32768)):
+        Image.fromarray(np.full((4, 4), v, np.uint16)).save(deep / split / "0" / "a.png")  # 16-bit PNG
+    (x, _), (tx, _) = load_client_folder(deep, 2)
+    assert x.shape == (1, 1, 4, 4) and float(x.max()) == 1.0 and float(tx.max()) == pytest.approx(32768 / 65535)
+
+
+def test_min_replies_above_clients_is_refused_up_front():
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _own_config()
+    grid = LocalGrid(uc, partition_ids=[])
+    with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
+        FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
+    assert grid.sent == []

@@ -57,6 +57,27 @@ def write_node_data(root: Path, nodes: int, shots: int = 15, test_shots: int = 5
     return folders
 
 
+KINDS = ("nan", "scale", "random", "flip")  # fedproto.flower.node.MISBEHAVIOURS
+
+
+def _kill(text: str) -> tuple[int, int]:
+    """``N@R`` -> (node N, round R)."""
+    node, sep, at = text.partition("@")
+    if not (sep and node.isdigit() and at.isdigit() and int(at) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give N@R, node N (0-based) killed once round R (>= 1) started, "
+                                         "e.g. 2@2")
+    return int(node), int(at)
+
+
+def _misbehave(text: str) -> tuple[int, str]:
+    """``N:KIND`` -> (node N, KIND)."""
+    node, sep, kind = text.partition(":")
+    if not (sep and node.isdigit() and kind in KINDS):
+        raise argparse.ArgumentTypeError(f"{text!r}: give N:KIND, node N (0-based) and KIND one of {', '.join(KINDS)}, "
+                                         "e.g. 1:nan")
+    return int(node), kind
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=3)
@@ -66,14 +87,18 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true", help="TLS between nodes and the SuperLink")
     ap.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
     ap.add_argument("--unregistered", action="store_true", help="also start a node whose key is not registered")
-    ap.add_argument("--kill", default=None, metavar="N@R", help="kill node N once round R has started")
-    ap.add_argument("--misbehave", default=None, metavar="N:KIND", help="node N corrupts its messages (nan, ...)")
+    ap.add_argument("--kill", default=None, type=_kill, metavar="N@R", help="kill node N once round R has started")
+    ap.add_argument("--misbehave", default=None, type=_misbehave, metavar="N:KIND",
+                    help="node N corrupts its messages (nan, scale, random, flip)")
     ap.add_argument("--round-timeout", type=float, default=60.0)
     ap.add_argument("--participation", type=float, default=1.0)
     ap.add_argument("--workdir", default="runs/flower-local")
     ap.add_argument("--compare", action="store_true",
                     help="then run the same clients in-process and print per-round times side by side")
     args = ap.parse_args()
+    for opt, v in (("--kill", args.kill), ("--misbehave", args.misbehave)):
+        if v and not 0 <= v[0] < args.nodes:
+            ap.error(f"{opt}: node {v[0]} is outside 0..{args.nodes - 1} (--nodes {args.nodes})")
 
     work = Path(args.workdir).resolve()
     out = work / "runs"
@@ -87,7 +112,7 @@ def main() -> None:
                                num_supernodes=args.nodes)
             report(res, out, t0, fed)
             return
-        bad = dict([args.misbehave.split(":")]) if args.misbehave else {}
+        bad = {str(args.misbehave[0]): args.misbehave[1]} if args.misbehave else {}
         for i, folder in enumerate(write_node_data(work / "data", args.nodes)):
             nc = {"client-id": i, "data": str(folder), "model": NODE_MODELS[i % len(NODE_MODELS)]}
             if str(i) in bad:
@@ -104,7 +129,7 @@ def main() -> None:
                                 "participation": args.participation})))
         runner.start()
         if args.kill:
-            node, at = (int(v) for v in args.kill.split("@"))
+            node, at = args.kill
             while runner.is_alive() and rounds_logged(out) < at - 1:
                 time.sleep(0.5)
             time.sleep(0.5)  # round `at` is under way

@@ -72,7 +72,8 @@ def node(context: Context) -> Node:
     cfg = run_config(context.run_config, overrides)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if "client-id" in nc or "data" in nc:
+    own = any(k in nc for k in ("client-id", "data", "model")) or (cfg.dataset == "custom" and "partition-id" not in nc)
+    if own:
         if cfg.dataset != "custom":
             raise ConfigError(f"this SuperNode brings its own data (node config data={nc.get('data')!r}) but the run "
                               f"config has dataset={cfg.dataset!r}; set dataset = \"custom\", classes and "

@@ -5,6 +5,7 @@ Raises ImportError with the install command when ``flwr`` is missing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,10 +77,13 @@ class FlowerOptions:
             if k not in data:
                 continue
             v = data[k]
-            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (kind is float or float(v).is_integer())
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                  and (kind is float or float(v).is_integer()))
             if not ok or v < lo or (k == "round_timeout" and v <= 0):
                 need = "a number of seconds > 0" if k == "round_timeout" else f"a {'whole ' if kind is int else ''}" \
                        f"number >= {lo}"
+                if isinstance(v, float) and not math.isfinite(v):
+                    need += " (not NaN or infinity)"
                 raise ConfigError(f"Flower run config: {k.replace('_', '-')}={v!r}; give {need}")
             out[k] = kind(v)
         if "class_names" in data:

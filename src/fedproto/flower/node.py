@@ -43,6 +43,11 @@ from fedproto.config import RunConfig
 from fedproto.errors import ConfigError, FedprotoError
 
 MISBEHAVIOURS = ("nan", "scale", "random", "flip")
+NODE_KEYS = ("client-id", "data", "model", "head", "misbehave", "data-dir")
+"""The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
+FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
+"""Node config keys Flower's simulation runtime sets itself (ignored on an own-data node)."""
+ZOO_PREFIXES = ("cnn", "cnn-mh", "resnet18", "resnet18-mh", "projcnn")
 
 
 @dataclass
@@ -89,6 +94,12 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     from fedproto.models.zoo import build_model, model_seed
     from fedproto.simulation import build_algorithm, check_batches
 
+    unknown = sorted(str(k) for k in node_config if k not in NODE_KEYS + FLOWER_NODE_KEYS)
+    if unknown:
+        cid = node_config.get("client-id")
+        where = f"node client-id={cid}" if cid is not None else "this SuperNode"
+        raise ConfigError(f"{where}: unknown node config key(s) {', '.join(repr(k) for k in unknown)}; the known keys "
+                          f"are {', '.join(NODE_KEYS[:5])}; check the spelling (e.g. client-id, not clientid)")
     cid = node_client_id(node_config)
     who = f"node client-id={cid}"
     for key in ("data", "model"):
@@ -105,12 +116,29 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
         (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
         if _is_import_path(spec):
             torch.manual_seed(model_seed(cfg.seed, cid))
-            model = adapt(_factory(spec, C, int(x.shape[1]), d), head, C, x[0:1], cid)
+            factory_model = _factory(spec, C, int(x.shape[1]), d)
+            try:
+                model = adapt(factory_model, head, C, x[0:1], cid)
+            except FedprotoError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure of a user's model on one input
+                hint = (f"if its forward returns (logits, embedding) itself, leave out head={head!r}"
+                        if head is not None
+                        else "its forward must return (logits, embedding), or give head='<final layer name>'")
+                raise ConfigError(f"model {spec!r} failed on a training input of shape {tuple(x[0:1].shape)} "
+                                  f"({type(e).__name__}: {str(e)[:200]}); {hint}") from None
         else:
             if x.ndim != 4:
                 raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are {tuple(x.shape)}; give "
                                   "a model factory (package.module:factory) for flat features")
-            model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed)
+            try:
+                model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed)
+            except FedprotoError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. images too small for the architecture
+                raise ConfigError(f"model {spec!r} cannot be built for inputs of shape {tuple(x.shape[1:])} "
+                                  f"({type(e).__name__}: {str(e)[:200]}); give larger images "
+                                  "or a model factory (package.module:factory) that takes this size") from None
     except FedprotoError as e:
         raise ConfigError(f"{who}: {e}") from None
     if model.embedding_dim != d:
@@ -132,29 +160,38 @@ def _is_import_path(spec: str) -> bool:
     from fedproto.errors import ModelError
     from fedproto.models.zoo import check_model_name
 
+    mod, sep, _ = spec.partition(":")
+    if not sep or mod.strip() in ZOO_PREFIXES:
+        return False  # a zoo spec (a bad one gets the zoo's message)
     try:
         check_model_name(spec)
         return False
     except ModelError:
-        return ":" in spec
+        return True
 
 
 def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) -> torch.nn.Module:
     """Call the ``package.module:factory`` at ``path``; raises ModelError-like ConfigError."""
     mod_name, _, attr = path.partition(":")
+    if not all(p.isidentifier() for p in mod_name.split(".")) or not attr.isidentifier():
+        from fedproto.models.zoo import MODEL_NAMES
+
+        raise ConfigError(f"model {path!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor an import path "
+                          "package.module:factory (absolute, e.g. mymodels.nets:small_cnn); fix the node config model=")
     try:
         fn = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"model {path!r} cannot be imported ({type(e).__name__}: {e}); install the package on this "
-                          "node or fix the import path (package.module:factory)") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - missing package, or the module failed while importing
+        where = "cannot be imported" if isinstance(e, (ImportError, AttributeError)) else "failed while importing"
+        raise ConfigError(f"model {path!r} {where} ({type(e).__name__}: {str(e)[:200]}); install the package on "
+                          "this node, fix the module, or fix the import path (package.module:factory)") from None
     offered = {"num_classes": num_classes, "in_channels": in_channels, "embedding_dim": embedding_dim}
     try:
         params = inspect.signature(fn).parameters
         kwargs = {k: v for k, v in offered.items() if k in params}
         model = fn(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model factory {path!r} failed ({type(e).__name__}: {e}); it is called with those of "
-                          f"{sorted(offered)} it accepts") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the user's factory raises
+        raise ConfigError(f"model factory {path!r} failed ({type(e).__name__}: {str(e)[:200]}); fix the factory (it "
+                          f"is called with those of {sorted(offered)} it accepts)") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -169,4 +206,4 @@ def corrupt(message: Message, kind: str, rng: np.random.Generator, num_classes: 
     return corrupt_message(message, kind, rng, num_classes)
 
 
-__all__ = ["LocalClient", "MISBEHAVIOURS", "corrupt", "load_local_client", "node_client_id", "whole"]
+__all__ = ["LocalClient", "MISBEHAVIOURS", "NODE_KEYS", "corrupt", "load_local_client", "node_client_id", "whole"]

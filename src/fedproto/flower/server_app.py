@@ -31,6 +31,7 @@ ServerApp runs: ``out_dir/<run name>-run<Flower run id>``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -86,12 +87,18 @@ class FlowerEngine(Simulation):
             round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
             min_replies=opts.min_replies, round_retries=opts.round_retries,
             wait_nodes=opts.wait_nodes if wait_s is None else wait_s, class_names=opts.class_names)
+        if self.opts.min_replies > cfg.clients:
+            raise ConfigError(f"Flower run config: min-replies={self.opts.min_replies} is larger than clients="
+                              f"{cfg.clients}, so no round could have enough replies; give min-replies <= clients")
         self.grid = grid
         self.round = 0
         self.nodes: dict[int, int] = {}  # client id -> node id of its (current) SuperNode
         self.info: dict[int, dict] = {}  # client id -> what its node said when it joined
         self.joins: dict[int, FedMessage] = {}  # client id -> its join message
         self.refused: dict[int, str] = {}  # node id -> why it was refused (not asked again)
+        self._duplicates: dict[int, int] = {}  # refused node id -> the client id it claimed (held by a live node)
+        self.refusals: list[dict] = []  # every refusal: node_id, client_id (None if unknown), reason, round
+        self._logged_refusals = 0  # refusals already in a metrics.jsonl row
         self._status: dict = {}
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
@@ -133,16 +140,23 @@ class FlowerEngine(Simulation):
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
         that fails the query (its own data or model refused, e.g. labels outside the classes) is
         logged with its reason and not asked again. ``strict`` (the start): two nodes with one
-        client id raise ConfigError; later, a new node with a known client id replaces the old
-        one (the client came back)."""
+        client id raise ConfigError; later, a new node with a known client id is refused while
+        the client's node is still connected, and replaces it once that node is gone (the client
+        came back)."""
+        connected = set(self.grid.get_node_ids())
+        for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
+            if self.nodes.get(cid) not in connected:
+                del self._duplicates[nid]
+                self.refused.pop(nid, None)
         known = set(self.nodes.values()) | set(self.refused)
-        new = [nid for nid in self.grid.get_node_ids() if nid not in known]
+        new = [nid for nid in connected if nid not in known]
         if not new:
             return []
         ok, failed, missing = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
                                               for nid in new])
         for nid, why in failed.items():
-            self.refused[nid] = why
+            m = re.search(r"client-id=(\d+)", why)
+            self._refuse(nid, int(m.group(1)) if m else None, why)
             log.warning("node %d refused: %s", nid, why)
         if strict:
             seen: dict[int, list[int]] = {}
@@ -159,15 +173,30 @@ class FlowerEngine(Simulation):
             cid = int(info["cid"])
             why = self._refusal(cid, info)
             if why:
-                self.refused[nid] = why
+                self._refuse(nid, cid, why)
+                log.warning("node %d (client %d) refused: %s", nid, cid, why)
+                continue
+            if cid in self.nodes and self.nodes[cid] != nid and self.nodes[cid] in connected:
+                key = "client-id" if self.own_data else "partition-id"
+                why = (f"{key}={cid} is already taken by node {self.nodes[cid]}, which is still connected; node "
+                       f"{nid} is refused while node {self.nodes[cid]} is there: give each SuperNode its own {key}")
+                self._refuse(nid, cid, why)
+                self._duplicates[nid] = cid
                 log.warning("node %d (client %d) refused: %s", nid, cid, why)
                 continue
             if cid in self.nodes and self.nodes[cid] != nid:
                 log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
             self.nodes[cid], self.info[cid] = nid, info
+            if hasattr(self, "setup"):  # joined after the start: what the server knows of it comes from this reply
+                self.setup.states[cid].classes = np.asarray(info["classes"], np.int64)
+                self.setup.partition.classes[cid] = self.setup.states[cid].classes
             self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
             joined.append(cid)
         return joined
+
+    def _refuse(self, nid: int, cid: int | None, why: str) -> None:
+        self.refused[nid] = why
+        self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
 
     def _refusal(self, cid: int, info: dict) -> str:
         m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
@@ -226,14 +255,18 @@ class FlowerEngine(Simulation):
         return [live[j] for j in sample_clients(self.cfg.seed, round, len(live), p)]
 
     def _round_status(self) -> dict:
-        return self._status
+        """The round's ``sampled``/``replied``/``failed``/``timed_out``, plus ``refused``: the nodes
+        refused since the previous row (at the start: during discovery), with client id and reason."""
+        new = self.refusals[self._logged_refusals:]
+        self._logged_refusals = len(self.refusals)
+        return {**self._status, **({"refused": [dict(r) for r in new]} if new else {})}
 
     def _client_step(self, round: int, ids: list[int], msgs: dict[int, FedMessage]) -> dict:
         """Train the sampled clients on their nodes; retry below ``min_replies`` (adding the
         messages of clients asked on a retry to ``msgs``). Raises TrainingError when the retries
         are spent."""
         self.round = round
-        alg, d = self.setup.algorithm, self.setup.embedding_dim
+        alg = self.setup.algorithm
         st = {"sampled": list(ids), "replied": [], "failed": {}, "timed_out": []}
         out: dict[int, tuple] = {}
         ask = list(ids)
@@ -254,17 +287,33 @@ class FlowerEngine(Simulation):
                 st["failed"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
-            valid = [i for i in out if not reply_problem(alg, out[i][0], msgs[i], d)
-                     and (alg.reply_problems(i, out[i][0])[0] or not out[i][0])]
+            dropped = {i: self._unusable(i, out[i][0], msgs[i]) for i in sorted(out)}
+            dropped = {i: why for i, why in dropped.items() if why}
+            valid = [i for i in out if i not in dropped]
             if len(valid) >= self.opts.min_replies:
-                break
+                break  # the dropped replies are logged and recorded by the round's reply check
+            for i, why in dropped.items():
+                log.warning("round %d: dropped the reply of %s: %s", round, self._who(i), why)
             if attempt == self.opts.round_retries:
                 self._status = {**st, "replied": sorted(out)}
-                where = f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})" if self.run_dir else ""
+                where = (f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})"
+                         if self.run_dir and round > 1 else "")
+                hints = []
+                if st["timed_out"]:
+                    hints.append("restart the SuperNodes that did not reply")
+                if st["failed"]:
+                    hints.append("fix what the failed nodes report (a node error, or a training that diverged: "
+                                 "check that node's data, model and lr)")
+                if dropped:
+                    hints.append("check the data and models of the nodes whose replies were dropped (their replies "
+                                 "arrived but were unusable; a node config misbehave= corrupts them on purpose)")
+                if not hints:
+                    hints.append("start more SuperNodes")
                 raise TrainingError(
                     f"round {round}: {len(valid)} valid replies, fewer than min-replies={self.opts.min_replies}, "
                     f"after {self.opts.round_retries} retries (failed: {st['failed'] or 'none'}; timed out: "
-                    f"{st['timed_out'] or 'none'}){where}; restart the missing SuperNodes and run again")
+                    f"{st['timed_out'] or 'none'}; dropped: "
+                    f"{ {str(i): w for i, w in dropped.items()} or 'none'}){where}; {'; '.join(hints)}, and run again")
             log.warning("round %d: %d valid replies, fewer than min-replies=%d; retrying (%d of %d)", round, len(valid),
                         self.opts.min_replies, attempt + 1, self.opts.round_retries)
             time.sleep(RETRY_PAUSE_S)
@@ -275,6 +324,17 @@ class FlowerEngine(Simulation):
         st["replied"] = sorted(out)
         self._status = st
         return out
+
+    def _unusable(self, cid: int, reply: FedMessage, sent: FedMessage) -> str:
+        """Why the reply of ``cid`` would be dropped whole by the round's reply check ('' if usable)."""
+        alg, d = self.setup.algorithm, self.setup.embedding_dim
+        why = reply_problem(alg, reply, sent, d)
+        if why or not reply:
+            return why
+        clean, parts = alg.reply_problems(cid, reply)
+        if clean:
+            return ""
+        return "; ".join(parts[:3]) + (f" (and {len(parts) - 3} more)" if len(parts) > 3 else "") or "nothing usable"
 
     def _send(self, kind: str, ids: Iterable[int], msgs: dict[int, FedMessage]):
         """Send ``kind`` to the clients ``ids``: (replies by client id, failures by client id,
@@ -305,6 +365,8 @@ class FlowerEngine(Simulation):
         whose node is not connected or did not reply)."""
         alg = self.setup.algorithm
         self._query_new()
+        if self.run_dir:  # nodes that joined or were refused after the start
+            self.run_dir.write_config(self._config_record())
         ids = sorted(self.nodes)
         replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
@@ -320,7 +382,8 @@ class FlowerEngine(Simulation):
                 "flower": {"round_timeout": self.opts.round_timeout, "min_replies": self.opts.min_replies,
                            "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes},
                 "nodes": {str(i): {**{k: v for k, v in self.info[i].items() if k != "cid"}, "node_id": self.nodes[i]}
-                          for i in sorted(self.info)}}
+                          for i in sorted(self.info)},
+                "refused": [dict(r) for r in self.refusals]}
 
     def _model_params(self) -> list[int | None]:
         return [int(self.info[i]["params"]) if i in self.info else None for i in range(len(self.setup.states))]
