@@ -340,3 +340,16 @@ def test_breaker_findings_on_the_robust_and_private_options(caplog):
     s = Simulation(_cfg(rounds=2, attack="nan", attackers=1, lambda_warmup=0), out=False)
     s.run()
     assert [h["lambda"] for h in s.history] == [0.0, 1.0]
+
+
+def test_prototype_distance_warnings_are_not_repeated_without_end(caplog):
+    """A misbehaving client is flagged by the distance monitor every round; the log names it
+    ALERTS_PER_CLIENT times, the metrics every round."""
+    from fedproto.simulation import ALERTS_PER_CLIENT
+
+    sim = Simulation(_cfg(rounds=6, attack="scale", attackers=1, aggregation="median"), out=False)
+    sim.run()
+    (bad,) = sim.attackers
+    lines = [r.getMessage() for r in caplog.records if f"client {bad}'s prototypes lie" in r.getMessage()]
+    assert len(lines) == ALERTS_PER_CLIENT == 3 and "not repeated" in lines[-1]
+    assert sum(h.get("proto_dist_argmax") == bad for h in sim.history) > ALERTS_PER_CLIENT  # flagged in more rounds

@@ -44,6 +44,10 @@ from fedproto.training import (
 
 log = logging.getLogger(__name__)
 
+ALERTS_PER_CLIENT = 3
+"""Prototype-distance warnings (``proto_dist_alert``) logged per client in a run; later rounds are
+only in the metrics."""
+
 
 def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (raises :class:`ConfigError` for an unknown name)."""
@@ -276,6 +280,7 @@ class Simulation:
         self.history: list[dict] = []
         self.train_norm: dict[int, float] = {}  # client -> largest training embedding norm of its last round
         self.attackers = set(attacker_ids(cfg.seed, len(self.setup.states), cfg.attackers))
+        self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
         self._ran = False
 
     # -------------------------------------------------------------------------------------------
@@ -626,9 +631,12 @@ class Simulation:
             t_train = time.perf_counter() - t0
             monitor = alg.round_metrics()
             for cid, dist, med in alg.outliers():
-                log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median "
-                            "%.3g over clients; check its data (proto_dist_alert=%s)", r, cid, dist, dist / med,
-                            med, cfg.proto_dist_alert)
+                seen = self._alerts[cid] = self._alerts.get(cid, 0) + 1
+                if seen <= ALERTS_PER_CLIENT:
+                    log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median "
+                                "%.3g over clients; check its data (proto_dist_alert=%s)%s", r, cid, dist, dist / med,
+                                med, cfg.proto_dist_alert, "; not repeated for this client (proto_dist_max in "
+                                "metrics.jsonl)" if seen == ALERTS_PER_CLIENT else "")
             # a simulated misbehaving client may diverge (its messages go through the server's checks); the run
             # stops when an honest client does
             bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()

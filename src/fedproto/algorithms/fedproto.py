@@ -254,7 +254,8 @@ class FedProto(Algorithm):
         if ok.sum() < 3 or median_abs_deviation(d[ok]) == 0:
             if not self._warned_exclusion:
                 self._warned_exclusion = True
-                why = (f"only {int(ok.sum())} clients hold classes that 3 or more clients hold" if ok.sum() < 3
+                why = ("no class is held by 3 or more clients" if ok.sum() == 0 else
+                       f"only {int(ok.sum())} clients hold classes that 3 or more clients hold" if ok.sum() < 3
                        else "half or more of the comparable clients lie at the same distance (MAD 0)")
                 log.warning("round %d: exclude_outliers cannot act: %s; nobody is left out while this holds",
                             round, why)
