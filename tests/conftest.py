@@ -10,6 +10,16 @@ if DATA:  # absolute, so that tests which change the working folder still find t
     os.environ["FEDPROTO_DATA"] = DATA
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    """``threads=1`` sets torch's process-wide thread count; each test module gives it back."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(autouse=True)
 def _work_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own empty folder: nothing a test writes (for example a default

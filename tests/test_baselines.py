@@ -40,14 +40,6 @@ def _cfg(**kw):
 _RUNS: dict[str, Simulation] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    """``threads=1`` sets torch's process-wide thread count; give it back to later test modules."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(algorithm: str) -> Simulation:
     if algorithm not in _RUNS:
         sim = Simulation(_cfg(algorithm=algorithm), out=False)

@@ -22,13 +22,6 @@ BASE = dict(dataset="digits", clients=4, ways=3, shots=15, stdev=1, test_shots=8
 TIMES = ("train_time_s", "eval_time_s")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(**kw):
     return build_config(overrides={**BASE, **kw})
 

@@ -8,7 +8,6 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from conftest import needs_mnist, run_cli
 
 from fedproto.config import build_config
@@ -17,13 +16,6 @@ from fedproto.data.partition import fewshot_partition
 from fedproto.errors import ConfigError, DataError
 from fedproto.onboarding import onboard
 from fedproto.simulation import Simulation
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @needs_mnist

@@ -23,13 +23,6 @@ def _cfg(**kw):
     return build_config(overrides={**base, **kw})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def test_lambda_warmup_values():
     assert [lambda_at(r, 2.0, 4) for r in (1, 2, 3, 5, 9)] == [0.0, 0.5, 1.0, 2.0, 2.0]
     assert [lambda_at(r, 2.0, 0) for r in (1, 2, 50)] == [2.0, 2.0, 2.0]

@@ -21,13 +21,6 @@ from fedproto.simulation import Simulation
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, make_plan, poisson_plan, train_client
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(**kw):
     base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=4, eval_every=0,
                 threads=1)
