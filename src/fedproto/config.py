@@ -31,7 +31,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device")
+                  "proto_dist_alert", "device", "workers")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -199,7 +199,10 @@ class RunConfig(BaseModel):
     seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
     out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
     name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")
-    threads: int = Field(0, ge=0, le=1024, description="torch threads (0: torch's default)")
+    threads: int = Field(0, ge=0, le=1024, description="CPU threads of the run in all, shared by its worker "
+                         "processes (0: torch's default, one per core)")
+    workers: int = Field(0, ge=0, le=1024, description="Processes that train batched client groups in parallel, "
+                         "the main one included (0: auto, by core count and clients; 1: one process)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$",
                         description="Where clients train: auto | cpu | cuda | cuda:N | mps (auto: the first "
                         "CUDA GPU if torch sees one)")
@@ -321,6 +324,14 @@ class RunConfig(BaseModel):
                                   f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
                                   value=self.distance,
                                   hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
+        if self.workers > 1:
+            where = ("sequential execution" if self.execution == "sequential"
+                     else f"{opt('dp', 'full')} (DP-SGD trains one client at a time)" if self.dp == "full"
+                     else f"device {self.device}" if self.device not in ("cpu", "auto") else None)
+            if where:
+                raise ConfigError(f"{opt('workers', self.workers)}: worker processes train batched client groups on "
+                                  f"the CPU, and this run has {where}", option="workers", value=self.workers,
+                                  hint=f"use {opt('workers', 1)} (or 0 for auto)")
         if self.freeze_after and self.algorithm == "fedrep":
             raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
                               "the body each round", option="freeze_after", value=self.freeze_after,

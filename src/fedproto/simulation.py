@@ -38,7 +38,10 @@ from fedproto.training import (
     Objective,
     can_batch,
     has_batchnorm,
+    portable_objective,
     predict,
+    stack_plans,
+    stacked_refs,
     train_group,
 )
 
@@ -91,6 +94,22 @@ def sample_clients(seed: int, round: int, num_clients: int, participation: float
     k = int(participation) if participation > 1 else max(1, int(np.rint(participation * num_clients)))
     rng = np.random.default_rng(np.random.SeedSequence([seed, round, 0x5A4D]))
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
+
+
+def _balanced_parts(members: list[int], sizes: list[int], parts: int) -> list[list[int]]:
+    """``members`` cut into at most ``parts`` contiguous runs of about equal total ``sizes``
+    (training samples), none empty."""
+    if parts <= 1 or len(members) <= 1:
+        return [members]
+    total = float(sum(sizes)) or 1.0
+    bounds, acc, k = [], 0.0, 1
+    for j, n in enumerate(sizes[:-1]):
+        acc += n
+        if acc >= total * k / parts and len(bounds) < parts - 1:
+            bounds.append(j + 1)
+            k += 1
+    cuts = [0, *bounds, len(members)]
+    return [members[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def client_step(alg: Algorithm, state: ClientState, message: Message, data: ClientData, seed: int,
@@ -281,47 +300,111 @@ class Simulation:
         self.train_norm: dict[int, float] = {}  # client -> largest training embedding norm of its last round
         self.attackers = set(attacker_ids(cfg.seed, len(self.setup.states), cfg.attackers))
         self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
+        self._pool = None  # fedproto.parallel.WorkerPool, False for one process, None: not decided yet
+        self._worker_threads = 1
         self._ran = False
 
     # -------------------------------------------------------------------------------------------
-    def _groups(self, ids: list[int]) -> list[list[int]]:
+    def _groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
+        """This round's training groups, each with its executor: 0 the main process, w > 0 worker
+        process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
         mode = self.cfg.execution
         if mode == "sequential" or self.setup.algorithm.sequential_only:
-            return [[i] for i in ids]
+            return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
+        batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
+        W = self._executors(max((len(m) for m in batched), default=0))
         groups = []
         for members in by_arch.values():
-            models = [self.setup.states[i].model for i in members]
-            if len(members) > 1 and can_batch(models):
-                # chunks: a very wide stack (thousands of clients) outgrows the caches; clients are
-                # independent, so chunking changes no number
-                n = self.cfg.group_size
-                groups.extend(members[i : i + n] for i in range(0, len(members), n))
-            else:
-                groups.extend([[i] for i in members])
+            if not any(members is m for m in batched):
+                groups.extend(([i], 0) for i in members)
+                continue
+            # W parts of about equal sample counts, then chunks: a very wide stack (thousands of
+            # clients) outgrows the caches; clients are independent, so neither changes a number
+            parts = _balanced_parts(members, [len(self.setup.data[i].x) for i in members], W)
+            n = self.cfg.group_size
+            for w, part in enumerate(parts):
+                groups.extend((part[j : j + n], w) for j in range(0, len(part), n))
         return groups
+
+    def _executors(self, batched_clients: int) -> int:
+        """Processes that train this run's batched groups (fixed at the first round that has
+        any): 1, or W with a :class:`~fedproto.parallel.WorkerPool` of W - 1 workers."""
+        if self._pool is None and batched_clients >= 2:
+            from fedproto.parallel import WorkerPool, plan_workers
+
+            W, threads = plan_workers(self.cfg.workers, self.cfg.threads, batched_clients, str(self.setup.device))
+            self._worker_threads = threads
+            if W > 1:
+                S, D = self.setup.states, self.setup.data
+                ok = [i for i in range(len(S)) if isinstance(D[i].x, torch.Tensor) and can_batch([S[i].model])]
+                log.info("training on %d processes with %d thread%s each", W, threads, "s" if threads > 1 else "")
+                self._pool = WorkerPool({i: S[i].model for i in ok}, {i: D[i].x for i in ok},
+                                        {i: D[i].y for i in ok}, W - 1, threads)
+            else:
+                self._pool = False
+        return self._pool.n_workers + 1 if self._pool else 1
+
+    def close(self) -> None:
+        """Stop this simulation's worker processes, if any (:meth:`run` does so when it ends)."""
+        if self._pool:
+            self._pool.close()
+        self._pool = None
+
+    def _group_inputs(self, round: int, group: list[int], msgs: dict[int, Message]):
+        """Prepare the clients of a batched group; their objectives and batch plans."""
+        alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        objs: list[Objective] = []
+        plans = []
+        for i in group:
+            alg.prepare(S[i], msgs[i])
+            objs.append(alg.local_objective(S[i], msgs[i]))
+            plans.append(alg.plan(S[i], objs[-1], len(D[i].x), client_rng(self.cfg.seed, round, i)))
+        return objs, plans
 
     def _client_step(self, round: int, ids: list[int], msgs: dict[int, Message]) -> dict[int, tuple[Message, object]]:
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         out = {}
-        for group in self._groups(ids):
-            if len(group) == 1:
-                i = group[0]
-                out[i] = client_step(alg, S[i], msgs[i], D[i], self.cfg.seed, round)
+        groups = self._groups(ids)
+        pool = self._pool or None
+        tasks: dict[int, list] = defaultdict(list)
+        for group, w in groups:  # the workers' parts first: they train while the main process trains its own
+            if w == 0:
                 continue
-            objs: list[Objective] = []
-            plans = []
-            for i in group:
-                alg.prepare(S[i], msgs[i])
-                objs.append(alg.local_objective(S[i], msgs[i]))
-                plans.append(alg.plan(S[i], objs[-1], len(D[i].x), client_rng(self.cfg.seed, round, i)))
-            results = train_group([S[i].model for i in group], [D[i].x for i in group],
-                                  [D[i].y for i in group], plans, objs[0], alg.opt, objs)
-            for i, res in zip(group, results):
-                out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
+            objs, plans = self._group_inputs(round, group, msgs)
+            names = S[group[0]].model.batch_params
+            ref = stacked_refs(objs[0], objs, names, len(group))
+            obj = portable_objective(objs[0], names)
+            phases = [stack_plans(plans, pi, pool.offsets(group), alg.opt.batch_size) for pi in range(len(obj.phases))]
+            tasks[w].append((group, phases, obj, ref))
+        for w, items in tasks.items():
+            pool.submit(w - 1, items, [[S[i].model for i in g] for g, *_ in items], alg.opt)
+        threads = torch.get_num_threads()
+        if pool:
+            torch.set_num_threads(self._worker_threads)
+        try:
+            for group, w in groups:
+                if w:
+                    continue
+                if len(group) == 1:
+                    i = group[0]
+                    out[i] = client_step(alg, S[i], msgs[i], D[i], self.cfg.seed, round)
+                    continue
+                objs, plans = self._group_inputs(round, group, msgs)
+                results = train_group([S[i].model for i in group], [D[i].x for i in group],
+                                      [D[i].y for i in group], plans, objs[0], alg.opt, objs)
+                for i, res in zip(group, results):
+                    out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
+        finally:
+            torch.set_num_threads(threads)
+            done = {w: pool.collect(w - 1, [[S[i].model for i in g] for g, *_ in items]) for w, items in tasks.items()}
+        for w, items in tasks.items():
+            for (group, *_), results in zip(items, done[w]):
+                for i, res in zip(group, results):
+                    out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
         return out
 
     def _check_health(self, r: int, per_client: list[dict]) -> None:
@@ -548,13 +631,16 @@ class Simulation:
         if self._ran:
             raise ConfigError("this Simulation has run already (its models are trained); build a new Simulation "
                               "to run again")
-        if not self.run_dir:
-            return self._run(resume)
-        self.run_dir.acquire()  # one process per run folder
         try:
-            return self._run(resume)
+            if not self.run_dir:
+                return self._run(resume)
+            self.run_dir.acquire()  # one process per run folder
+            try:
+                return self._run(resume)
+            finally:
+                self.run_dir.release()
         finally:
-            self.run_dir.release()
+            self.close()
 
     def _run(self, resume: bool) -> dict:
         alg = self.setup.algorithm

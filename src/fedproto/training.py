@@ -473,6 +473,81 @@ def _write_back(P, bufs, Pc, bufc, ids) -> None:
         bufs[k][ids] = bufc[k]
 
 
+class TrainsOnly:
+    """A picklable :attr:`Phase.trains` predicate: true for the parameter names in ``names``
+    (the worker processes of :mod:`fedproto.parallel` get phases in this form)."""
+
+    def __init__(self, names):
+        self.names = frozenset(names)
+
+    def __call__(self, name: str) -> bool:
+        return name in self.names
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TrainsOnly) and self.names == other.names
+
+    def __hash__(self) -> int:
+        return hash(self.names)
+
+
+def portable_objective(obj: Objective, names: Sequence[str]) -> Objective:
+    """``obj`` with each phase's ``trains`` predicate replaced by a :class:`TrainsOnly` over
+    ``names`` (what the batched engine asks it), so that it pickles (FedRep's predicates are
+    closures); ``prox_ref`` dropped (the batched engine takes references stacked)."""
+    phases = [Phase(p.epochs, None if p.trains is None else TrainsOnly(k for k in names if p.trains(k)),
+                    p.frozen_eval) for p in obj.phases]
+    return replace(obj, phases=phases, prox_ref=None)
+
+
+@dataclass
+class StackedPhase:
+    """The plans of G clients for one phase, stacked for :func:`train_stacked`.
+
+    steps: (G,) int64 steps of each client; order: (Smax, B, G) int64 rows of the group's input
+    tensor X (padding points at the client's first sample); weight: (Smax, G, B) float32, 0 on
+    padding; last: (Smax, G) bool, steps of the last epoch; noise: name -> (Smax, G, B, width)
+    dropout masks (ones on padding); aug: (Smax, B, G, 3) int64 augmentation or None.
+    B is the widest batch of the group (batch size, or more where a trailing batch was folded).
+    """
+
+    steps: torch.Tensor
+    order: torch.Tensor
+    weight: torch.Tensor
+    last: torch.Tensor
+    noise: dict[str, torch.Tensor]
+    aug: torch.Tensor | None
+
+
+def stack_plans(plans: Sequence[Plan], pi: int, offsets: Sequence[int], batch_size: int) -> StackedPhase:
+    """Stack phase ``pi`` of G clients' plans (:class:`Plan`) into a :class:`StackedPhase`;
+    client g's sample j is row ``offsets[g] + j`` of the group's input tensor."""
+    G = len(plans)
+    off = torch.as_tensor(np.asarray(offsets, np.int64))
+    S = [pl.order[pi].shape[0] for pl in plans]
+    Smax = max(S) if S else 0
+    Wd = [pl.order[pi].shape[1] for pl in plans]
+    B = max(Wd, default=batch_size)
+    order = off.view(1, 1, G).repeat(Smax, B, 1)  # padding points at the client's own first sample
+    weight = torch.zeros(Smax, G, B)
+    last = torch.zeros(Smax, G, dtype=torch.bool)
+    aug = torch.zeros(Smax, B, G, 3, dtype=torch.long) if plans[0].aug else None
+    for g, pl in enumerate(plans):
+        order[: S[g], : Wd[g], g] = pl.order[pi] + off[g]
+        weight[: S[g], g, : Wd[g]] = pl.weight[pi]
+        last[: S[g], g] = pl.last_epoch[pi]
+        if aug is not None:
+            aug[: S[g], : Wd[g], g] = pl.aug[pi]
+    noise = {}
+    if plans[0].noise and plans[0].noise[pi]:
+        for name in plans[0].noise[pi]:
+            width = plans[0].noise[pi][name].shape[-1]
+            t = torch.ones(Smax, G, B, width)
+            for g, pl in enumerate(plans):
+                t[: S[g], g, : Wd[g]] = pl.noise[pi][name]
+            noise[name] = t
+    return StackedPhase(torch.as_tensor(S, dtype=torch.long), order, weight, last, noise, aug)
+
+
 def train_group(
     models: Sequence[ProtoModel],
     xs: Sequence[torch.Tensor],
@@ -499,23 +574,65 @@ def train_group(
             (they cannot share one batched computation).
     """
     names = models[0].batch_params
+    G = len(models)
+    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
+    ref = stacked_refs(obj, objs, names, G)
+    offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
+    X = torch.cat(list(xs)).contiguous()
+    Y = torch.cat(list(ys))
+    phases = [stack_plans(plans, pi, offsets, opt.batch_size) for pi in range(len(obj.phases))]
+    out = train_stacked(models[0], P, X, Y, phases, obj, opt, ref)
+    with torch.no_grad():
+        for g, m in enumerate(models):
+            named = dict(m.named_parameters())
+            for k in names:
+                named[k].copy_(P[k][g])
+    return out
+
+
+def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequence[str], G: int):
+    """FedProx/FeSEM reference weights of G clients stacked per name ((G, *shape); None without a
+    proximal term), after checking that the per-client objectives ``objs`` agree with ``obj`` in
+    all else (:func:`train_group`'s ValueError)."""
     for g, o in enumerate(objs or ()):
         if not _same_objective(o, obj, names):
             raise ValueError(f"client {g} of the group has another objective than the group's (phases, lambda, "
                              "global prototypes, distance or FedProx mu differ); train it in another group")
-    G = len(models)
-    m0 = models[0]
+    if obj.prox_mu <= 0:
+        return None
+    src = objs if objs is not None else [obj] * G
+    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names}
+
+
+def train_stacked(
+    m0: ProtoModel,
+    P: dict[str, torch.Tensor],
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    phases: Sequence[StackedPhase],
+    obj: Objective,
+    opt: OptimConfig,
+    ref: dict[str, torch.Tensor] | None = None,
+) -> list[TrainResult]:
+    """The core of :func:`train_group` on stacked weights: trains G clients, updating ``P`` in place.
+
+    Args:
+        m0: a model of the group's architecture (its :meth:`grouped_forward` is used, not its weights).
+        P: name -> (G, *shape) stacked parameters (:attr:`ProtoModel.batch_params`).
+        X: (N, Cin, H, W) inputs holding every client's samples; Y: (N,) labels.
+        phases: one :class:`StackedPhase` per phase of ``obj`` (:func:`stack_plans`).
+        obj: the objective (its ``prox_ref`` is not used: ``ref`` holds the stacked references).
+        ref: name -> (G, *shape) FedProx/FeSEM reference weights, or None.
+    Returns:
+        One :class:`TrainResult` per client.
+    """
+    names = m0.batch_params
+    G = next(iter(P.values())).shape[0]
     C, d = m0.num_classes, m0.embedding_dim
-    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
     dev = P[names[0]].device
     obj = on_device(obj, dev)
-    ref = None
-    if obj.prox_mu > 0:
-        src = objs if objs is not None else [obj] * G
-        ref = {k: torch.stack([o.prox_ref[k] for o in src]).to(dev) for k in names}
-    offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
-    X = torch.cat(list(xs)).contiguous().to(dev)
-    Y = torch.cat(list(ys)).to(dev)
+    ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
+    X, Y = X.to(dev), Y.to(dev)
     Cin = X.shape[1]
     sums = torch.zeros(G * C, d, dtype=X.dtype, device=dev) if obj.collect else None
     counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
@@ -523,38 +640,18 @@ def train_group(
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
-    off = torch.as_tensor(offsets, dtype=torch.long)
     for pi, ph in enumerate(obj.phases):
+        sp = phases[pi]
         train_names = [k for k in names if ph.trains is None or ph.trains(k)]
         for k in names:
             P[k].requires_grad_(k in train_names)
         bufs = {k: torch.zeros_like(P[k]) for k in train_names}
-        S = [pl.order[pi].shape[0] for pl in plans]
-        Smax = max(S) if S else 0
-        Wd = [pl.order[pi].shape[1] for pl in plans]  # batch size, or more where a trailing batch was folded
-        B = max(Wd, default=opt.batch_size)
-        order = off.view(1, 1, G).repeat(Smax, B, 1)  # padding points at the client's own first sample
-        weight = torch.zeros(Smax, G, B)
-        last = torch.zeros(Smax, G, dtype=torch.bool)
-        noise = {}
-        aug = torch.zeros(Smax, B, G, 3, dtype=torch.long) if plans[0].aug else None
-        for g, pl in enumerate(plans):
-            order[: S[g], : Wd[g], g] = pl.order[pi] + off[g]
-            weight[: S[g], g, : Wd[g]] = pl.weight[pi]
-            last[: S[g], g] = pl.last_epoch[pi]
-            if aug is not None:
-                aug[: S[g], : Wd[g], g] = pl.aug[pi]
-        if plans[0].noise and plans[0].noise[pi]:
-            for name in plans[0].noise[pi]:
-                width = plans[0].noise[pi][name].shape[-1]
-                t = torch.ones(Smax, G, B, width)
-                for g, pl in enumerate(plans):
-                    t[: S[g], g, : Wd[g]] = pl.noise[pi][name]
-                noise[name] = t.to(dev)
-        order, weight, last = order.to(dev), weight.to(dev), last.to(dev)
-        aug = aug.to(dev) if aug is not None else None
+        Smax, B = sp.order.shape[0], sp.order.shape[1]
+        order, weight, last = sp.order.to(dev), sp.weight.to(dev), sp.last.to(dev)
+        noise = {k: v.to(dev) for k, v in sp.noise.items()}
+        aug = sp.aug.to(dev) if sp.aug is not None else None
         is_last_phase = pi == len(obj.phases) - 1
-        S_t = torch.as_tensor(S)
+        S_t = sp.steps
         cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
         Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
         bufc: dict[str, torch.Tensor] = {}
@@ -605,11 +702,8 @@ def train_group(
                     counts.index_add_(0, flat, sel.reshape(-1).long())
         if cur is not None:
             _write_back(P, bufs, Pc, bufc, cur)
-    with torch.no_grad():
-        for g, m in enumerate(models):
-            named = dict(m.named_parameters())
-            for k in names:
-                named[k].copy_(P[k][g])
+    for k in names:
+        P[k].requires_grad_(False)
     out = []
     for g in range(G):
         n = max(float(nsteps[g]), 1.0)

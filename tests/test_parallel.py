@@ -1,0 +1,115 @@
+"""Worker processes for the batched engine (fedproto.parallel, issue #15 item 1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import flat_weights, float64_sim
+
+from fedproto.config import build_config
+from fedproto.errors import ConfigError
+from fedproto.models.cnn import PaperCNN
+from fedproto.parallel import CLIENTS_PER_WORKER, WorkerPool, plan_workers
+from fedproto.simulation import Simulation, _balanced_parts
+from fedproto.training import OptimConfig, Objective, Phase
+
+# digits (scikit-learn 8x8), 6 clients; every client of a round is batched, so 2 workers split them
+BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=2, model="cnn",
+            eval_every=0, lr=0.05, threads=2, execution="batched")
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedprox", "fedrep"])
+def test_workers_match_one_process_float64(algorithm):
+    """In float64, 2 processes (main + 1 worker) give the one-process weights within 1e-12
+    relative and the same accuracies: the split only changes which process trains a client.
+    FedProto exercises the prototype objective, FedProx the stacked reference weights, FedRep
+    phases that train part of the model (closures made picklable)."""
+    before = _shm_names()
+    weights, accs = {}, {}
+    for workers in (1, 2):
+        sim = float64_sim(build_config(overrides={**BASE, "algorithm": algorithm, "workers": workers}))
+        sim.run()
+        assert sim._pool is None  # closed when the run ended
+        weights[workers] = flat_weights(sim)
+        accs[workers] = [r["acc"] for r in sim.evaluate()]
+    assert weights[2][0].dtype == torch.float64
+    assert accs[2] == accs[1]
+    worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(weights[2], weights[1]))
+    assert worst < 1e-12
+    # the clients really trained (weights moved from their start) on both paths
+    start = flat_weights(float64_sim(build_config(overrides={**BASE, "algorithm": algorithm})))
+    assert min((a - s).norm().item() for a, s in zip(weights[2], start)) > 1e-3
+    assert _shm_names() <= before  # shared memory freed
+
+
+def test_workers_float32_same_accuracy():
+    """In float32 the processes agree to rounding (exact where each process's stacks keep the
+    one-process shapes; oneDNN may pick another kernel for another group width)."""
+    out = {}
+    for workers in (1, 2):
+        sim = Simulation(build_config(overrides={**BASE, "workers": workers}), out=False)
+        summary = sim.run()
+        out[workers] = (flat_weights(sim), summary["accuracy"]["acc"]["mean"])
+    worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(out[2][0], out[1][0]))
+    assert worst < 1e-4
+    assert abs(out[2][1] - out[1][1]) < 0.05
+
+
+def test_plan_workers_by_cores_and_clients():
+    # auto: at most one worker per CLIENTS_PER_WORKER clients, at most one per thread
+    assert CLIENTS_PER_WORKER == 8
+    assert plan_workers(0, 2, 20) == (2, 1)
+    assert plan_workers(0, 16, 20) == (2, 8)
+    assert plan_workers(0, 64, 10_000) == (64, 1)
+    assert plan_workers(0, 1, 20) == (1, 1)  # --threads 1: one process
+    assert plan_workers(0, 16, 12) == (1, 16)  # too few clients for two
+    # explicit: kept, at least one thread each, never more processes than clients
+    assert plan_workers(3, 2, 20) == (3, 1)
+    assert plan_workers(4, 16, 20) == (4, 4)
+    assert plan_workers(8, 4, 5) == (5, 1)
+    # nothing batched, or a GPU: one process
+    assert plan_workers(4, 8, 1) == (1, 8)
+    assert plan_workers(0, 8, 100, "cuda:0") == (1, 8)
+
+
+def test_balanced_parts_split_by_samples():
+    sizes = [396, 198, 400, 495, 495, 198, 198, 297, 198, 300, 500, 500, 200, 300, 495, 495, 198, 495, 500, 297]
+    parts = _balanced_parts(list(range(20)), sizes, 2)
+    assert parts == [list(range(11)), list(range(11, 20))]
+    assert [sum(sizes[i] for i in p) for p in parts] == [3675, 3480]  # of 7155
+    assert _balanced_parts([0, 1, 2], [10, 10, 10], 3) == [[0], [1], [2]]
+    assert _balanced_parts([0, 1], [1, 1], 5) == [[0], [1]]  # never an empty part
+    assert _balanced_parts([4, 7], [5, 5], 1) == [[4, 7]]
+
+
+def test_workers_refused_where_they_cannot_act():
+    for bad, word in ((dict(execution="sequential"), "sequential"), (dict(dp="full"), "DP-SGD"),
+                      (dict(device="cuda"), "cuda")):
+        with pytest.raises(ConfigError, match=word) as e:
+            build_config(overrides={**BASE, "execution": "auto", **bad, "workers": 2})
+        assert "workers" in str(e.value) and "use --workers 1" in str(e.value)
+    with pytest.raises(ConfigError):
+        build_config(overrides={**BASE, "workers": -1})
+
+
+def test_worker_error_names_the_cause():
+    """A worker that raises stops the run with its traceback (here: phases that do not fit)."""
+    models = {i: PaperCNN(input_size=8) for i in range(2)}
+    xs = {i: torch.randn(5, 1, 8, 8) for i in range(2)}
+    ys = {i: torch.zeros(5, dtype=torch.long) for i in range(2)}
+    pool = WorkerPool(models, xs, ys, 1, 1)
+    try:
+        obj = Objective(phases=[Phase(1)])
+        pool.submit(0, [([0, 1], [], obj, None)], [[models[0], models[1]]], OptimConfig())
+        with pytest.raises(RuntimeError, match="worker process 1 failed") as e:
+            pool.collect(0, [[models[0], models[1]]])
+        assert "IndexError" in str(e.value)
+    finally:
+        pool.close()
+    pool.close()  # twice is harmless
