@@ -93,7 +93,7 @@ def test_workers_refused_where_they_cannot_act():
                       (dict(device="cuda"), "cuda")):
         with pytest.raises(ConfigError, match=word) as e:
             build_config(overrides={**BASE, "execution": "auto", **bad, "workers": 2})
-        assert "workers" in str(e.value) and "use --workers 1" in str(e.value)
+        assert "workers=2" in str(e.value) and "use workers=1" in str(e.value)  # the API spelling (CLI: --workers)
     with pytest.raises(ConfigError):
         build_config(overrides={**BASE, "workers": -1})
 
