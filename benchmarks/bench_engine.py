@@ -1,30 +1,50 @@
-"""Engine benchmark (issue: client-batched execution).
+"""Engine benchmark: every execution mode side by side, in one run.
 
-Measures, in one run, for the default MNIST FedProto setting (20 clients, ways 3, shots 100,
-batch size 8) and each execution mode: wall time per round (median over rounds after a warm-up
-round), training samples per second, evaluation time and peak memory (each mode in its own
-subprocess so peaks do not mix); the machine's float32 matrix-multiply rate in the same run, so
-the model's achieved FLOP rate is stated as a fraction of it; and how time and memory per round
-grow with the number of clients (ways 3, shots 10).
+For the default MNIST FedProto setting (20 clients, ways 3, shots 100, batch size 8) it measures
+each mode's wall time per round (median over rounds after a warm-up round; each mode in its own
+subprocess, the modes alternating ``--repeats`` times so that drift in the machine's speed hits
+all alike), samples per second, the model's FLOP rate as a share of the machine's float32 matmul
+rate (measured in the same run), peak memory, and the accuracy reached (so that every mode is
+seen doing the same work). The modes:
 
-    python benchmarks/bench_engine.py                 # full table (a few minutes on 2 cores)
-    python benchmarks/bench_engine.py --rounds 3 --scale 100,300,1000
+* ``official-style``: one client after another, a ``DataLoader`` per client, batch size 8, a
+  plain ``nn.Module`` (benchmarks/official_style.py; the official code's way of training);
+* ``sequential``: fedproto's reference path (``--execution sequential``);
+* ``batched``: the client-batched engine in one process (``--workers 1``);
+* ``batched, N workers``: the batched engine on N processes (``--workers N``), each with
+  threads / N torch threads;
+* with ``--before SRC``: ``batched`` from another source tree (an earlier commit checked out
+  with ``git worktree add``), for a before/after comparison in the same run.
 
-Needs MNIST (``FEDPROTO_DATA`` or ``--data-dir``).
+Then the torch profiler's top entries for one round of the batched engine, and how time and
+memory per round grow with the number of clients (ways 3, shots 5; 10,000 clients need
+``overlap``: MNIST holds ~6,000 training samples per class).
+
+    python benchmarks/bench_engine.py                       # full table (~10 minutes on 2 cores)
+    python benchmarks/bench_engine.py --rounds 3 --repeats 1 --scale 100,1000
+    python benchmarks/bench_engine.py --before /tmp/before/src --full-run
+
+Needs MNIST (``FEDPROTO_DATA`` or ``--data-dir``). Absolute times depend on the machine and its
+load; quote the ratios and the share of the matmul rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 
 def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
+    """The machine's float32 matrix-multiply rate (GFLOP/s, median of ``reps`` n x n products)."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -52,54 +72,125 @@ def cnn_train_flops_per_sample(model) -> float:
     return 3.0 * flops
 
 
+def _overrides(args) -> dict:
+    ov = dict(dataset="mnist", data_dir=args.data_dir, clients=args.clients, ways=3, shots=args.shots,
+              rounds=args.rounds + 1, eval_every=0, seed=1, threads=args.threads or 0)
+    if args.stdev is not None:
+        ov["stdev"] = args.stdev
+    if args.overlap:
+        ov["overlap"] = True
+    return ov
+
+
 def worker(args) -> dict:
+    """One mode in this process: the default setting for ``rounds`` + 1 rounds."""
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from fedproto.config import build_config
+    from fedproto.models.cnn import PaperCNN
     from fedproto.simulation import Simulation, prepare
 
-    torch.set_num_threads(args.threads) if args.threads else None
-    cfg = build_config(overrides=dict(
-        dataset="mnist", data_dir=args.data_dir, clients=args.clients, ways=3, shots=args.shots,
-        rounds=args.rounds + 1, execution=args.mode, eval_every=0, seed=1,
-    ))
+    ov = _overrides(args)
+    flops = cnn_train_flops_per_sample(PaperCNN())
+    if args.mode == "official-style":
+        sys.path.insert(0, str(HERE))
+        from official_style import official_round_times
+
+        r = official_round_times({k: v for k, v in ov.items() if k != "rounds"}, args.rounds + 1, args.threads)
+        times = r["round_s"][1:]
+        med = statistics.median(times)
+        return {"mode": args.mode, "round_s_median": med, "round_s_all": times,
+                "train_samples": r["samples_per_round"], "samples_per_s": r["samples_per_round"] / med,
+                "model_gflops": r["samples_per_round"] * flops / med / 1e9, "eval_s": None,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "acc_mean": r["acc_mean"], "acc_proto_mean": None}
+    ov["execution"] = "sequential" if args.mode == "sequential" else "batched"
+    if args.workers:  # else the default (auto; an earlier version may not know the option)
+        ov["workers"] = args.workers
+    cfg = build_config(overrides=ov)
+    t = time.perf_counter()
     setup = prepare(cfg, progress=False)
+    setup_s = time.perf_counter() - t
     sim = Simulation(cfg, setup=setup, out=False)
+    if args.profile:
+        return {"profile": _profile(sim)}
     sim.run()
-    times = [r["train_time_s"] for r in sim.history[1:]]  # drop the warm-up round
+    times = [r["train_time_s"] for r in sim.history[1:]]  # drop the warm-up round (and the workers' start)
     med = statistics.median(times)
     n_samples = sum(len(d.x) for d in setup.data)
     t = time.perf_counter()
     sim.evaluate()
     eval_s = time.perf_counter() - t
-    flops = cnn_train_flops_per_sample(setup.states[0].model)
     return {
-        "mode": args.mode, "clients": args.clients, "shots": args.shots,
+        "mode": args.mode, "clients": args.clients, "shots": args.shots, "setup_s": setup_s,
         "round_s_median": med, "round_s_all": times, "samples_per_s": n_samples / med,
         "train_samples": n_samples, "eval_s": eval_s, "model_gflops": n_samples * flops / med / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
         "acc_mean": sim.history[-1].get("acc_mean"), "acc_proto_mean": sim.history[-1].get("acc_proto_mean"),
     }
 
 
-def run_worker(**kw) -> dict:
-    cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
-                                                    if v is not None]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+def _profile(sim, top: int = 10) -> list[dict]:
+    """The torch profiler's top entries (self CPU time) over the rounds after the first."""
+    from torch.profiler import profile
+
+    sim.cfg = sim.cfg.model_copy(update={"rounds": 1})
+    sim.run()  # warm-up round, outside the profile
+    sim._ran = False
+    sim.cfg = sim.cfg.model_copy(update={"rounds": 2})
+    with profile() as p:
+        sim.run()
+    rows = sorted(p.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in rows) or 1
+    return [{"name": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in rows[:top]]
+
+
+def run_worker(src: str | None = None, **kw) -> dict:
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = str(Path(src).resolve())
+    cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+                                                    for k, v in kw.items() if v is not None and v is not False]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def full_run(threads: int) -> float:
+    """Wall seconds of ``fedproto run`` with every default (100 rounds), as a user starts it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, "-m", "fedproto", "run", "-q", "--out-dir", d, "--name", "full"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return time.perf_counter() - t
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="batched")
+    p.add_argument("--workers", type=int, default=0)
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--shots", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--stdev", type=int, default=None)
+    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round (default 5)")
+    p.add_argument("--threads", type=int, default=0, help="threads of each run in all (default: every core)")
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per mode (default 2)")
+    p.add_argument("--max-workers", type=int, default=0, help="largest worker count measured (default: cores)")
+    p.add_argument("--before", default=None, help="source tree (its src/ folder) of an earlier version: adds "
+                   "its batched mode to the table")
+    p.add_argument("--no-official", action="store_true", help="skip the official-style loop")
+    p.add_argument("--full-run", action="store_true", help="also time a full default `fedproto run`")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--scale", default="100,300,1000", help="client counts for the scaling table ('' to skip)")
+    p.add_argument("--scale", default="100,1000,10000", help="client counts for the scaling table ('' to skip)")
     p.add_argument("--json", default=None, help="also write all results to this file")
     args = p.parse_args()
     if args.worker:
@@ -108,53 +199,90 @@ def main() -> None:
 
     import torch
 
-    if args.threads:  # the workers use this many threads: measure the reference matmul rate alike
-        torch.set_num_threads(args.threads)
+    from fedproto.parallel import available_cores
+
+    cores = available_cores()
+    threads = args.threads or cores
+    torch.set_num_threads(threads)
     gf = matmul_gflops()
-    print(f"machine: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
+        if os.path.exists("/proc/cpuinfo") else "?"
+    print(f"machine: {cpu}, {cores} cores; torch {torch.__version__}, {threads} threads; "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")
-    # the modes alternate (seq, batched, seq, batched, ...) so that drift in the machine's speed
-    # hits both alike; each mode's figure is the median over all its timed rounds
-    runs: dict[str, list[dict]] = {"sequential": [], "batched": []}
+    modes: list[tuple[str, dict]] = []
+    if not args.no_official:
+        modes.append(("official-style", dict(mode="official-style")))
+    modes.append(("sequential", dict(mode="sequential")))
+    if args.before:
+        modes.append(("batched (before)", dict(mode="batched", src=args.before)))
+    modes.append(("batched", dict(mode="batched", workers=1)))
+    for w in range(2, (args.max_workers or cores) + 1):
+        modes.append((f"batched, {w} workers", dict(mode="batched", workers=w)))
+    runs: dict[str, list[dict]] = {name: [] for name, _ in modes}
     for _ in range(args.repeats):
-        for m in runs:
-            runs[m].append(run_worker(mode=m, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
-                                      threads=args.threads or None))
+        for name, kw in modes:
+            kw = dict(kw)
+            src = kw.pop("src", None)
+            runs[name].append(run_worker(src=src, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
+                                         threads=threads, **kw))
     rows = []
-    for rs in runs.values():
-        r = dict(rs[0])
+    for name, rs in runs.items():
+        r = dict(rs[0], mode=name)
         r["round_s_all"] = [t for x in rs for t in x["round_s_all"]]
         r["round_s_median"] = statistics.median(r["round_s_all"])
         r["samples_per_s"] = r["train_samples"] / r["round_s_median"]
         r["model_gflops"] = rs[0]["model_gflops"] * rs[0]["round_s_median"] / r["round_s_median"]
-        r["eval_s"] = statistics.median(x["eval_s"] for x in rs)
         r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in rs)
         rows.append(r)
-    seq = rows[0]["round_s_median"]
-    print("\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), median of "
-          f"{args.repeats} x {args.rounds} rounds (each run after 1 warm-up round, modes alternating):")
-    print("| mode | s/round | samples/s | speed-up | model GFLOP/s | % of matmul | eval s | peak RSS MB "
-          f"| acc % after {args.rounds + 1} rounds (classifier / prototype) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    ref = {r["mode"]: r["round_s_median"] for r in rows}
+    base = ref.get("batched (before)", ref["batched"])
+    print(f"\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), {threads} threads per run, median of "
+          f"{args.repeats} x {args.rounds} rounds (after 1 warm-up round each, modes alternating):")
+    cols = ["official-style", "sequential", "batched (before)" if args.before else "batched"]
+    print("| mode | s/round | samples/s | " + " | ".join(f"speed-up over {c}" for c in cols if c in ref)
+          + f" | model GFLOP/s | % of matmul | peak RSS MB | acc % after {args.rounds + 1} rounds |")
+    print("|---" * (6 + sum(c in ref for c in cols)) + "|")
     for r in rows:
-        print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | "
-              f"{seq / r['round_s_median']:.2f}x | {r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | "
-              f"{r['eval_s']:.3f} | {r['peak_rss_mb']:.0f} | "
-              f"{100 * r['acc_mean']:.4f} / {100 * r['acc_proto_mean']:.4f} |")
+        ups = " | ".join(f"{ref[c] / r['round_s_median']:.2f}x" for c in cols if c in ref)
+        rss = f"{r['peak_rss_mb']:.0f}" + (f" + {r['workers_peak_rss_mb']:.0f}" if r.get("workers_peak_rss_mb") else "")
+        print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | {ups} | "
+              f"{r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | {rss} | "
+              f"{100 * r['acc_mean']:.2f} |")
+    best = min((r for r in rows if r["mode"].startswith("batched") and "before" not in r["mode"]),
+               key=lambda r: r["round_s_median"])
+    print(f"\nfastest: {best['mode']}, {base / best['round_s_median']:.2f}x the "
+          f"{'earlier version' if args.before else 'one-process'} batched engine")
+
+    prof = run_worker(mode="batched", workers=1, clients=20, shots=100, rounds=1, data_dir=args.data_dir,
+                      threads=threads, profile=True)["profile"]
+    print("\nWhere a round of the batched engine spends its time (torch profiler, self CPU, one process):")
+    print("| op | share | calls |\n|---|---|---|")
+    for e in prof:
+        print(f"| {e['name']} | {100 * e['share']:.1f}% | {e['calls']} |")
+
+    full = None
+    if args.full_run:
+        full = full_run(args.threads)
+        print(f"\nfull default `fedproto run` (100 rounds, evaluation every 10): {full:.1f} s wall "
+              f"(float32 matmul {gf:.0f} GFLOP/s on this machine)")
+
     scale = []
     if args.scale:
-        print("\nScaling (batched, ways 3, shots 10):")
-        print("| clients | train samples | s/round | s/round per 100 clients | peak RSS MB |")
+        print("\nScaling (batched, default workers, ways 3, shots 5, stdev 0; 10,000 clients share samples: "
+              "--overlap), median of the timed rounds:")
+        print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
+              "worker) |")
         print("|---|---|---|---|---|")
         for m in [int(x) for x in args.scale.split(",")]:
-            r = run_worker(mode="batched", clients=m, shots=10, rounds=max(2, args.rounds // 2),
-                           data_dir=args.data_dir, threads=args.threads or None)
+            r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds), overlap=m * 15 > 50_000,
+                           data_dir=args.data_dir, threads=threads, workers=0)
             scale.append(r)
             print(f"| {m} | {r['train_samples']} | {r['round_s_median']:.3f} | "
-                  f"{100 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} |")
+                  f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"matmul_gflops": gf, "modes": rows, "scale": scale}, f, indent=2)
+            json.dump({"matmul_gflops": gf, "modes": rows, "profile": prof, "full_run_s": full, "scale": scale}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":
