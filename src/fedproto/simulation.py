@@ -300,11 +300,12 @@ class Simulation:
         self.train_norm: dict[int, float] = {}  # client -> largest training embedding norm of its last round
         self.attackers = set(attacker_ids(cfg.seed, len(self.setup.states), cfg.attackers))
         self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
-        self._pool = None  # fedproto.parallel.WorkerPool, False for one process, None: not decided yet
-        self._worker_threads = 1
         self._ran = False
 
     # -------------------------------------------------------------------------------------------
+    _pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
+    _worker_threads = 1
+
     def _groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
         process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
