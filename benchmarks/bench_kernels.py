@@ -81,9 +81,10 @@ def fwd_nchw(m0, P, X, G, noise, ctx):
 
 
 def fwd_native(m0, P, X, G, noise, ctx):
-    with warnings.catch_warnings(), torch.backends.mkldnn.flags(enabled=False):
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a note about TF32 on Intel GPUs
-        return fwd_nchw(m0, P, X, G, noise, ctx)
+        with torch.backends.mkldnn.flags(enabled=False):
+            return fwd_nchw(m0, P, X, G, noise, ctx)
 
 
 def fwd_conv2_unfold(m0, P, X, G, noise, ctx):
