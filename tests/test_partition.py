@@ -159,3 +159,120 @@ def test_dirichlet_partition_runs_end_to_end(tmp_path):
     chance = np.mean([1 / len(st.classes) for st in sim.setup.states])
     assert s["ways"] is None and "training class proportions" in s["test_set"]
     assert s["accuracy"]["acc"]["mean"] > chance + 0.25, (s["accuracy"], chance)
+
+
+# ---- overlap: clients may share training samples when a class runs short (issue #15 item 5) ----
+
+MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def _mnist_like_labels():
+    """Label arrays with MNIST's per-class counts (60,000 train, 10,000 test), shuffled."""
+    return (np.random.default_rng(0).permutation(np.repeat(np.arange(10), MNIST_TRAIN_COUNTS)),
+            np.random.default_rng(1).permutation(np.repeat(np.arange(10), MNIST_TEST_COUNTS)))
+
+
+def _digest(p):
+    import hashlib
+
+    h = hashlib.sha256()
+    for part in (p.train_idx, p.test_idx, p.classes, p.shots):
+        for a in part:
+            h.update(np.asarray(a, np.int64).tobytes())
+            h.update(b"|")
+    return h.hexdigest()
+
+
+def test_overlap_off_leaves_the_default_partition_unchanged():
+    """The default MNIST setting (20 clients, ways 3, shots 100, stdev 2, test_shots 40, seed 1234):
+    the option absent, False and True (nothing runs short, so nothing is shared) give the same
+    partition, and it is the one the code gave before the option existed (digest recorded from
+    commit 1c6dbcf)."""
+    ty, sy = _mnist_like_labels()
+    args = (ty, sy, 10, 20, 3, 100, 2, 40, "uniform", 1234, "mnist")
+    absent, off, on = fewshot_partition(*args), fewshot_partition(*args, overlap=False), \
+        fewshot_partition(*args, overlap=True)
+    assert _digest(absent) == "d52a927b45e582aa01d8a2276c1838f5d40b901a585f8f330154ddbdc68e374e"
+    assert _digest(off) == _digest(absent) == _digest(on)
+    assert "overlap" not in absent.summary() and "overlap" not in off.summary()
+    assert on.summary()["overlap"] is True and on.summary()["train_samples_shared"] is False
+    assert on.summary()["train_samples_distinct"] == on.summary()["train_samples_total"] == 6958
+    # the small fake-label setting of the tests above, too
+    assert _digest(make()) == _digest(make(overlap=False))
+
+
+def test_overlap_lets_10000_clients_share_mnist_samples():
+    """10,000 clients x 3 ways x 5 shots = 150,000 samples from MNIST's 60,000: refused without
+    overlap (with a hint naming it), dealt with it: every client holds 3 classes x 5 distinct
+    samples of those classes, samples are shared across clients, and every sample of a class is
+    held by the same number of clients up to one (each pass over a class's pool uses it whole)."""
+    ty, sy = _mnist_like_labels()
+    args = dict(train_y=ty, test_y=sy, num_classes=10, num_clients=10_000, ways=3, shots=5, stdev=0,
+                test_shots=40, seed=1234, dataset="mnist")
+    with pytest.raises(PartitionError, match=r"runs short: .*give overlap=True to let clients share training samples"):
+        fewshot_partition(**args)
+    p = fewshot_partition(**args, overlap=True)
+    assert p.num_clients == 10_000
+    for tr, te, cls, k in zip(p.train_idx, p.test_idx, p.classes, p.shots):
+        assert len(cls) == 3 and list(k) == [5, 5, 5]
+        assert len(tr) == 15 and len(np.unique(tr)) == 15
+        assert np.array_equal(np.bincount(ty[tr], minlength=10)[cls], [5, 5, 5])
+        assert set(ty[tr].tolist()) == set(cls.tolist())
+        assert np.array_equal(np.bincount(sy[te], minlength=10)[cls], [40, 40, 40]) and len(np.unique(te)) == 120
+    held = np.bincount(np.concatenate(p.train_idx), minlength=len(ty))
+    assert held.sum() == 150_000 and held.max() > 1  # shared
+    for j in range(10):
+        per_class = held[ty == j]
+        assert per_class.min() >= 1 and per_class.max() - per_class.min() <= 1, j
+    s = p.summary()
+    assert s["overlap"] is True and s["train_samples_shared"] is True
+    assert s["train_samples_total"] == 150_000 and s["train_samples_distinct"] == 60_000
+    again = fewshot_partition(**args, overlap=True)
+    assert _digest(again) == _digest(p)  # seeded
+
+
+def test_overlap_still_refuses_a_client_larger_than_its_class():
+    """With overlap a class may run short, but one client's samples of a class stay distinct:
+    TRAIN_Y has 600 per class; shots 700 (stdev 2: k in [699, 700]) cannot fit and the error names
+    the largest shots that does."""
+    with pytest.raises(PartitionError, match=r"has 600 training samples but a client asks for 700 of it; with "
+                       r"overlap=True .* shots=600 is the largest that fits") as e:
+        make(shots=700, overlap=True)
+    assert e.value.fitting_shots == 600 and e.value.short_class is not None
+    p = make(shots=600, overlap=True)  # 20 clients x ~3 ways x 600 > 600 per class: shared, each distinct
+    assert all(len(np.unique(tr)) == len(tr) for tr in p.train_idx)
+    assert p.summary()["train_samples_shared"] is True
+
+
+def test_overlap_option_in_config_and_cli_wording():
+    from fedproto.config import ADDED_FIELDS, build_config
+    from fedproto.errors import ConfigError
+    from fedproto.options import cli_wording
+
+    assert build_config().overlap is False and ADDED_FIELDS["overlap"] is False
+    assert build_config(overrides={"overlap": True}).overlap is True
+    assert cli_wording("overlap", True) == "--overlap" and cli_wording("overlap", False) == "--no-overlap"
+    with pytest.raises(ConfigError, match="gives every sample to one client"):
+        build_config(overrides={"overlap": True, "partition": "dirichlet"})
+
+
+def test_overlap_runs_end_to_end_and_is_recorded(tmp_path):
+    """Through RunConfig, prepare and the run directory: digits (about 140 train samples per
+    class) with 60 clients x 3 ways x 10 shots runs short without overlap and runs with it;
+    config.json's partition summary says that samples are shared."""
+    import json
+
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation, prepare
+
+    base = dict(dataset="digits", clients=60, ways=3, shots=10, stdev=0, test_shots=5, rounds=1, eval_every=0,
+                threads=1, out_dir=str(tmp_path), name="o")
+    with pytest.raises(PartitionError, match="give overlap=True"):
+        prepare(build_config(overrides=base), progress=False)
+    sim = Simulation(build_config(overrides={**base, "overlap": True}))
+    sim.run()
+    part = json.loads((tmp_path / "o" / "config.json").read_text())["partition_summary"]
+    assert part["overlap"] is True and part["train_samples_shared"] is True
+    assert part["train_samples_total"] == 1800 > part["train_samples_distinct"]
+    assert all(len(np.unique(tr)) == len(tr) == 30 for tr in sim.setup.partition.train_idx)

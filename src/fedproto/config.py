@@ -46,11 +46,13 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "device": "cpu",
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
-               "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0}
+               "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
+               "overlap": False}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
-practitioner options were off; every client took part in every round; no Dirichlet partition)."""
+practitioner options were off; every client took part in every round; no Dirichlet partition; clients
+never shared training samples)."""
 
 
 def result_fields(cfg: dict) -> dict[str, Any]:
@@ -91,6 +93,9 @@ class RunConfig(BaseModel):
                        description="Spread of n and k across clients (tab. 1)")
     test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False,
                             description="Test samples per own class per client")
+    overlap: bool = Field(False, description="Partition fewshot: where a class runs short, let clients share its "
+                          "training samples (each client's own samples stay distinct; off: disjoint clients, a "
+                          "short class is an error)")
     noise: Literal["uniform", "gaussian"] = Field("uniform", description="How n and k spread across clients: "
                                                   "uniform (official code) or gaussian (paper)")
     partition: Literal["fewshot", "natural", "dirichlet"] = Field(
@@ -336,6 +341,12 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
                               "the body each round", option="freeze_after", value=self.freeze_after,
                               hint=f"use {opt('freeze_after', 0)} with fedrep")
+        if self.overlap and (self.partition != "fewshot" or self.dataset == "custom"):
+            raise ConfigError(f"{opt('overlap', True)} shares training samples between the clients of "
+                              f"{opt('partition', 'fewshot')}; " + (
+                                  f"{opt('dataset', 'custom')} brings its own clients" if self.dataset == "custom"
+                                  else f"{opt('partition', self.partition)} gives every sample to one client"),
+                              option="overlap", value=self.overlap, hint=f"leave {opt('overlap')} out")
         C = self.num_classes
         if self.dataset != "custom" and self.ways > C:
             raise ConfigError(f"{opt('ways', self.ways)} is more than the {C} classes of {self.dataset}",

@@ -168,7 +168,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     ds = load_dataset(cfg.dataset, data_dir if data_dir is not None else cfg.data_dir, download=cfg.download)
     train_y, test_y = ds.train_y.numpy(), ds.test_y.numpy()
     members = fewshot_partition(train_y, test_y, ds.num_classes, cfg.clients, cfg.ways, cfg.shots, cfg.stdev,
-                                cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset)
+                                cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset, overlap=cfg.overlap)
     stored = (stored_partition or {}).get("train_samples_total")
     if stored is not None and stored != members.summary()["train_samples_total"]:
         raise DataError(f"the {cfg.dataset} data read now gives the members {members.summary()['train_samples_total']} "

@@ -231,7 +231,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     else:
         part = fewshot_partition(
             ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
-            cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset,
+            cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset, overlap=cfg.overlap,
         )
     empty = [i for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)) if len(tr) == 0 or len(te) == 0]
     if empty:

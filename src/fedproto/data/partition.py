@@ -2,10 +2,11 @@
 
 Each of m clients gets n_i classes and k_i training samples ("shots") per class; n_i and k_i
 scatter around ``ways`` and ``shots`` with spread ``stdev``. Training samples of different clients
-are disjoint. Each client's test set holds ``test_shots`` samples of each of its own classes from
-the test split (official code, MNIST: 40), drawn per client without replacement; test sets of
-different clients may overlap when the test split is small (accuracy is per client, so this does
-not couple clients).
+are disjoint, unless ``overlap`` is on (see :func:`fewshot_partition`): then, where a class runs
+short, clients share its samples (each client's own samples stay distinct). Each client's test
+set holds ``test_shots`` samples of each of its own classes from the test split (official code,
+MNIST: 40), drawn per client without replacement; test sets of different clients may overlap when
+the test split is small (accuracy is per client, so this does not couple clients).
 
 Noise models (:func:`noise_ranges` gives each range; s = 0 always means exactly n and k):
     ``uniform`` (official code, exps/federated_main.py, default): n_i uniform integer in
@@ -49,6 +50,8 @@ class Partition:
         shots: per client (n_i,) int64 training samples per class, aligned with ``classes``.
         writers: per client the writer (group) index it holds (:func:`natural_partition`);
             empty for partitions that pool writers.
+        overlap: drawn with ``overlap=True`` (:func:`fewshot_partition`): different clients may
+            hold the same training sample.
     """
 
     train_idx: list[np.ndarray]
@@ -56,6 +59,7 @@ class Partition:
     classes: list[np.ndarray]
     shots: list[np.ndarray] = field(default_factory=list)
     writers: list[int] = field(default_factory=list)
+    overlap: bool = False
 
     @property
     def num_clients(self) -> int:
@@ -76,6 +80,12 @@ class Partition:
         }
         if self.writers:
             out["writers"] = [int(w) for w in self.writers]
+        if self.overlap:
+            # drawn with overlap: say whether clients do share samples, and how many distinct ones they hold
+            distinct = len(np.unique(np.concatenate(self.train_idx))) if self.train_idx else 0
+            out["overlap"] = True
+            out["train_samples_distinct"] = int(distinct)
+            out["train_samples_shared"] = bool(distinct < out["train_samples_total"])
         return out
 
 
@@ -158,6 +168,7 @@ def fewshot_partition(
     noise: NoiseModel = "uniform",
     seed: int = 0,
     dataset: str = "",
+    overlap: bool = False,
 ) -> Partition:
     """The paper's n-way k-shot non-IID partition (§Experiments; official sampling code).
 
@@ -167,11 +178,19 @@ def fewshot_partition(
         test_shots: test samples per own class per client.
         noise: ``uniform`` (official code) or ``gaussian`` (paper). seed: partition seed.
         dataset: dataset name; selects the official shots range (MNIST differs).
+        overlap: False (default): training samples of different clients are disjoint, and a class
+            that cannot supply all its clients is an error. True: clients may share training
+            samples. Each class's shuffled pool is still dealt out in turn; when it runs out it
+            is reshuffled (seeded) and dealt again, so different clients may hold the same
+            sample, while each client's own samples of a class stay distinct (a client wanting
+            more samples of a class than the train split has is still an error). A partition
+            that fits without sharing is the same with either value.
     Returns:
         A :class:`Partition`; the same arguments give the same partition.
     Raises:
         PartitionError: ways > C, or a class cannot supply the training samples the clients
-            holding it ask for (names the class and the shortfall), or too few test samples.
+            holding it ask for (names the class and the shortfall; with ``overlap``: one client
+            asks for more samples of a class than the train split has), or too few test samples.
     """
     train_y = np.asarray(train_y)
     test_y = np.asarray(test_y)
@@ -197,6 +216,24 @@ def fewshot_partition(
         need[c] += ki
         holders[c] += 1
     short = np.nonzero(need > train_avail)[0]
+    if overlap:  # classes may run short; only one client's own draw must fit
+        k_max = np.zeros(num_classes, np.int64)
+        for c, ki in zip(classes, k):
+            k_max[c] = np.maximum(k_max[c], ki)
+        over = np.nonzero(k_max > train_avail)[0]
+        if len(over):
+            j = int(over[0])
+            held = np.nonzero(k_max)[0]
+            fit = int(np.min(train_avail[held] - (k_max[held] - shots)))  # k_i - shots does not depend on shots
+            raise PartitionError(
+                f"class {j} has {train_avail[j]} training samples but a client asks for {k_max[j]} of it; with "
+                f"{opt('overlap', True)} clients may share samples, but each client's own samples of a class are "
+                f"distinct: " + (f"{opt('shots', fit)} is the largest that fits with this seed" if fit >= 1 else
+                                 f"no {opt('shots')} value fits: lower {opt('stdev')}") + _femnist_note(dataset),
+                short_class=j, needed=int(k_max[j]), available=int(train_avail[j]), short_classes=len(over),
+                fitting_shots=max(fit, 0),
+            )
+        short = short[:0]
     if len(short):
         j = int(short[np.argmax((need - train_avail)[short])])
         # k_i - shots does not depend on ``shots`` (same random draws), so the largest shots that
@@ -209,6 +246,7 @@ def fewshot_partition(
         hint = (f"with this seed and these clients, {opt('shots', fit)} is the largest that fits; or lower "
                 f"{opt('clients')} or {opt('ways')}" if fit >= 1
                 else f"no {opt('shots')} value fits: lower {opt('clients')} or {opt('ways')}")
+        hint += f", or give {opt('overlap', True)} to let clients share training samples"
         raise PartitionError(
             f"class {j} runs short: {holders[j]} client{'s' if holders[j] != 1 else ''} x ~{shots} shots need "
             f"{need[j]} training samples but the train split has {train_avail[j]} (short by "
@@ -234,13 +272,22 @@ def fewshot_partition(
     for c, ki in zip(classes, k):
         parts, tparts = [], []
         for j in c:
-            parts.append(by_class[j][cursor[j] : cursor[j] + ki])
-            cursor[j] += ki
+            if cursor[j] + ki <= len(by_class[j]):
+                parts.append(by_class[j][cursor[j] : cursor[j] + ki])
+                cursor[j] += ki
+            else:  # overlap only (else checked above): the pool ran out; deal a reshuffled pool again
+                tail = by_class[j][cursor[j] :]
+                fresh = rng.permutation(by_class[j])
+                # the tail's samples go last in the new pass, so this client's samples stay distinct
+                fresh = np.concatenate([fresh[~np.isin(fresh, tail)], fresh[np.isin(fresh, tail)]])
+                by_class[j] = fresh
+                cursor[j] = ki - len(tail)
+                parts.append(np.concatenate([tail, fresh[: cursor[j]]]))
             tparts.append(rng.choice(test_by_class[j], size=test_shots, replace=False))
         train_idx.append(np.sort(np.concatenate(parts)).astype(np.int64))
         test_idx.append(np.sort(np.concatenate(tparts)).astype(np.int64))
         shots_out.append(np.full(len(c), ki, np.int64))
-    return Partition(train_idx, test_idx, [c.astype(np.int64) for c in classes], shots_out)
+    return Partition(train_idx, test_idx, [c.astype(np.int64) for c in classes], shots_out, overlap=overlap)
 
 
 def natural_partition(
