@@ -274,8 +274,8 @@ def main() -> None:
               "worker) |")
         print("|---|---|---|---|---|")
         for m in [int(x) for x in args.scale.split(",")]:
-            r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds), overlap=m * 15 > 50_000,
-                           data_dir=args.data_dir, threads=threads, workers=0)
+            r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
+                           overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=0)
             scale.append(r)
             print(f"| {m} | {r['train_samples']} | {r['round_s_median']:.3f} | "
                   f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} |")

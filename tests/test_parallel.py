@@ -13,7 +13,7 @@ from fedproto.errors import ConfigError
 from fedproto.models.cnn import PaperCNN
 from fedproto.parallel import CLIENTS_PER_WORKER, WorkerPool, plan_workers
 from fedproto.simulation import Simulation, _balanced_parts
-from fedproto.training import OptimConfig, Objective, Phase
+from fedproto.training import Objective, OptimConfig, Phase
 
 # digits (scikit-learn 8x8), 6 clients; every client of a round is batched, so 2 workers split them
 BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=2, model="cnn",

@@ -40,7 +40,7 @@ from multiprocessing.connection import Client, Listener
 import numpy as np
 import torch
 
-from fedproto.training import OptimConfig, Objective, StackedPhase, TrainResult, train_stacked
+from fedproto.training import OptimConfig, TrainResult, train_stacked
 
 CLIENTS_PER_WORKER = 8
 """Auto mode gives each worker at least this many clients of a round (fewer clients do not pay
@@ -210,8 +210,11 @@ class WorkerPool:
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "fedproto.parallel", address, key.hex(), str(threads)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env))
-            listener._listener._socket.settimeout(START_TIMEOUT_S)  # noqa: SLF001 - accept() has no timeout
-            for w in range(n_workers):
+            try:  # Listener.accept() has no timeout of its own: a worker that cannot start must not hang the run
+                listener._listener._socket.settimeout(START_TIMEOUT_S)
+            except AttributeError:  # pragma: no cover - another multiprocessing implementation
+                pass
+            for _ in range(n_workers):
                 try:
                     self._conns.append(listener.accept())
                 except OSError as e:
