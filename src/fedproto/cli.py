@@ -20,12 +20,9 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from fedproto.config import build_config
 from fedproto.errors import FedprotoError
-from fedproto.results import PREVIOUS
 
 HELP_OPTIONS = {"help_option_names": ["--help", "-h"]}
 """-h works like --help in every command."""
@@ -98,7 +95,17 @@ class _RunCommand(click.Command):
 def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
     overrides = {k: v for k, v in fields.items() if v is not None}
-    from fedproto.results import RunDir
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.table import Table
+
+    from fedproto.results import PREVIOUS, RunDir  # here, not at the top: it imports numpy, which --help does not need
     from fedproto.simulation import Simulation, prepare
 
     cfg = build_config(config, overrides)
@@ -233,6 +240,8 @@ def onboard(
     threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
 ):
     """Onboard new clients: train each with the run's global prototypes and without (local only)."""
+    from rich.table import Table
+
     from fedproto.onboarding import onboard as do_onboard
 
     s = do_onboard(run_dir, clients, epochs, seed, data_dir, threads=threads)
