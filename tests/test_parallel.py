@@ -69,6 +69,8 @@ def test_plan_workers_by_cores_and_clients():
     assert plan_workers(0, 64, 10_000) == (64, 1)
     assert plan_workers(0, 1, 20) == (1, 1)  # --threads 1: one process
     assert plan_workers(0, 16, 12) == (1, 16)  # too few clients for two
+    assert plan_workers(0, 2, 20, rounds=9) == (1, 2)  # too short to repay a worker's start
+    assert plan_workers(2, 2, 20, rounds=1) == (2, 1)  # asked for
     # explicit: kept, at least one thread each, never more processes than clients
     assert plan_workers(3, 2, 20) == (3, 1)
     assert plan_workers(4, 16, 20) == (4, 4)
@@ -81,9 +83,10 @@ def test_plan_workers_by_cores_and_clients():
 def test_balanced_parts_split_by_samples():
     sizes = [396, 198, 400, 495, 495, 198, 198, 297, 198, 300, 500, 500, 200, 300, 495, 495, 198, 495, 500, 297]
     parts = _balanced_parts(list(range(20)), sizes, 2)
-    assert parts == [list(range(11)), list(range(11, 20))]
-    assert [sum(sizes[i] for i in p) for p in parts] == [3675, 3480]  # of 7155
+    assert parts == [[0, 1, 5, 8, 10, 13, 14, 17, 18, 19], [2, 3, 4, 6, 7, 9, 11, 12, 15, 16]]
+    assert [sum(sizes[i] for i in p) for p in parts] == [3577, 3578]  # of 7155
     assert _balanced_parts([0, 1, 2], [10, 10, 10], 3) == [[0], [1], [2]]
+    assert _balanced_parts([5, 6, 7, 8], [1, 9, 5, 5], 2) == [[5, 6], [7, 8]]
     assert _balanced_parts([0, 1], [1, 1], 5) == [[0], [1]]  # never an empty part
     assert _balanced_parts([4, 7], [5, 5], 1) == [[4, 7]]
 

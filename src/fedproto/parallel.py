@@ -46,6 +46,10 @@ CLIENTS_PER_WORKER = 8
 """Auto mode gives each worker at least this many clients of a round (fewer clients do not pay
 for a worker's start-up and the per-round messages)."""
 
+MIN_ROUNDS = 10
+"""Auto mode starts workers only for runs of at least this many rounds: a worker's start (about
+1-2 s to import torch) is repaid by a few percent per round on 2 cores."""
+
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start (import torch and connect) before the run stops."""
 
@@ -58,23 +62,26 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def plan_workers(workers: int, threads: int, batched_clients: int, device: str = "cpu") -> tuple[int, int]:
+def plan_workers(workers: int, threads: int, batched_clients: int, device: str = "cpu",
+                 rounds: int = MIN_ROUNDS) -> tuple[int, int]:
     """Worker processes and torch threads per worker for a run.
 
     Args:
         workers: the ``workers`` option (0: auto). threads: the ``threads`` option, the run's CPU
             threads in all (0: every available core). batched_clients: the most clients of one
             architecture trained in a round (batched execution; 0 or 1 when nothing batches).
-        device: the run's device; workers are CPU processes.
+        device: the run's device; workers are CPU processes. rounds: the run's rounds.
     Returns:
         (W, threads per worker). Auto: W = min(threads or cores, batched_clients //
-        :data:`CLIENTS_PER_WORKER`), at least 1; explicit W is kept (1 for a non-CPU device or
-        fewer than 2 batched clients). Threads per worker: (threads or cores) // W, at least 1.
+        :data:`CLIENTS_PER_WORKER`), at least 1, and 1 for runs shorter than :data:`MIN_ROUNDS`;
+        explicit W is kept (1 for a non-CPU device or fewer than 2 batched clients). Threads per
+        worker: (threads or cores) // W, at least 1.
     """
     total = threads or available_cores()
     if not str(device).startswith("cpu") or batched_clients < 2:
         return 1, total
-    w = workers or min(total, batched_clients // CLIENTS_PER_WORKER)
+    auto = min(total, batched_clients // CLIENTS_PER_WORKER) if rounds >= MIN_ROUNDS else 1
+    w = workers or auto
     w = max(1, min(w, batched_clients))
     return w, max(1, total // w)
 

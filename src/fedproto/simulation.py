@@ -97,19 +97,19 @@ def sample_clients(seed: int, round: int, num_clients: int, participation: float
 
 
 def _balanced_parts(members: list[int], sizes: list[int], parts: int) -> list[list[int]]:
-    """``members`` cut into at most ``parts`` contiguous runs of about equal total ``sizes``
-    (training samples), none empty."""
+    """``members`` split into at most ``parts`` parts of about equal total ``sizes`` (training
+    samples), none empty, each in the order of ``members``: the largest first, each to the part
+    with the least so far (longest-processing-time-first)."""
     if parts <= 1 or len(members) <= 1:
-        return [members]
-    total = float(sum(sizes)) or 1.0
-    bounds, acc, k = [], 0.0, 1
-    for j, n in enumerate(sizes[:-1]):
-        acc += n
-        if acc >= total * k / parts and len(bounds) < parts - 1:
-            bounds.append(j + 1)
-            k += 1
-    cuts = [0, *bounds, len(members)]
-    return [members[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        return [list(members)]
+    k = min(parts, len(members))
+    load = [0] * k
+    pos: list[list[int]] = [[] for _ in range(k)]
+    for j in sorted(range(len(members)), key=lambda j: (-sizes[j], j)):
+        p = min(range(k), key=lambda q: (load[q], q))
+        load[p] += sizes[j]
+        pos[p].append(j)
+    return [[members[j] for j in sorted(p)] for p in pos]
 
 
 def client_step(alg: Algorithm, state: ClientState, message: Message, data: ClientData, seed: int,
@@ -325,7 +325,10 @@ class Simulation:
                 continue
             # W parts of about equal sample counts, then chunks: a very wide stack (thousands of
             # clients) outgrows the caches; clients are independent, so neither changes a number
-            parts = _balanced_parts(members, [len(self.setup.data[i].x) for i in members], W)
+            sizes = {i: len(self.setup.data[i].x) for i in members}
+            parts = _balanced_parts(members, [sizes[i] for i in members], W)
+            # the main process, which also prepares, sends and aggregates, takes the lightest part
+            parts.sort(key=lambda p: sum(sizes[i] for i in p))
             n = self.cfg.group_size
             for w, part in enumerate(parts):
                 groups.extend((part[j : j + n], w) for j in range(0, len(part), n))
@@ -337,7 +340,8 @@ class Simulation:
         if self._pool is None and batched_clients >= 2:
             from fedproto.parallel import WorkerPool, plan_workers
 
-            W, threads = plan_workers(self.cfg.workers, self.cfg.threads, batched_clients, str(self.setup.device))
+            W, threads = plan_workers(self.cfg.workers, self.cfg.threads, batched_clients, str(self.setup.device),
+                                      self.cfg.rounds)
             self._worker_threads = threads
             if W > 1:
                 S, D = self.setup.states, self.setup.data
