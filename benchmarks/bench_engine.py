@@ -120,9 +120,11 @@ def worker(args) -> dict:
     times = [r["train_time_s"] for r in sim.history[1:]]  # drop the warm-up round (and the workers' start)
     med = statistics.median(times)
     n_samples = sum(len(d.x) for d in setup.data)
-    t = time.perf_counter()
-    sim.evaluate()
-    eval_s = time.perf_counter() - t
+    eval_s = None
+    if not args.no_eval:
+        t = time.perf_counter()
+        sim.evaluate()
+        eval_s = time.perf_counter() - t
     return {
         "mode": args.mode, "clients": args.clients, "shots": args.shots, "setup_s": setup_s,
         "round_s_median": med, "round_s_all": times, "samples_per_s": n_samples / med,
@@ -175,6 +177,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-eval", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="batched")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--clients", type=int, default=20)
@@ -268,14 +271,16 @@ def main() -> None:
 
     scale = []
     if args.scale:
-        print("\nScaling (batched, default workers, ways 3, shots 5, stdev 0; 10,000 clients share samples: "
-              "--overlap), median of the timed rounds:")
+        W = args.max_workers or cores
+        print(f"\nScaling (batched, {W} process{'es' if W > 1 else ''}, ways 3, shots 5, stdev 0; 10,000 clients share "
+              "samples: --overlap), median of the timed rounds:")
         print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
               "worker) |")
         print("|---|---|---|---|---|")
         for m in [int(x) for x in args.scale.split(",")]:
             r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
-                           overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=0)
+                           overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=W,
+                           no_eval=True)
             scale.append(r)
             print(f"| {m} | {r['train_samples']} | {r['round_s_median']:.3f} | "
                   f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} |")
