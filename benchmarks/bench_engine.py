@@ -99,13 +99,13 @@ def worker(args) -> dict:
         from official_style import official_round_times
 
         r = official_round_times({k: v for k, v in ov.items() if k != "rounds"}, args.rounds + 1, args.threads)
-        times = r["round_s"][1:]
+        times = r["round_times_s"][1:]
         med = statistics.median(times)
         return {"mode": args.mode, "round_s_median": med, "round_s_all": times,
                 "train_samples": r["samples_per_round"], "samples_per_s": r["samples_per_round"] / med,
                 "model_gflops": r["samples_per_round"] * flops / med / 1e9, "eval_s": None,
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "acc_mean": r["acc_mean"], "acc_proto_mean": None}
+                "acc_mean": r["accuracy"], "acc_proto_mean": None}
     ov["execution"] = "sequential" if args.mode == "sequential" else "batched"
     if args.workers:  # else the default (auto; an earlier version may not know the option)
         ov["workers"] = args.workers

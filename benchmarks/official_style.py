@@ -26,9 +26,12 @@ seed, so both start from the same point.
 Where it differs from the official code (all on purpose, so that the work matches fedproto's
 defaults and the timing measures the training loop, not data decoding):
 
-* data: the official loader indexes the torchvision MNIST dataset and applies ``ToTensor`` and
-  ``Normalize`` to a PIL image on every access; here the client tensors are already decoded and
-  normalized (fedproto's copy), so that per-sample cost is not modelled;
+* data: the official loader indexes the torchvision MNIST dataset, which makes a PIL image of
+  each uint8 array and applies ``ToTensor`` and ``Normalize`` on every access. Here (default
+  ``decode=True``) :class:`PerAccessMNIST` does the same per sample (PIL ``Image.fromarray``,
+  /255, normalise) from the uint8 pixels recovered from fedproto's normalised copy (exactly:
+  they round back to the same bytes); ``decode=False`` feeds the normalised tensors instead,
+  leaving that per-sample cost out;
 * last batch: the official loader drops the last partial batch (``drop_last=True``); here it
   follows fedproto's ``drop_last`` (default False: every sample is trained on);
 * loss: the official model returns ``log_softmax`` and uses ``NLLLoss``; here ``cross_entropy``
@@ -55,10 +58,12 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 class OfficialStyleCNN(nn.Module):
@@ -82,10 +87,38 @@ class OfficialStyleCNN(nn.Module):
         return logits, h
 
 
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+class PerAccessMNIST(Dataset):
+    """uint8 MNIST images turned into a normalised (1, 28, 28) float tensor on every access, as
+    torchvision's ``MNIST`` with ``ToTensor()`` + ``Normalize((0.1307,), (0.3081,))`` does
+    (PIL image, /255, normalise). ``pixels``: (n, 28, 28) uint8; ``labels``: (n,) int64."""
+
+    def __init__(self, pixels: np.ndarray, labels: torch.Tensor):
+        self.pixels, self.labels = pixels, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        img = Image.fromarray(self.pixels[i], mode="L")
+        t = torch.from_numpy(np.array(img, dtype=np.uint8)).float().div_(255).unsqueeze(0)
+        return t.sub_(MNIST_MEAN).div_(MNIST_STD), int(self.labels[i])
+
+
+def to_pixels(x: torch.Tensor) -> np.ndarray:
+    """fedproto's normalised MNIST tensor (n, 1, 28, 28) back to its uint8 pixels (n, 28, 28)."""
+    return np.clip(np.rint((x[:, 0].double().numpy() * MNIST_STD + MNIST_MEAN) * 255), 0, 255).astype(np.uint8)
+
+
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_protos: dict[int, torch.Tensor],
-                lam: float, batch_size: int, lr: float, momentum: float, epochs: int, drop_last: bool):
-    """One client's local update. Returns (state_dict, {label: local prototype}, samples trained)."""
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, drop_last=drop_last)
+                lam: float, batch_size: int, lr: float, momentum: float, epochs: int, drop_last: bool,
+                pixels: np.ndarray | None = None):
+    """One client's local update. Returns (state_dict, {label: local prototype}, samples trained).
+    With ``pixels`` the loader decodes each sample on access (:class:`PerAccessMNIST`)."""
+    ds = PerAccessMNIST(pixels, y) if pixels is not None else TensorDataset(x, y)
+    loader = DataLoader(ds, batch_size=batch_size, shuffle=True, drop_last=drop_last)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     model.train()
     collected: dict[int, list[torch.Tensor]] = {}
@@ -130,7 +163,8 @@ def classifier_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> f
     return float((model(x)[0].argmax(1) == y).float().mean())
 
 
-def official_round_times(cfg_overrides: dict | None = None, rounds: int = 3, threads: int | None = 1) -> dict:
+def official_round_times(cfg_overrides: dict | None = None, rounds: int = 3, threads: int | None = 1,
+                         decode: bool = True) -> dict:
     """Run ``rounds`` official-style rounds on fedproto's own clients for the config
     ``build_config(overrides=cfg_overrides)`` (default: the paper's MNIST setting).
 
@@ -138,6 +172,7 @@ def official_round_times(cfg_overrides: dict | None = None, rounds: int = 3, thr
     ``samples_per_round`` (training samples passed through the models per round, all clients),
     ``clients``, ``accuracy`` (mean over clients of the classifier accuracy on each client's own
     test samples after the last round), ``accuracy_std`` and ``accuracy_per_client``.
+    ``decode``: decode each MNIST sample on access as the official loader does (:class:`PerAccessMNIST`).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -161,14 +196,15 @@ def official_round_times(cfg_overrides: dict | None = None, rounds: int = 3, thr
         models.append(ref)
     data = setup.data
     lam = cfg.lam
+    pixels = [to_pixels(d.x) if decode and cfg.dataset == "mnist" else None for d in data]
     global_protos: dict[int, torch.Tensor] = {}
     times, samples = [], []
     for _ in range(rounds):
         t = time.perf_counter()
         weights, local_protos, seen = [], [], 0
-        for model, d in zip(models, data):
+        for model, d, px in zip(models, data, pixels):
             w, protos, n = local_train(copy.deepcopy(model), d.x, d.y, global_protos, lam, cfg.batch_size,
-                                       cfg.lr, cfg.momentum, cfg.local_epochs, cfg.drop_last)
+                                       cfg.lr, cfg.momentum, cfg.local_epochs, cfg.drop_last, px)
             weights.append(w)
             local_protos.append(protos)
             seen += n
