@@ -130,7 +130,7 @@ def worker(args) -> dict:
         "round_s_median": med, "round_s_all": times, "samples_per_s": n_samples / med,
         "train_samples": n_samples, "eval_s": eval_s, "model_gflops": n_samples * flops / med / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+        "workers_peak_rss_mb": getattr(sim, "worker_peak_rss_mb", 0.0),
         "acc_mean": sim.history[-1].get("acc_mean"), "acc_proto_mean": sim.history[-1].get("acc_proto_mean"),
     }
 
@@ -191,6 +191,7 @@ def main() -> None:
     p.add_argument("--before", default=None, help="source tree (its src/ folder) of an earlier version: adds "
                    "its batched mode to the table")
     p.add_argument("--no-official", action="store_true", help="skip the official-style loop")
+    p.add_argument("--scale-only", action="store_true", help="only the scaling table")
     p.add_argument("--full-run", action="store_true", help="also time a full default `fedproto run`")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--scale", default="100,1000,10000", help="client counts for the scaling table ('' to skip)")
@@ -212,62 +213,65 @@ def main() -> None:
         if os.path.exists("/proc/cpuinfo") else "?"
     print(f"machine: {cpu}, {cores} cores; torch {torch.__version__}, {threads} threads; "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")
-    modes: list[tuple[str, dict]] = []
-    if not args.no_official:
-        modes.append(("official-style", dict(mode="official-style")))
-    modes.append(("sequential", dict(mode="sequential")))
-    if args.before:
-        modes.append(("batched (before)", dict(mode="batched", src=args.before)))
-    modes.append(("batched", dict(mode="batched", workers=1)))
-    for w in range(2, (args.max_workers or cores) + 1):
-        modes.append((f"batched, {w} workers", dict(mode="batched", workers=w)))
-    runs: dict[str, list[dict]] = {name: [] for name, _ in modes}
-    for _ in range(args.repeats):
-        for name, kw in modes:
-            kw = dict(kw)
-            src = kw.pop("src", None)
-            runs[name].append(run_worker(src=src, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
-                                         threads=threads, **kw))
-    rows = []
-    for name, rs in runs.items():
-        r = dict(rs[0], mode=name)
-        r["round_s_all"] = [t for x in rs for t in x["round_s_all"]]
-        r["round_s_median"] = statistics.median(r["round_s_all"])
-        r["samples_per_s"] = r["train_samples"] / r["round_s_median"]
-        r["model_gflops"] = rs[0]["model_gflops"] * rs[0]["round_s_median"] / r["round_s_median"]
-        r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in rs)
-        rows.append(r)
-    ref = {r["mode"]: r["round_s_median"] for r in rows}
-    base = ref.get("batched (before)", ref["batched"])
-    print(f"\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), {threads} threads per run, median of "
-          f"{args.repeats} x {args.rounds} rounds (after 1 warm-up round each, modes alternating):")
-    cols = ["official-style", "sequential", "batched (before)" if args.before else "batched"]
-    print("| mode | s/round | samples/s | " + " | ".join(f"speed-up over {c}" for c in cols if c in ref)
-          + f" | model GFLOP/s | % of matmul | peak RSS MB | acc % after {args.rounds + 1} rounds |")
-    print("|---" * (6 + sum(c in ref for c in cols)) + "|")
-    for r in rows:
-        ups = " | ".join(f"{ref[c] / r['round_s_median']:.2f}x" for c in cols if c in ref)
-        rss = f"{r['peak_rss_mb']:.0f}" + (f" + {r['workers_peak_rss_mb']:.0f}" if r.get("workers_peak_rss_mb") else "")
-        print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | {ups} | "
-              f"{r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | {rss} | "
-              f"{100 * r['acc_mean']:.2f} |")
-    best = min((r for r in rows if r["mode"].startswith("batched") and "before" not in r["mode"]),
-               key=lambda r: r["round_s_median"])
-    print(f"\nfastest: {best['mode']}, {base / best['round_s_median']:.2f}x the "
-          f"{'earlier version' if args.before else 'one-process'} batched engine")
+    rows, prof, full = [], None, None
+    if not args.scale_only:
+        modes: list[tuple[str, dict]] = []
+        if not args.no_official:
+            modes.append(("official-style", dict(mode="official-style")))
+        modes.append(("sequential", dict(mode="sequential")))
+        if args.before:
+            modes.append(("batched (before)", dict(mode="batched", src=args.before)))
+        modes.append(("batched", dict(mode="batched", workers=1)))
+        for w in range(2, (args.max_workers or cores) + 1):
+            modes.append((f"batched, {w} workers", dict(mode="batched", workers=w)))
+        runs: dict[str, list[dict]] = {name: [] for name, _ in modes}
+        for _ in range(args.repeats):
+            for name, kw in modes:
+                kw = dict(kw)
+                src = kw.pop("src", None)
+                runs[name].append(run_worker(src=src, clients=20, shots=100, rounds=args.rounds, data_dir=args.data_dir,
+                                             threads=threads, **kw))
+        rows = []
+        for name, rs in runs.items():
+            r = dict(rs[0], mode=name)
+            r["round_s_all"] = [t for x in rs for t in x["round_s_all"]]
+            r["round_s_median"] = statistics.median(r["round_s_all"])
+            r["samples_per_s"] = r["train_samples"] / r["round_s_median"]
+            r["model_gflops"] = rs[0]["model_gflops"] * rs[0]["round_s_median"] / r["round_s_median"]
+            r["peak_rss_mb"] = max(x["peak_rss_mb"] for x in rs)
+            rows.append(r)
+        ref = {r["mode"]: r["round_s_median"] for r in rows}
+        base = ref.get("batched (before)", ref["batched"])
+        print(f"\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), {threads} threads per run, "
+              f"median of {args.repeats} x {args.rounds} rounds (after 1 warm-up round each, modes alternating):")
+        cols = ["official-style", "sequential", "batched (before)" if args.before else "batched"]
+        print("| mode | s/round | samples/s | " + " | ".join(f"speed-up over {c}" for c in cols if c in ref)
+              + f" | model GFLOP/s | % of matmul | peak RSS MB | acc % after {args.rounds + 1} rounds |")
+        print("|---" * (6 + sum(c in ref for c in cols)) + "|")
+        for r in rows:
+            ups = " | ".join(f"{ref[c] / r['round_s_median']:.2f}x" for c in cols if c in ref)
+            wk = r.get("workers_peak_rss_mb")
+            rss = f"{r['peak_rss_mb']:.0f}" + (f" + {wk:.0f}" if wk else "")
+            print(f"| {r['mode']} | {r['round_s_median']:.3f} | {r['samples_per_s']:.0f} | {ups} | "
+                  f"{r['model_gflops']:.2f} | {100 * r['model_gflops'] / gf:.1f}% | {rss} | "
+                  f"{100 * r['acc_mean']:.2f} |")
+        best = min((r for r in rows if r["mode"].startswith("batched") and "before" not in r["mode"]),
+                   key=lambda r: r["round_s_median"])
+        print(f"\nfastest: {best['mode']}, {base / best['round_s_median']:.2f}x the "
+              f"{'earlier version' if args.before else 'one-process'} batched engine")
 
-    prof = run_worker(mode="batched", workers=1, clients=20, shots=100, rounds=1, data_dir=args.data_dir,
-                      threads=threads, profile=True)["profile"]
-    print("\nWhere a round of the batched engine spends its time (torch profiler, self CPU, one process):")
-    print("| op | share | calls |\n|---|---|---|")
-    for e in prof:
-        print(f"| {e['name']} | {100 * e['share']:.1f}% | {e['calls']} |")
+        prof = run_worker(mode="batched", workers=1, clients=20, shots=100, rounds=1, data_dir=args.data_dir,
+                          threads=threads, profile=True)["profile"]
+        print("\nWhere a round of the batched engine spends its time (torch profiler, self CPU, one process):")
+        print("| op | share | calls |\n|---|---|---|")
+        for e in prof:
+            print(f"| {e['name']} | {100 * e['share']:.1f}% | {e['calls']} |")
 
-    full = None
-    if args.full_run:
-        full = full_run(args.threads)
-        print(f"\nfull default `fedproto run` (100 rounds, evaluation every 10): {full:.1f} s wall "
-              f"(float32 matmul {gf:.0f} GFLOP/s on this machine)")
+        full = None
+        if args.full_run:
+            full = full_run(args.threads)
+            print(f"\nfull default `fedproto run` (100 rounds, evaluation every 10): {full:.1f} s wall "
+                  f"(float32 matmul {gf:.0f} GFLOP/s on this machine)")
 
     scale = []
     if args.scale:

@@ -303,6 +303,20 @@ class WorkerPool:
                 out.append(f"--- worker {w + 1} ---\n{text}")
         return "\n".join(out) or "(no output)"
 
+    def worker_peak_rss_mb(self) -> float:
+        """The largest peak resident memory of a worker so far (MB; Linux ``VmHWM``, counting the
+        shared blocks it touched; 0 where unknown)."""
+        peak = 0.0
+        for p in self._procs:
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmHWM:"):
+                            peak = max(peak, int(line.split()[1]) / 1024)
+            except (OSError, ValueError):
+                pass
+        return peak
+
     def close(self) -> None:
         """Stop the workers and free the shared memory (safe to call twice)."""
         for c in self._conns:

@@ -354,8 +354,10 @@ class Simulation:
         return self._pool.n_workers + 1 if self._pool else 1
 
     def close(self) -> None:
-        """Stop this simulation's worker processes, if any (:meth:`run` does so when it ends)."""
+        """Stop this simulation's worker processes, if any (:meth:`run` does so when it ends);
+        ``worker_peak_rss_mb`` keeps their largest peak resident memory."""
         if self._pool:
+            self.worker_peak_rss_mb = self._pool.worker_peak_rss_mb()
             self._pool.close()
         self._pool = None
 
