@@ -74,11 +74,11 @@ def plan_workers(workers: int, threads: int, batched_clients: int, device: str =
     Returns:
         (W, threads per worker). Auto: W = min(threads or cores, batched_clients //
         :data:`CLIENTS_PER_WORKER`), at least 1, and 1 for runs shorter than :data:`MIN_ROUNDS`;
-        explicit W is kept (1 for a non-CPU device or fewer than 2 batched clients). Threads per
+        explicit W is kept (1 for a non-CPU device, fewer than 2 batched clients, or Windows). Threads per
         worker: (threads or cores) // W, at least 1.
     """
     total = threads or available_cores()
-    if not str(device).startswith("cpu") or batched_clients < 2:
+    if not str(device).startswith("cpu") or batched_clients < 2 or os.name == "nt":  # (no AF_UNIX sockets)
         return 1, total
     auto = min(total, batched_clients // CLIENTS_PER_WORKER) if rounds >= MIN_ROUNDS else 1
     w = workers or auto
