@@ -247,7 +247,7 @@ def main() -> None:
         cols = ["official-style", "sequential", "batched (before)" if args.before else "batched"]
         print("| mode | s/round | samples/s | " + " | ".join(f"speed-up over {c}" for c in cols if c in ref)
               + f" | model GFLOP/s | % of matmul | peak RSS MB | acc % after {args.rounds + 1} rounds |")
-        print("|---" * (6 + sum(c in ref for c in cols)) + "|")
+        print("|---" * (7 + sum(c in ref for c in cols)) + "|")
         for r in rows:
             ups = " | ".join(f"{ref[c] / r['round_s_median']:.2f}x" for c in cols if c in ref)
             wk = r.get("workers_peak_rss_mb")

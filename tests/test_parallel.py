@@ -11,7 +11,7 @@ from conftest import flat_weights, float64_sim
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
 from fedproto.models.cnn import PaperCNN
-from fedproto.parallel import CLIENTS_PER_WORKER, WorkerPool, plan_workers
+from fedproto.parallel import CLIENTS_PER_WORKER, THREADS_PER_WORKER, WorkerPool, plan_workers
 from fedproto.simulation import Simulation, _balanced_parts
 from fedproto.training import Objective, OptimConfig, Phase
 
@@ -62,14 +62,15 @@ def test_workers_float32_same_accuracy():
 
 
 def test_plan_workers_by_cores_and_clients():
-    # auto: at most one worker per CLIENTS_PER_WORKER clients, at most one per thread
-    assert CLIENTS_PER_WORKER == 8
-    assert plan_workers(0, 2, 20) == (2, 1)
+    # auto: one process per THREADS_PER_WORKER threads and per CLIENTS_PER_WORKER clients
+    assert (CLIENTS_PER_WORKER, THREADS_PER_WORKER) == (8, 2)
+    assert plan_workers(0, 2, 20) == (1, 2)  # a 2-core machine: one process
+    assert plan_workers(0, 4, 20) == (2, 2)
     assert plan_workers(0, 16, 20) == (2, 8)
-    assert plan_workers(0, 64, 10_000) == (64, 1)
+    assert plan_workers(0, 64, 10_000) == (32, 2)
     assert plan_workers(0, 1, 20) == (1, 1)  # --threads 1: one process
     assert plan_workers(0, 16, 12) == (1, 16)  # too few clients for two
-    assert plan_workers(0, 2, 20, rounds=9) == (1, 2)  # too short to repay a worker's start
+    assert plan_workers(0, 8, 40, rounds=9) == (1, 8)  # too short to repay a worker's start
     assert plan_workers(2, 2, 20, rounds=1) == (2, 1)  # asked for
     # explicit: kept, at least one thread each, never more processes than clients
     assert plan_workers(3, 2, 20) == (3, 1)

@@ -43,12 +43,18 @@ import torch
 from fedproto.training import OptimConfig, TrainResult, train_stacked
 
 CLIENTS_PER_WORKER = 8
-"""Auto mode gives each worker at least this many clients of a round (fewer clients do not pay
+"""Auto mode gives each process at least this many clients of a round (fewer clients do not pay
 for a worker's start-up and the per-round messages)."""
 
+THREADS_PER_WORKER = 2
+"""Auto mode gives each process this many threads: on the 2-core development machines two threads
+of one process trained the grouped step 1.7x faster than one thread, and two one-thread processes
+were no faster than one two-thread process (docs/benchmarks.md), so processes are for machines
+with more cores than one process's threads use well (not measured: no such machine was at hand)."""
+
 MIN_ROUNDS = 10
-"""Auto mode starts workers only for runs of at least this many rounds: a worker's start (about
-1-2 s to import torch) is repaid by a few percent per round on 2 cores."""
+"""Auto mode starts workers only for runs of at least this many rounds (a worker takes about 1-2 s
+to start: it imports torch)."""
 
 START_TIMEOUT_S = 120.0
 """Seconds a worker may take to start (import torch and connect) before the run stops."""
@@ -72,15 +78,16 @@ def plan_workers(workers: int, threads: int, batched_clients: int, device: str =
             architecture trained in a round (batched execution; 0 or 1 when nothing batches).
         device: the run's device; workers are CPU processes. rounds: the run's rounds.
     Returns:
-        (W, threads per worker). Auto: W = min(threads or cores, batched_clients //
-        :data:`CLIENTS_PER_WORKER`), at least 1, and 1 for runs shorter than :data:`MIN_ROUNDS`;
+        (W, threads per worker). Auto: W = min((threads or cores) // :data:`THREADS_PER_WORKER`,
+        batched_clients // :data:`CLIENTS_PER_WORKER`), at least 1, and 1 for runs shorter than
+        :data:`MIN_ROUNDS`;
         explicit W is kept (1 for a non-CPU device, fewer than 2 batched clients, or Windows). Threads per
         worker: (threads or cores) // W, at least 1.
     """
     total = threads or available_cores()
     if not str(device).startswith("cpu") or batched_clients < 2 or os.name == "nt":  # (no AF_UNIX sockets)
         return 1, total
-    auto = min(total, batched_clients // CLIENTS_PER_WORKER) if rounds >= MIN_ROUNDS else 1
+    auto = min(total // THREADS_PER_WORKER, batched_clients // CLIENTS_PER_WORKER) if rounds >= MIN_ROUNDS else 1
     w = workers or auto
     w = max(1, min(w, batched_clients))
     return w, max(1, total // w)
