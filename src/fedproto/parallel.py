@@ -170,7 +170,8 @@ class WorkerPool:
 
     Args:
         models: client id -> model of every client that may be trained batched (CPU).
-        data_x, data_y: client id -> (n_i, Cin, H, W) training inputs and (n_i,) labels.
+        data_x: client id -> (n_i, Cin, H, W) training inputs.
+        data_y: client id -> (n_i,) labels.
         n_workers: worker processes to start (the main process is not counted).
         threads: torch threads of each worker.
     Raises:
