@@ -178,16 +178,16 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-eval", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", default="batched")
-    p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--clients", type=int, default=20)
-    p.add_argument("--shots", type=int, default=100)
-    p.add_argument("--stdev", type=int, default=None)
-    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--mode", default="batched", help=argparse.SUPPRESS)  # the options of one measured run
+    p.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--clients", type=int, default=20, help=argparse.SUPPRESS)
+    p.add_argument("--shots", type=int, default=100, help=argparse.SUPPRESS)
+    p.add_argument("--stdev", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round (default 5)")
     p.add_argument("--threads", type=int, default=0, help="threads of each run in all (default: every core)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs per mode (default 2)")
-    p.add_argument("--max-workers", type=int, default=0, help="largest worker count measured (default: cores)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs per mode (default 3)")
+    p.add_argument("--max-workers", type=int, default=0, help="largest worker count measured (default: threads)")
     p.add_argument("--before", default=None, help="source tree (its src/ folder) of an earlier version: adds "
                    "its batched mode to the table")
     p.add_argument("--no-official", action="store_true", help="skip the official-style loop")
@@ -211,7 +211,12 @@ def main() -> None:
     gf = matmul_gflops()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else "?"
-    print(f"machine: {cpu}, {cores} cores; torch {torch.__version__}, {threads} threads; "
+    if args.repeats < 1 or args.rounds < 1:
+        p.error("--repeats and --rounds must be at least 1")
+    if args.before and not (Path(args.before) / "fedproto").is_dir():
+        p.error(f"--before {args.before}: no fedproto package there; give the src/ folder of a checkout "
+                "(git worktree add /tmp/before <commit>; --before /tmp/before/src)")
+    print(f"machine: {cpu}, {cores} cores; torch {torch.__version__}, {threads} thread{'s' if threads > 1 else ''}; "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")
     rows, prof, full = [], None, None
     if not args.scale_only:
@@ -222,7 +227,7 @@ def main() -> None:
         if args.before:
             modes.append(("batched (before)", dict(mode="batched", src=args.before)))
         modes.append(("batched", dict(mode="batched", workers=1)))
-        for w in range(2, (args.max_workers or cores) + 1):
+        for w in range(2, min(args.max_workers or threads, threads) + 1):  # a process needs a thread
             modes.append((f"batched, {w} workers", dict(mode="batched", workers=w)))
         runs: dict[str, list[dict]] = {name: [] for name, _ in modes}
         for _ in range(args.repeats):
@@ -242,7 +247,8 @@ def main() -> None:
             rows.append(r)
         ref = {r["mode"]: r["round_s_median"] for r in rows}
         base = ref.get("batched (before)", ref["batched"])
-        print(f"\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), {threads} threads per run, "
+        unit = "thread" if threads == 1 else "threads"
+        print(f"\nDefault MNIST FedProto (20 clients, ways 3, shots 100, batch 8), {threads} {unit} per run, "
               f"median of {args.repeats} x {args.rounds} rounds (after 1 warm-up round each, modes alternating):")
         cols = ["official-style", "sequential", "batched (before)" if args.before else "batched"]
         print("| mode | s/round | samples/s | " + " | ".join(f"speed-up over {c}" for c in cols if c in ref)
@@ -257,8 +263,8 @@ def main() -> None:
                   f"{100 * r['acc_mean']:.2f} |")
         best = min((r for r in rows if r["mode"].startswith("batched") and "before" not in r["mode"]),
                    key=lambda r: r["round_s_median"])
-        print(f"\nfastest: {best['mode']}, {base / best['round_s_median']:.2f}x the "
-              f"{'earlier version' if args.before else 'one-process'} batched engine")
+        print(f"\nfastest batched mode: {best['mode']}, {base / best['round_s_median']:.2f}x "
+              f"{'the earlier version' if args.before else 'the one-process batched engine'}")
 
         prof = run_worker(mode="batched", workers=1, clients=20, shots=100, rounds=1, data_dir=args.data_dir,
                           threads=threads, profile=True)["profile"]
@@ -275,13 +281,15 @@ def main() -> None:
 
     scale = []
     if args.scale:
-        W = args.max_workers or cores
-        print(f"\nScaling (batched, {W} process{'es' if W > 1 else ''}, ways 3, shots 5, stdev 0; 10,000 clients share "
-              "samples: --overlap), median of the timed rounds:")
+        W = min(args.max_workers or threads, threads)
+        sizes = [int(x) for x in args.scale.split(",")]
+        shared = "; runs over 3,333 clients share samples: --overlap" if max(sizes) * 15 > 50_000 else ""
+        print(f"\nScaling (batched, {W} process{'es' if W > 1 else ''}, ways 3, shots 5, stdev 0{shared}), median of "
+              "the timed rounds:")
         print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
               "worker) |")
         print("|---|---|---|---|---|")
-        for m in [int(x) for x in args.scale.split(",")]:
+        for m in sizes:
             r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
                            overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=W,
                            no_eval=True)

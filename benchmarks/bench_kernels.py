@@ -18,7 +18,8 @@ a faster variant is also an exact one.
 * ``no-page-faults``: the engine in a process whose allocator keeps freed memory
   (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``): large temporaries stop costing page
   faults and kernel zeroing.
-* ``compile``: ``torch.compile`` of the step (skipped where no C++ compiler is found).
+* ``compile`` (only with ``--compile``): ``torch.compile`` of the step (reported as not measured
+  where no C++ compiler is found).
 
     python benchmarks/bench_kernels.py                 # G 20, B 8, threads: all cores
     python benchmarks/bench_kernels.py --threads 1 --groups 10

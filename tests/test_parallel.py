@@ -11,7 +11,7 @@ from conftest import flat_weights, float64_sim
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
 from fedproto.models.cnn import PaperCNN
-from fedproto.parallel import CLIENTS_PER_WORKER, THREADS_PER_WORKER, WorkerPool, plan_workers
+from fedproto.parallel import CLIENTS_PER_WORKER, THREADS_PER_WORKER, WorkerPool, _Blocks, plan_workers
 from fedproto.simulation import Simulation, _balanced_parts
 from fedproto.training import Objective, OptimConfig, Phase
 
@@ -20,17 +20,21 @@ BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=1
             eval_every=0, lr=0.05, threads=2, execution="batched")
 
 
-def _shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 @pytest.mark.parametrize("algorithm", ["fedproto", "fedprox", "fedrep"])
-def test_workers_match_one_process_float64(algorithm):
+def test_workers_match_one_process_float64(algorithm, monkeypatch):
     """In float64, 2 processes (main + 1 worker) give the one-process weights within 1e-12
     relative and the same accuracies: the split only changes which process trains a client.
     FedProto exercises the prototype objective, FedProx the stacked reference weights, FedRep
     phases that train part of the model (closures made picklable)."""
-    before = _shm_names()
+    created = []
+    new = _Blocks.new
+
+    def recording_new(self, t):
+        spec, view = new(self, t)
+        created.append(spec.name)
+        return spec, view
+
+    monkeypatch.setattr(_Blocks, "new", recording_new)
     weights, accs = {}, {}
     for workers in (1, 2):
         sim = float64_sim(build_config(overrides={**BASE, "algorithm": algorithm, "workers": workers}))
@@ -45,7 +49,8 @@ def test_workers_match_one_process_float64(algorithm):
     # the clients really trained (weights moved from their start) on both paths
     start = flat_weights(float64_sim(build_config(overrides={**BASE, "algorithm": algorithm})))
     assert min((a - s).norm().item() for a, s in zip(weights[2], start)) > 1e-3
-    assert _shm_names() <= before  # shared memory freed
+    assert len(created) >= 10  # inputs, labels and 8 stacked weights
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in created)  # shared memory freed
 
 
 def test_workers_float32_same_accuracy():
@@ -55,6 +60,7 @@ def test_workers_float32_same_accuracy():
     for workers in (1, 2):
         sim = Simulation(build_config(overrides={**BASE, "workers": workers}), out=False)
         summary = sim.run()
+        assert summary["processes"] == workers
         out[workers] = (flat_weights(sim), summary["accuracy"]["acc"]["mean"])
     worst = max(((a - b).norm() / b.norm()).item() for a, b in zip(out[2][0], out[1][0]))
     assert worst < 1e-4
@@ -93,6 +99,9 @@ def test_balanced_parts_split_by_samples():
 
 
 def test_workers_refused_where_they_cannot_act():
+    with pytest.raises(ConfigError, match="needs a thread per process") as e:
+        build_config(overrides={**BASE, "threads": 1, "workers": 2})
+    assert "use workers=1 or fewer, or raise threads to 2 or more" in str(e.value)
     for bad, word in ((dict(execution="sequential"), "sequential"), (dict(dp="full"), "DP-SGD"),
                       (dict(device="cuda"), "cuda")):
         with pytest.raises(ConfigError, match=word) as e:

@@ -207,7 +207,8 @@ class RunConfig(BaseModel):
     threads: int = Field(0, ge=0, le=1024, description="CPU threads of the run in all, shared by its worker "
                          "processes (0: torch's default, one per core)")
     workers: int = Field(0, ge=0, le=1024, description="Processes that train batched client groups in parallel, "
-                         "the main one included (0: auto, by core count and clients; 1: one process)")
+                         "the main one included (0: auto: one per 2 threads and per 8 clients of a round, for runs "
+                         "of 10 rounds or more; 1: one process)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$",
                         description="Where clients train: auto | cpu | cuda | cuda:N | mps (auto: the first "
                         "CUDA GPU if torch sees one)")
@@ -329,6 +330,11 @@ class RunConfig(BaseModel):
                                   f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
                                   value=self.distance,
                                   hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
+        if self.workers > 1 and self.threads and self.workers > self.threads:
+            raise ConfigError(f"{opt('workers', self.workers)} needs a thread per process, and "
+                              f"{opt('threads', self.threads)} is the run's budget in all", option="workers",
+                              value=self.workers, hint=f"use {opt('workers', self.threads)} or fewer, or raise "
+                              f"{opt('threads')} to {self.workers} or more")
         if self.workers > 1:
             where = ("sequential execution" if self.execution == "sequential"
                      else f"{opt('dp', 'full')} (DP-SGD trains one client at a time)" if self.dp == "full"

@@ -305,6 +305,7 @@ class Simulation:
     # -------------------------------------------------------------------------------------------
     _pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
     _worker_threads = 1
+    _processes = 1  # processes that trained the batched groups (summary.json: processes)
 
     def _groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
@@ -343,6 +344,7 @@ class Simulation:
             W, threads = plan_workers(self.cfg.workers, self.cfg.threads, batched_clients, str(self.setup.device),
                                       self.cfg.rounds)
             self._worker_threads = threads
+            self._processes = W
             if W > 1:
                 S, D = self.setup.states, self.setup.data
                 ok = [i for i in range(len(S)) if isinstance(D[i].x, torch.Tensor) and can_batch([S[i].model])]
@@ -816,6 +818,7 @@ class Simulation:
             "wall_time_s": wall,
             "train_time_s": train_time,
             "execution": cfg.execution,
+            "processes": self._processes,
         }
         scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
         if scored < len(per_client):  # clients whose node did not answer the evaluation (Flower)
