@@ -156,8 +156,11 @@ def run_worker(src: str | None = None, **kw) -> dict:
         env["PYTHONPATH"] = str(Path(src).resolve())
     cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                                                     for k, v in kw.items() if v is not None and v is not False]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode:
+        sys.exit(f"error: the benchmark run {' '.join(cmd[2:])} failed (exit code {run.returncode}):\n"
+                 f"{run.stderr.strip()[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def full_run(threads: int) -> float:
@@ -173,6 +176,18 @@ def full_run(threads: int) -> float:
         return time.perf_counter() - t
 
 
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -184,9 +199,9 @@ def main() -> None:
     p.add_argument("--shots", type=int, default=100)
     p.add_argument("--stdev", type=int, default=None)
     p.add_argument("--overlap", action="store_true")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round (default 5)")
+    p.add_argument("--rounds", type=positive, default=5, help="timed rounds after one warm-up round (default 5)")
     p.add_argument("--threads", type=int, default=0, help="threads of each run in all (default: every core)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs per mode (default 2)")
+    p.add_argument("--repeats", type=positive, default=2, help="alternating runs per mode (default 2)")
     p.add_argument("--max-workers", type=int, default=0, help="largest worker count measured (default: cores)")
     p.add_argument("--before", default=None, help="source tree (its src/ folder) of an earlier version: adds "
                    "its batched mode to the table")
@@ -197,6 +212,17 @@ def main() -> None:
     p.add_argument("--scale", default="100,1000,10000", help="client counts for the scaling table ('' to skip)")
     p.add_argument("--json", default=None, help="also write all results to this file")
     args = p.parse_args()
+    if args.before and not (Path(args.before) / "fedproto" / "__init__.py").is_file():
+        p.error(f"--before {args.before}: no fedproto package there; give the src/ folder of the earlier checkout "
+                "(e.g. /tmp/before/src)")  # else the installed fedproto would be measured as 'before'
+    try:
+        args.scale_clients = [int(x) for x in args.scale.split(",")] if args.scale else []
+    except ValueError:
+        p.error(f"--scale {args.scale!r}: give client counts separated by commas (e.g. 100,1000), or '' to skip")
+    if any(m < 2 for m in args.scale_clients):
+        p.error(f"--scale {args.scale!r}: each client count must be at least 2")
+    if args.max_workers < 0:
+        p.error(f"--max-workers {args.max_workers}: give 1 or more (0: every core)")
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -281,7 +307,7 @@ def main() -> None:
         print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
               "worker) |")
         print("|---|---|---|---|---|")
-        for m in [int(x) for x in args.scale.split(",")]:
+        for m in args.scale_clients:
             r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
                            overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=W,
                            no_eval=True)
