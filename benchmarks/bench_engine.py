@@ -156,8 +156,11 @@ def run_worker(src: str | None = None, **kw) -> dict:
         env["PYTHONPATH"] = str(Path(src).resolve())
     cmd = [sys.executable, __file__, "--worker"] + [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
                                                     for k, v in kw.items() if v is not None and v is not False]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode:
+        sys.exit(f"error: the benchmark run {' '.join(cmd[2:])} failed (exit code {run.returncode}):\n"
+                 f"{run.stderr.strip()[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def full_run(threads: int) -> float:
@@ -173,6 +176,18 @@ def full_run(threads: int) -> float:
         return time.perf_counter() - t
 
 
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -184,9 +199,9 @@ def main() -> None:
     p.add_argument("--shots", type=int, default=100, help=argparse.SUPPRESS)
     p.add_argument("--stdev", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round (default 5)")
+    p.add_argument("--rounds", type=positive, default=5, help="timed rounds after one warm-up round (default 5)")
     p.add_argument("--threads", type=int, default=0, help="threads of each run in all (default: every core)")
-    p.add_argument("--repeats", type=int, default=3, help="alternating runs per mode (default 3)")
+    p.add_argument("--repeats", type=positive, default=3, help="alternating runs per mode (default 3)")
     p.add_argument("--max-workers", type=int, default=0, help="largest worker count measured (default: threads)")
     p.add_argument("--before", default=None, help="source tree (its src/ folder) of an earlier version: adds "
                    "its batched mode to the table")
@@ -197,6 +212,17 @@ def main() -> None:
     p.add_argument("--scale", default="100,1000,10000", help="client counts for the scaling table ('' to skip)")
     p.add_argument("--json", default=None, help="also write all results to this file")
     args = p.parse_args()
+    if args.before and not (Path(args.before) / "fedproto" / "__init__.py").is_file():
+        p.error(f"--before {args.before}: no fedproto package there; give the src/ folder of the earlier checkout "
+                "(e.g. /tmp/before/src)")  # else the installed fedproto would be measured as 'before'
+    try:
+        args.scale_clients = [int(x) for x in args.scale.split(",")] if args.scale else []
+    except ValueError:
+        p.error(f"--scale {args.scale!r}: give client counts separated by commas (e.g. 100,1000), or '' to skip")
+    if any(m < 2 for m in args.scale_clients):
+        p.error(f"--scale {args.scale!r}: each client count must be at least 2")
+    if args.max_workers < 0:
+        p.error(f"--max-workers {args.max_workers}: give 1 or more (0: every core)")
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -211,11 +237,6 @@ def main() -> None:
     gf = matmul_gflops()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?") \
         if os.path.exists("/proc/cpuinfo") else "?"
-    if args.repeats < 1 or args.rounds < 1:
-        p.error("--repeats and --rounds must be at least 1")
-    if args.before and not (Path(args.before) / "fedproto").is_dir():
-        p.error(f"--before {args.before}: no fedproto package there; give the src/ folder of a checkout "
-                "(git worktree add /tmp/before <commit>; --before /tmp/before/src)")
     print(f"machine: {cpu}, {cores} cores; torch {torch.__version__}, {threads} thread{'s' if threads > 1 else ''}; "
           f"float32 matmul 1024^3: {gf:.1f} GFLOP/s (median of 20)")
     rows, prof, full = [], None, None
@@ -282,7 +303,7 @@ def main() -> None:
     scale = []
     if args.scale:
         W = min(args.max_workers or threads, threads)
-        sizes = [int(x) for x in args.scale.split(",")]
+        sizes = args.scale_clients
         shared = "; runs over 3,333 clients share samples: --overlap" if max(sizes) * 15 > 50_000 else ""
         print(f"\nScaling (batched, {W} process{'es' if W > 1 else ''}, ways 3, shots 5, stdev 0{shared}), median of "
               "the timed rounds:")

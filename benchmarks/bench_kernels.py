@@ -163,13 +163,25 @@ def measure(name: str, G: int, B: int, n: int) -> float:
     return time_step(step, n)
 
 
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=20, help="clients G (default 20)")
-    p.add_argument("--batch", type=int, default=8, help="samples per client B (default 8)")
+    p.add_argument("--groups", type=positive, default=20, help="clients G (default 20)")
+    p.add_argument("--batch", type=positive, default=8, help="samples per client B (default 8)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--steps", type=int, default=60, help="timed steps per measurement (default 60)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=positive, default=60, help="timed steps per measurement (default 60)")
+    p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--compile", action="store_true", help="also try torch.compile (needs a C++ compiler)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)

@@ -61,9 +61,21 @@ def top_imports(cmd: list[str], repeats: int, n: int = 8) -> list[tuple[str, flo
     return sorted(rows, key=lambda r: -r[1])[:n]
 
 
+
+def positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is less than 1")
+    return n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per command (default 5)")
+    p.add_argument("--repeats", type=positive, default=5, help="timed runs per command (default 5)")
     p.add_argument("--data-dir", default=None, help="folder with mnist/ (default: $FEDPROTO_DATA, the cache)")
     args = p.parse_args()
 

@@ -126,3 +126,67 @@ def test_worker_error_names_the_cause():
     finally:
         pool.close()
     pool.close()  # twice is harmless
+
+
+def _tiny_pool():
+    models = {i: PaperCNN(input_size=8) for i in range(2)}
+    xs = {i: torch.randn(5, 1, 8, 8) for i in range(2)}
+    ys = {i: torch.zeros(5, dtype=torch.long) for i in range(2)}
+    return models, WorkerPool(models, xs, ys, 1, 1)
+
+
+def test_worker_killed_names_the_signal():
+    """A worker killed (OOM killer, kill -9) stops the run with an error naming it and the signal,
+    whether it dies while training (collect) or between rounds (submit)."""
+    import signal
+
+    for step in ("collect", "submit"):
+        models, pool = _tiny_pool()
+        try:
+            worker = pool._procs[0]
+            assert os.getsid(worker.pid) != os.getsid(0)  # Ctrl-C in a terminal does not reach it
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            with pytest.raises(RuntimeError) as e:
+                if step == "collect":
+                    pool.collect(0, [])
+                else:
+                    obj = Objective(phases=[Phase(1)])
+                    pool.submit(0, [([0, 1], [], obj, None)], [[models[0], models[1]]], OptimConfig())
+            msg = str(e.value)
+            assert msg.startswith("worker process 1 died (") and "killed by SIGKILL" in msg, msg
+            assert "(;" not in msg
+        finally:
+            pool.close()
+
+
+def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch):
+    """Ctrl-C while the main process trains its part: KeyboardInterrupt comes out, not the error of
+    a worker that died meanwhile (before the fix: "worker process 1 died"), and the shared memory
+    is freed."""
+    import fedproto.simulation as simulation
+
+    created = []
+    new = _Blocks.new
+
+    def recording_new(self, t):
+        spec, view = new(self, t)
+        created.append(spec.name)
+        return spec, view
+
+    monkeypatch.setattr(_Blocks, "new", recording_new)
+    sim = Simulation(build_config(overrides={**BASE, "workers": 2}), out=False)
+    procs = []
+
+    def interrupted(*a, **k):
+        procs.extend(sim._pool._procs)
+        procs[0].kill()  # e.g. a signal to the whole process group
+        procs[0].wait()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "train_group", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert len(procs) == 1
+    assert sim._pool is None
+    assert created and not any(os.path.exists(f"/dev/shm/{n}") for n in created)

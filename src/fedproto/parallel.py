@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -224,7 +225,11 @@ class WorkerPool:
                 self._logs.append(log)
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "fedproto.parallel", address, key.hex(), str(threads)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env))
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    # a session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
+                    # reaches the main process only, which stops the run and closes the pool; a worker
+                    # killed by it would turn the interruption into a "worker died" error
+                    start_new_session=True))
             try:  # Listener.accept() has no timeout of its own: a worker that cannot start must not hang the run
                 listener._listener._socket.settimeout(START_TIMEOUT_S)
             except AttributeError:  # pragma: no cover - another multiprocessing implementation
@@ -268,7 +273,10 @@ class WorkerPool:
                     st.P[k][rows] = torch.stack([dict(m.named_parameters())[k].detach() for m in ms])
                 sent.append({"store": s, "rows": rows.numpy(), "phases": phases, "obj": obj, "ref": ref})
         self._pending[w] = [ids for ids, *_ in items]
-        _send(self._conns[w], {"groups": sent, "opt": opt})
+        try:
+            _send(self._conns[w], {"groups": sent, "opt": opt})
+        except OSError as e:  # it died between rounds
+            raise self._died(w, e) from None
 
     def collect(self, w: int, models: Sequence[Sequence[torch.nn.Module]]) -> list[list[TrainResult]]:
         """Wait for worker ``w``'s results (per group submitted, per client) and copy the trained
@@ -280,9 +288,7 @@ class WorkerPool:
         try:
             reply = _recv(self._conns[w])
         except (EOFError, OSError) as e:
-            code = self._procs[w].poll() if w < len(self._procs) else None
-            raise RuntimeError(f"worker process {w + 1} died ({e or type(e).__name__}; exit code {code}); its "
-                               f"output:\n{self._worker_logs()}") from None
+            raise self._died(w, e) from None
         if isinstance(reply, dict) and "error" in reply:
             raise RuntimeError(f"worker process {w + 1} failed:\n{reply['error']}")
         with torch.no_grad():
@@ -293,6 +299,27 @@ class WorkerPool:
                     for k in st.names:
                         named[k].copy_(st.P[k][st.row[i]])
         return reply
+
+    def _died(self, w: int, e: BaseException) -> RuntimeError:
+        return RuntimeError(f"worker process {w + 1} died ({str(e) or type(e).__name__}; {self._exit(w)}); its "
+                            f"output:\n{self._worker_logs()}")
+
+    def _exit(self, w: int) -> str:
+        """How worker ``w`` ended: its exit code or the signal that killed it."""
+        if w >= len(self._procs):
+            return "exit code unknown"
+        try:
+            code = self._procs[w].wait(timeout=5)  # its socket closes just before it is reaped
+        except subprocess.TimeoutExpired:
+            return "still running"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            hint = " (out of memory? the kernel's OOM killer sends it)" if -code == signal.SIGKILL else ""
+            return f"killed by {name}{hint}"
+        return f"exit code {code}"
 
     def offsets(self, ids: Sequence[int]) -> list[int]:
         """Rows of the shared inputs where each client's samples start."""
@@ -326,7 +353,12 @@ class WorkerPool:
         return peak
 
     def close(self) -> None:
-        """Stop the workers and free the shared memory (safe to call twice)."""
+        """Stop the workers and free the shared memory (safe to call twice). Workers with results
+        outstanding (the run stopped mid-round: an error or Ctrl-C) are killed, not waited for."""
+        for w in self._pending:
+            if w < len(self._procs):
+                self._procs[w].kill()
+        self._pending = {}
         for c in self._conns:
             try:
                 _send(c, None)

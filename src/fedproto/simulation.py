@@ -394,6 +394,7 @@ class Simulation:
         threads = torch.get_num_threads()
         if pool:
             torch.set_num_threads(self._worker_threads)
+        trained = False
         try:
             for group, w in groups:
                 if w:
@@ -407,9 +408,12 @@ class Simulation:
                                       [D[i].y for i in group], plans, objs[0], alg.opt, objs)
                 for i, res in zip(group, results):
                     out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
+            trained = True
         finally:
             torch.set_num_threads(threads)
-            done = {w: pool.collect(w - 1, [[S[i].model for i in g] for g, *_ in items]) for w, items in tasks.items()}
+            if not trained and tasks:  # the main part raised or was interrupted (Ctrl-C): that is the error to
+                self.close()           # report, not the workers'; they stop without their results awaited
+        done = {w: pool.collect(w - 1, [[S[i].model for i in g] for g, *_ in items]) for w, items in tasks.items()}
         for w, items in tasks.items():
             for (group, *_), results in zip(items, done[w]):
                 for i, res in zip(group, results):
