@@ -218,13 +218,15 @@ class WorkerPool:
         address = os.path.join(self._dir, "pool.sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
         try:
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+            # the key goes in the environment, readable by this user only, not on the command line (ps)
+            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                       FEDPROTO_POOL_KEY=key.hex())
             self._logs = []
             for w in range(n_workers):
                 log = open(os.path.join(self._dir, f"worker{w}.log"), "w+")
                 self._logs.append(log)
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fedproto.parallel", address, key.hex(), str(threads)],
+                    [sys.executable, "-m", "fedproto.parallel", address, str(threads)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     # a session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
                     # reaches the main process only, which stops the run and closes the pool; a worker
@@ -440,4 +442,4 @@ def _serve(address: str, key: bytes, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]))
+    _serve(sys.argv[1], bytes.fromhex(os.environ.pop("FEDPROTO_POOL_KEY")), int(sys.argv[2]))

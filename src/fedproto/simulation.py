@@ -346,6 +346,11 @@ class Simulation:
             self._worker_threads = threads
             self._processes = W
             if W > 1:
+                from fedproto.parallel import available_cores
+
+                if W > available_cores():
+                    log.warning("workers=%d starts more processes than the %d cores this run may use; they will "
+                                "wait for each other (use workers=0 for the automatic choice)", W, available_cores())
                 S, D = self.setup.states, self.setup.data
                 ok = [i for i in range(len(S)) if isinstance(D[i].x, torch.Tensor) and can_batch([S[i].model])]
                 log.info("training on %d processes with %d thread%s each", W, threads, "s" if threads > 1 else "")
