@@ -345,6 +345,10 @@ class Simulation:
                                       self.cfg.rounds)
             self._worker_threads = threads
             self._processes = W
+            if self.cfg.workers > 1 and W == 1:
+                log.warning("workers=%d: training in one process (worker processes need the CPU, 2 or more "
+                            "batched clients in a round and a system other than Windows; this run: device %s, %d "
+                            "batched clients)", self.cfg.workers, self.setup.device, batched_clients)
             if W > 1:
                 from fedproto.parallel import available_cores
 
