@@ -222,8 +222,8 @@ class WorkerPool:
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                        FEDPROTO_POOL_KEY=key.hex())
             self._logs = []
-            for w in range(n_workers):
-                log = open(os.path.join(self._dir, f"worker{w}.log"), "w+")
+            for _ in range(n_workers):
+                log = tempfile.TemporaryFile("w+")  # no name on disk: nothing is left if this process is killed
                 self._logs.append(log)
                 self._procs.append(subprocess.Popen(
                     [sys.executable, "-m", "fedproto.parallel", address, str(threads)],
@@ -243,7 +243,11 @@ class WorkerPool:
                     raise RuntimeError(f"a worker process did not start within {START_TIMEOUT_S:.0f} s: "
                                        f"{e}\n{self._worker_logs()}") from None
         finally:
-            listener.close()
+            listener.close()  # removes the socket file: the pool's folder is empty and goes now
+            try:
+                os.rmdir(self._dir)
+            except OSError:
+                pass
         init = {"X": x_spec, "Y": y_spec,
                 "stores": [{"m0": s.m0, "names": s.names, "specs": s.specs} for s in self.stores]}
         for c in self._conns:
@@ -380,9 +384,10 @@ class WorkerPool:
         self._logs = []
         self._blocks.free()
         try:
-            for f in os.listdir(self._dir):
-                os.unlink(os.path.join(self._dir, f))
-            os.rmdir(self._dir)
+            if os.path.isdir(self._dir):
+                for f in os.listdir(self._dir):
+                    os.unlink(os.path.join(self._dir, f))
+                os.rmdir(self._dir)
         except OSError:
             pass
 
