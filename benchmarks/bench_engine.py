@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_args import positive
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -175,18 +177,6 @@ def full_run(threads: int) -> float:
         t = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return time.perf_counter() - t
-
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from bench_args import positive
 
 
 def make_inputs(G: int, B: int, dtype=torch.float32, seed: int = 0):
@@ -161,18 +162,6 @@ def measure(name: str, G: int, B: int, n: int) -> float:
         def step():
             return grads(fwd, m0, P, X, y, noise, ctx)
     return time_step(step, n)
-
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
 
 
 def main() -> None:

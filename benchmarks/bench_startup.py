@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import positive
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -59,18 +61,6 @@ def top_imports(cmd: list[str], repeats: int, n: int = 8) -> list[tuple[str, flo
     rows = [(name, statistics.median(c for c, _ in v) / 1000, statistics.median(s for _, s in v) / 1000)
             for name, v in times.items()]
     return sorted(rows, key=lambda r: -r[1])[:n]
-
-
-
-def positive(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is less than 1")
-    return n
 
 
 def main() -> None:

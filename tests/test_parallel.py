@@ -20,13 +20,11 @@ BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=1
             eval_every=0, lr=0.05, threads=2, execution="batched")
 
 
-@pytest.mark.parametrize("algorithm", ["fedproto", "fedprox", "fedrep"])
-def test_workers_match_one_process_float64(algorithm, monkeypatch):
-    """In float64, 2 processes (main + 1 worker) give the one-process weights within 1e-12
-    relative and the same accuracies: the split only changes which process trains a client.
-    FedProto exercises the prototype objective, FedProx the stacked reference weights, FedRep
-    phases that train part of the model (closures made picklable)."""
-    created = []
+@pytest.fixture
+def shm_blocks(monkeypatch) -> list[str]:
+    """Names of the shared-memory blocks the worker pools of the test create (so the test can check
+    that they are gone, whatever else on the machine uses /dev/shm)."""
+    created: list[str] = []
     new = _Blocks.new
 
     def recording_new(self, t):
@@ -35,6 +33,15 @@ def test_workers_match_one_process_float64(algorithm, monkeypatch):
         return spec, view
 
     monkeypatch.setattr(_Blocks, "new", recording_new)
+    return created
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedprox", "fedrep"])
+def test_workers_match_one_process_float64(algorithm, shm_blocks):
+    """In float64, 2 processes (main + 1 worker) give the one-process weights within 1e-12
+    relative and the same accuracies: the split only changes which process trains a client.
+    FedProto exercises the prototype objective, FedProx the stacked reference weights, FedRep
+    phases that train part of the model (closures made picklable)."""
     weights, accs = {}, {}
     for workers in (1, 2):
         sim = float64_sim(build_config(overrides={**BASE, "algorithm": algorithm, "workers": workers}))
@@ -49,8 +56,8 @@ def test_workers_match_one_process_float64(algorithm, monkeypatch):
     # the clients really trained (weights moved from their start) on both paths
     start = flat_weights(float64_sim(build_config(overrides={**BASE, "algorithm": algorithm})))
     assert min((a - s).norm().item() for a, s in zip(weights[2], start)) > 1e-3
-    assert len(created) >= 10  # inputs, labels and 8 stacked weights
-    assert not any(os.path.exists(f"/dev/shm/{n}") for n in created)  # shared memory freed
+    assert len(shm_blocks) >= 10  # inputs, labels and 8 stacked weights
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in shm_blocks)  # shared memory freed
 
 
 def test_workers_float32_same_accuracy():
@@ -160,21 +167,12 @@ def test_worker_killed_names_the_signal():
             pool.close()
 
 
-def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch):
+def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch, shm_blocks):
     """Ctrl-C while the main process trains its part: KeyboardInterrupt comes out, not the error of
     a worker that died meanwhile (before the fix: "worker process 1 died"), and the shared memory
     is freed."""
     import fedproto.simulation as simulation
 
-    created = []
-    new = _Blocks.new
-
-    def recording_new(self, t):
-        spec, view = new(self, t)
-        created.append(spec.name)
-        return spec, view
-
-    monkeypatch.setattr(_Blocks, "new", recording_new)
     sim = Simulation(build_config(overrides={**BASE, "workers": 2}), out=False)
     procs = []
 
@@ -189,4 +187,4 @@ def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch):
         sim.run()
     assert len(procs) == 1
     assert sim._pool is None
-    assert created and not any(os.path.exists(f"/dev/shm/{n}") for n in created)
+    assert shm_blocks and not any(os.path.exists(f"/dev/shm/{n}") for n in shm_blocks)

@@ -275,8 +275,9 @@ class WorkerPool:
                 s = self.store_of[ids[0]]
                 st = self.stores[s]
                 rows = torch.as_tensor([st.row[i] for i in ids])
+                named = [dict(m.named_parameters()) for m in ms]
                 for k in st.names:
-                    st.P[k][rows] = torch.stack([dict(m.named_parameters())[k].detach() for m in ms])
+                    st.P[k][rows] = torch.stack([n[k].detach() for n in named])
                 sent.append({"store": s, "rows": rows.numpy(), "phases": phases, "obj": obj, "ref": ref})
         self._pending[w] = [ids for ids, *_ in items]
         try:

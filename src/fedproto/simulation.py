@@ -339,7 +339,7 @@ class Simulation:
         """Processes that train this run's batched groups (fixed at the first round that has
         any): 1, or W with a :class:`~fedproto.parallel.WorkerPool` of W - 1 workers."""
         if self._pool is None and batched_clients >= 2:
-            from fedproto.parallel import WorkerPool, plan_workers
+            from fedproto.parallel import WorkerPool, available_cores, plan_workers
 
             W, threads = plan_workers(self.cfg.workers, self.cfg.threads, batched_clients, str(self.setup.device),
                                       self.cfg.rounds)
@@ -350,8 +350,6 @@ class Simulation:
                             "batched clients in a round and a system other than Windows; this run: device %s, %d "
                             "batched clients)", self.cfg.workers, self.setup.device, batched_clients)
             if W > 1:
-                from fedproto.parallel import available_cores
-
                 if W > available_cores():
                     log.warning("workers=%d starts more processes than the %d cores this run may use; they will "
                                 "wait for each other (use workers=0 for the automatic choice)", W, available_cores())
@@ -398,8 +396,9 @@ class Simulation:
             obj = portable_objective(objs[0], names)
             phases = [stack_plans(plans, pi, pool.offsets(group), alg.opt.batch_size) for pi in range(len(obj.phases))]
             tasks[w].append((group, phases, obj, ref))
+        models = {w: [[S[i].model for i in g] for g, *_ in items] for w, items in tasks.items()}
         for w, items in tasks.items():
-            pool.submit(w - 1, items, [[S[i].model for i in g] for g, *_ in items], alg.opt)
+            pool.submit(w - 1, items, models[w], alg.opt)
         threads = torch.get_num_threads()
         if pool:
             torch.set_num_threads(self._worker_threads)
@@ -422,7 +421,7 @@ class Simulation:
             torch.set_num_threads(threads)
             if not trained and tasks:  # the main part raised or was interrupted (Ctrl-C): that is the error to
                 self.close()           # report, not the workers'; they stop without their results awaited
-        done = {w: pool.collect(w - 1, [[S[i].model for i in g] for g, *_ in items]) for w, items in tasks.items()}
+        done = {w: pool.collect(w - 1, models[w]) for w in tasks}
         for w, items in tasks.items():
             for (group, *_), results in zip(items, done[w]):
                 for i, res in zip(group, results):
