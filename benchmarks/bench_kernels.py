@@ -199,8 +199,9 @@ def main() -> None:
                     times.pop(name)
                     names.remove(name)
     base = statistics.median(times["engine"])
-    print(f"\nOne grouped training step, {args.groups} clients x {args.batch} samples, {torch.get_num_threads()} "
-          f"threads, median of {args.repeats} x {args.steps} steps (variants alternating):")
+    nt = torch.get_num_threads()
+    print(f"One grouped training step, {args.groups} clients x {args.batch} samples, {nt} "
+          f"thread{'s' if nt > 1 else ''}, median of {args.repeats} x {args.steps} steps (variants alternating):")
     print("| variant | ms/step | vs engine | float64 gradient difference |\n|---|---|---|---|")
     out = {}
     for name in names:

@@ -207,8 +207,8 @@ class RunConfig(BaseModel):
     threads: int = Field(0, ge=0, le=1024, description="CPU threads of the run in all, shared by its worker "
                          "processes (0: torch's default, one per core)")
     workers: int = Field(0, ge=0, le=1024, description="Processes that train batched client groups in parallel, "
-                         "the main one included (0: auto: one per 2 threads and per 8 clients of a round, for runs "
-                         "of 10 rounds or more; 1: one process)")
+                         "the main one included (0: auto: one per 2 threads, at most one per 8 clients of a round, "
+                         "for runs of 10 rounds or more; 1: one process)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$",
                         description="Where clients train: auto | cpu | cuda | cuda:N | mps (auto: the first "
                         "CUDA GPU if torch sees one)")
