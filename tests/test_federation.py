@@ -103,14 +103,37 @@ def test_heterogeneous_user_models_and_projection(digits):
     ds, part = digits
     clients = _clients(digits, lambda: TwoOut(32, 16))
     clients[1].model, clients[3].model = TwoOut(64, 24), TwoOut(64, 24)
-    with pytest.raises(ModelError, match=r"d=16: clients \[0, 2\]; d=24: clients \[1, 3\]"):
+    with pytest.raises(ModelError, match=r"d=16: clients \[0, 2\]; d=24: clients \[1, 3\].*give every client "
+                       r"Client\(\.\.\., embedding_dim=d\) with one d \(e\.g\. embedding_dim=16\)"):
         federate(clients, 10, out=False)
+    for c in clients:  # the fix the error names
+        c.embedding_dim = 16
+    assert federate(clients, 10, out=False).setup.embedding_dim == 16
+    for c in clients:
+        c.embedding_dim = None
     from fedproto.federation import adapt
 
     for i in (1, 3):
         clients[i].model = with_projection(adapt(clients[i].model, None, 10, clients[i].train[0][:1], i), 16)
     sim = federate(clients, 10, rounds=8, lr=0.05, out=False, eval_every=0)
     assert sim.run()["accuracy"]["acc"]["mean"] > 0.7
+
+
+def test_defaults_follow_the_named_dataset(digits):
+    """federate(dataset=...) takes the dataset's defaults as `fedproto run --dataset` does (tab. 1's
+    rounds, app. A's λ, its classes); without one: 20 rounds and λ = 1; any keyword overrides."""
+    clients = _clients(digits, TwoOut)
+    for kw, rounds, lam in (({"dataset": "mnist"}, 100, 1.0), ({"dataset": "cifar10"}, 110, 0.1),
+                            ({"num_classes": 10}, 20, 1.0), ({"dataset": "mnist", "rounds": 3}, 3, 1.0),
+                            ({"dataset": "cifar10", "lambda_proto": 2.0}, 110, 2.0)):
+        cfg = federate(clients, out=False, **kw).cfg
+        assert (cfg.rounds, cfg.lam, cfg.num_classes) == (rounds, lam, 10), kw
+    with pytest.raises(ConfigError, match=r"dataset='mnits'.*name one of mnist, femnist, cifar10, digits"):
+        federate(clients, dataset="mnits", out=False)
+    with pytest.raises(ConfigError, match=r"femnist has 62 classes; give num_classes=62 or leave it out"):
+        federate(clients, 10, dataset="femnist", out=False)
+    with pytest.raises(ConfigError, match=r"federate\(\) needs num_classes"):
+        federate(clients, out=False)
 
 
 def test_bad_input_is_refused_naming_the_client(digits):

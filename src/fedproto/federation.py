@@ -30,7 +30,7 @@ from torch import nn
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
-from fedproto.errors import DataError, ModelError
+from fedproto.errors import ConfigError, DataError, ModelError
 from fedproto.models.base import ProtoModel, check_embedding_dims
 from fedproto.simulation import Simulation
 
@@ -280,30 +280,57 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     return wrapped
 
 
-def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **options: Any):
+def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any = None, *,
+             dataset: str | None = None, **options: Any):
     """Build a :class:`~fedproto.simulation.Simulation` of your own clients.
+
+    Defaults: where ``dataset`` names the registry's dataset your data come from (``"mnist"``,
+    ``"cifar10"``...), the options the paper sets per dataset take its values, as ``fedproto run
+    --dataset`` does (``rounds``: mnist 100, femnist 120, cifar10 110; ``lambda_proto``: mnist 1,
+    cifar10 0.1) and ``num_classes`` defaults to its classes; without ``dataset``: 20 rounds and
+    λ = 1. Every other option has :class:`~fedproto.config.RunConfig`'s default (batch size 8, lr
+    0.01, momentum 0.5, ...); any keyword overrides.
 
     Args:
         clients: one :class:`Client` per client (their order gives the client ids 0..m-1).
-        num_classes: C; labels lie in 0..C-1.
+        num_classes: C; labels lie in 0..C-1 (default: the classes of ``dataset``; required
+            without it).
         out: the run directory (None: ``out_dir/<algorithm>-custom-m<clients>-s<seed>``; False:
             write nothing).
+        dataset: the name of a dataset of :data:`fedproto.data.registry.DATASETS` whose per-dataset
+            defaults to use (None: the defaults above). It only sets defaults: the data are your
+            clients'.
         options: any run option of :class:`fedproto.config.RunConfig` (``algorithm``,
             ``rounds``, ``lambda_proto``, ``lr``, ``batch_size``, ``participation``...).
     Returns:
         A Simulation; ``.run()`` trains and returns the summary.
     Raises:
-        ConfigError: a bad option. DataError: bad data (names the client). ModelError: a model that
-            does not fit (names the client), or embedding sizes that differ (names the clients; see
-            :func:`with_projection`).
+        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing or not the
+            dataset's. DataError: bad data (names the client). ModelError: a model that does not
+            fit (names the client), or embedding sizes that differ (names the clients and the fix,
+            ``Client(..., embedding_dim=d)``).
     """
+    from fedproto.data.registry import DATASETS, LOADABLE
     from fedproto.simulation import Setup, build_algorithm, check_batches
 
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
-    for k in ("dataset", "classes", "clients", "model", "partition"):
+    for k in ("classes", "clients", "model", "partition"):
         if k in options:
             raise ModelError(f"{k} is set by federate() from your clients; leave it out")
+    if dataset is not None:
+        if dataset not in LOADABLE:
+            raise ConfigError(f"federate(dataset={dataset!r}): no such dataset; name one of {', '.join(LOADABLE)} "
+                              "for its defaults, or leave dataset out")
+        info = DATASETS[dataset]
+        if num_classes is not None and num_classes != info.classes:
+            raise ConfigError(f"federate(num_classes={num_classes}, dataset={dataset!r}): {dataset} has "
+                              f"{info.classes} classes; give num_classes={info.classes} or leave it out")
+        num_classes = info.classes
+        options = {"rounds": info.rounds, "lambda_proto": info.lambda_proto, **options}
+    if num_classes is None:
+        raise ConfigError("federate() needs num_classes (your labels lie in 0..num_classes-1), or dataset='<name>' "
+                          "of the dataset your data come from")
     cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
                                   "clients": len(clients), "model": "custom"})
     states, data, part = [], [], Partition([], [], [])
@@ -329,6 +356,13 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         part.test_idx.append(np.arange(len(ty)))
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
+    dims = [int(s.model.embedding_dim) for s in states]
+    if len(set(dims)) > 1:
+        groups = "; ".join(f"d={v}: clients {[i for i, x in enumerate(dims) if x == v]}" for v in sorted(set(dims)))
+        raise ModelError(f"clients have different embedding sizes ({groups}); FedProto averages prototypes, so they "
+                         "need one size: give every client Client(..., embedding_dim=d) with one d (e.g. "
+                         f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
+                         "differs")
     d = check_embedding_dims([s.model for s in states])
     check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
     alg = build_algorithm(cfg, d)
