@@ -11,6 +11,7 @@ import errno
 import logging
 import signal
 import sys
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +56,20 @@ def _root(
 
 def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
+
+
+def round_line(row: dict, rounds: int, elapsed: float) -> str:
+    """One plain progress line of an evaluated round, for output that is no terminal (a log file,
+    CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
+    prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
+    ``acc_mean``; the prototype parts only where the run has them."""
+    losses = f"loss ce {row['loss_ce']:.4f}"
+    if row.get("loss_proto"):
+        losses += f", proto {row['loss_proto']:.4f}"
+    accs = f"accuracy % classifier {_pct(row['acc_mean'])}"
+    if "acc_proto_mean" in row:
+        accs += f", nearest prototype {_pct(row['acc_proto_mean'])}"
+    return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"
 
 
 RUN_HELP = """Train with the in-process simulator and write a run directory.
@@ -117,6 +132,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         run_dir.discard_if_unused()  # a failed set-up leaves no empty folder and loses no earlier run
         raise
     show = not quiet and console.is_terminal
+    plain = not quiet and not (show and err_console.is_terminal)  # a log file, CI: one line per evaluated round
+    started = time.perf_counter()
     progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
     with progress:
@@ -127,6 +144,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
             if "acc_mean" in row:
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)
+            if plain and "acc_mean" in row:
+                print(round_line(row, cfg.rounds, time.perf_counter() - started), file=sys.stderr, flush=True)
 
         sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
         if resume and run_dir.checkpoint.is_file():
@@ -336,7 +355,8 @@ def _run_command() -> click.Command:
         *run_params(),
         click.Option(["resume", "--resume"], is_flag=True, default=False,
                      help="Continue from the run directory's checkpoint, if it has one (same options required)."),
-        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False, help="No progress bar."),
+        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False,
+                     help="No progress: no bar on a terminal, no per-round lines in a log."),
     ]
     return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
                        short_help="Train with the in-process simulator and write a run directory.",
