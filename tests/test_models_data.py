@@ -533,3 +533,23 @@ def test_tsne_leaves_out_nonfinite_embeddings(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         path = plot_tsne_arrays(h, rng.integers(0, 3, 40), client, tmp_path / "t.png", max_per_client=None)
     assert path.is_file() and "leaves out 2 test embedding(s)" in caplog.text and "clients [0]" in caplog.text
+
+
+def test_the_model_zoo_and_the_loader_are_public_and_documented():
+    """fedproto.models exports the zoo (build_model and friends, each from its module); the API
+    reference documents the zoo's modules and the data loader a user calls."""
+    import fedproto.models as zoo
+
+    for name in zoo.__all__:
+        assert getattr(zoo, name) is not None, name
+    assert zoo.build_model is build_client_models.__globals__["build_model"] and zoo.ResNet18 is ResNet18
+    model = zoo.build_model("cnn", cid=0, in_channels=1, num_classes=10, input_size=28)  # the docstring's example
+    logits, h = model(torch.zeros(2, 1, 28, 28))
+    assert isinstance(model, PaperCNN) and logits.shape == (2, 10) and h.shape == (2, 50)
+    assert [m.conv2.out_channels for m in zoo.build_client_models("cnn-mh", 3, 1, 10, 28)] == [18, 20, 22]
+    with pytest.raises(AttributeError, match="no attribute 'build'"):
+        zoo.build  # noqa: B018
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    for module in ("fedproto.models", "fedproto.models.zoo", "fedproto.models.base", "fedproto.models.cnn",
+                   "fedproto.models.resnet", "fedproto.data.datasets.load_dataset", "fedproto.data.datasets.Dataset"):
+        assert f"::: {module}\n" in api, module

@@ -561,7 +561,8 @@ def train_group(
 
     Args:
         models: G models with equal :meth:`arch_key` (checked by :func:`can_batch`); updated in place.
-        xs, ys: per client local data (n_g, Cin, H, W) and (n_g,).
+        xs: per client local inputs (n_g, Cin, H, W).
+        ys: per client local labels (n_g,).
         plans: per client plans with the same phase structure.
         obj: the shared objective (global prototypes are the same for all clients of a round).
         opt: SGD settings.

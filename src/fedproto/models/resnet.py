@@ -76,7 +76,8 @@ class ResNet18(ProtoModel):
     Args:
         num_classes: logits width C. in_channels: input channels (3 for CIFAR-10; conv1 is never
             loaded from pretrained weights, so other values work with them too).
-        conv1_stride, maxpool_stride: (2, 2) default; (1, 4) for half the FedProto-mh clients.
+        conv1_stride: stride of conv1, 2 by default (1 for half the FedProto-mh clients).
+        maxpool_stride: stride of the max pool after conv1, 2 by default (4 for half the FedProto-mh clients).
 
     Shapes: x (B, in_channels, H, W) -> logits (B, C), h (B, 512).
 
