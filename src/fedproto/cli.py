@@ -21,6 +21,7 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from fedproto.config import build_config
 from fedproto.errors import FedprotoError
@@ -82,8 +83,50 @@ chosen. The options page of the docs (docs/options.md) lists every key."""
 
 
 class _RunCommand(click.Command):
-    """``fedproto run``: refuses an option given twice (under one flag or two, e.g. --lambda-proto
-    and --lambda), which click would settle silently by taking the last."""
+    """``fedproto run``: its help in titled panels like the other commands' (each option's
+    ``rich_help_panel``, from :data:`fedproto.options.PANELS`), laid out for its many options: flags
+    and value in one column, the help beside them; refuses an option given twice (under one flag or
+    two, e.g. --lambda-proto and --lambda), which click would settle silently by taking the last."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from rich.padding import Padding
+        from rich.panel import Panel
+        from rich.table import Table
+
+        out = Console(markup=False, emoji=False, highlight=False)  # the terminal's width, or $COLUMNS
+        out.print(Text.assemble(("\n Usage: ", "yellow"), (f"{ctx.command_path} [OPTIONS]", "bold"), "\n"))
+        for paragraph in (self.help or "").split("\n\n"):
+            out.print(Padding(Text(" ".join(paragraph.split())), (0, 1, 1, 1)))
+        panels: dict[str, list[click.Option]] = {}
+        for p in self.get_params(ctx):
+            if isinstance(p, click.Option) and not p.hidden:
+                panels.setdefault(getattr(p, "rich_help_panel", None) or "Options", []).append(p)
+        if "Options" in panels:  # --config and --help first, as typer puts its default panel
+            panels = {"Options": panels.pop("Options"), **panels}
+        cells = {p.name: self._flags_cell(p, ctx) for ps in panels.values() for p in ps}
+        longest = max(len(w) for c in cells.values() for w in c.plain.split())
+        width = min(max(len(c.plain) for c in cells.values()), max(longest, int(0.38 * out.width)))
+        for title, params in panels.items():
+            table = Table(box=None, show_header=False, expand=True, padding=(0, 2, 0, 0), pad_edge=False)
+            table.add_column(width=width, overflow="fold")
+            table.add_column(ratio=1)
+            for p in params:
+                table.add_row(cells[p.name], Text(p.help or ""))
+            out.print(Panel(table, title=title, title_align="left", border_style="dim"))
+
+    @staticmethod
+    def _flags_cell(p: click.Option, ctx: click.Context) -> Text:
+        """``--flag, --alias METAVAR`` or ``--switch / --no-switch``, styled as typer styles them."""
+        cell = Text()
+        for i, f in enumerate(p.opts):
+            cell.append(", " if i else "")
+            cell.append(f, style="bold cyan")
+        for f in p.secondary_opts:
+            cell.append(" / ")
+            cell.append(f, style="bold magenta")
+        if not p.is_flag:
+            cell.append(" " + p.make_metavar(ctx), style="bold yellow")
+        return cell
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         by_flag = {o: p for p in self.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
@@ -358,6 +401,7 @@ def _run_command() -> click.Command:
         click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False,
                      help="No progress: no bar on a terminal, no per-round lines in a log."),
     ]
+    params[-2].rich_help_panel, params[-1].rich_help_panel = "Execution", "Output"
     return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
                        short_help="Train with the in-process simulator and write a run directory.",
                        context_settings={"max_content_width": 100, **HELP_OPTIONS})

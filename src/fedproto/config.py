@@ -77,10 +77,10 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     # data and partition
-    dataset: str = Field("mnist", description="Dataset: " + " | ".join(n for n in REGISTRY if n != "custom")
-                         + " (custom: your own clients, set by fedproto.federation.federate)")
-    classes: Optional[int] = Field(None, ge=2, le=1_000_000,
-                                   description="Number of classes C (dataset custom only; federate sets it)")
+    dataset: str = Field("mnist", description="Dataset: " + " | ".join(n for n in REGISTRY if n != "custom"))
+    classes: Optional[int] = Field(None, ge=2, le=1_000_000, json_schema_extra={"python_only": True},
+                                   description="Number of classes C of your own clients (dataset custom, which "
+                                   "fedproto.federation.federate sets with it; not for the command line)")
     data_dir: Optional[str] = Field(None, description="Folder with the dataset files (else $FEDPROTO_DATA, "
                                     "else the user cache)")
     download: bool = Field(True, description="Download missing files (checked against checksums)")
