@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.flower
 
 import tomllib  # noqa: E402  (flwr needs Python >= 3.11, which has it)
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
