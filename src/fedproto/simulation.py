@@ -36,6 +36,7 @@ from fedproto.training import (
     EMBED_NORM_LIMIT,
     EVAL_TRAIN_NORM_RATIO,
     Objective,
+    batch_key,
     can_batch,
     has_batchnorm,
     portable_objective,
@@ -315,7 +316,7 @@ class Simulation:
             return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
-            key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
+            key = batch_key(self.setup.states[i].model) if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
         W = self._executors(max((len(m) for m in batched), default=0))
