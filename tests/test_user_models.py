@@ -4,6 +4,7 @@ read from what a Dataset yields, and the errors users hit with their own models 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -124,3 +125,66 @@ def test_clients_with_other_frozen_layers_are_not_batched_together(digits):
     federate(clients, 10, rounds=1, lr=0.05, out=False, eval_every=0, execution="batched", threads=1).run()
     assert torch.equal(clients[0].model.conv1.weight, bodies[0]["conv1.weight"])
     assert not torch.equal(clients[1].model.conv1.weight, before1)
+
+
+class SmallCNN(nn.Module):
+    """The guide's kind of user model: a classifier ending in ``fc`` on ``d`` features; clients
+    whose d is not 16 are given ``embedding_dim=16``, so fedproto appends a projection and a new head."""
+
+    def __init__(self, width=8, d=16):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                      nn.Linear(width * 16, d), nn.ReLU())
+        self.fc = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+def _acc(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(x)[0].argmax(1) == y).double().mean())
+
+
+def test_trained_models_handle_reproduces_the_reported_accuracies(digits, tmp_path):
+    import csv
+
+    from fedproto.federation import HeadSplitModel, Projected
+    from fedproto.results import load_models
+
+    def clients():
+        out = []
+        for i, (train, test) in enumerate(_splits(digits)):
+            torch.manual_seed(i)
+            out.append(Client(SmallCNN(8, 20) if i % 2 else SmallCNN(12), train, test, head="fc",
+                              embedding_dim=16 if i % 2 else None))
+        return out
+
+    cs = clients()
+    sim = federate(cs, 10, rounds=3, lr=0.05, out=tmp_path / "run", eval_every=0, threads=1, save_models=True)
+    summary = sim.run()
+    models = sim.models
+    assert [type(m) for m in models] == [HeadSplitModel, Projected, HeadSplitModel, Projected]
+    assert models[0].net is cs[0].model and models[1].inner.net is cs[1].model  # the user's objects inside
+    with open(tmp_path / "run" / "clients.csv") as f:
+        reported = [float(r["acc"]) for r in csv.DictReader(f)]
+    tests = [test for _, test in _splits(digits)]
+    accs = [_acc(m, x, y) for m, (x, y) in zip(models, tests)]
+    assert accs == pytest.approx(reported, abs=1e-6)  # the same correct counts (reported in float32)
+    assert float(np.mean(accs)) == pytest.approx(summary["accuracy"]["acc"]["mean"], abs=1e-6)
+    assert min(accs) > 0.6  # 3 classes per client: chance 1/3
+    # a projected client's own object: its body trained, its own fc untouched (not used)
+    own = cs[1].model
+    assert _acc(models[1], *tests[1]) == accs[1]
+    own.eval()
+    with torch.no_grad():
+        own_acc = float((own(tests[1][0]).argmax(1) == tests[1][1]).double().mean())
+    assert own_acc < accs[1]
+    # models.pt: loaded into freshly built clients it gives the same numbers
+    fresh = federate(clients(), 10, out=False, threads=1).models
+    saved = load_models(tmp_path / "run")
+    assert len(saved) == 4
+    for m, sd in zip(fresh, saved):
+        m.load_state_dict(sd)
+    assert [_acc(m, x, y) for m, (x, y) in zip(fresh, tests)] == accs
