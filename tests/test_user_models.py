@@ -188,3 +188,125 @@ def test_trained_models_handle_reproduces_the_reported_accuracies(digits, tmp_pa
     for m, sd in zip(fresh, saved):
         m.load_state_dict(sd)
     assert [_acc(m, x, y) for m, (x, y) in zip(fresh, tests)] == accs
+
+
+class Relabelled(torch.utils.data.Dataset):
+    """A map-style Dataset with a ``targets`` attribute whose items carry other labels: through
+    ``target_transform`` or through its own ``__getitem__`` (``remap``)."""
+
+    def __init__(self, x, y, target_transform=None, remap=None):
+        self.x, self._y = x, y.tolist()
+        self.targets = list(self._y)  # what torchvision's datasets hold: the labels before any transform
+        self.target_transform, self.remap = target_transform, remap
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        y = self._y[i]
+        if self.remap is not None:
+            y = self.remap[y]
+        return self.x[i], self.target_transform(y) if self.target_transform else y
+
+
+class TorchvisionLike(Relabelled):
+    """Stands for torchvision's MNIST/CIFAR10: ``__getitem__`` of a torchvision.datasets module."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i)
+
+
+TorchvisionLike.__getitem__.__module__ = "torchvision.datasets.mnist"
+
+
+def _relabelled_clients(digits, make):
+    out = []
+    for i, ((x, y), (tx, ty)) in enumerate(_splits(digits)):
+        torch.manual_seed(i)
+        out.append(Client(SmallCNN(), make(x, y), make(tx, ty), head="fc"))
+    return out
+
+
+@pytest.mark.parametrize("how", ["target_transform", "getitem"])
+def test_labels_are_what_the_dataset_yields(digits, how):
+    shift = {c: (c + 3) % 10 for c in range(10)}
+    if how == "target_transform":
+        make = lambda x, y: Relabelled(x, y, target_transform=lambda t: (t + 3) % 10)  # noqa: E731
+    else:
+        make = lambda x, y: Relabelled(x, y, remap=shift)  # noqa: E731
+    clients = _relabelled_clients(digits, make)
+    sim = federate(clients, 10, out=False, threads=1)
+    for i, ((_, y), (_, ty)) in enumerate(_splits(digits)):
+        assert torch.equal(sim.setup.data[i].y.cpu(), (y + 3) % 10)  # training labels
+        assert torch.equal(sim.setup.data[i].test_y.cpu(), (ty + 3) % 10)  # scoring labels
+        assert sorted(sim.setup.states[i].classes.tolist()) == sorted(((y + 3) % 10).unique().tolist())
+
+
+def test_torchvision_targets_fast_path_only_when_the_items_agree(digits):
+    from fedproto.federation import LABEL_CHECKS, dataset_labels
+
+    (x, y), _ = next(_splits(digits))
+    ds = TorchvisionLike(x, y)
+    assert np.array_equal(dataset_labels(ds), y.numpy())
+    assert ds.reads <= LABEL_CHECKS < len(ds)  # targets used, checked on a sample of the items
+    ds = TorchvisionLike(x, y, target_transform=lambda t: (t + 1) % 10)  # a transform: every item is read
+    assert np.array_equal(dataset_labels(ds), ((y + 1) % 10).numpy()) and ds.reads == len(ds)
+    ds = TorchvisionLike(x, y)
+    ds.targets[-1] = (ds.targets[-1] + 1) % 10  # targets that disagree with a sampled item (the last): not used
+    labels = dataset_labels(ds)
+    assert np.array_equal(labels, y.numpy()) and not np.array_equal(labels, ds.targets)
+
+
+class PILImages(torch.utils.data.Dataset):
+    def __init__(self, n):
+        from PIL import Image
+
+        self.items = [(Image.new("L", (8, 8), i), i % 3) for i in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(1, 8, 8), 0)])
+
+
+class StrLabels(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], "cat" if i == 4 else int(self.y[i])
+
+
+def test_errors_users_hit_name_the_value_and_the_fix(digits):
+    from fedproto.errors import DataError, ModelError
+
+    (x, y), test = next(_splits(digits))
+
+    def fails(exc, pattern, **change):
+        c = {"model": SmallCNN(), "train": (x, y), "test": test, "head": "fc", **change}
+        with pytest.raises(exc, match=pattern):
+            federate([Client(**c)], 10, out=False)
+
+    fails(DataError, r"client 0: train: item 0's input is a PIL image \(PIL.Image.Image\), not a tensor; give the "
+                     r"Dataset a tensor transform, e.g. transform=torchvision.transforms.ToTensor\(\)",
+          train=PILImages(12))
+    fails(DataError, r"client 0: cannot read train labels as integers: label 'cat' \(item 4\) is a str, not an "
+                     r"integer class id; map each class to an id 0..C-1", train=StrLabels(x, y))
+    fails(DataError, r"label 'dog' \(item 0\) is a str", test=(test[0], ["dog"] * len(test[0])))
+    fails(DataError, r"label 'b' \(item 0\) is a str", train=(x, np.array(["b"] * len(x))))
+    fails(DataError, r"client 0: train is an IterableDataset \(Stream\).*give a map-style Dataset", train=Stream())
+    with torch.device("meta"):
+        meta = SmallCNN()
+    fails(ModelError, r"client 0: the model's weights are on the meta device.*model.to_empty\(device='cpu'\)",
+          model=meta)
