@@ -219,8 +219,8 @@ def _yields_its_targets(ds: torch.utils.data.Dataset) -> bool:
 
 def _label_value(y: Any, i: int) -> Any:
     if isinstance(y, (torch.Tensor, np.ndarray)):
-        if y.size == 1 if isinstance(y, np.ndarray) else y.numel() == 1:
-            return y.reshape(()).item() if isinstance(y, np.ndarray) else y.item()
+        if (y.size if isinstance(y, np.ndarray) else y.numel()) == 1:
+            return y.reshape(()).item()
         raise ValueError(f"item {i}'s label has shape {tuple(y.shape)}; give one integer class id per item")
     return y
 
