@@ -31,7 +31,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "workers")
+                  "proto_dist_alert", "device", "workers", "save_models")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -201,6 +201,8 @@ class RunConfig(BaseModel):
                             "(0: only after the last)")
     checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Write a checkpoint every N rounds, "
                                   "removed when the run finishes (0: none)")
+    save_models: bool = Field(False, description=(
+        "Write every client's trained model (its state_dict, client order) to models.pt in the run directory"))
     seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
     out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
     name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")

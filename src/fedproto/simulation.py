@@ -29,13 +29,14 @@ from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
-from fedproto.models.base import check_embedding_dims, count_parameters
+from fedproto.models.base import ProtoModel, check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
 from fedproto.training import (
     EMBED_NORM_LIMIT,
     EVAL_TRAIN_NORM_RATIO,
     Objective,
+    batch_key,
     can_batch,
     has_batchnorm,
     portable_objective,
@@ -302,6 +303,21 @@ class Simulation:
         self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
         self._ran = False
 
+    @property
+    def models(self) -> list[ProtoModel]:
+        """The client models, indexed by client id: the objects training updates, so after :meth:`run`
+        they hold the trained weights, and the objects the reported accuracies were measured on
+        (``model(x)`` gives ``(logits (B, C), embedding (B, d))``; call ``.eval()`` first).
+
+        With your own clients (:func:`fedproto.federation.federate`) each is the adapter around your
+        module: your module is its ``net`` (:class:`~fedproto.federation.HeadSplitModel`,
+        :class:`~fedproto.federation.TupleModel`) and is trained in place. Where ``embedding_dim`` added a
+        projection the model is a :class:`~fedproto.federation.Projected`: your module (``.inner.net``)
+        holds the trained body, but its own final layer is not used nor trained; predict with this
+        object. ``save_models`` also writes them to ``models.pt`` (:func:`fedproto.results.load_models`).
+        """
+        return [s.model for s in self.setup.states]
+
     # -------------------------------------------------------------------------------------------
     _pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
     _worker_threads = 1
@@ -315,7 +331,7 @@ class Simulation:
             return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
-            key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
+            key = batch_key(self.setup.states[i].model) if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
         W = self._executors(max((len(m) for m in batched), default=0))
@@ -857,12 +873,17 @@ class Simulation:
                     "; for a fixed feature extractor (the extractor's training is not covered)"
                     if cfg.dp == "prototypes" else ""),
             }
+        if cfg.save_models and not self.run_dir:
+            log.warning("save_models: this run writes no run directory (out=False); the trained models are in "
+                        "Simulation.models")
         if self.run_dir:
             self.run_dir.write_summary(summary)
             rows = self._client_rows(per_client)
             if self.attackers:  # which clients misbehaved (fedproto.attacks)
                 rows = [{**r, 'attacker': int(int(r['client']) in self.attackers)} for r in rows]
             self.run_dir.write_clients(rows)
+            if cfg.save_models:
+                self.run_dir.write_models(self.models)
             if "protos" in self.message:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))

@@ -345,18 +345,26 @@ class FedProto(Algorithm):
 
     def check_models(self, models) -> None:
         """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
-        BatchNorm (its statistics mix the samples of a batch, so per-sample gradients do not
-        exist; Opacus refuses them too)."""
+        BatchNorm that trains (its statistics mix the samples of a batch, so per-sample gradients do
+        not exist; Opacus refuses them too). Frozen BatchNorm layers
+        (:func:`fedproto.training.frozen_batchnorms`) run in eval mode, one sample at a time: allowed."""
         super().check_models(models)
         if self.dp == "full":
-            from fedproto.errors import ConfigError
-            from fedproto.training import has_batchnorm
+            from torch import nn
 
-            bn = [i for i, m in enumerate(models) if has_batchnorm(m)]
+            from fedproto.errors import ConfigError
+            from fedproto.training import frozen_batchnorms
+
+            def trains_bn(m) -> bool:
+                frozen = {id(b) for b in frozen_batchnorms(m)}
+                return any(isinstance(b, nn.modules.batchnorm._BatchNorm) and id(b) not in frozen for b in m.modules())
+
+            bn = [i for i, m in enumerate(models) if trains_bn(m)]
             if bn:
                 raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
-                                  f"clients {bn[:10]} have BatchNorm layers; use models without BatchNorm (e.g. "
-                                  "GroupNorm, or model='cnn') or dp='prototypes'")
+                                  f"clients {bn[:10]} have BatchNorm layers that train; use models without BatchNorm "
+                                  "(e.g. GroupNorm, or model='cnn'), freeze them (requires_grad=False), or "
+                                  "dp='prototypes'")
 
     def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
         """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every
