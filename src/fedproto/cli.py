@@ -160,6 +160,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+        if key in summary.get("accuracy_trained", {}):
+            a = summary["accuracy_trained"][key]
+            table.add_row(f"{label}, the {summary['clients_trained']} clients that trained",
+                          f"{_pct(a['mean'])} ± {_pct(a['std'])}")
         if key in summary.get("accuracy_honest", {}):
             a = summary["accuracy_honest"][key]
             table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")

@@ -31,7 +31,7 @@ from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import DataError, ModelError
-from fedproto.models.base import ProtoModel, check_embedding_dims
+from fedproto.models.base import ProtoModel
 from fedproto.simulation import Simulation
 
 ArrayLike = Any
@@ -404,7 +404,7 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
             does not fit (names the client), or embedding sizes that differ (names the clients; see
             :func:`with_projection`).
     """
-    from fedproto.simulation import Setup, build_algorithm, check_batches
+    from fedproto.simulation import build_setup
 
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
@@ -438,14 +438,7 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         part.test_idx.append(np.arange(len(ty)))
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
-    d = check_embedding_dims([s.model for s in states])
-    check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
-    alg = build_algorithm(cfg, d)
-    alg.check_setup(cfg, [x.y.numpy() for x in data])
-    alg.check_models([s.model for s in states])
-    from fedproto.devices import resolve_device
-
-    setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
+    setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
     return FederationSimulation(cfg, setup=setup, out=out)
 
 

@@ -52,23 +52,34 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def _clean(obj: Any) -> Any:
+INF_KEYS = ("epsilon",)
+"""Values under a JSON key containing one of these are written ``"inf"`` when infinite (a privacy
+epsilon without noise), as ``clients.csv`` and the console spell it; every other infinite or NaN
+value is written ``null``."""
+
+
+def _clean(obj: Any, inf_ok: bool = False) -> Any:
+    """``obj`` ready for JSON: numpy values as Python ones, NaN as None, infinity as ``"inf"``
+    (``"-inf"``) where ``inf_ok`` (under a key of :data:`INF_KEYS`) and as None elsewhere."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): _clean(v, inf_ok or any(w in str(k) for w in INF_KEYS)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [_clean(v, inf_ok) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
+        return _clean(obj.tolist(), inf_ok)
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (float, np.floating)):
         f = float(obj)
+        if math.isinf(f) and inf_ok:
+            return "inf" if f > 0 else "-inf"
         return None if math.isnan(f) or math.isinf(f) else f
     return obj
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """JSON (NaN written as null) via :func:`atomic_write_bytes`."""
+    """JSON via :func:`atomic_write_bytes`: NaN written as null, an infinite epsilon as ``"inf"``
+    (:data:`INF_KEYS`), other infinities as null."""
     atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
 
 

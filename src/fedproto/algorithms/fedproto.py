@@ -124,6 +124,7 @@ class FedProto(Algorithm):
                              f"(> 0), dp_grad_clip={dp_grad_clip} (> 0), dp_delta={dp_delta} (in (0, 1)): one is "
                              "out of range")
         self.trim, self.min_contributors = float(trim), int(min_contributors)
+        self._trim_warned = False  # the trimmed mean's "cuts nothing" warning is logged once per run
         self.exclude_outliers = float(exclude_outliers)
         self.lambda_schedule = lambda_schedule
         self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
@@ -326,6 +327,17 @@ class FedProto(Algorithm):
                 kept = tuple([v for j, v in enumerate(part) if j not in out] for part in kept)
         cls, protos, contrib = aggregate_prototypes(*kept, self.num_classes, self.aggregation, self.trim,
                                                     self.min_contributors)
+        if self.aggregation == "trimmed" and not self._trim_warned:
+            plain = [int(c) for c, n in zip(cls.tolist(), contrib.tolist()) if int(self.trim * n) == 0]
+            if plain:  # scipy's trim_mean cuts int(trim * n) values from each end: none for small n
+                self._trim_warned = True
+                few = (f"fewer than {int(np.ceil(1.0 / self.trim - 1e-9))} contributors" if self.trim > 0
+                       else "any number of contributors")
+                log.warning("round %d: aggregation='trimmed' with trim=%g cuts nothing for classes with %s (here: "
+                            "classes %s, at most %d clients each), so their global prototypes are the plain mean; "
+                            "raise trim (below 0.5) or use aggregation='median' (warned once)",
+                            round, self.trim, few, plain[:10],
+                            max(int(n) for c, n in zip(cls.tolist(), contrib.tolist()) if int(c) in plain))
         if self.global_classes is not None:
             # a class no (sampled) client sent this round keeps its previous global prototype
             now = dict(zip(cls.tolist(), contrib.tolist()))
