@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 
 app = ServerApp()
 
+REPORT_KEYS = ("dp_epsilon",)
+"""Keys of a node's evaluate reply that are its :meth:`~fedproto.algorithms.base.Algorithm.client_report`
+(per client in ``clients.csv`` and ``summary.json``), not a score averaged over clients."""
+
 RETRY_PAUSE_S = 2.0
 """Seconds between a round below ``min-replies`` and its retry (nodes may reconnect meanwhile)."""
 
@@ -101,6 +105,7 @@ class FlowerEngine(Simulation):
         self.refusals: list[dict] = []  # every refusal: node_id, client_id (None if unknown), reason, round
         self._logged_refusals = 0  # refusals already in a metrics.jsonl row
         self._status: dict = {}
+        self._reports: dict[int, dict] = {}  # client id -> its client_report from its last evaluate reply
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
         self._discover(self.opts.wait_nodes)
@@ -359,7 +364,7 @@ class FlowerEngine(Simulation):
                 [cid_of[n] for n in missing])
 
     def _client_report(self, cid: int) -> dict:
-        return {}  # the node's evaluate reply carries it (Algorithm.client_report runs on the node)
+        return self._reports.get(cid, {})  # from the node's evaluate reply (Algorithm.client_report runs there)
 
     def _who(self, cid: int) -> str:
         return f"client {cid} (node {self.nodes.get(cid)})"
@@ -375,6 +380,8 @@ class FlowerEngine(Simulation):
         replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
                for i, rep in replies.items()}
+        for i, m in got.items():  # the client's own report (Algorithm.client_report) goes to clients.csv, not accuracy
+            self._reports[i] = {k: m.pop(k) for k in REPORT_KEYS if k in m}
         if not got:
             raise TrainingError("no node replied to the final evaluation; restart the SuperNodes and run again")
         keys = [k for k in next(iter(got.values())) if k not in HEALTH_KEYS]
