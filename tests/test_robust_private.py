@@ -280,7 +280,7 @@ def _server_reconstruction(alg, state, message, n: int, seed: int, round: int, r
 
 
 @pytest.mark.parametrize("reproducible", [False, True])
-def test_the_server_cannot_subtract_the_dp_noise(reproducible):
+def test_the_server_cannot_subtract_the_dp_noise(reproducible, caplog):
     """Issue #21 (1): with everything the server knows (seed, round, client id, n, architecture)
     the released prototypes of a client come back only up to the noise (sigma 4: about
     4 * sqrt(2) * C / n_c per coordinate, above 1 here), not to float precision, unless the run
@@ -295,6 +295,7 @@ def test_the_server_cannot_subtract_the_dp_noise(reproducible):
     guess = _server_reconstruction(alg, st, msg, len(data.x), cfg.seed, 1, out)
     err = np.abs(guess - truth).max()
     level = 4.0 * math.sqrt(2.0) * cfg.dp_clip / true_counts.max()  # noise std of a prototype coordinate
+    assert ("guarantee does not hold against anyone who knows the seed" in caplog.text) == reproducible
     if reproducible:
         assert err < 1e-5  # seeded noise: the server recovers the exact prototypes
     else:

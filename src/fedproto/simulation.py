@@ -252,6 +252,10 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     if unused:
         log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
             f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
+    if cfg.dp_reproducible_noise:
+        log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
+                    else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "
+                         "anyone who knows the seed (use it for reproducible experiments only)")
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [
         ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
