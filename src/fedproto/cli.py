@@ -123,7 +123,7 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         task = progress.add_task("rounds", total=cfg.rounds, info="")
 
         def on_round(row):
-            info = f"loss {row['loss_ce']:.3f}"
+            info = f"loss {row['loss_ce']:.3f}" if row.get("loss_ce") is not None else ""
             if "acc_mean" in row:
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)

@@ -47,25 +47,27 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False}
+               "overlap": False, "dp_reproducible_noise": True}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
 practitioner options were off; every client took part in every round; no Dirichlet partition; clients
-never shared training samples)."""
+never shared training samples; DP noise was drawn from the run's seed)."""
 
 
 def result_fields(cfg: dict) -> dict[str, Any]:
     """The fields of a config dict that can change a run's numbers: all RunConfig fields but
     :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
     ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
-    values are one split). Used to decide whether a checkpoint may be resumed and whether a
-    reproduce cell is already done."""
+    values are one split) and ``dp_reproducible_noise`` without DP. Used to decide whether a
+    checkpoint may be resumed and whether a reproduce cell is already done."""
     algorithm = cfg.get("algorithm")
     out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
            and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
     if str(cfg.get("model", "")).startswith("resnet18"):
         out.pop("personal_layers", None)
+    if out.get("dp", "off") == "off":
+        out.pop("dp_reproducible_noise", None)  # the noise source acts only under DP
     return out
 
 
@@ -178,6 +180,9 @@ class RunConfig(BaseModel):
     dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
     dp_delta: float = Field(1e-5, gt=0.0, le=0.1, description=(
         "DP: the delta at which epsilon is reported (at most 0.1; usually below 1 / a client's samples)"))
+    dp_reproducible_noise: bool = Field(False, description=(
+        "DP: draw the noise (and DP-SGD's sampling) from the run's seed, for bit-for-bit reproducible DP runs in "
+        "the simulator; VOIDS the guarantee against anyone who knows the seed, e.g. a server (refused under Flower)"))
     # misbehaving clients, for experiments (fedproto.attacks)
     attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))

@@ -11,6 +11,7 @@ client])``-style streams, so results do not depend on execution mode or client o
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -294,6 +295,10 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     if unused:
         log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
             f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
+    if cfg.dp_reproducible_noise:
+        log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
+                    else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "
+                         "anyone who knows the seed (use it for reproducible experiments only)")
     alg = build_algorithm(cfg, d)
     if whole:
         alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
@@ -875,8 +880,8 @@ class Simulation:
                                 "metrics.jsonl)" if seen == ALERTS_PER_CLIENT else "")
             # a simulated misbehaving client may diverge (its messages go through the server's checks); the run
             # stops when an honest client does
-            bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()
-                   and i not in self.attackers]
+            seen = [(i, x) for i, x in zip(ids, tr) if x.loss_ce is not None]  # a node under DP sends no losses
+            bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
             if bad:
                 lam = alg.divergence_hint(cfg)
                 dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
@@ -887,7 +892,7 @@ class Simulation:
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
                     f"lower {opt('lr')} (now {cfg.lr}){lam}{self._attack_hint()}")
-            for i, x in zip(ids, tr):
+            for i, x in seen:
                 self.train_norm[i] = x.emb_norm_max
                 if not x.emb_norm_max <= EMBED_NORM_LIMIT:
                     log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
@@ -896,8 +901,8 @@ class Simulation:
             train_time += t_train
             row = {
                 "round": r,
-                "loss_ce": float(np.mean([x.loss_ce for x in tr])),
-                "loss_proto": float(np.mean([x.loss_proto for x in tr])),
+                "loss_ce": float(np.mean([x.loss_ce for _, x in seen])) if seen else None,
+                "loss_proto": float(np.mean([x.loss_proto for _, x in seen])) if seen else None,
                 "up_params": sum(u[0] for u in up),
                 "up_bytes": sum(u[1] for u in up),
                 "down_params": sum(d[0] for d in down),
@@ -978,7 +983,7 @@ class Simulation:
                         len(S), cfg.participation, cfg.rounds, never[:10],
                         " ..." if len(never) > 10 else "", len(did))
         scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
-        if scored < len(per_client):  # clients whose node did not answer the evaluation (Flower)
+        if scored < len(per_client) and any("acc" in m for m in per_client):  # a node did not answer (Flower)
             summary["clients_evaluated"] = scored
         if self.attackers:
             honest = [m for i, m in enumerate(per_client) if i not in self.attackers]
@@ -992,16 +997,23 @@ class Simulation:
             for i, m in enumerate(full["clients"]):
                 per_client[i].update({f"full_{k}": v for k, v in m.items()})
         if cfg.dp != "off":
-            eps = [m["dp_epsilon"] for m in per_client]
+            # under Flower: NaN for a node that did not answer; none under dp=full (each node keeps its own)
+            eps = [m["dp_epsilon"] for m in per_client if m.get("dp_epsilon", math.nan) == m.get("dp_epsilon")]
             summary["privacy"] = {
                 "mode": cfg.dp, "noise_multiplier": cfg.dp_noise, "embedding_clip": cfg.dp_clip,
                 "grad_clip": cfg.dp_grad_clip if cfg.dp == "full" else None, "delta": cfg.dp_delta,
-                "epsilon_max": float(max(eps)), "epsilon_mean": float(np.mean(eps)),
+                "epsilon_max": float(max(eps)) if eps else None, "epsilon_mean": float(np.mean(eps)) if eps else None,
                 "accountant": "Opacus RDP (subsampled Gaussian per DP-SGD step, Gaussian per prototype release)",
-                "neighbouring": "one training sample of a client added or removed" + (
+                "neighbouring": "one training sample of a client added or removed, its label set unchanged (the "
+                                "label set is public)" + (
                     "; for a fixed feature extractor (the extractor's training is not covered)"
                     if cfg.dp == "prototypes" else ""),
+                "noise": "seeded by the run's seed (dp_reproducible_noise: no guarantee against whoever knows the "
+                         "seed)" if cfg.dp_reproducible_noise else "the operating system's secure randomness",
             }
+            if not eps:
+                summary["privacy"]["epsilon_note"] = ("each node logs its own epsilon: under dp=full it depends on "
+                                                      "the node's sample count, which the node does not send")
         if cfg.save_models and not self.run_dir:
             log.warning("save_models: this run writes no run directory (out=False); the trained models are in "
                         "Simulation.models")

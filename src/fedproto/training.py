@@ -168,12 +168,13 @@ class TrainResult:
     """Per client: class sums (C, d) and counts (C,) of last-epoch embeddings (None if not
     collected), mean losses over steps, the number of optimizer steps taken, and the largest L2
     norm of a training embedding in the round (``inf`` if one was not finite; see
-    :data:`EMBED_NORM_LIMIT`)."""
+    :data:`EMBED_NORM_LIMIT`). The losses are None where a Flower node under DP sends none
+    (:func:`fedproto.privacy.deployment_fields`)."""
 
     sums: torch.Tensor | None
     counts: torch.Tensor | None
-    loss_ce: float
-    loss_proto: float
+    loss_ce: float | None
+    loss_proto: float | None
     steps: int
     emb_norm_max: float = 0.0
 

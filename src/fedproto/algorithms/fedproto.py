@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
-from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
+from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
     DISTANCE_FORMS,
@@ -78,6 +78,9 @@ class FedProto(Algorithm):
             the λ used in each round is ``lambda`` in the metrics.
         dp, dp_noise, dp_clip, dp_grad_clip, dp_delta: differential privacy of the uploaded
             prototypes (:mod:`fedproto.privacy`); ``dp_epsilon`` per client in ``clients.csv``.
+        dp_reproducible_noise: draw the DP noise and DP-SGD's sampling from the client's seeded
+            generator (bit-for-bit reproducible runs) instead of :func:`fedproto.privacy.secure_rng`;
+            voids the guarantee against whoever knows the run's seed.
 
     Every reply is checked before aggregation: a prototype row that is not finite, of another
     size than d, or of a class outside 0..C-1 (or with a count below 1) is dropped and named in
@@ -114,6 +117,7 @@ class FedProto(Algorithm):
         dp_clip: float = 5.0,
         dp_grad_clip: float = 1.0,
         dp_delta: float = 1e-5,
+        dp_reproducible_noise: bool = False,
     ):
         super().__init__(num_classes, opt, local_epochs)
         if not 0.0 <= trim < 0.5 or min_contributors < 1 or exclude_outliers < 0:
@@ -129,6 +133,7 @@ class FedProto(Algorithm):
         self.lambda_schedule = lambda_schedule
         self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
         self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
+        self.dp_reproducible_noise = bool(dp_reproducible_noise)
         self.sequential_only = dp == "full"
         self.last_excluded: list[int] = []
         self._warned_exclusion = False  # exclude_outliers could not act (logged once)
@@ -169,7 +174,7 @@ class FedProto(Algorithm):
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
                    cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
                    cfg.trim, cfg.min_contributors, cfg.exclude_outliers, cfg.lambda_schedule, cfg.dp, cfg.dp_noise,
-                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta)
+                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.dp_reproducible_noise)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
@@ -192,24 +197,28 @@ class FedProto(Algorithm):
 
     def plan(self, state: ClientState, obj, n: int, rng: np.random.Generator):
         """The batch plan; with ``dp="full"`` Poisson-sampled (:func:`fedproto.training.poisson_plan`)
-        with the DP-SGD noise seed drawn after it; with any ``dp`` mode the seed of the release noise
-        is then drawn too (kept in the client's state: the noise never leaves the client)."""
+        with the DP-SGD noise seed drawn after it, both from :func:`fedproto.privacy.secure_rng`
+        (which the server cannot regenerate) unless ``dp_reproducible_noise``, which draws them
+        from ``rng``, the client's seeded generator, and then also draws the seed of the release
+        noise (kept in the client's state; the noise never leaves the client)."""
         if self.dp != "full":
             plan = super().plan(state, obj, n, rng)
         else:
             m = state.model
-            plan = poisson_plan(n, obj.phases, self.opt.batch_size, m.noise_widths(), m.dropout, rng)
-            plan.seed = int(rng.integers(2**62))
+            src = rng if self.dp_reproducible_noise else secure_rng()
+            plan = poisson_plan(n, obj.phases, self.opt.batch_size, m.noise_widths(), m.dropout, src)
+            plan.seed = int(src.integers(2**62))
             state.extra["dp_rate"] = min(1.0, self.opt.batch_size / max(n, 1))
             if obj.dp_sgd is not None:
                 obj.dp_sgd.expected_batch_size = max(1, round(state.extra["dp_rate"] * n))
-        if self.dp != "off":
+        if self.dp != "off" and self.dp_reproducible_noise:
             state.extra["dp_seed"] = int(rng.integers(2**62))
         return plan
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         if self.dp != "off":  # each sample counted once, in an eval-mode pass (fedproto.privacy)
-            rng = np.random.default_rng(state.extra.pop("dp_seed"))
+            seed = state.extra.pop("dp_seed", None)
+            rng = np.random.default_rng(seed) if self.dp_reproducible_noise and seed is not None else secure_rng()
             classes, protos, cnt = noisy_prototypes(embed_all(state.model, data.x), data.y, state.classes,
                                                     self.dp_clip, self.dp_noise, rng)
             state.extra["dp_releases"] = int(state.extra.get("dp_releases", 0)) + 1
