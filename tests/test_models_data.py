@@ -453,6 +453,7 @@ def test_python_api_misuse_is_a_config_error():
 
 
 @needs_cifar
+@pytest.mark.slow  # ResNet18 on real CIFAR-10, 3 rounds: 8-16 s on one thread
 @pytest.mark.parametrize("batch_size", [10, 4])
 def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog, batch_size):
     """Issue #10's input (``--clients 2 --ways 2 --stdev 0 --batch-size 10 --rounds 3``, ResNet18):

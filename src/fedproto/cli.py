@@ -183,7 +183,7 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         task = progress.add_task("rounds", total=cfg.rounds, info="")
 
         def on_round(row):
-            info = f"loss {row['loss_ce']:.3f}"
+            info = f"loss {row['loss_ce']:.3f}" if row.get("loss_ce") is not None else ""
             if "acc_mean" in row:
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)
@@ -222,6 +222,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+        if key in summary.get("accuracy_trained", {}):
+            a = summary["accuracy_trained"][key]
+            table.add_row(f"{label}, the {summary['clients_trained']} clients that trained",
+                          f"{_pct(a['mean'])} ± {_pct(a['std'])}")
         if key in summary.get("accuracy_honest", {}):
             a = summary["accuracy_honest"][key]
             table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")

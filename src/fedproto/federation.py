@@ -31,7 +31,7 @@ from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError
-from fedproto.models.base import ProtoModel, check_embedding_dims
+from fedproto.models.base import ProtoModel
 from fedproto.simulation import Simulation
 
 ArrayLike = Any
@@ -134,10 +134,36 @@ def with_projection(model: ProtoModel, d: int) -> ProtoModel:
     return model if model.embedding_dim == d else Projected(model, d)
 
 
+def _pair(item: Any, i: int) -> tuple[Any, Any]:
+    """Item ``i`` of a Dataset as ``(x, y)``; raises DataError when it is not a pair."""
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return item[0], item[1]
+    what = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+    raise DataError(f"item {i} of the Dataset is {what}, not an (x, y) pair; make its __getitem__ return "
+                    "(input, label)")
+
+
+def _as_input(x: Any, i: int) -> torch.Tensor:
+    """Input ``x`` of item ``i`` as a float32 tensor; raises DataError naming its type and the fix."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return torch.as_tensor(x, dtype=torch.float32)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    if type(x).__module__.split(".")[0] == "PIL":
+        raise DataError(f"item {i}'s input is a PIL image ({kind}), not a tensor; give the Dataset a tensor "
+                        "transform, e.g. transform=torchvision.transforms.ToTensor() (then Normalize)")
+    raise DataError(f"item {i}'s input is a {kind}, not a tensor or array; give the Dataset a transform that "
+                    "returns a float tensor")
+
+
 class LazyInputs:
     """A map-style ``Dataset`` read as inputs ``x``: ``len()``, ``x[LongTensor]`` and ``x[i:j]``
     give stacked float tensors, read item by item (the dataset's transforms run on every read).
-    The engine trains such clients on the sequential path."""
+    The engine trains such clients on the sequential path.
+
+    Raises (on reading):
+        DataError: an item is not an ``(x, y)`` pair, or its input is not a tensor or array (a PIL
+            image: the message says to add a tensor transform).
+    """
 
     def __init__(self, dataset: torch.utils.data.Dataset):
         self.dataset = dataset
@@ -150,7 +176,7 @@ class LazyInputs:
             idx = range(*idx.indices(len(self)))
         elif isinstance(idx, torch.Tensor):
             idx = idx.tolist()
-        return torch.stack([torch.as_tensor(self.dataset[int(i)][0], dtype=torch.float32) for i in idx])
+        return torch.stack([_as_input(_pair(self.dataset[int(i)], int(i))[0], int(i)) for i in idx])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -179,25 +205,97 @@ class Client:
     embedding_dim: int | None = None
 
 
+LABEL_CHECKS = 32
+"""Items read to confirm a torchvision dataset's ``targets`` equal the labels it yields (see :func:`dataset_labels`)."""
+
+
+def _yields_its_targets(ds: torch.utils.data.Dataset) -> bool:
+    """True when ``ds`` is a torchvision dataset whose ``__getitem__`` is torchvision's own (its label
+    is ``targets[i]`` passed through ``target_transform``) with no ``target_transform``."""
+    get = getattr(type(ds), "__getitem__", None)
+    return (str(getattr(get, "__module__", "")).startswith("torchvision.datasets")
+            and getattr(ds, "target_transform", None) is None and getattr(ds, "targets", None) is not None)
+
+
+def _label_value(y: Any, i: int) -> Any:
+    if isinstance(y, (torch.Tensor, np.ndarray)):
+        if (y.size if isinstance(y, np.ndarray) else y.numel()) == 1:
+            return y.reshape(()).item()
+        raise ValueError(f"item {i}'s label has shape {tuple(y.shape)}; give one integer class id per item")
+    return y
+
+
+def _label_array(values: Sequence[Any]) -> np.ndarray:
+    """``values`` as an array; of dtype object when some are not numbers, so that the first of
+    those can be named (numpy would turn the numbers into strings)."""
+    if all(isinstance(v, (int, float, np.integer, np.floating)) for v in values):
+        return np.asarray(values)
+    return np.asarray(values, dtype=object)
+
+
+def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
+    """The labels a map-style Dataset yields, ``ds[i][1]`` for every i, as an array (n,).
+
+    Every item is read (its transforms run once), except for a torchvision dataset read by
+    torchvision's own ``__getitem__`` without a ``target_transform`` (MNIST, CIFAR10,
+    ImageFolder...): its ``targets`` are used once they equal the labels of
+    :data:`LABEL_CHECKS` items spread over the dataset. A ``targets`` attribute is never trusted
+    otherwise: a ``target_transform`` or a ``__getitem__`` that changes the label decides.
+
+    Raises:
+        DataError: an item is not an ``(x, y)`` pair.
+        ValueError: a label is a tensor of more than one value.
+    """
+    n = len(ds)
+    if _yields_its_targets(ds) and len(ds.targets) == n:
+        targets = _label_array([_label_value(t, i) for i, t in enumerate(ds.targets)])
+        idx = np.unique(np.linspace(0, n - 1, min(n, LABEL_CHECKS)).round().astype(np.int64)) if n else []
+        if all(_label_value(_pair(ds[int(i)], int(i))[1], int(i)) == targets[i] for i in idx):
+            return targets
+    return _label_array([_label_value(_pair(ds[i], i)[1], i) for i in range(n)])
+
+
+_ID_HINT = ("map each class to an id 0..C-1 (e.g. {name: i for i, name in enumerate(sorted(names))}, or "
+            "torchvision's class_to_idx)")
+
+
 def _labels(split: Any) -> torch.Tensor:
+    """Integer labels (n,) of a split; raises ValueError/DataError with the offending value."""
     if isinstance(split, torch.utils.data.Dataset):
-        targets = getattr(split, "targets", None)
-        if targets is not None and len(targets) == len(split):
-            raw = np.asarray(targets)
-        else:
-            raw = np.asarray([split[i][1] for i in range(len(split))])
+        raw = dataset_labels(split)
     else:
-        raw = np.asarray(split[1].cpu() if isinstance(split[1], torch.Tensor) else split[1])
+        y = split[1]
+        raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
+               _label_array([_label_value(v, i) for i, v in enumerate(y)]) if isinstance(y, (list, tuple)) else
+               np.asarray(y))
     if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
-        raise ValueError("labels with fractions (e.g. 1.7); give integer class ids")
+        bad = raw.reshape(-1)[np.flatnonzero(raw.reshape(-1) != np.round(raw.reshape(-1)))[0]]
+        raise ValueError(f"labels with fractions (e.g. {bad:g}); give integer class ids")
+    if raw.dtype.kind == "O" and raw.size:  # mixed kinds: find the first that is not a whole number
+        flat = raw.reshape(-1)
+        j = next((j for j, v in enumerate(flat) if not isinstance(v, (int, np.integer))
+                  and not (isinstance(v, (float, np.floating)) and float(v).is_integer())), None)
+        if j is not None:
+            raise ValueError(f"label {flat[j]!r} (item {j}) is a {type(flat[j]).__name__}, not an integer class id; "
+                             f"{_ID_HINT}")
+        raw = flat.astype(np.int64).reshape(raw.shape)
     if raw.dtype.kind not in "iuf" and raw.size:
-        raise ValueError(f"labels of type {raw.dtype}; give integer class ids")
+        v = raw.reshape(-1)[0]
+        v = v.item() if isinstance(v, np.generic) else v
+        raise ValueError(f"label {v!r} (item 0) is a {type(v).__name__}, not an integer class id; {_ID_HINT}")
     return torch.as_tensor(raw.astype(np.int64))
 
 
 def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torch.Tensor]:
     """(inputs, labels) of one split, checked; raises DataError naming the client."""
+    if isinstance(split, torch.utils.data.IterableDataset):
+        raise DataError(f"client {cid}: {what} is an IterableDataset ({type(split).__name__}), read in order only; "
+                        "fedproto reads items by index: give a map-style Dataset (__len__ and __getitem__), or "
+                        "collect its items into (x, y) tensors")
     if isinstance(split, torch.utils.data.Dataset):
+        if not hasattr(type(split), "__len__"):
+            raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
+                            "__len__ (fedproto reads its items by index)")
         x = LazyInputs(split)
     elif isinstance(split, (tuple, list)) and len(split) == 2:
         x = torch.as_tensor(np.asarray(split[0]) if not isinstance(split[0], torch.Tensor) else split[0]).float()
@@ -206,9 +304,13 @@ def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torc
                         "map-style torch Dataset of (x, y) items")
     try:
         y = _labels(split)
-    except (TypeError, ValueError, IndexError, KeyError) as e:
-        raise DataError(f"client {cid}: cannot read {what} labels as integers ({e}); a Dataset's items must be "
-                        "(x, y) pairs") from None
+    except DataError as e:
+        raise e.prefixed(f"client {cid}: {what}: ") from None
+    except ValueError as e:
+        raise DataError(f"client {cid}: cannot read {what} labels as integers: {e}") from None
+    except (TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+        raise DataError(f"client {cid}: cannot read {what} labels ({type(e).__name__}: {str(e)[:160]}); its "
+                        "items must be (x, y) pairs with integer labels") from None
     if len(y) == 0:
         raise DataError(f"client {cid}: its {what} data is empty; give every client at least one sample")
     if y.ndim != 1 or len(y) != len(x):
@@ -244,6 +346,11 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
         wrapped = HeadSplitModel(model, head, 0, num_classes)
     else:
         wrapped = TupleModel(model, 0, num_classes)
+    meta = [n for n, t in [*wrapped.named_parameters(), *wrapped.named_buffers()] if t.is_meta]
+    if meta:
+        raise ModelError(f"client {cid}: the model's weights are on the meta device (shapes only, no values; e.g. "
+                         f"{meta[0]!r}); materialise it first: model.to_empty(device='cpu'), then load its weights "
+                         "(load_state_dict), or build it without device='meta'")
     was = wrapped.training
     wrapped.eval()
     try:
@@ -311,7 +418,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             ``Client(..., embedding_dim=d)``).
     """
     from fedproto.data.registry import DATASETS, LOADABLE
-    from fedproto.simulation import Setup, build_algorithm, check_batches
+    from fedproto.simulation import build_setup
 
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
@@ -344,9 +451,11 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
         try:
             sample = x[0:1]
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
-            raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {e}); a "
-                            "Dataset's items must be (x, y) pairs") from None
+        except DataError as e:
+            raise e.prefixed(f"client {i}: train: ") from None
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+            raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {str(e)[:160]}); "
+                            "its inputs must be tensors or arrays of one shape") from None
         model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))
@@ -357,20 +466,13 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
     dims = [int(s.model.embedding_dim) for s in states]
-    if len(set(dims)) > 1:
+    if len(set(dims)) > 1:  # named as the Python API fixes it (build_setup's own check words it for any front end)
         groups = "; ".join(f"d={v}: clients {[i for i, x in enumerate(dims) if x == v]}" for v in sorted(set(dims)))
         raise ModelError(f"clients have different embedding sizes ({groups}); FedProto averages prototypes, so they "
                          "need one size: give every client Client(..., embedding_dim=d) with one d (e.g. "
                          f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
                          "differs")
-    d = check_embedding_dims([s.model for s in states])
-    check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
-    alg = build_algorithm(cfg, d)
-    alg.check_setup(cfg, [x.y.numpy() for x in data])
-    alg.check_models([s.model for s in states])
-    from fedproto.devices import resolve_device
-
-    setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
+    setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
     return FederationSimulation(cfg, setup=setup, out=out)
 
 
@@ -388,4 +490,4 @@ class FederationSimulation(Simulation):
 
 
 __all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
-           "federate", "with_projection"]
+           "dataset_labels", "federate", "with_projection"]

@@ -181,9 +181,10 @@ PANELS: dict[str, tuple[str, ...]] = {
     "FedProto": ("lambda_proto", "distance", "proto_source", "aggregation", "proto_classes", "lambda_warmup",
                  "lambda_schedule", "proto_momentum", "proto_normalize", "min_proto_samples"),
     "Robustness and privacy": ("trim", "min_contributors", "exclude_outliers", "proto_dist_alert", "dp", "dp_noise",
-                               "dp_clip", "dp_grad_clip", "dp_delta", "attack", "attackers", "attack_scale"),
+                               "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
+                               "attack_scale"),
     "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
-    "Output": ("eval_every", "eval_full_test", "out_dir", "name"),
+    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models"),
 }
 """The groups of ``fedproto run --help`` (its panels) and of the options page (its sections), in
 order, each with its RunConfig fields in order: every field is listed once (a test checks it); a

@@ -15,9 +15,12 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
@@ -49,28 +52,42 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
-def _clean(obj: Any) -> Any:
+INF_KEYS = ("epsilon",)
+"""Values under a JSON key containing one of these are written ``"inf"`` when infinite (a privacy
+epsilon without noise), as ``clients.csv`` and the console spell it; every other infinite or NaN
+value is written ``null``."""
+
+
+def _clean(obj: Any, inf_ok: bool = False) -> Any:
+    """``obj`` ready for JSON: numpy values as Python ones, NaN as None, infinity as ``"inf"``
+    (``"-inf"``) where ``inf_ok`` (under a key of :data:`INF_KEYS`) and as None elsewhere."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): _clean(v, inf_ok or any(w in str(k) for w in INF_KEYS)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [_clean(v, inf_ok) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
+        return _clean(obj.tolist(), inf_ok)
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (float, np.floating)):
         f = float(obj)
+        if math.isinf(f) and inf_ok:
+            return "inf" if f > 0 else "-inf"
         return None if math.isnan(f) or math.isinf(f) else f
     return obj
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """JSON (NaN written as null) via :func:`atomic_write_bytes`."""
+    """JSON via :func:`atomic_write_bytes`: NaN written as null, an infinite epsilon as ``"inf"``
+    (:data:`INF_KEYS`), other infinities as null."""
     atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
 
 
+MODELS_FILE = "models.pt"
+"""The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
+
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt")
+                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt")
 """Files a run writes. A new run in the same folder never mixes its files with an older run's (no
 summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
 one finishes, an unfinished one is removed."""
@@ -276,11 +293,50 @@ class RunDir:
                  contributors=contributors if contributors is not None else np.zeros(0, np.int64))
         self._write(atomic_write_bytes, self.path / "prototypes.npz", buf.getvalue())
 
+    def write_models(self, models: Iterable[torch.nn.Module]) -> None:
+        """``models.pt``: ``{"format": 1, "clients": [state_dict, ...]}`` in client order, tensors on
+        the CPU (``save_models``); read it back with :func:`load_models`."""
+        import torch
+
+        state = {"format": 1, "clients": [{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in models]}
+        self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f))
+
     def write_checkpoint(self, state: dict) -> None:
         """:func:`fedproto.checkpoint.save_checkpoint` into :attr:`checkpoint`."""
         from fedproto.checkpoint import save_checkpoint
 
         self._write(save_checkpoint, self.checkpoint, state)
+
+
+def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:
+    """The trained client models a run wrote with ``save_models``: one ``state_dict`` per client, in
+    client order, to load into models of the same architecture, e.g.
+    ``sim.models[i].load_state_dict(load_models(run_dir)[i])`` for a :class:`~fedproto.simulation.Simulation`
+    built as the run was (:attr:`~fedproto.simulation.Simulation.models`).
+
+    Args:
+        path: the run directory, or its ``models.pt``.
+    Raises:
+        DataError: the file is missing or is not a ``models.pt`` (names the file).
+    """
+    import torch
+
+    from fedproto.errors import DataError
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / MODELS_FILE
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise DataError(f"{str(p)!r} does not exist; run with save_models=True (--save-models) to write it") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
+        raise DataError(f"cannot read {str(p)!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pass a "
+                        "models.pt written by a run with save_models=True") from None
+    if not (isinstance(state, dict) and state.get("format") == 1 and isinstance(state.get("clients"), list)):
+        raise DataError(f"{str(p)!r} is not a models.pt of fedproto (format 1); pass one written by a run with "
+                        "save_models=True")
+    return state["clients"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:
