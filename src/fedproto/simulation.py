@@ -272,8 +272,9 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
 
     Args:
         cfg: the validated run configuration.
-        states, data: one per client, in client order (``states[i].cid`` names the client in
-            messages); ``data[i].y`` and ``data[i].test_y`` are (n,) int64 label tensors.
+        states: one per client, in client order (``states[i].cid`` names the client in messages).
+        data: one per client, in the order of ``states``; ``data[i].y`` and ``data[i].test_y`` are
+            (n,) int64 label tensors.
         partition: the clients' sample indices and classes (``config.json``'s
             ``partition_summary``).
         dataset: the loaded dataset (None for your own clients).
