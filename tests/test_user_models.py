@@ -133,7 +133,7 @@ SHARING = {"fedavg": {}, "fedprox": {"prox_mu": 0.1}, "fedper": {"personal_layer
 
 
 @pytest.mark.parametrize("algorithm", list(SHARING))
-def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm):
+def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm, caplog):
     """Each client's frozen body (its own values: weights and BatchNorm statistics) is neither sent
     nor overwritten; the trainable part is averaged (sample-weighted) and loaded on download; the
     cost counts only what is sent."""
@@ -141,7 +141,9 @@ def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm):
     assert not torch.equal(bodies[0]["0.weight"], bodies[1]["0.weight"])  # the frozen values differ per client
     sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, threads=1, algorithm=algorithm,
                    **SHARING[algorithm])
-    sim.run()
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "share no tensor" not in caplog.text
     _assert_frozen_kept(clients, bodies)
     alg, states = sim.setup.algorithm, sim.setup.states
     personal = algorithm in ("fedper", "fedrep")
@@ -173,6 +175,20 @@ def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm):
     if algorithm == "fedprox":  # the proximal term covers the trained parameters (frozen ones have no reference)
         obj = alg.local_objective(states[0], alg.downlink(sim.message, 0))
         assert obj.prox_mu == 0.1 and set(obj.prox_ref) == set(shared)
+
+
+def test_nothing_left_to_share_is_warned(digits, caplog):
+    """FedPer on the paper CNN keeps every fully connected layer; with its convolutions frozen nothing
+    is shared: said so, and only the sample counts go up."""
+    clients, bodies = _cnn_clients(digits)
+    sim = federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, algorithm="fedper")
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "fedper: the clients share no tensor" in caplog.text
+    assert sim.history[0]["up_params"] == len(clients)
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        assert all(torch.equal(named[k], v) for k, v in before.items())
 
 
 def test_fedprox_frozen_convolutions_batched(digits):

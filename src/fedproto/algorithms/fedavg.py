@@ -35,6 +35,7 @@ FedRep, FeSEM), which subclass :class:`FedAvg` and change only what they share o
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -44,6 +45,8 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params
+
+log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "w/"
 COUNT_KEY = "n"
@@ -152,6 +155,8 @@ def _frozen_differs(method: str, name: str, keep: list[int], send: list[int], se
 def check_message_shapes(joins: dict[int, Message], method: str) -> None:
     """Raise :class:`ConfigError` unless the ``w/`` tensors of every client's message (keyed by
     client id) have the same names and shapes; names the clients that differ from the lowest id.
+    Logs a warning when they share no tensor at all (all frozen or personal: the run trains each
+    client alone).
     When one of two clients sends a subset of the other's tensors (same shapes), the message names
     the missing tensor as one those clients froze (or another architecture)."""
     if not joins:
@@ -172,6 +177,9 @@ def check_message_shapes(joins: dict[int, Message], method: str) -> None:
         raise ConfigError(f"{method} averages model weights, so every client needs the same architecture, but "
                           f"clients {odd[:10]} differ from client {first} (at {name!r}: "
                           f"{b.get(diff)} vs {a.get(diff)}); use one model for all clients, or algorithm='fedproto'")
+    if not sig[first]:
+        log.warning("%s: the clients share no tensor (every one is frozen, requires_grad=False, or personal), so "
+                    "each trains alone as with algorithm='local'", method)
 
 
 def weights_problem(reply: Message, sent: Message) -> str:
