@@ -155,10 +155,9 @@ def _frozen_differs(method: str, name: str, keep: list[int], send: list[int], se
 def check_message_shapes(joins: dict[int, Message], method: str) -> None:
     """Raise :class:`ConfigError` unless the ``w/`` tensors of every client's message (keyed by
     client id) have the same names and shapes; names the clients that differ from the lowest id.
-    Logs a warning when they share no tensor at all (all frozen or personal: the run trains each
-    client alone).
     When one of two clients sends a subset of the other's tensors (same shapes), the message names
-    the missing tensor as one those clients froze (or another architecture)."""
+    the missing tensor as one those clients froze (or another architecture). Logs a warning when
+    the clients share no tensor at all (all frozen or personal: each client trains alone)."""
     if not joins:
         raise ConfigError(f"{method}: no client sent its initial weights")
     sig = {c: tuple((k, tuple(np.shape(v))) for k, v in m.items() if k.startswith(WEIGHT_PREFIX))
