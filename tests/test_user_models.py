@@ -127,6 +127,104 @@ def test_clients_with_other_frozen_layers_are_not_batched_together(digits):
     assert not torch.equal(clients[1].model.conv1.weight, before1)
 
 
+# weight sharing (FedAvg and its family) with frozen bodies: the frozen tensors stay each client's own
+SHARING = {"fedavg": {}, "fedprox": {"prox_mu": 0.1}, "fedper": {"personal_layers": "head"},
+           "fedrep": {"personal_layers": "head", "rep_head_epochs": 1}, "fesem": {"fesem_clusters": 2}}
+
+
+@pytest.mark.parametrize("algorithm", list(SHARING))
+def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm, caplog):
+    """Each client's frozen body (its own values: weights and BatchNorm statistics) is neither sent
+    nor overwritten; the trainable part is averaged (sample-weighted) and loaded on download; the
+    cost counts only what is sent."""
+    clients, bodies = _bn_clients(digits)
+    assert not torch.equal(bodies[0]["0.weight"], bodies[1]["0.weight"])  # the frozen values differ per client
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, threads=1, algorithm=algorithm,
+                   **SHARING[algorithm])
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "share no tensor" not in caplog.text
+    _assert_frozen_kept(clients, bodies)
+    alg, states = sim.setup.algorithm, sim.setup.states
+    personal = algorithm in ("fedper", "fedrep")
+    shared = {n: p for n, p in states[0].model.named_parameters() if "body" not in n and not (personal and "fc" in n)}
+    sent = {k.removeprefix("w/") for k in sim.message if k.startswith("w/")}
+    assert sent == set(shared)  # no body tensor, no BatchNorm statistic (nor the personal head)
+    n_shared = sum(p.numel() for p in shared.values())
+    assert [row["up_params"] for row in sim.history] == [len(clients) * (n_shared + 1)] * 2  # weights + count
+    if algorithm != "fesem":
+        assert [row["down_params"] for row in sim.history] == [len(clients) * n_shared] * 2
+        n = np.array([len(c.train[1]) for c in clients], np.float64)
+        for k in shared:  # the server's message: the sample-weighted average of the last local weights
+            local = np.stack([dict(s.model.named_parameters())[k].detach().numpy() for s in states])
+            assert np.allclose(sim.message["w/" + k], np.tensordot(n / n.sum(), local, 1), atol=1e-6), k
+    before = [{k: v.detach().clone() for k, v in s.model.named_parameters()} for s in states]
+    for s in states:  # the next round's download
+        alg.prepare(s, alg.downlink(sim.message, s.cid))
+    _assert_frozen_kept(clients, bodies)
+    for s, old in zip(states, before):
+        for k, v in s.model.named_parameters():
+            centre = alg.downlink(sim.message, s.cid).get("w/" + k)
+            if k in shared:
+                assert np.array_equal(v.detach().numpy(), centre), k  # the global (FeSEM: its cluster's) value
+            else:
+                assert torch.equal(v, old[k]) and centre is None, k  # frozen or personal: the client's own
+    if algorithm == "fedavg":
+        w = [s.model.net.hidden[0].weight for s in states]
+        assert all(torch.equal(w[0], x) for x in w[1:])  # one global trainable part after the download
+    if algorithm == "fedprox":  # the proximal term covers the trained parameters (frozen ones have no reference)
+        obj = alg.local_objective(states[0], alg.downlink(sim.message, 0))
+        assert obj.prox_mu == 0.1 and set(obj.prox_ref) == set(shared)
+
+
+def test_nothing_left_to_share_is_warned(digits, caplog):
+    """FedPer on the paper CNN keeps every fully connected layer; with its convolutions frozen nothing
+    is shared: said so, and only the sample counts go up."""
+    clients, bodies = _cnn_clients(digits)
+    sim = federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, algorithm="fedper")
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "fedper: the clients share no tensor" in caplog.text
+    assert sim.history[0]["up_params"] == len(clients)
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        assert all(torch.equal(named[k], v) for k, v in before.items())
+
+
+def test_fedprox_frozen_convolutions_batched(digits):
+    """The batched path's stacked FedProx references leave out the frozen parameters, which stay."""
+    clients, bodies = _cnn_clients(digits)
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, execution="batched", threads=1,
+                   algorithm="fedprox", prox_mu=0.1)
+    sim.run()
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        assert all(torch.equal(named[k], v) and not named[k].requires_grad for k, v in before.items())
+    assert not any("conv" in k for k in sim.message)
+    assert {k.removeprefix("w/") for k in sim.message} == {n for n in dict(sim.setup.states[0].model.named_parameters())
+                                                           if "conv" not in n}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fesem"])
+def test_weight_sharing_refuses_clients_that_freeze_other_tensors(digits, algorithm):
+    """A tensor some clients freeze and others share has no one global value: refused at the start,
+    naming the clients on each side and the tensor; the Flower server (messages only) says the same."""
+    from fedproto.algorithms import FedAvg
+    from fedproto.errors import ConfigError
+    from fedproto.training import OptimConfig
+
+    clients, bodies = _bn_clients(digits)
+    for p in clients[2].model.body.parameters():  # client 2 trains its body
+        p.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"clients \[0, 1, 3\] froze '[\w.]*body\.0\.weight'.*clients \[2\] train "
+                                          r"and share it.*freeze the same parameters on every client"):
+        federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, algorithm=algorithm).run()
+    _assert_frozen_kept(clients[:2], bodies[:2])
+    joins = {0: {"w/a": np.zeros(2, np.float32), "w/b": np.zeros(3, np.float32)}, 1: {"w/a": np.zeros(2, np.float32)}}
+    with pytest.raises(ConfigError, match=r"clients \[1\] do not send 'b' \(frozen.*clients \[0\] train and share"):
+        FedAvg(10, OptimConfig(0.1, 0.0, 0.0, 8, False)).initial_message_from(joins)
+
+
 class SmallCNN(nn.Module):
     """The guide's kind of user model: a classifier ending in ``fc`` on ``d`` features; clients
     whose d is not 16 are given ``embedding_dim=16``, so fedproto appends a projection and a new head."""

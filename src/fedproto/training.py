@@ -683,7 +683,8 @@ def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequen
     if obj.prox_mu <= 0:
         return None
     src = objs if objs is not None else [obj] * G
-    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names}
+    # frozen parameters (never trained, never sent) have no reference
+    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names if k in src[0].prox_ref}
 
 
 def train_stacked(
