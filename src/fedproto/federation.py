@@ -268,6 +268,16 @@ def _labels(split: Any) -> torch.Tensor:
         raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
                _label_array([_label_value(v, i) for i, v in enumerate(y)]) if isinstance(y, (list, tuple)) else
                np.asarray(y))
+    if raw.dtype.kind in "fuO" and raw.size:  # values int64 cannot hold (inf, 1e20, 2**70) would wrap around
+        flat = raw.reshape(-1)
+        num = [isinstance(v, (int, float, np.integer, np.floating)) for v in flat] if raw.dtype.kind == "O" else True
+        with np.errstate(invalid="ignore"):
+            fits = np.array([not n or -2**63 <= v < 2**63 for n, v in zip(num, flat)], bool) if raw.dtype.kind == "O" \
+                else (flat >= -2**63) & (flat < 2**63)
+        if not fits.all():
+            j = int(np.flatnonzero(~fits)[0])
+            v = flat[j].item() if isinstance(flat[j], np.generic) else flat[j]
+            raise ValueError(f"label {v!r} (item {j}) is not a class id; give integer class ids 0..C-1")
     if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
         bad = raw.reshape(-1)[np.flatnonzero(raw.reshape(-1) != np.round(raw.reshape(-1)))[0]]
         raise ValueError(f"labels with fractions (e.g. {bad:g}); give integer class ids")
