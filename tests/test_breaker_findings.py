@@ -43,3 +43,54 @@ def test_labels_int64_cannot_hold_are_named_not_wrapped(labels, shown):
         federate([Client(_Net(), (x, labels), _data(6, 1))], 3, out=False, rounds=1, threads=1)
     assert shown in str(e.value) and "client 0" in str(e.value)
     assert "-9223372036854775808" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [3.0, 3.5, "3", True])
+def test_num_classes_must_be_a_whole_number(bad):
+    # Before: 3.0 and '3' raised bare TypeErrors, 3.5 reached the model check as "expected (1, 3.5)",
+    # True became classes=1.
+    from fedproto.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"federate\(num_classes={bad!r}\): give the number of classes"):
+        federate([Client(_Net(), _data(), _data(6, 1))], bad, out=False, rounds=1, threads=1)
+
+
+def test_embedding_dim_bool_refused_numpy_integer_accepted():
+    from fedproto.errors import ModelError
+
+    with pytest.raises(ModelError, match="client 0: embedding_dim=True"):  # was silently a projection to size 1
+        federate([Client(_Net(), _data(), _data(6, 1), embedding_dim=True)], 3, out=False, rounds=1, threads=1)
+    sim = federate([Client(_Net(), _data(), _data(6, 1), embedding_dim=np.int64(4))], 3, out=False, rounds=1,
+                   threads=1)  # was refused as "not a whole number"
+    assert sim.models[0].embedding_dim == 4
+
+
+def test_clients_sharing_a_model_or_layer_are_refused():
+    # Before: both clients trained the one module in place, silently, so they were not two clients.
+    from fedproto.errors import ModelError
+
+    net = _Net()
+    with pytest.raises(ModelError, match=r"clients 0 and 1 share parameters \(e.g. 'body.0.weight'"):
+        federate([Client(net, _data(), _data(6, 1)), Client(net, _data(seed=2), _data(6, 3))], 3, out=False,
+                 rounds=1, threads=1)
+    other = _Net()
+    other.fc = net.fc  # one shared layer is enough
+    with pytest.raises(ModelError, match=r"clients 0 and 2 share parameters \(e.g. 'fc.weight'"):
+        federate([Client(net, _data(), _data(6, 1)), Client(_Net(), _data(seed=2), _data(6, 3)),
+                  Client(other, _data(seed=4), _data(6, 5))], 3, out=False, rounds=1, threads=1)
+
+
+def test_head_given_for_a_model_that_returns_logits_and_embedding():
+    # Before: AttributeError: 'tuple' object has no attribute 'ndim'.
+    from fedproto.errors import ModelError
+
+    with pytest.raises(ModelError, match="client 0: with head='fc' the model's forward must return the logits "
+                                         "tensor, and it returned a tuple.*leave head out"):
+        federate([Client(_Net(), _data(), _data(6, 1), head="fc")], 3, out=False, rounds=1, threads=1)
+
+
+def test_clients_may_be_any_iterable():
+    # Before: a generator raised TypeError: object of type 'generator' has no len().
+    sim = federate((Client(_Net(), _data(seed=i), _data(6, 9 + i)) for i in range(2)), 3, out=False, rounds=1,
+                   threads=1)
+    assert len(sim.models) == 2 and sim.cfg.clients == 2

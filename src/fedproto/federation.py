@@ -19,7 +19,8 @@ those of :class:`fedproto.simulation.Simulation`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -379,6 +380,10 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     finally:
         wrapped.train(was)
     logits, h = out
+    if not isinstance(logits, torch.Tensor):
+        raise ModelError(f"client {cid}: with head={head!r} the model's forward must return the logits tensor, and it "
+                         f"returned a {type(logits).__name__}; a model that returns (logits, embedding) itself needs "
+                         "no head: leave head out")
     if not any(p.requires_grad for p in wrapped.parameters()):
         raise ModelError(f"client {cid}: the model has no trainable parameters")
     if logits.ndim != 2 or logits.shape != (1, num_classes):
@@ -422,16 +427,25 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     Returns:
         A Simulation; ``.run()`` trains and returns the summary.
     Raises:
-        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing or not the
-            dataset's. DataError: bad data (names the client). ModelError: a model that does not
-            fit (names the client), or embedding sizes that differ (names the clients and the fix,
+        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing, not a whole
+            number, or not the dataset's. DataError: bad data (names the client). ModelError: a model
+            that does not fit (names the client), two clients sharing a model or layer object, or
+            embedding sizes that differ (names the clients and the fix,
             ``Client(..., embedding_dim=d)``).
     """
     from fedproto.data.registry import DATASETS, LOADABLE
     from fedproto.simulation import build_setup
 
+    if isinstance(clients, Client) or not isinstance(clients, Iterable):
+        raise DataError(f"clients is a {type(clients).__name__}; pass a list of fedproto.federation.Client")
+    clients = list(clients)
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
+    if num_classes is not None:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+            raise ConfigError(f"federate(num_classes={num_classes!r}): give the number of classes as a whole number "
+                              "(your labels lie in 0..num_classes-1)")
+        num_classes = int(num_classes)
     for k in ("classes", "clients", "model", "partition"):
         if k in options:
             raise ModelError(f"{k} is set by federate() from your clients; leave it out")
@@ -451,13 +465,15 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
                                   "clients": len(clients), "model": "custom"})
     states, data, part = [], [], Partition([], [], [])
+    param_ids: list[set[int]] = []  # ids of each client's parameters: no two clients may share one
     for i, c in enumerate(clients):
         if not isinstance(c, Client):
             raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
                             "test)")
         x, y = _split(c.train, i, "train", num_classes)
         tx, ty = _split(c.test, i, "test", num_classes)
-        if c.embedding_dim is not None and not (isinstance(c.embedding_dim, int) and c.embedding_dim >= 1):
+        if c.embedding_dim is not None and (isinstance(c.embedding_dim, bool) or not (
+                isinstance(c.embedding_dim, numbers.Integral) and c.embedding_dim >= 1)):
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
         try:
             sample = x[0:1]
@@ -466,6 +482,13 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
             raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {str(e)[:160]}); "
                             "its inputs must be tensors or arrays of one shape") from None
+        mine = {id(p): n for n, p in c.model.named_parameters()} if isinstance(c.model, nn.Module) else {}
+        shared = next(((j, mine[k]) for j, ids in enumerate(param_ids) for k in ids if k in mine), None)
+        if shared is not None:
+            raise ModelError(f"clients {shared[0]} and {i} share parameters (e.g. {shared[1]!r}: the same model or "
+                             "layer object), so they would train one set of weights; give each client its own model "
+                             "(e.g. copy.deepcopy(model))")
+        param_ids.append(set(mine))
         model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))
