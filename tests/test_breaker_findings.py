@@ -84,8 +84,9 @@ def test_head_given_for_a_model_that_returns_logits_and_embedding():
     # Before: AttributeError: 'tuple' object has no attribute 'ndim'.
     from fedproto.errors import ModelError
 
-    with pytest.raises(ModelError, match="client 0: with head='fc' the model's forward must return the logits "
-                                         "tensor, and it returned a tuple.*leave head out"):
+    with pytest.raises(ModelError, match=r"client 0: the model failed on a training input of shape \(1, 4\) \(its "
+                                         r"forward returned a tuple, not the logits tensor head='fc' needs\); if its "
+                                         r"forward returns \(logits, embedding\) itself, leave out head='fc'"):
         federate([Client(_Net(), _data(), _data(6, 1), head="fc")], 3, out=False, rounds=1, threads=1)
 
 
@@ -94,3 +95,29 @@ def test_clients_may_be_any_iterable():
     sim = federate((Client(_Net(), _data(seed=i), _data(6, 9 + i)) for i in range(2)), 3, out=False, rounds=1,
                    threads=1)
     assert len(sim.models) == 2 and sim.cfg.clients == 2
+
+
+def test_load_models_of_an_empty_or_foreign_file(tmp_path):
+    # Before: an empty models.pt raised IndexError (its EOFError has no message line), and a format-1
+    # dict whose clients are not state dicts was returned as is.
+    from fedproto.results import load_models
+
+    (tmp_path / "models.pt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"cannot read '.*models.pt' \(EOFError: no message\); pass a models.pt"):
+        load_models(tmp_path)
+    torch.save({"format": 1, "clients": [1, 2]}, tmp_path / "other.pt")
+    with pytest.raises(DataError, match=r"other.pt' is not a models.pt of fedproto \(format 1: one state_dict"):
+        load_models(tmp_path / "other.pt")
+
+
+def test_model_raising_an_exception_without_message_is_named():
+    # Before: IndexError from the empty message of a bare `raise RuntimeError`.
+    from fedproto.errors import ModelError
+
+    class Broken(_Net):
+        def forward(self, x):
+            raise RuntimeError
+
+    with pytest.raises(ModelError, match=r"client 0: the model failed on a training input of shape \(1, 4\) "
+                                         r"\(RuntimeError: no message\)"):
+        federate([Client(Broken(), _data(), _data(6, 1))], 3, out=False, rounds=1, threads=1)

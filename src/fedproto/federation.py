@@ -31,7 +31,7 @@ from torch import nn
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
-from fedproto.errors import ConfigError, DataError, ModelError
+from fedproto.errors import ConfigError, DataError, ModelError, first_line
 from fedproto.models.base import ProtoModel
 from fedproto.simulation import Simulation
 
@@ -376,14 +376,14 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
                          f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
     except RuntimeError as e:
         raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
-                         f"({str(e).splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {first_line(e)[:200]})") from None
     finally:
         wrapped.train(was)
     logits, h = out
     if not isinstance(logits, torch.Tensor):
-        raise ModelError(f"client {cid}: with head={head!r} the model's forward must return the logits tensor, and it "
-                         f"returned a {type(logits).__name__}; a model that returns (logits, embedding) itself needs "
-                         "no head: leave head out")
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} (its "
+                         f"forward returned a {type(logits).__name__}, not the logits tensor head={head!r} needs); if "
+                         f"its forward returns (logits, embedding) itself, leave out head={head!r}")
     if not any(p.requires_grad for p in wrapped.parameters()):
         raise ModelError(f"client {cid}: the model has no trainable parameters")
     if logits.ndim != 2 or logits.shape != (1, num_classes):
