@@ -465,7 +465,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
                                   "clients": len(clients), "model": "custom"})
     states, data, part = [], [], Partition([], [], [])
-    param_ids: list[set[int]] = []  # ids of each client's parameters: no two clients may share one
+    owner: dict[int, int] = {}  # id of a parameter -> its client: no two clients may share one
     for i, c in enumerate(clients):
         if not isinstance(c, Client):
             raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
@@ -482,13 +482,13 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
             raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {str(e)[:160]}); "
                             "its inputs must be tensors or arrays of one shape") from None
-        mine = {id(p): n for n, p in c.model.named_parameters()} if isinstance(c.model, nn.Module) else {}
-        shared = next(((j, mine[k]) for j, ids in enumerate(param_ids) for k in ids if k in mine), None)
+        mine = list(c.model.named_parameters()) if isinstance(c.model, nn.Module) else []
+        shared = next(((owner[id(p)], n) for n, p in mine if id(p) in owner), None)
         if shared is not None:
             raise ModelError(f"clients {shared[0]} and {i} share parameters (e.g. {shared[1]!r}: the same model or "
                              "layer object), so they would train one set of weights; give each client its own model "
                              "(e.g. copy.deepcopy(model))")
-        param_ids.append(set(mine))
+        owner.update((id(p), i) for _, p in mine)
         model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))
