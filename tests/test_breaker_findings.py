@@ -121,3 +121,19 @@ def test_model_raising_an_exception_without_message_is_named():
     with pytest.raises(ModelError, match=r"client 0: the model failed on a training input of shape \(1, 4\) "
                                          r"\(RuntimeError: no message\)"):
         federate([Client(Broken(), _data(), _data(6, 1))], 3, out=False, rounds=1, threads=1)
+
+
+def test_default_run_names_of_floats_that_differ_past_six_digits_differ():
+    # Before: {v:g} wrote both lr values as lr0.123457 (one folder, the second run replacing the
+    # first), and dp_noise=1.0000001 as dp_noise1, which reads as the default.
+    from fedproto.config import build_config
+
+    def name(**o):
+        return build_config(overrides={"dataset": "digits", **o}).run_name()
+
+    assert name(lr=0.1234567) == "fedproto-digits-n3-k10-s1234-lr0.1234567"
+    assert name(lr=0.1234568) == "fedproto-digits-n3-k10-s1234-lr0.1234568"
+    assert name(dp="prototypes", dp_noise=1.0000001) == "fedproto-digits-n3-k10-s1234-dpprototypes-dp_noise1.0000001"
+    # short values keep their short spelling
+    assert name(lr=0.05) == "fedproto-digits-n3-k10-s1234-lr0.05"
+    assert name(dp="prototypes", dp_delta=1e-7) == "fedproto-digits-n3-k10-s1234-dpprototypes-dp_delta1e-07"
