@@ -137,3 +137,22 @@ def test_default_run_names_of_floats_that_differ_past_six_digits_differ():
     # short values keep their short spelling
     assert name(lr=0.05) == "fedproto-digits-n3-k10-s1234-lr0.05"
     assert name(dp="prototypes", dp_delta=1e-7) == "fedproto-digits-n3-k10-s1234-dpprototypes-dp_delta1e-07"
+
+
+@pytest.mark.parametrize("clients, trim, hint", [
+    (3, 0.45, "no trim below 0.5 cuts anything from 2 or fewer contributors"),  # was: "raise trim (below 0.5)"
+    (12, 0.2, "raise trim to 0.333 or more (below 0.5) or use aggregation='median'"),
+])
+def test_trimmed_mean_warning_gives_a_fix_that_exists(caplog, clients, trim, hint):
+    import logging
+
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    cfg = build_config(overrides={"dataset": "digits", "clients": clients, "rounds": 1, "threads": 1,
+                                  "aggregation": "trimmed", "trim": trim})
+    with caplog.at_level(logging.WARNING):
+        Simulation(cfg, out=False).run()
+    warned = [r.getMessage() for r in caplog.records if "cuts nothing" in r.getMessage()]
+    assert len(warned) == 1 and hint in warned[0], warned
+    assert "at most 1 clients" not in warned[0]
