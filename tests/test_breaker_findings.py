@@ -156,3 +156,17 @@ def test_trimmed_mean_warning_gives_a_fix_that_exists(caplog, clients, trim, hin
     warned = [r.getMessage() for r in caplog.records if "cuts nothing" in r.getMessage()]
     assert len(warned) == 1 and hint in warned[0], warned
     assert "at most 1 clients" not in warned[0]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--dataset", "custom"], "--dataset custom"),  # was: "--dataset custom needs --classes", a hidden flag
+    (["--dataset", "digits", "--classes", "3"], "--classes"),  # was: "applies to --dataset custom only"
+    (["--dataset", "custom", "--classes", "3"], "--dataset custom"),
+])
+def test_cli_refuses_python_only_custom_and_classes_at_once(args, named, capsys, monkeypatch, tmp_path):
+    from conftest import run_cli
+
+    code, out = run_cli(["run", *args, "--threads", "1", "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2, out
+    assert f"error: {named} is for your own clients, built from Python with fedproto.federation.federate(" in out
+    assert "needs --classes" not in out and not any(tmp_path.iterdir())
