@@ -372,7 +372,7 @@ def test_model_and_rounds_default_to_the_papers_per_dataset():
     assert (explicit.model, explicit.rounds) == ("cnn-mh", 3)
     # the run name carries the model when it is not the dataset's default, so runs do not collide
     assert build_config(overrides={"dataset": "cifar10"}).run_name() == "fedproto-cifar10-n3-k100-s1234"
-    assert explicit.run_name() == "fedproto-cifar10-cnn-mh-n3-k100-s1234"
+    assert explicit.run_name() == "fedproto-cifar10-cnn-mh-n3-k100-s1234-r3"  # rounds 3 differs from 110
     odd = build_config(overrides={"model": "projcnn:32-64,projcnn:16-32"})
     assert odd.run_name() == "fedproto-mnist-projcnn_32-64_projcnn_16-32-n3-k100-s1234"
 

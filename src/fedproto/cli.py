@@ -166,6 +166,12 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     from fedproto.results import PREVIOUS, RunDir  # here, not at the top: it imports numpy, which --help does not need
     from fedproto.simulation import Simulation, prepare
 
+    if overrides.get("dataset") == "custom" or "classes" in overrides:  # Python-only: say so before what they need
+        from fedproto.errors import ConfigError
+
+        raise ConfigError(f"{'--dataset custom' if overrides.get('dataset') == 'custom' else '--classes'} is for your "
+                          "own clients, built from Python with fedproto.federation.federate(clients, num_classes, "
+                          "...); the command line runs mnist, femnist, cifar10, digits (each with its own classes)")
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet

@@ -485,11 +485,13 @@ NAME_ABBREV = {"clients": "m", "rounds": "r", "lambda_proto": "lambda", "local_e
 
 def _name_value(v: Any) -> str:
     """An option value as a run name spells it: ``0.05``, ``1e-05``, ``on``/``off`` for booleans,
-    other text with characters outside ``[A-Za-z0-9.+-]`` replaced by ``_``."""
+    other text with characters outside ``[A-Za-z0-9.+-]`` replaced by ``_``. A float is written
+    short (``{v:g}``) when that reads back as ``v``, else in full (``0.1234567``), so that two
+    values never share a name."""
     if isinstance(v, bool):
         return "on" if v else "off"
     if isinstance(v, float):
-        return f"{v:g}"
+        return f"{v:g}" if float(f"{v:g}") == v else repr(v)
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(v))[:40]
 
 

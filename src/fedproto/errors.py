@@ -46,6 +46,13 @@ def _decode(encoded: str) -> Any:
     return json.loads(encoded, object_hook=lambda d: RawValue(d[_RAW]) if set(d) == {_RAW} else d)
 
 
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of ``str(e)``, else ``"no message"`` (``EOFError()`` of an empty
+    file, a bare ``raise RuntimeError``): for messages that quote a cause in one line."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else "no message"
+
+
 def same_value(a: Any, b: Any) -> bool:
     """Whether two option values are the same as :func:`opt` carries them (a value decoded
     from a reference compared with the one given)."""

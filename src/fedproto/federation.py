@@ -19,7 +19,8 @@ those of :class:`fedproto.simulation.Simulation`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import nn
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
-from fedproto.errors import ConfigError, DataError, ModelError
+from fedproto.errors import ConfigError, DataError, ModelError, first_line
 from fedproto.models.base import ProtoModel
 from fedproto.simulation import Simulation
 
@@ -268,6 +269,16 @@ def _labels(split: Any) -> torch.Tensor:
         raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
                _label_array([_label_value(v, i) for i, v in enumerate(y)]) if isinstance(y, (list, tuple)) else
                np.asarray(y))
+    if raw.dtype.kind in "fuO" and raw.size:  # values int64 cannot hold (inf, 1e20, 2**70) would wrap around
+        flat = raw.reshape(-1)
+        num = [isinstance(v, (int, float, np.integer, np.floating)) for v in flat] if raw.dtype.kind == "O" else True
+        with np.errstate(invalid="ignore"):
+            fits = np.array([not n or -2**63 <= v < 2**63 for n, v in zip(num, flat)], bool) if raw.dtype.kind == "O" \
+                else (flat >= -2**63) & (flat < 2**63)
+        if not fits.all():
+            j = int(np.flatnonzero(~fits)[0])
+            v = flat[j].item() if isinstance(flat[j], np.generic) else flat[j]
+            raise ValueError(f"label {v!r} (item {j}) is not a class id; give integer class ids 0..C-1")
     if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
         bad = raw.reshape(-1)[np.flatnonzero(raw.reshape(-1) != np.round(raw.reshape(-1)))[0]]
         raise ValueError(f"labels with fractions (e.g. {bad:g}); give integer class ids")
@@ -365,10 +376,14 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
                          f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
     except RuntimeError as e:
         raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
-                         f"({str(e).splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {first_line(e)[:200]})") from None
     finally:
         wrapped.train(was)
     logits, h = out
+    if not isinstance(logits, torch.Tensor):
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} (its "
+                         f"forward returned a {type(logits).__name__}, not the logits tensor head={head!r} needs); if "
+                         f"its forward returns (logits, embedding) itself, leave out head={head!r}")
     if not any(p.requires_grad for p in wrapped.parameters()):
         raise ModelError(f"client {cid}: the model has no trainable parameters")
     if logits.ndim != 2 or logits.shape != (1, num_classes):
@@ -412,16 +427,25 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     Returns:
         A Simulation; ``.run()`` trains and returns the summary.
     Raises:
-        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing or not the
-            dataset's. DataError: bad data (names the client). ModelError: a model that does not
-            fit (names the client), or embedding sizes that differ (names the clients and the fix,
+        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing, not a whole
+            number, or not the dataset's. DataError: bad data (names the client). ModelError: a model
+            that does not fit (names the client), two clients sharing a model or layer object, or
+            embedding sizes that differ (names the clients and the fix,
             ``Client(..., embedding_dim=d)``).
     """
     from fedproto.data.registry import DATASETS, LOADABLE
     from fedproto.simulation import build_setup
 
+    if isinstance(clients, Client) or not isinstance(clients, Iterable):
+        raise DataError(f"clients is a {type(clients).__name__}; pass a list of fedproto.federation.Client")
+    clients = list(clients)
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
+    if num_classes is not None:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+            raise ConfigError(f"federate(num_classes={num_classes!r}): give the number of classes as a whole number "
+                              "(your labels lie in 0..num_classes-1)")
+        num_classes = int(num_classes)
     for k in ("classes", "clients", "model", "partition"):
         if k in options:
             raise ModelError(f"{k} is set by federate() from your clients; leave it out")
@@ -441,13 +465,15 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
                                   "clients": len(clients), "model": "custom"})
     states, data, part = [], [], Partition([], [], [])
+    owner: dict[int, int] = {}  # id of a parameter -> its client: no two clients may share one
     for i, c in enumerate(clients):
         if not isinstance(c, Client):
             raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
                             "test)")
         x, y = _split(c.train, i, "train", num_classes)
         tx, ty = _split(c.test, i, "test", num_classes)
-        if c.embedding_dim is not None and not (isinstance(c.embedding_dim, int) and c.embedding_dim >= 1):
+        if c.embedding_dim is not None and (isinstance(c.embedding_dim, bool) or not (
+                isinstance(c.embedding_dim, numbers.Integral) and c.embedding_dim >= 1)):
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
         try:
             sample = x[0:1]
@@ -456,6 +482,13 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
             raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {str(e)[:160]}); "
                             "its inputs must be tensors or arrays of one shape") from None
+        mine = list(c.model.named_parameters()) if isinstance(c.model, nn.Module) else []
+        shared = next(((owner[id(p)], n) for n, p in mine if id(p) in owner), None)
+        if shared is not None:
+            raise ModelError(f"clients {shared[0]} and {i} share parameters (e.g. {shared[1]!r}: the same model or "
+                             "layer object), so they would train one set of weights; give each client its own model "
+                             "(e.g. copy.deepcopy(model))")
+        owner.update((id(p), i) for _, p in mine)
         model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))

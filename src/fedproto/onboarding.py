@@ -38,7 +38,7 @@ from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
-from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, opt
+from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, first_line, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
@@ -72,7 +72,7 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
     try:
         cfg = RunConfig(**{k: v for k, v in stored.items() if k in RunConfig.model_fields})
     except Exception as e:
-        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); "
+        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({first_line(e)}); "
                         f"{fix}") from None
     if cfg.algorithm != "fedproto":
         raise ConfigError(f"the run in {str(run_dir)!r} used algorithm={cfg.algorithm!r}; onboarding downloads "

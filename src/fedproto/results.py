@@ -321,7 +321,7 @@ def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:
     """
     import torch
 
-    from fedproto.errors import DataError
+    from fedproto.errors import DataError, first_line
 
     p = Path(path)
     if p.is_dir():
@@ -331,11 +331,13 @@ def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:
     except FileNotFoundError:
         raise DataError(f"{str(p)!r} does not exist; run with save_models=True (--save-models) to write it") from None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
-        raise DataError(f"cannot read {str(p)!r} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pass a "
+        raise DataError(f"cannot read {str(p)!r} ({type(e).__name__}: {first_line(e)[:160]}); pass a "
                         "models.pt written by a run with save_models=True") from None
-    if not (isinstance(state, dict) and state.get("format") == 1 and isinstance(state.get("clients"), list)):
-        raise DataError(f"{str(p)!r} is not a models.pt of fedproto (format 1); pass one written by a run with "
-                        "save_models=True")
+    if not (isinstance(state, dict) and state.get("format") == 1 and isinstance(state.get("clients"), list)
+            and all(isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in sd.items()) for sd in state["clients"])):
+        raise DataError(f"{str(p)!r} is not a models.pt of fedproto (format 1: one state_dict per client); pass "
+                        "one written by a run with save_models=True")
     return state["clients"]
 
 

@@ -29,7 +29,15 @@ from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fie
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
+from fedproto.errors import (
+    CheckpointError,
+    CheckpointMismatch,
+    ConfigError,
+    PartitionError,
+    TrainingError,
+    first_line,
+    opt,
+)
 from fedproto.models.base import ProtoModel, check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
@@ -749,7 +757,7 @@ class Simulation:
             self.setup.algorithm.load_server_state(ckpt["server_state"])
         except (RuntimeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]}); delete it to start anew") from None
+                            f"{first_line(e)[:200]}); delete it to start anew") from None
         bad = self._message_problem(ckpt["message"])
         if bad:
             raise CheckpointError(f"{where} is damaged: its server message {bad}; delete it to start from round 1")

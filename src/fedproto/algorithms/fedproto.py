@@ -342,11 +342,15 @@ class FedProto(Algorithm):
                 self._trim_warned = True
                 few = (f"fewer than {int(np.ceil(1.0 / self.trim - 1e-9))} contributors" if self.trim > 0
                        else "any number of contributors")
+                ns = [int(n) for c, n in zip(cls.tolist(), contrib.tolist()) if int(c) in plain]
+                cuttable = [n for n in ns if n >= 3]  # int(trim * n) >= 1 for some trim < 0.5 only from n = 3
+                fix = (f"raise trim to {1.0 / min(cuttable):.3g} or more (below 0.5) or use aggregation='median'"
+                       if cuttable else "no trim below 0.5 cuts anything from 2 or fewer contributors: give each "
+                       "class more contributors per round (participation, clients) for a robust aggregate")
                 log.warning("round %d: aggregation='trimmed' with trim=%g cuts nothing for classes with %s (here: "
-                            "classes %s, at most %d clients each), so their global prototypes are the plain mean; "
-                            "raise trim (below 0.5) or use aggregation='median' (warned once)",
-                            round, self.trim, few, plain[:10],
-                            max(int(n) for c, n in zip(cls.tolist(), contrib.tolist()) if int(c) in plain))
+                            "classes %s, at most %d client%s each), so their global prototypes are the plain mean; "
+                            "%s (warned once)", round, self.trim, few, plain[:10], max(ns),
+                            "" if max(ns) == 1 else "s", fix)
         if self.global_classes is not None:
             # a class no (sampled) client sent this round keeps its previous global prototype
             now = dict(zip(cls.tolist(), contrib.tolist()))

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedproto.errors import DataError, ModelError
+from fedproto.errors import DataError, ModelError, first_line
 from fedproto.models.base import Noise, ProtoModel
 
 PRETRAINED_SKIP = ("conv1.", "bn1.", "fc.")
@@ -164,7 +164,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise DataError(f"{str(p)!r} holds pickled Python objects (a whole model?), not a state dict; save "
                             "model.state_dict() with torch.save and pass that file") from None
         raise DataError(f"cannot read pretrained weights {str(p)!r} ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); replace it with a good copy of the state dict "
+                        f"{first_line(exc)[:200]}); replace it with a good copy of the state dict "
                         "file") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
         obj = obj["state_dict"]
