@@ -497,7 +497,9 @@ def test_exploding_and_nonfinite_embeddings_are_reported(tmp_path, caplog):
     sim = Simulation(cfg, out=tmp_path / "run")
     with torch.no_grad():
         sim.setup.states[1].model.fc1.weight.mul_(1e7)  # embeddings of norm ~1e7, finite
-    sim.setup.data[2].test_x[0] = float("inf")  # one of client 2's test embeddings is not finite
+    tx = sim.setup.data[2].test_x  # a view gathers a new tensor: change it, then give it to the client
+    tx[0] = float("inf")  # one of client 2's test embeddings is not finite
+    sim.setup.data[2].test_x = tx
     with caplog.at_level("WARNING"):
         sim.run()
     text = caplog.text

@@ -27,14 +27,14 @@ def shm_blocks(monkeypatch) -> list[str]:
     """Names of the shared-memory blocks the worker pools of the test create (so the test can check
     that they are gone, whatever else on the machine uses /dev/shm)."""
     created: list[str] = []
-    new = _Blocks.new
+    empty = _Blocks.empty  # every block is made here (_Blocks.new too)
 
-    def recording_new(self, t):
-        spec, view = new(self, t)
+    def recording_empty(self, shape, dtype):
+        spec, view = empty(self, shape, dtype)
         created.append(spec.name)
         return spec, view
 
-    monkeypatch.setattr(_Blocks, "new", recording_new)
+    monkeypatch.setattr(_Blocks, "empty", recording_empty)
     return created
 
 

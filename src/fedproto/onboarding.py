@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import ClientData, ClientState
+from fedproto.algorithms.base import ClientState
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
@@ -42,7 +42,7 @@ from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, 
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
-from fedproto.simulation import build_setup, client_step, summarize
+from fedproto.simulation import build_setup, client_step, client_views, summarize
 
 log = logging.getLogger(__name__)
 
@@ -209,15 +209,13 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     if d != message["protos"].shape[1]:
         raise ModelError(f"model {cfg.model!r} gives {d}-d embeddings but the run's prototypes are "
                          f"{message['protos'].shape[1]}-d")
-    data = [ClientData(ds.train_x[torch.as_tensor(free[tr])], ds.train_y[torch.as_tensor(free[tr])],
-                       ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
-            for tr, te in zip(part.train_idx, part.test_idx)]
+    data = client_views(ds, [free[tr] for tr in part.train_idx], part.test_idx)
     # the checks and resolved options of every front end (batch size capped to the new clients' data)
     setup = build_setup(cfg, [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)], data, part, ds,
                         place=False, whole=False)
     rows = [{"client": i, "ways": len(c), "classes": " ".join(map(str, c)),
              "classes_without_prototype": " ".join(str(j) for j in c if j not in set(message["classes"].tolist())),
-             "train_samples": len(data[i].x), "test_samples": len(data[i].test_y)} for i, c in enumerate(part.classes)]
+             "train_samples": len(data[i].y), "test_samples": len(data[i].test_y)} for i, c in enumerate(part.classes)]
     arms = {}
     for arm in ("prototypes", "local"):
         alg = FedProto.from_config(cfg, d)

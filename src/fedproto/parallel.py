@@ -127,15 +127,21 @@ class _Blocks:
         self._tensors: list[torch.Tensor] = []
 
     def new(self, t: torch.Tensor) -> tuple[SharedSpec, torch.Tensor]:
+        """A block holding a copy of ``t``."""
         t = t.detach().cpu().contiguous()
-        arr = t.numpy()
-        shm = shared_memory.SharedMemory(create=True, size=max(arr.nbytes, 1))
-        view = np.ndarray(arr.shape, dtype=arr.dtype, buffer=shm.buf)
-        view[...] = arr
+        spec, tv = self.empty(tuple(t.shape), t.dtype)
+        tv.copy_(t)
+        return spec, tv
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[SharedSpec, torch.Tensor]:
+        """A block for an array of ``shape`` and ``dtype``, left for the caller to fill."""
+        dt = torch.empty(0, dtype=dtype).numpy().dtype
+        shm = shared_memory.SharedMemory(create=True, size=max(int(np.prod(shape)) * dt.itemsize, 1))
+        view = np.ndarray(shape, dtype=dt, buffer=shm.buf)
         self._blocks.append(shm)
         tv = torch.from_numpy(view)
         self._tensors.append(tv)
-        return SharedSpec(shm.name, tuple(arr.shape), arr.dtype.str), tv
+        return SharedSpec(shm.name, tuple(shape), dt.str), tv
 
     def free(self) -> None:
         self._tensors.clear()
@@ -171,7 +177,10 @@ class WorkerPool:
 
     Args:
         models: client id -> model of every client that may be trained batched (CPU).
-        data_x: client id -> (n_i, Cin, H, W) training inputs.
+        data_x: client id -> (n_i, Cin, H, W) training inputs: any mapping, read once per client,
+            one client at a time, straight into the shared block (a mapping that gathers a
+            client's rows on reading, as :class:`~fedproto.algorithms.base.ClientData` views do,
+            never holds all clients' inputs at once outside it).
         data_y: client id -> (n_i,) labels.
         n_workers: worker processes to start (the main process is not counted).
         threads: torch threads of each worker.
@@ -194,10 +203,10 @@ class WorkerPool:
 
     def _setup(self, models, data_x, data_y, n_workers, threads):
         ids = sorted(models)
-        sizes = [len(data_x[i]) for i in ids]
+        sizes = [len(data_y[i]) for i in ids]
         offsets = np.cumsum([0] + sizes)[:-1]
         self.offset = {i: int(o) for i, o in zip(ids, offsets)}
-        x_spec, self.X = self._blocks.new(torch.cat([data_x[i] for i in ids]))
+        x_spec, self.X = self._fill(data_x, ids, sizes)
         y_spec, self.Y = self._blocks.new(torch.cat([data_y[i] for i in ids]))
         by_arch: dict = {}
         for i in ids:
@@ -252,6 +261,20 @@ class WorkerPool:
                 "stores": [{"m0": s.m0, "names": s.names, "specs": s.specs} for s in self.stores]}
         for c in self._conns:
             _send(c, init)
+
+    def _fill(self, data_x, ids: list[int], sizes: list[int]) -> tuple[SharedSpec, torch.Tensor]:
+        """One shared block holding the inputs of clients ``ids`` one after another, read client by client."""
+        first = data_x[ids[0]]
+        spec, X = self._blocks.empty((sum(sizes), *first.shape[1:]), first.dtype)
+        at = 0
+        for k, i in enumerate(ids):
+            x = first if k == 0 else data_x[i]
+            if len(x) != sizes[k]:
+                raise ValueError(f"client {i}: {len(x)} training inputs but {sizes[k]} labels; give one label per "
+                                 "input")
+            X[at : at + sizes[k]] = x.detach().cpu()
+            at += sizes[k]
+        return spec, X
 
     @property
     def n_workers(self) -> int:

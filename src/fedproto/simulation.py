@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +22,15 @@ import numpy as np
 import torch
 
 from fedproto.algorithms import ALGORITHMS
-from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
+from fedproto.algorithms.base import (
+    HEALTH_KEYS,
+    Algorithm,
+    ClientData,
+    ClientState,
+    Message,
+    SharedInputs,
+    message_size,
+)
 from fedproto.attacks import attacker_ids, corrupt_message
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
@@ -106,6 +114,25 @@ def sample_clients(seed: int, round: int, num_clients: int, participation: float
     return sorted(int(i) for i in rng.choice(num_clients, size=k, replace=False))
 
 
+class _TrainInputs(Mapping):
+    """Client id -> its training inputs ``data[i].x``, read (for an index view: gathered) on access:
+    the worker pool copies the clients one at a time into its shared block."""
+
+    def __init__(self, data: list[ClientData], ids: list[int]):
+        self._data, self._ids, self._known = data, ids, set(ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i not in self._known:
+            raise KeyError(i)
+        return self._data[i].x
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 def _balanced_parts(members: list[int], sizes: list[int], parts: int) -> list[list[int]]:
     """``members`` split into at most ``parts`` parts of about equal total ``sizes`` (training
     samples), none empty, each in the order of ``members``: the largest first, each to the part
@@ -186,14 +213,17 @@ class Setup:
 
     def to_device(self, device: torch.device) -> Setup:
         """Move every client model and every client's in-memory data (labels always) to ``device``
-        in place; returns self. Data read from a ``Dataset`` stays where it is read, batch by batch."""
+        in place; returns self. Inputs that clients' index views share (:class:`SharedInputs`) move
+        once for all of them. Data read from a ``Dataset`` stays where it is read, batch by batch."""
         self.device = torch.device(device)
         for s in self.states:
             s.model.to(self.device)
+        shared = {}
         for d in self.data:
-            for k in ("x", "y", "test_x", "test_y"):
-                if isinstance(getattr(d, k), torch.Tensor):
-                    setattr(d, k, getattr(d, k).to(self.device))
+            d.to(self.device)
+            shared.update((id(src), src) for src in d.shared_inputs())
+        for src in shared.values():
+            src.tensor = src.tensor.to(self.device)
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> Setup:
@@ -210,7 +240,7 @@ class Setup:
         for s in self.states:
             s.model.to(dtype)
         for d in self.data:
-            d.x, d.test_x = d.x.to(dtype), d.test_x.to(dtype)
+            d.to(dtype=dtype)  # an index view casts the rows it gathers, not the whole shared split
         return self
 
 
@@ -255,12 +285,25 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
-    data = [
-        ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
-                   ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
-        for tr, te in zip(part.train_idx, part.test_idx)
-    ]
-    return build_setup(cfg, states, data, part, ds)
+    return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
+
+
+def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientData]:
+    """Each client's data as an index view into ``ds`` (:meth:`ClientData.view`): one copy of each
+    split's inputs for all clients, each client's rows gathered when read (issue #25: at 10,000
+    clients the per-client copies of the test images were 3.8 GB).
+
+    Args:
+        ds: the dataset. train_idx, test_idx: per client, its (n_i,) rows of the train and the test split.
+    Returns:
+        One :class:`ClientData` per client, with its labels gathered (int64) and its inputs a view.
+    """
+    train, test = SharedInputs(ds.train_x), SharedInputs(ds.test_x)
+    out = []
+    for tr, te in zip(train_idx, test_idx):
+        tr, te = torch.as_tensor(tr, dtype=torch.long), torch.as_tensor(te, dtype=torch.long)
+        out.append(ClientData.view(train, tr, ds.train_y[tr], test, te, ds.test_y[te]))
+    return out
 
 
 def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
@@ -406,7 +449,7 @@ class Simulation:
             return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
-            key = batch_key(self.setup.states[i].model) if isinstance(self.setup.data[i].x, torch.Tensor) else None
+            key = batch_key(self.setup.states[i].model) if self.setup.data[i].in_memory else None
             by_arch[key].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
         W = self._executors(max((len(m) for m in batched), default=0))
@@ -417,7 +460,7 @@ class Simulation:
                 continue
             # W parts of about equal sample counts, then chunks: a very wide stack (thousands of
             # clients) outgrows the caches; clients are independent, so neither changes a number
-            sizes = {i: len(self.setup.data[i].x) for i in members}
+            sizes = {i: len(self.setup.data[i].y) for i in members}
             parts = _balanced_parts(members, [sizes[i] for i in members], W)
             # the main process, which also prepares, sends and aggregates, takes the lightest part
             parts.sort(key=lambda p: sum(sizes[i] for i in p))
@@ -445,10 +488,10 @@ class Simulation:
                     log.warning("workers=%d starts more processes than the %d cores this run may use; they will "
                                 "wait for each other (use workers=0 for the automatic choice)", W, available_cores())
                 S, D = self.setup.states, self.setup.data
-                ok = [i for i in range(len(S)) if isinstance(D[i].x, torch.Tensor) and can_batch([S[i].model])]
+                ok = [i for i in range(len(S)) if D[i].in_memory and can_batch([S[i].model])]
                 log.info("training on %d processes with %d thread%s each", W, threads, "s" if threads > 1 else "")
-                self._pool = WorkerPool({i: S[i].model for i in ok}, {i: D[i].x for i in ok},
-                                        {i: D[i].y for i in ok}, W - 1, threads)
+                self._pool = WorkerPool({i: S[i].model for i in ok}, _TrainInputs(D, ok), {i: D[i].y for i in ok},
+                                        W - 1, threads)
             else:
                 self._pool = False
         return self._pool.n_workers + 1 if self._pool else 1
@@ -469,7 +512,7 @@ class Simulation:
         for i in group:
             alg.prepare(S[i], msgs[i])
             objs.append(alg.local_objective(S[i], msgs[i]))
-            plans.append(alg.plan(S[i], objs[-1], len(D[i].x), client_rng(self.cfg.seed, round, i)))
+            plans.append(alg.plan(S[i], objs[-1], len(D[i].y), client_rng(self.cfg.seed, round, i)))
         return objs, plans
 
     def _client_step(self, round: int, ids: list[int], msgs: dict[int, Message]) -> dict[int, tuple[Message, object]]:
@@ -661,7 +704,7 @@ class Simulation:
         rows = []
         for i, s in enumerate(self.setup.states):
             row = {"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
-                   "train_samples": len(self.setup.data[i].x), "test_samples": len(self.setup.data[i].test_y),
+                   "train_samples": len(self.setup.data[i].y), "test_samples": len(self.setup.data[i].test_y),
                    "params": count_parameters(s.model)}
             row.update(per_client[i])
             rows.append(row)
@@ -893,7 +936,7 @@ class Simulation:
             bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
             if bad:
                 lam = alg.divergence_hint(cfg)
-                dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
+                dirty = [i for i in bad if self.setup.data[i].in_memory
                          and not bool(torch.isfinite(self.setup.data[i].x).all())]
                 if dirty:
                     raise TrainingError(f"training diverged in round {r}: the training inputs of clients {dirty[:10]} "

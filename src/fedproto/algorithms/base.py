@@ -54,14 +54,125 @@ def message_size(msg: Message) -> tuple[int, int]:
     return n, b
 
 
-@dataclass
-class ClientData:
-    """A client's data held in memory. x: (n, C, H, W) float32; y: (n,) int64; same for test."""
+class SharedInputs:
+    """One inputs tensor (N, C, H, W) that many clients' :class:`ClientData` views index into.
 
-    x: torch.Tensor
-    y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
+    :meth:`fedproto.simulation.Setup.to_device` moves it once for all clients (``tensor`` is
+    replaced); the views read it whenever they gather their rows.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+
+class ClientData:
+    """A client's data: training inputs ``x`` (n, C, H, W) float, labels ``y`` (n,) int64, and the
+    same for its test set (``test_x``, ``test_y``).
+
+    ``ClientData(x, y, test_x, test_y)`` holds the given tensors (or :class:`~fedproto.federation.LazyInputs`
+    for ``x``/``test_x``). :meth:`view` builds an index view instead: the client keeps only its
+    sample indices into a dataset's inputs held once for all clients (:class:`SharedInputs`), and
+    each read of ``x`` or ``test_x`` gathers its rows into a new tensor (so at 10,000 clients the
+    simulator holds one copy of each split, not a copy per client; issue #25). Read ``x`` once
+    where it is needed and let it go afterwards; ``len(data.y)`` gives the sample count without a
+    gather. Labels are small and always held. Assigning ``x`` or ``test_x`` replaces the view by
+    the tensor assigned.
+    """
+
+    def __init__(self, x: Any, y: torch.Tensor, test_x: Any, test_y: torch.Tensor):
+        self._x, self._test_x = x, test_x
+        self.y, self.test_y = y, test_y
+        self._src = self._test_src = self._idx = self._test_idx = None
+        self._dtype: torch.dtype | None = None
+
+    @classmethod
+    def view(cls, train: SharedInputs, train_idx: Any, train_y: torch.Tensor, test: SharedInputs, test_idx: Any,
+             test_y: torch.Tensor) -> ClientData:
+        """A client whose inputs are rows ``train_idx`` of ``train`` and ``test_idx`` of ``test``.
+
+        Args:
+            train, test: the shared inputs of the two splits (N, C, H, W).
+            train_idx, test_idx: (n,) and (n_test,) integer row indices (numpy or torch; kept
+                without a copy where they already are int64).
+            train_y, test_y: the clients' (n,) / (n_test,) int64 labels (the dataset's labels at
+                those rows).
+        Raises:
+            ValueError: an index and its labels differ in length, or an index lies outside its split.
+        """
+        d = cls(None, train_y, None, test_y)
+        d._src, d._test_src = train, test
+        d._idx, d._test_idx = torch.as_tensor(train_idx, dtype=torch.long), torch.as_tensor(test_idx, dtype=torch.long)
+        for split, idx, y, src in (("train", d._idx, train_y, train), ("test", d._test_idx, test_y, test)):
+            if len(idx) != len(y):
+                raise ValueError(f"{split}: {len(idx)} indices but {len(y)} labels; give one label per index")
+            if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(src)):
+                raise ValueError(f"{split}: indices {int(idx.min())}..{int(idx.max())} outside the split's "
+                                 f"{len(src)} rows; index rows 0..{len(src) - 1}")
+        return d
+
+    def _gather(self, src: SharedInputs, idx: torch.Tensor) -> torch.Tensor:
+        x = src.tensor[idx.to(src.tensor.device)]
+        return x if self._dtype is None else x.to(self._dtype)
+
+    @property
+    def x(self) -> Any:
+        """Training inputs (n, C, H, W); for a view, gathered anew on every read."""
+        return self._gather(self._src, self._idx) if self._src is not None else self._x
+
+    @x.setter
+    def x(self, value: Any) -> None:
+        self._x, self._src, self._idx = value, None, None
+
+    @property
+    def test_x(self) -> Any:
+        """Test inputs (n_test, C, H, W); for a view, gathered anew on every read."""
+        return self._gather(self._test_src, self._test_idx) if self._test_src is not None else self._test_x
+
+    @test_x.setter
+    def test_x(self, value: Any) -> None:
+        self._test_x, self._test_src, self._test_idx = value, None, None
+
+    @property
+    def is_view(self) -> bool:
+        """True when the training inputs are an index view into :class:`SharedInputs`."""
+        return self._src is not None
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the training inputs are a tensor or a view of one (the batched engine can
+        stack them); False for inputs read from a ``Dataset`` item by item."""
+        return self._src is not None or isinstance(self._x, torch.Tensor)
+
+    def shared_inputs(self) -> list[SharedInputs]:
+        """The shared inputs this client's views read (empty for a client holding its own tensors)."""
+        return [s for s in (self._src, self._test_src) if s is not None]
+
+    def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> ClientData:
+        """Move the held tensors to ``device`` (labels always; inputs held as tensors) and/or cast
+        the inputs to the float ``dtype``, in place; returns self. A view's shared inputs are not
+        moved here (:meth:`fedproto.simulation.Setup.to_device` moves each once); its gathered rows
+        are cast to ``dtype`` on every read."""
+        if device is not None:
+            self.y, self.test_y = self.y.to(device), self.test_y.to(device)
+            if isinstance(self._x, torch.Tensor):
+                self._x = self._x.to(device)
+            if isinstance(self._test_x, torch.Tensor):
+                self._test_x = self._test_x.to(device)
+        if dtype is not None:
+            if self._src is not None or self._test_src is not None:
+                self._dtype = dtype
+            if self._src is None:
+                self._x = self._x.to(dtype)
+            if self._test_src is None:
+                self._test_x = self._test_x.to(dtype)
+        return self
+
+    def __repr__(self) -> str:
+        kind = "view" if self.is_view else "tensors"
+        return f"ClientData({kind}, train={len(self.y)}, test={len(self.test_y)})"
 
 
 @dataclass
@@ -245,7 +356,7 @@ class Algorithm:
         """Reference client step: prepare, train (sequential path), finish."""
         self.prepare(state, message)
         obj = self.local_objective(state, message)
-        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.x), rng), obj, self.opt)
+        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, self.opt)
         return self.finish(state, message, data, res), res
 
     # -- evaluation -------------------------------------------------------------------------

@@ -272,5 +272,5 @@ class FedAvg(Algorithm):
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         msg = weights_message(state.model, self.include(state.model))
-        msg[COUNT_KEY] = np.array([len(data.x)], dtype=np.int64)
+        msg[COUNT_KEY] = np.array([len(data.y)], dtype=np.int64)
         return msg
