@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedproto.data.registry import DATASETS as REGISTRY
-from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, same_value
+from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, register_option_names, same_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -563,9 +563,16 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
 
 
 def _aliases() -> dict[str, str]:
-    from fedproto.options import aliases
+    """Each alias -> its field, from the fields' ``json_schema_extra["aliases"]`` (as
+    :func:`fedproto.options.aliases` reads them; config does not import options, options imports config)."""
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        out.update({a: name for a in extra.get("aliases", ())})
+    return out
 
-    return {a: name for name in RunConfig.model_fields for a in aliases(name)}
+
+register_option_names(lambda: RunConfig.model_fields)
 
 
 KEY_ALIASES = _aliases()

@@ -24,7 +24,7 @@ import torch
 from fedproto.algorithms import ALGORITHMS
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.attacks import attacker_ids, corrupt_message
-from fedproto.checkpoint import load_checkpoint
+from fedproto.checkpoint import load_checkpoint, save_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
@@ -939,7 +939,7 @@ class Simulation:
             if self.run_dir:
                 self.run_dir.log_round(row)
                 if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
-                    self.run_dir.write_checkpoint(
+                    self.run_dir.write_checkpoint(save_checkpoint, 
                         self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
             if self.on_round:
                 self.on_round(row)
