@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedproto.data.registry import DATASETS as REGISTRY
 from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, register_option_names, same_value
+from fedproto.models.names import MODEL_NAMES, zoo_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,7 +65,7 @@ def result_fields(cfg: dict) -> dict[str, Any]:
     algorithm = cfg.get("algorithm")
     out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
            and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
-    if str(cfg.get("model", "")).startswith("resnet18"):
+    if all((z := zoo_name(m)) is not None and z.family == "resnet18" for m in str(cfg.get("model", "")).split(",")):
         out.pop("personal_layers", None)
     if out.get("dp", "off") == "off":
         out.pop("dp_reproducible_noise", None)  # the noise source acts only under DP
@@ -110,8 +111,8 @@ class RunConfig(BaseModel):
     augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
     algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem")
-    model: str = Field(None, validate_default=False, description="cnn | cnn-mh | resnet18 | resnet18-mh | "
-                       "projcnn:<c1>-<c2>, or a comma list of these, one per client in turn")
+    model: str = Field(None, validate_default=False, description=" | ".join(MODEL_NAMES).replace("[,...]", "")
+                       + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
                                       "into all but conv1, bn1 and fc")
     embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of cnn and "
@@ -278,7 +279,8 @@ class RunConfig(BaseModel):
                               hint="use letters, digits and '.', '_', '-', '+', '=' (starting with a letter, digit "
                               "or '_'; at most 200 characters; no '/', spaces or other symbols)")
         specs = {m.strip() for m in self.model.split(",")}
-        if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
+        fixed = {z.fixed_embedding for z in map(zoo_name, specs) if z is not None}
+        if all(zoo_name(m) is not None for m in specs) and fixed == {512} and self.embedding_dim not in (50, 512):
             raise ConfigError(f"{opt('embedding_dim', self.embedding_dim)} does not apply to {self.model}: its "
                               "embedding is the 512-d layer4 output", option="embedding_dim",
                               value=self.embedding_dim,
