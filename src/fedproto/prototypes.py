@@ -364,7 +364,7 @@ def class_check(
         own = d[np.arange(len(judged)), ref]
         d[np.arange(len(judged)), ref] = np.inf
         nearer = d.min(1) < own if len(rc) > 1 else np.zeros(len(judged), bool)
-    acted = bool(len(judged)) and nearer.mean() < 0.5
+    acted = len(rc) > 1 and bool(len(judged)) and nearer.mean() < 0.5
     bad = nearer if acted else np.zeros(len(judged), bool)
     if len(judged) >= 3:
         bad = bad | (robust_z(own) > z)

@@ -321,8 +321,8 @@ class FedProto(Algorithm):
         if len(ref_c) > 1 and not acted and not self._warned_nearer:
             self._warned_nearer = True
             log.info("round %d: class check: most prototypes lie nearer another class's global prototype than their "
-                        "own (the clients' embeddings are not aligned yet), so only the distance test acts; logged once",
-                        round)
+                     "own (the clients' embeddings are not aligned yet), so only the distance test acts; logged once",
+                     round)
         self.last_flagged = [int(cids[j]) for j, f in enumerate(flags) if f.any()]
         self.last_flagged_rows = sum(int(f.sum()) for f in flags)
         if self.last_flagged:
