@@ -318,6 +318,7 @@ def test_dp_runs_report_epsilon_and_are_reproducible():
     (dict(attackers=2), "give both"),
     (dict(attack="nan", attackers=7), "attackers=7 is more than clients=6"),
     (dict(aggregation="trimmed", trim=0.5), "trim"),
+    (dict(class_check=-1), "class_check"),
     (dict(dp="full", dp_noise=-1.0), "dp_noise"),
 ])
 def test_bad_options_are_refused(kw, match):
