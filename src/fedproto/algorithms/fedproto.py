@@ -434,9 +434,15 @@ class FedProto(Algorithm):
         out = f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
         if self.dp != "off":
             out += f", or {opt('dp_noise')} (now {self.dp_noise:g}) or {opt('dp_clip')} (now {self.dp_clip:g})"
-        if getattr(cfg, "attackers", 0) and self.aggregation in ("mean", "weighted") and not self.exclude_outliers:
-            out += (f"; with misbehaving clients ({opt('attack')}) the mean follows their prototypes: use "
-                    f"{opt('aggregation', 'median')}, {opt('aggregation', 'trimmed')} or {opt('exclude_outliers')}")
+        if getattr(cfg, "attackers", 0) and not self.class_check:
+            if self.aggregation in ("mean", "weighted") and not self.exclude_outliers:
+                out += (f"; with misbehaving clients ({opt('attack')}) the mean follows their prototypes: use "
+                        f"{opt('aggregation', 'median')}, {opt('aggregation', 'trimmed')}, {opt('exclude_outliers')} "
+                        f"or {opt('class_check', 3)}")
+            else:
+                out += (f"; with misbehaving clients ({opt('attack')}), where half of a class's senders misbehave the "
+                        f"median, the trimmed mean and {opt('exclude_outliers')} follow them: {opt('class_check', 3)} "
+                        "checks each prototype against the last global prototypes instead")
         return out
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
