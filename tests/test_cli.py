@@ -67,7 +67,7 @@ def test_missing_data_exits_2(capsys, monkeypatch, tmp_path):
     code, text = run_cli(["run", "--data-dir", str(tmp_path / "nodata"), "--no-download", "--rounds", "1",
                           "--out-dir", str(tmp_path / "runs")], capsys, monkeypatch)
     assert code == 2 and "train-images-idx3-ubyte" in text and "Traceback" not in text
-    assert not (tmp_path / "runs" / "fedproto-mnist-n3-k100-s1234").exists()  # no empty run folder left
+    assert not any((tmp_path / "runs").glob("*"))  # no empty run folder left
 
 
 @needs_mnist
@@ -358,3 +358,25 @@ def test_run_help_names_toml_keys_of_switches(capsys, monkeypatch):
     text = " ".join(text.split())
     assert code == 0 and "drop_last = false" in text and "download = false" in text
     assert "is also a key" not in text
+
+
+def test_progress_off_a_terminal_is_one_line_per_evaluated_round(capsys, monkeypatch, tmp_path):
+    """Output to a file or a CI log (stderr no terminal): one plain line per evaluated round with the
+    round, the losses, the accuracies and the elapsed time, matching metrics.jsonl; --quiet: none."""
+    args = ["run", "--dataset", "digits", "--clients", "3", "--rounds", "4", "--eval-every", "2", "--threads", "1",
+            "--out-dir", str(tmp_path), "--name", "r"]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    lines = [line for line in text.splitlines() if line.startswith("round ")]
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [r for r in rows if "acc_mean" in r]
+    assert [r["round"] for r in evaluated] == [2, 4] and len(lines) == 2
+    for line, r in zip(lines, evaluated):
+        assert line.startswith(f"round {r['round']}/4: loss ce {r['loss_ce']:.4f}, proto {r['loss_proto']:.4f}; "
+                               f"accuracy % classifier {100 * r['acc_mean']:.2f}, nearest prototype "
+                               f"{100 * r['acc_proto_mean']:.2f}; elapsed "), line
+        assert line.endswith(" s")
+    elapsed = [float(line.split("elapsed ")[1][:-2]) for line in lines]
+    assert 0 <= elapsed[0] <= elapsed[1], elapsed
+    code, text = run_cli([*args, "--quiet"], capsys, monkeypatch)
+    assert code == 0 and not [line for line in text.splitlines() if line.startswith("round ")], text

@@ -4,6 +4,8 @@ is refused before training, naming the client."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -103,14 +105,37 @@ def test_heterogeneous_user_models_and_projection(digits):
     ds, part = digits
     clients = _clients(digits, lambda: TwoOut(32, 16))
     clients[1].model, clients[3].model = TwoOut(64, 24), TwoOut(64, 24)
-    with pytest.raises(ModelError, match=r"d=16: clients \[0, 2\]; d=24: clients \[1, 3\]"):
+    with pytest.raises(ModelError, match=r"d=16: clients \[0, 2\]; d=24: clients \[1, 3\].*give every client "
+                       r"Client\(\.\.\., embedding_dim=d\) with one d \(e\.g\. embedding_dim=16\)"):
         federate(clients, 10, out=False)
+    for c in clients:  # the fix the error names
+        c.embedding_dim = 16
+    assert federate(clients, 10, out=False).setup.embedding_dim == 16
+    for c in clients:
+        c.embedding_dim = None
     from fedproto.federation import adapt
 
     for i in (1, 3):
         clients[i].model = with_projection(adapt(clients[i].model, None, 10, clients[i].train[0][:1], i), 16)
     sim = federate(clients, 10, rounds=8, lr=0.05, out=False, eval_every=0)
     assert sim.run()["accuracy"]["acc"]["mean"] > 0.7
+
+
+def test_defaults_follow_the_named_dataset(digits):
+    """federate(dataset=...) takes the dataset's defaults as `fedproto run --dataset` does (tab. 1's
+    rounds, app. A's λ, its classes); without one: 20 rounds and λ = 1; any keyword overrides."""
+    clients = _clients(digits, TwoOut)
+    for kw, rounds, lam in (({"dataset": "mnist"}, 100, 1.0), ({"dataset": "cifar10"}, 110, 0.1),
+                            ({"num_classes": 10}, 20, 1.0), ({"dataset": "mnist", "rounds": 3}, 3, 1.0),
+                            ({"dataset": "cifar10", "lambda_proto": 2.0}, 110, 2.0)):
+        cfg = federate(clients, out=False, **kw).cfg
+        assert (cfg.rounds, cfg.lam, cfg.num_classes) == (rounds, lam, 10), kw
+    with pytest.raises(ConfigError, match=r"dataset='mnits'.*name one of mnist, femnist, cifar10, digits"):
+        federate(clients, dataset="mnits", out=False)
+    with pytest.raises(ConfigError, match=r"femnist has 62 classes; give num_classes=62 or leave it out"):
+        federate(clients, 10, dataset="femnist", out=False)
+    with pytest.raises(ConfigError, match=r"federate\(\) needs num_classes"):
+        federate(clients, out=False)
 
 
 def test_bad_input_is_refused_naming_the_client(digits):
@@ -196,9 +221,11 @@ def test_breaker_findings_are_refused_before_training(digits, tmp_path):
     sim.run_dir.acquire()
     sim._ran = True
     sim.message = sim.setup.algorithm.initial_message(sim.setup.states)
-    sim.run_dir.write_checkpoint(sim._checkpoint_state(1, {k: 0 for k in ("up_params", "up_bytes", "down_params",
-                                                                            "down_bytes")}, 0.0, 0.0) | {
-        "history": [{"round": 1}]})
+    from fedproto.checkpoint import save_checkpoint
+
+    zero = {k: 0 for k in ("up_params", "up_bytes", "down_params", "down_bytes")}
+    state = sim._checkpoint_state(1, zero, 0.0, 0.0) | {"history": [{"round": 1}]}
+    sim.run_dir.write_checkpoint(save_checkpoint, state)
     sim.run_dir.release()
     cs = _clients(digits, TwoOut)
     x, y = cs[2].train
@@ -220,3 +247,24 @@ def test_robust_and_private_options_through_the_python_api(digits, caplog):
     assert s["privacy"]["epsilon_max"] == pytest.approx(epsilon([(1.0, 1.0, 3)], 1e-5))
     with pytest.raises(ConfigError, match="name no head layer"):
         federate(_clients(digits, TwoOut), num_classes=10, rounds=3, out=False, freeze_after=1)
+
+
+def test_the_docs_script_is_the_example_and_runs(tmp_path):
+    """docs/own-federation.md's script is examples/own_federation.py, verbatim; that script runs
+    (on digits, two rounds: its code path is MNIST's) and its clients learn."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "examples" / "own_federation.py").read_text(encoding="utf-8")
+    page = (root / "docs" / "own-federation.md").read_text(encoding="utf-8")
+    assert f"```python\n{script.rstrip()}\n```" in page, "docs/own-federation.md's script differs from the example"
+    spec = importlib.util.spec_from_file_location("own_federation", root / "examples" / "own_federation.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    summary = example.main(dataset="digits", rounds=6, fraction=1.0, threads=1, out=tmp_path / "run")
+    acc = summary["accuracy"]
+    assert summary["clients"] == 10 and acc["acc"]["mean"] > 0.6 and acc["acc_proto"]["mean"] > 0.35, acc  # 67.6, 52.1
+    assert (tmp_path / "run" / "embeddings.npz").is_file()
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["rounds"] == 6 and config["batch_size"] == 32 and config["momentum"] == 0.9

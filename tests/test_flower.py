@@ -18,6 +18,7 @@ import pytest
 import torch
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.flower
 
 import tomllib  # noqa: E402  (flwr needs Python >= 3.11, which has it)
 from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
@@ -29,6 +30,7 @@ from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
 from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
+from fedproto.privacy import epsilon  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, model="cnn",
@@ -226,6 +228,62 @@ def test_flower_simulation_runtime_gives_the_simulation_numbers(tmp_path):
     ``--federation-config num-supernodes=2``): the simulator's numbers."""
     pytest.importorskip("ray", reason="Flower's simulation runtime needs Ray: pip install \"fedproto[flower-sim]\"")
     _benchmark_run_matches_the_simulation(tmp_path, simulation=True)
+
+
+class RecordingGrid(LocalGrid):
+    """A LocalGrid that keeps every reply a node sends, by message type (what crosses the wire)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.replies: dict[str, list[Message]] = {"query": [], "train": [], "evaluate": []}
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for m, r in zip(messages, replies):
+            self.replies[m.metadata.message_type].append(r)
+        return replies
+
+
+def _reply_keys(rep: Message) -> dict[str, set[str]]:
+    """Record name (``config``, ``message``, ``metrics``) -> the keys of that record, for one reply."""
+    return {name.removeprefix("fedproto."): set(rec.keys()) for name, rec in rep.content.items()}
+
+
+@pytest.mark.parametrize("dp", ["off", "prototypes", "full"])
+def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
+    """Issue #21 (1): under DP the replies of a node carry no sample counts (query, train), no
+    losses, step count or embedding norm (train), no accuracy or test count (evaluate): only the
+    noised release, the public label set and architecture size, and ε under ``prototypes``."""
+    uc = _user_config(dp=dp, dp_noise=1.0, rounds=2, clients=3)
+    grid = RecordingGrid(uc, [0, 1, 2])
+    summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    q, t, e = (grid.replies[k] for k in ("query", "train", "evaluate"))
+    assert len(q) == 3 and len(t) == 6 and len(e) == 3
+    query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
+                                                                   else set())
+    assert all(_reply_keys(r)["config"] == query_keys for r in q)
+    if dp == "off":
+        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"}
+                   for r in t)
+        assert summary["accuracy"]["acc"]["mean"] > 0.5
+        return
+    assert all(set(_reply_keys(r)) == {"message"} for r in t)  # the release alone
+    assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
+    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) for r in e)
+    assert summary["accuracy"] == {} and "clients_evaluated" not in summary
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss_ce"] for r in rows] == [None, None]
+    if dp == "prototypes":
+        assert summary["privacy"]["epsilon_max"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    else:
+        assert summary["privacy"]["epsilon_max"] is None and "sample count" in summary["privacy"]["epsilon_note"]
+        assert "keeps on this node: acc" in caplog.text and "dp_epsilon" in caplog.text
+
+
+def test_seeded_dp_noise_is_refused_under_flower():
+    with pytest.raises(ConfigError, match="dp_reproducible_noise=True draws the DP noise from the run's seed"):
+        run_config(_user_config(dp="prototypes", dp_reproducible_noise=True))
 
 
 def test_server_app_logs_a_user_mistake_in_one_line(caplog):

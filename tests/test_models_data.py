@@ -372,7 +372,7 @@ def test_model_and_rounds_default_to_the_papers_per_dataset():
     assert (explicit.model, explicit.rounds) == ("cnn-mh", 3)
     # the run name carries the model when it is not the dataset's default, so runs do not collide
     assert build_config(overrides={"dataset": "cifar10"}).run_name() == "fedproto-cifar10-n3-k100-s1234"
-    assert explicit.run_name() == "fedproto-cifar10-cnn-mh-n3-k100-s1234"
+    assert explicit.run_name() == "fedproto-cifar10-cnn-mh-n3-k100-s1234-r3"  # rounds 3 differs from 110
     odd = build_config(overrides={"model": "projcnn:32-64,projcnn:16-32"})
     assert odd.run_name() == "fedproto-mnist-projcnn_32-64_projcnn_16-32-n3-k100-s1234"
 
@@ -453,6 +453,7 @@ def test_python_api_misuse_is_a_config_error():
 
 
 @needs_cifar
+@pytest.mark.slow  # ResNet18 on real CIFAR-10, 3 rounds: 8-16 s on one thread
 @pytest.mark.parametrize("batch_size", [10, 4])
 def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog, batch_size):
     """Issue #10's input (``--clients 2 --ways 2 --stdev 0 --batch-size 10 --rounds 3``, ResNet18):
@@ -533,3 +534,23 @@ def test_tsne_leaves_out_nonfinite_embeddings(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         path = plot_tsne_arrays(h, rng.integers(0, 3, 40), client, tmp_path / "t.png", max_per_client=None)
     assert path.is_file() and "leaves out 2 test embedding(s)" in caplog.text and "clients [0]" in caplog.text
+
+
+def test_the_model_zoo_and_the_loader_are_public_and_documented():
+    """fedproto.models exports the zoo (build_model and friends, each from its module); the API
+    reference documents the zoo's modules and the data loader a user calls."""
+    import fedproto.models as zoo
+
+    for name in zoo.__all__:
+        assert getattr(zoo, name) is not None, name
+    assert zoo.build_model is build_client_models.__globals__["build_model"] and zoo.ResNet18 is ResNet18
+    model = zoo.build_model("cnn", cid=0, in_channels=1, num_classes=10, input_size=28)  # the docstring's example
+    logits, h = model(torch.zeros(2, 1, 28, 28))
+    assert isinstance(model, PaperCNN) and logits.shape == (2, 10) and h.shape == (2, 50)
+    assert [m.conv2.out_channels for m in zoo.build_client_models("cnn-mh", 3, 1, 10, 28)] == [18, 20, 22]
+    with pytest.raises(AttributeError, match="no attribute 'build'"):
+        zoo.build  # noqa: B018
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
+    for module in ("fedproto.models", "fedproto.models.zoo", "fedproto.models.base", "fedproto.models.cnn",
+                   "fedproto.models.resnet", "fedproto.data.datasets.load_dataset", "fedproto.data.datasets.Dataset"):
+        assert f"::: {module}\n" in api, module

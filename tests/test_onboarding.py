@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import needs_mnist, run_cli
+from conftest import allowed_threads, needs_mnist, run_cli
 
 from fedproto.config import build_config
 from fedproto.data.datasets import load_dataset
@@ -23,7 +23,8 @@ def test_new_clients_gain_from_the_global_prototypes(tmp_path):
     """Measured: 3 new MNIST clients, 10 epochs: classifier 95.1 vs 91.8, nearest prototype
     78.8 vs 32.5 (local models never meet the global prototypes, so eq. 4 is near chance)."""
     cfg = build_config(overrides=dict(dataset="mnist", clients=5, ways=3, shots=30, stdev=1, test_shots=20,
-                                      rounds=10, eval_every=0, threads=2, out_dir=str(tmp_path), name="m"))
+                                      rounds=10, eval_every=0, threads=allowed_threads(), out_dir=str(tmp_path),
+                                      name="m"))
     Simulation(cfg).run()
     s = onboard(tmp_path / "m", clients=3, epochs=10)
     p, l = s["arms"]["prototypes"], s["arms"]["local"]

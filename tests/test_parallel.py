@@ -15,7 +15,9 @@ from fedproto.parallel import CLIENTS_PER_WORKER, THREADS_PER_WORKER, WorkerPool
 from fedproto.simulation import Simulation, _balanced_parts
 from fedproto.training import Objective, OptimConfig, Phase
 
-# digits (scikit-learn 8x8), 6 clients; every client of a round is batched, so 2 workers split them
+# digits (scikit-learn 8x8), 6 clients; every client of a round is batched, so 2 workers split them.
+# threads=2 is the run's budget in all: 2 processes of one thread each (no process above what
+# OMP_NUM_THREADS=1 allows)
 BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=2, model="cnn",
             eval_every=0, lr=0.05, threads=2, execution="batched")
 

@@ -153,7 +153,8 @@ def test_dirichlet_partition_runs_end_to_end(tmp_path):
 
     cfg = build_config(overrides=dict(dataset="digits", partition="dirichlet", alpha=0.3, clients=5, rounds=5,
                                       test_shots=5, min_client_samples=20, out_dir=str(tmp_path)))
-    assert cfg.run_name() == "fedproto-digits-dir0.3-m5-s1234"
+    # options that change results and differ from their defaults are in the name (issue #21)
+    assert cfg.run_name() == "fedproto-digits-dir0.3-m5-s1234-test_shots5-min_client_samples20-r5"
     sim = Simulation(cfg)
     s = sim.run()
     chance = np.mean([1 / len(st.classes) for st in sim.setup.states])

@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedproto.errors import CheckpointError
-from fedproto.results import atomic_write
+from fedproto.atomic import atomic_write
+from fedproto.errors import CheckpointError, first_line
+from fedproto.results import CHECKPOINT_FILE  # re-exported: the file name is the run directory's
 
 FORMAT = 1
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 _ARRAY = "__ndarray__"
@@ -86,7 +86,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
         except RuntimeError as e:  # torch wraps write errors (ENOSPC) in RuntimeError
             cause = e.__context__ if isinstance(e.__context__, OSError) else None
             raise OSError(cause.errno if cause else None,
-                          cause.strerror if cause else f"torch.save failed: {str(e).splitlines()[0]}") from e
+                          cause.strerror if cause else f"torch.save failed: {first_line(e)}") from e
 
     atomic_write(Path(path), write)
 

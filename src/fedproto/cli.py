@@ -11,6 +11,7 @@ import errno
 import logging
 import signal
 import sys
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from fedproto.config import build_config
 from fedproto.errors import FedprotoError
@@ -57,6 +59,20 @@ def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
+def round_line(row: dict, rounds: int, elapsed: float) -> str:
+    """One plain progress line of an evaluated round, for output that is no terminal (a log file,
+    CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
+    prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
+    ``acc_mean``; the prototype parts only where the run has them."""
+    losses = f"loss ce {row['loss_ce']:.4f}"
+    if row.get("loss_proto"):
+        losses += f", proto {row['loss_proto']:.4f}"
+    accs = f"accuracy % classifier {_pct(row['acc_mean'])}"
+    if "acc_proto_mean" in row:
+        accs += f", nearest prototype {_pct(row['acc_proto_mean'])}"
+    return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"
+
+
 RUN_HELP = """Train with the in-process simulator and write a run directory.
 
 Every run option below can also be set in the --config TOML file: its key is the option's field
@@ -67,8 +83,50 @@ chosen. The options page of the docs (docs/options.md) lists every key."""
 
 
 class _RunCommand(click.Command):
-    """``fedproto run``: refuses an option given twice (under one flag or two, e.g. --lambda-proto
-    and --lambda), which click would settle silently by taking the last."""
+    """``fedproto run``: its help in titled panels like the other commands' (each option's
+    ``rich_help_panel``, from :data:`fedproto.options.PANELS`), laid out for its many options: flags
+    and value in one column, the help beside them; refuses an option given twice (under one flag or
+    two, e.g. --lambda-proto and --lambda), which click would settle silently by taking the last."""
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from rich.padding import Padding
+        from rich.panel import Panel
+        from rich.table import Table
+
+        out = Console(markup=False, emoji=False, highlight=False)  # the terminal's width, or $COLUMNS
+        out.print(Text.assemble(("\n Usage: ", "yellow"), (f"{ctx.command_path} [OPTIONS]", "bold"), "\n"))
+        for paragraph in (self.help or "").split("\n\n"):
+            out.print(Padding(Text(" ".join(paragraph.split())), (0, 1, 1, 1)))
+        panels: dict[str, list[click.Option]] = {}
+        for p in self.get_params(ctx):
+            if isinstance(p, click.Option) and not p.hidden:
+                panels.setdefault(getattr(p, "rich_help_panel", None) or "Options", []).append(p)
+        if "Options" in panels:  # --config and --help first, as typer puts its default panel
+            panels = {"Options": panels.pop("Options"), **panels}
+        cells = {p.name: self._flags_cell(p, ctx) for ps in panels.values() for p in ps}
+        longest = max(len(w) for c in cells.values() for w in c.plain.split())
+        width = min(max(len(c.plain) for c in cells.values()), max(longest, int(0.38 * out.width)))
+        for title, params in panels.items():
+            table = Table(box=None, show_header=False, expand=True, padding=(0, 2, 0, 0), pad_edge=False)
+            table.add_column(width=width, overflow="fold")
+            table.add_column(ratio=1)
+            for p in params:
+                table.add_row(cells[p.name], Text(p.help or ""))
+            out.print(Panel(table, title=title, title_align="left", border_style="dim"))
+
+    @staticmethod
+    def _flags_cell(p: click.Option, ctx: click.Context) -> Text:
+        """``--flag, --alias METAVAR`` or ``--switch / --no-switch``, styled as typer styles them."""
+        cell = Text()
+        for i, f in enumerate(p.opts):
+            cell.append(", " if i else "")
+            cell.append(f, style="bold cyan")
+        for f in p.secondary_opts:
+            cell.append(" / ")
+            cell.append(f, style="bold magenta")
+        if not p.is_flag:
+            cell.append(" " + p.make_metavar(ctx), style="bold yellow")
+        return cell
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         by_flag = {o: p for p in self.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
@@ -108,6 +166,12 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     from fedproto.results import PREVIOUS, RunDir  # here, not at the top: it imports numpy, which --help does not need
     from fedproto.simulation import Simulation, prepare
 
+    if overrides.get("dataset") == "custom" or "classes" in overrides:  # Python-only: say so before what they need
+        from fedproto.errors import ConfigError
+
+        raise ConfigError(f"{'--dataset custom' if overrides.get('dataset') == 'custom' else '--classes'} is for your "
+                          "own clients, built from Python with fedproto.federation.federate(clients, num_classes, "
+                          "...); the command line runs mnist, femnist, cifar10, digits (each with its own classes)")
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
@@ -117,16 +181,20 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         run_dir.discard_if_unused()  # a failed set-up leaves no empty folder and loses no earlier run
         raise
     show = not quiet and console.is_terminal
+    plain = not quiet and not (show and err_console.is_terminal)  # a log file, CI: one line per evaluated round
+    started = time.perf_counter()
     progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
     with progress:
         task = progress.add_task("rounds", total=cfg.rounds, info="")
 
         def on_round(row):
-            info = f"loss {row['loss_ce']:.3f}"
+            info = f"loss {row['loss_ce']:.3f}" if row.get("loss_ce") is not None else ""
             if "acc_mean" in row:
                 info += f"  acc {_pct(row['acc_mean'])}"
             progress.update(task, advance=1, info=info)
+            if plain and "acc_mean" in row:
+                print(round_line(row, cfg.rounds, time.perf_counter() - started), file=sys.stderr, flush=True)
 
         sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
         if resume and run_dir.checkpoint.is_file():
@@ -160,6 +228,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
+        if key in summary.get("accuracy_trained", {}):
+            a = summary["accuracy_trained"][key]
+            table.add_row(f"{label}, the {summary['clients_trained']} clients that trained",
+                          f"{_pct(a['mean'])} ± {_pct(a['std'])}")
         if key in summary.get("accuracy_honest", {}):
             a = summary["accuracy_honest"][key]
             table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")
@@ -336,8 +408,10 @@ def _run_command() -> click.Command:
         *run_params(),
         click.Option(["resume", "--resume"], is_flag=True, default=False,
                      help="Continue from the run directory's checkpoint, if it has one (same options required)."),
-        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False, help="No progress bar."),
+        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False,
+                     help="No progress: no bar on a terminal, no per-round lines in a log."),
     ]
+    params[-2].rich_help_panel, params[-1].rich_help_panel = "Execution", "Output"
     return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
                        short_help="Train with the in-process simulator and write a run directory.",
                        context_settings={"max_content_width": 100, **HELP_OPTIONS})

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedproto.data.registry import DATASETS as REGISTRY
-from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, same_value
+from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, register_option_names, same_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,7 +31,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "workers")
+                  "proto_dist_alert", "device", "workers", "save_models")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -48,25 +48,27 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False, "class_check": 0.0}
+               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
 practitioner options were off; every client took part in every round; no Dirichlet partition; clients
-never shared training samples)."""
+never shared training samples; DP noise was drawn from the run's seed)."""
 
 
 def result_fields(cfg: dict) -> dict[str, Any]:
     """The fields of a config dict that can change a run's numbers: all RunConfig fields but
     :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
     ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
-    values are one split). Used to decide whether a checkpoint may be resumed and whether a
-    reproduce cell is already done."""
+    values are one split) and ``dp_reproducible_noise`` without DP. Used to decide whether a
+    checkpoint may be resumed and whether a reproduce cell is already done."""
     algorithm = cfg.get("algorithm")
     out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
            and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
     if str(cfg.get("model", "")).startswith("resnet18"):
         out.pop("personal_layers", None)
+    if out.get("dp", "off") == "off":
+        out.pop("dp_reproducible_noise", None)  # the noise source acts only under DP
     return out
 
 
@@ -78,10 +80,10 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
     # data and partition
-    dataset: str = Field("mnist", description="Dataset: " + " | ".join(n for n in REGISTRY if n != "custom")
-                         + " (custom: your own clients, set by fedproto.federation.federate)")
-    classes: Optional[int] = Field(None, ge=2, le=1_000_000,
-                                   description="Number of classes C (dataset custom only; federate sets it)")
+    dataset: str = Field("mnist", description="Dataset: " + " | ".join(n for n in REGISTRY if n != "custom"))
+    classes: Optional[int] = Field(None, ge=2, le=1_000_000, json_schema_extra={"python_only": True},
+                                   description="Number of classes C of your own clients (dataset custom, which "
+                                   "fedproto.federation.federate sets with it; not for the command line)")
     data_dir: Optional[str] = Field(None, description="Folder with the dataset files (else $FEDPROTO_DATA, "
                                     "else the user cache)")
     download: bool = Field(True, description="Download missing files (checked against checksums)")
@@ -183,6 +185,9 @@ class RunConfig(BaseModel):
     dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
     dp_delta: float = Field(1e-5, gt=0.0, le=0.1, description=(
         "DP: the delta at which epsilon is reported (at most 0.1; usually below 1 / a client's samples)"))
+    dp_reproducible_noise: bool = Field(False, description=(
+        "DP: draw the noise (and DP-SGD's sampling) from the run's seed, for bit-for-bit reproducible DP runs in "
+        "the simulator; VOIDS the guarantee against anyone who knows the seed, e.g. a server (refused under Flower)"))
     # misbehaving clients, for experiments (fedproto.attacks)
     attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
@@ -206,6 +211,8 @@ class RunConfig(BaseModel):
                             "(0: only after the last)")
     checkpoint_every: int = Field(0, ge=0, le=10_000_000, description="Write a checkpoint every N rounds, "
                                   "removed when the run finishes (0: none)")
+    save_models: bool = Field(False, description=(
+        "Write every client's trained model (its state_dict, client order) to models.pt in the run directory"))
     seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
     out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
     name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")
@@ -379,22 +386,118 @@ class RunConfig(BaseModel):
         """λ in force: the given value, or the paper's for the dataset (app. A)."""
         return self.lambda_proto if self.lambda_proto is not None else REGISTRY[self.dataset].lambda_proto
 
+    def unused_fields(self) -> set[str]:
+        """The fields this run does not read, given its dataset and partition: for your own
+        clients (dataset ``custom``) the partition's and the zoo models' options (the data and the
+        models are yours; ``embedding_dim`` is what your models give), for ``natural`` the
+        few-shot and Dirichlet options, for ``dirichlet`` the few-shot ones, for ``fewshot`` the
+        Dirichlet ones."""
+        fewshot = {"ways", "shots", "stdev", "noise", "overlap"}
+        dirichlet = {"alpha", "min_client_samples"}
+        if self.dataset == "custom":
+            return fewshot | dirichlet | {"partition", "test_shots", "dropout", "pretrained", "embedding_dim",
+                                          "data_dir", "download"}
+        return {"natural": fewshot | dirichlet | {"test_shots"}, "dirichlet": fewshot,
+                "fewshot": dirichlet}[self.partition]
+
+    def _inactive_fields(self) -> set[str]:
+        """Fields whose value this run's other options leave without effect (``trim`` without
+        ``aggregation trimmed``, the DP options with ``dp off``, ``prox_mu`` outside FedProx...)."""
+        off = set()
+        if self.aggregation != "trimmed":
+            off.add("trim")
+        if self.dp == "off":
+            off |= {"dp_noise", "dp_clip", "dp_grad_clip", "dp_delta"}
+        elif self.dp != "full":
+            off.add("dp_grad_clip")
+        if self.attack != "scale":
+            off.add("attack_scale")
+        if not self.lambda_warmup:
+            off.add("lambda_schedule")
+        for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem")):
+            if self.algorithm != alg:
+                off.add(k)
+        if self.algorithm != "fedproto":
+            off |= {"lambda_proto", "distance", "proto_source", "proto_classes", "aggregation", "trim"}
+        return off
+
+    def name_options(self) -> dict[str, Any]:
+        """The result-changing options (:func:`result_fields`) that differ from their defaults
+        (the dataset's, for the fields it fills) and are not already spelled by the base of
+        :meth:`run_name`; these extend the default run name, so two runs that differ in any of
+        them get different folders."""
+        base = {"algorithm", "dataset", "model", "seed", "partition", "classes", "ways", "shots", "clients", "alpha"}
+        base -= {"clients"} if self.partition == "fewshot" and self.dataset != "custom" else set()
+        skip = base | self.unused_fields() | self._inactive_fields()
+        filled = REGISTRY[self.dataset].defaults()
+        mine = result_fields(self.model_dump(mode="json"))
+        out = {}
+        for k, v in mine.items():
+            if k in skip:
+                continue
+            default = RunConfig.model_fields[k].default
+            if k in filled:
+                default = filled[k]
+            elif k == "lambda_proto":
+                v, default = self.lam, REGISTRY[self.dataset].lambda_proto
+            if v != default:
+                out[k] = v
+        return out
+
     def run_name(self) -> str:
         """The run directory's name: ``name`` if given, else ``algorithm-dataset[-model]-nN-kK-sSEED``
-        (the model only when it is not the dataset's default; other options are not in the name,
-        so give ``--name`` to keep variants apart)."""
+        (``-natural-mM-sSEED``, ``-dirA-mM-sSEED`` for those partitions; ``algorithm-custom-mM-sSEED``
+        for your own clients; the model only when it is not the dataset's default), followed by
+        every other result-changing option that differs from its default (:meth:`name_options`),
+        as ``-<option><value>`` (``-lr0.05-lambda_proto2``); when those would make the name longer
+        than 160 characters, by the first ones and ``-h<hash>`` of all of them. The paper's
+        default run keeps its short name (``fedproto-mnist-n3-k100-s1234``)."""
         if self.name:
             return self.name
         if self.dataset == "custom":
-            return f"{self.algorithm}-custom-m{self.clients}-s{self.seed}"
-        model = ""
-        if self.model != REGISTRY[self.dataset].model:
-            model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]
-        if self.partition == "natural":
-            return f"{self.algorithm}-{self.dataset}{model}-natural-m{self.clients}-s{self.seed}"
-        if self.partition == "dirichlet":
-            return f"{self.algorithm}-{self.dataset}{model}-dir{self.alpha:g}-m{self.clients}-s{self.seed}"
-        return f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
+            base = f"{self.algorithm}-custom-m{self.clients}-s{self.seed}"
+        else:
+            model = ""
+            if self.model != REGISTRY[self.dataset].model:
+                model = "-" + re.sub(r"[^A-Za-z0-9.-]+", "_", self.model)[:60]
+            if self.partition == "natural":
+                base = f"{self.algorithm}-{self.dataset}{model}-natural-m{self.clients}-s{self.seed}"
+            elif self.partition == "dirichlet":
+                base = f"{self.algorithm}-{self.dataset}{model}-dir{self.alpha:g}-m{self.clients}-s{self.seed}"
+            else:
+                base = f"{self.algorithm}-{self.dataset}{model}-n{self.ways}-k{self.shots}-s{self.seed}"
+        extra = self.name_options()
+        parts = [f"-{NAME_ABBREV.get(k, k)}{_name_value(v)}" for k, v in extra.items()]
+        name = base + "".join(parts)
+        if len(name) > 160:
+            import hashlib
+            import json
+
+            digest = hashlib.sha1(json.dumps(extra, sort_keys=True).encode()).hexdigest()[:10]
+            keep = ""
+            for p in parts:
+                if len(base) + len(keep) + len(p) + 12 > 160:
+                    break
+                keep += p
+            name = f"{base}{keep}-h{digest}"
+        return name
+
+
+NAME_ABBREV = {"clients": "m", "rounds": "r", "lambda_proto": "lambda", "local_epochs": "E", "batch_size": "B",
+               "participation": "frac"}
+"""Short spellings of options in default run names (:meth:`RunConfig.run_name`); others keep their field name."""
+
+
+def _name_value(v: Any) -> str:
+    """An option value as a run name spells it: ``0.05``, ``1e-05``, ``on``/``off`` for booleans,
+    other text with characters outside ``[A-Za-z0-9.+-]`` replaced by ``_``. A float is written
+    short (``{v:g}``) when that reads back as ``v``, else in full (``0.1234567``), so that two
+    values never share a name."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:g}" if float(f"{v:g}") == v else repr(v)
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(v))[:40]
 
 
 def toml_value(value: Any) -> str:
@@ -465,9 +568,16 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
 
 
 def _aliases() -> dict[str, str]:
-    from fedproto.options import aliases
+    """Each alias -> its field, from the fields' ``json_schema_extra["aliases"]`` (as
+    :func:`fedproto.options.aliases` reads them; config does not import options, options imports config)."""
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        out.update({a: name for a in extra.get("aliases", ())})
+    return out
 
-    return {a: name for name in RunConfig.model_fields for a in aliases(name)}
+
+register_option_names(lambda: RunConfig.model_fields)
 
 
 KEY_ALIASES = _aliases()

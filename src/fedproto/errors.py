@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _REF = "\x1f"  # delimits an option reference inside a message (never in user text: not printable)
@@ -44,6 +44,13 @@ def _encode(value: Any) -> str:
 
 def _decode(encoded: str) -> Any:
     return json.loads(encoded, object_hook=lambda d: RawValue(d[_RAW]) if set(d) == {_RAW} else d)
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-empty line of ``str(e)``, else ``"no message"`` (``EOFError()`` of an empty
+    file, a bare ``raise RuntimeError``): for messages that quote a cause in one line."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else "no message"
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -92,16 +99,28 @@ def opt(option: str, value: Any = NO_VALUE) -> str:
     return f"{_REF}{option}{encoded}{_REF}"
 
 
+_OPTION_NAMES: list[Callable[[], Iterable[str]]] = []
+
+
+def register_option_names(names: Callable[[], Iterable[str]]) -> None:
+    """Tell :func:`python_wording` which names are run options (``fedproto.config`` registers
+    RunConfig's fields when it is imported; this module imports nothing of the package above it)."""
+    _OPTION_NAMES.append(names)
+
+
+def _option_names() -> list[str]:
+    return [n for names in _OPTION_NAMES for n in names()]
+
+
 def python_wording(option: str, value: Any = NO_VALUE) -> str:
     """An option as a Python keyword: ``shots``, ``shots=10``, ``noise='gaussian'``; a switch that
     is no run option (``resume``) as ``resume=True``."""
-    from fedproto.config import RunConfig
-
+    fields = _option_names()
     if option.startswith(UNKNOWN):
-        return unknown_text(option[1:], list(RunConfig.model_fields))
+        return unknown_text(option[1:], fields)
     names = option.split("|")
     if value is NO_VALUE:
-        return " / ".join(n if n in RunConfig.model_fields else f"{n}=True" for n in names)
+        return " / ".join(n if n in fields else f"{n}=True" for n in names)
     return f"{names[0]}={value!r}"
 
 

@@ -19,7 +19,8 @@ those of :class:`fedproto.simulation.Simulation`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ from torch import nn
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
-from fedproto.errors import DataError, ModelError
-from fedproto.models.base import ProtoModel, check_embedding_dims
+from fedproto.errors import ConfigError, DataError, ModelError, first_line
+from fedproto.models.base import ProtoModel
 from fedproto.simulation import Simulation
 
 ArrayLike = Any
@@ -134,10 +135,36 @@ def with_projection(model: ProtoModel, d: int) -> ProtoModel:
     return model if model.embedding_dim == d else Projected(model, d)
 
 
+def _pair(item: Any, i: int) -> tuple[Any, Any]:
+    """Item ``i`` of a Dataset as ``(x, y)``; raises DataError when it is not a pair."""
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return item[0], item[1]
+    what = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+    raise DataError(f"item {i} of the Dataset is {what}, not an (x, y) pair; make its __getitem__ return "
+                    "(input, label)")
+
+
+def _as_input(x: Any, i: int) -> torch.Tensor:
+    """Input ``x`` of item ``i`` as a float32 tensor; raises DataError naming its type and the fix."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return torch.as_tensor(x, dtype=torch.float32)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    if type(x).__module__.split(".")[0] == "PIL":
+        raise DataError(f"item {i}'s input is a PIL image ({kind}), not a tensor; give the Dataset a tensor "
+                        "transform, e.g. transform=torchvision.transforms.ToTensor() (then Normalize)")
+    raise DataError(f"item {i}'s input is a {kind}, not a tensor or array; give the Dataset a transform that "
+                    "returns a float tensor")
+
+
 class LazyInputs:
     """A map-style ``Dataset`` read as inputs ``x``: ``len()``, ``x[LongTensor]`` and ``x[i:j]``
     give stacked float tensors, read item by item (the dataset's transforms run on every read).
-    The engine trains such clients on the sequential path."""
+    The engine trains such clients on the sequential path.
+
+    Raises (on reading):
+        DataError: an item is not an ``(x, y)`` pair, or its input is not a tensor or array (a PIL
+            image: the message says to add a tensor transform).
+    """
 
     def __init__(self, dataset: torch.utils.data.Dataset):
         self.dataset = dataset
@@ -150,7 +177,7 @@ class LazyInputs:
             idx = range(*idx.indices(len(self)))
         elif isinstance(idx, torch.Tensor):
             idx = idx.tolist()
-        return torch.stack([torch.as_tensor(self.dataset[int(i)][0], dtype=torch.float32) for i in idx])
+        return torch.stack([_as_input(_pair(self.dataset[int(i)], int(i))[0], int(i)) for i in idx])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -179,25 +206,107 @@ class Client:
     embedding_dim: int | None = None
 
 
+LABEL_CHECKS = 32
+"""Items read to confirm a torchvision dataset's ``targets`` equal the labels it yields (see :func:`dataset_labels`)."""
+
+
+def _yields_its_targets(ds: torch.utils.data.Dataset) -> bool:
+    """True when ``ds`` is a torchvision dataset whose ``__getitem__`` is torchvision's own (its label
+    is ``targets[i]`` passed through ``target_transform``) with no ``target_transform``."""
+    get = getattr(type(ds), "__getitem__", None)
+    return (str(getattr(get, "__module__", "")).startswith("torchvision.datasets")
+            and getattr(ds, "target_transform", None) is None and getattr(ds, "targets", None) is not None)
+
+
+def _label_value(y: Any, i: int) -> Any:
+    if isinstance(y, (torch.Tensor, np.ndarray)):
+        if (y.size if isinstance(y, np.ndarray) else y.numel()) == 1:
+            return y.reshape(()).item()
+        raise ValueError(f"item {i}'s label has shape {tuple(y.shape)}; give one integer class id per item")
+    return y
+
+
+def _label_array(values: Sequence[Any]) -> np.ndarray:
+    """``values`` as an array; of dtype object when some are not numbers, so that the first of
+    those can be named (numpy would turn the numbers into strings)."""
+    if all(isinstance(v, (int, float, np.integer, np.floating)) for v in values):
+        return np.asarray(values)
+    return np.asarray(values, dtype=object)
+
+
+def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
+    """The labels a map-style Dataset yields, ``ds[i][1]`` for every i, as an array (n,).
+
+    Every item is read (its transforms run once), except for a torchvision dataset read by
+    torchvision's own ``__getitem__`` without a ``target_transform`` (MNIST, CIFAR10,
+    ImageFolder...): its ``targets`` are used once they equal the labels of
+    :data:`LABEL_CHECKS` items spread over the dataset. A ``targets`` attribute is never trusted
+    otherwise: a ``target_transform`` or a ``__getitem__`` that changes the label decides.
+
+    Raises:
+        DataError: an item is not an ``(x, y)`` pair.
+        ValueError: a label is a tensor of more than one value.
+    """
+    n = len(ds)
+    if _yields_its_targets(ds) and len(ds.targets) == n:
+        targets = _label_array([_label_value(t, i) for i, t in enumerate(ds.targets)])
+        idx = np.unique(np.linspace(0, n - 1, min(n, LABEL_CHECKS)).round().astype(np.int64)) if n else []
+        if all(_label_value(_pair(ds[int(i)], int(i))[1], int(i)) == targets[i] for i in idx):
+            return targets
+    return _label_array([_label_value(_pair(ds[i], i)[1], i) for i in range(n)])
+
+
+_ID_HINT = ("map each class to an id 0..C-1 (e.g. {name: i for i, name in enumerate(sorted(names))}, or "
+            "torchvision's class_to_idx)")
+
+
 def _labels(split: Any) -> torch.Tensor:
+    """Integer labels (n,) of a split; raises ValueError/DataError with the offending value."""
     if isinstance(split, torch.utils.data.Dataset):
-        targets = getattr(split, "targets", None)
-        if targets is not None and len(targets) == len(split):
-            raw = np.asarray(targets)
-        else:
-            raw = np.asarray([split[i][1] for i in range(len(split))])
+        raw = dataset_labels(split)
     else:
-        raw = np.asarray(split[1].cpu() if isinstance(split[1], torch.Tensor) else split[1])
+        y = split[1]
+        raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
+               _label_array([_label_value(v, i) for i, v in enumerate(y)]) if isinstance(y, (list, tuple)) else
+               np.asarray(y))
+    if raw.dtype.kind in "fuO" and raw.size:  # values int64 cannot hold (inf, 1e20, 2**70) would wrap around
+        flat = raw.reshape(-1)
+        num = [isinstance(v, (int, float, np.integer, np.floating)) for v in flat] if raw.dtype.kind == "O" else True
+        with np.errstate(invalid="ignore"):
+            fits = np.array([not n or -2**63 <= v < 2**63 for n, v in zip(num, flat)], bool) if raw.dtype.kind == "O" \
+                else (flat >= -2**63) & (flat < 2**63)
+        if not fits.all():
+            j = int(np.flatnonzero(~fits)[0])
+            v = flat[j].item() if isinstance(flat[j], np.generic) else flat[j]
+            raise ValueError(f"label {v!r} (item {j}) is not a class id; give integer class ids 0..C-1")
     if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
-        raise ValueError("labels with fractions (e.g. 1.7); give integer class ids")
+        bad = raw.reshape(-1)[np.flatnonzero(raw.reshape(-1) != np.round(raw.reshape(-1)))[0]]
+        raise ValueError(f"labels with fractions (e.g. {bad:g}); give integer class ids")
+    if raw.dtype.kind == "O" and raw.size:  # mixed kinds: find the first that is not a whole number
+        flat = raw.reshape(-1)
+        j = next((j for j, v in enumerate(flat) if not isinstance(v, (int, np.integer))
+                  and not (isinstance(v, (float, np.floating)) and float(v).is_integer())), None)
+        if j is not None:
+            raise ValueError(f"label {flat[j]!r} (item {j}) is a {type(flat[j]).__name__}, not an integer class id; "
+                             f"{_ID_HINT}")
+        raw = flat.astype(np.int64).reshape(raw.shape)
     if raw.dtype.kind not in "iuf" and raw.size:
-        raise ValueError(f"labels of type {raw.dtype}; give integer class ids")
+        v = raw.reshape(-1)[0]
+        v = v.item() if isinstance(v, np.generic) else v
+        raise ValueError(f"label {v!r} (item 0) is a {type(v).__name__}, not an integer class id; {_ID_HINT}")
     return torch.as_tensor(raw.astype(np.int64))
 
 
 def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torch.Tensor]:
     """(inputs, labels) of one split, checked; raises DataError naming the client."""
+    if isinstance(split, torch.utils.data.IterableDataset):
+        raise DataError(f"client {cid}: {what} is an IterableDataset ({type(split).__name__}), read in order only; "
+                        "fedproto reads items by index: give a map-style Dataset (__len__ and __getitem__), or "
+                        "collect its items into (x, y) tensors")
     if isinstance(split, torch.utils.data.Dataset):
+        if not hasattr(type(split), "__len__"):
+            raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
+                            "__len__ (fedproto reads its items by index)")
         x = LazyInputs(split)
     elif isinstance(split, (tuple, list)) and len(split) == 2:
         x = torch.as_tensor(np.asarray(split[0]) if not isinstance(split[0], torch.Tensor) else split[0]).float()
@@ -206,9 +315,13 @@ def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torc
                         "map-style torch Dataset of (x, y) items")
     try:
         y = _labels(split)
-    except (TypeError, ValueError, IndexError, KeyError) as e:
-        raise DataError(f"client {cid}: cannot read {what} labels as integers ({e}); a Dataset's items must be "
-                        "(x, y) pairs") from None
+    except DataError as e:
+        raise e.prefixed(f"client {cid}: {what}: ") from None
+    except ValueError as e:
+        raise DataError(f"client {cid}: cannot read {what} labels as integers: {e}") from None
+    except (TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+        raise DataError(f"client {cid}: cannot read {what} labels ({type(e).__name__}: {str(e)[:160]}); its "
+                        "items must be (x, y) pairs with integer labels") from None
     if len(y) == 0:
         raise DataError(f"client {cid}: its {what} data is empty; give every client at least one sample")
     if y.ndim != 1 or len(y) != len(x):
@@ -244,6 +357,11 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
         wrapped = HeadSplitModel(model, head, 0, num_classes)
     else:
         wrapped = TupleModel(model, 0, num_classes)
+    meta = [n for n, t in [*wrapped.named_parameters(), *wrapped.named_buffers()] if t.is_meta]
+    if meta:
+        raise ModelError(f"client {cid}: the model's weights are on the meta device (shapes only, no values; e.g. "
+                         f"{meta[0]!r}); materialise it first: model.to_empty(device='cpu'), then load its weights "
+                         "(load_state_dict), or build it without device='meta'")
     was = wrapped.training
     wrapped.eval()
     try:
@@ -258,10 +376,14 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
                          f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
     except RuntimeError as e:
         raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
-                         f"({str(e).splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {first_line(e)[:200]})") from None
     finally:
         wrapped.train(was)
     logits, h = out
+    if not isinstance(logits, torch.Tensor):
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} (its "
+                         f"forward returned a {type(logits).__name__}, not the logits tensor head={head!r} needs); if "
+                         f"its forward returns (logits, embedding) itself, leave out head={head!r}")
     if not any(p.requires_grad for p in wrapped.parameters()):
         raise ModelError(f"client {cid}: the model has no trainable parameters")
     if logits.ndim != 2 or logits.shape != (1, num_classes):
@@ -280,46 +402,93 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     return wrapped
 
 
-def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **options: Any):
+def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any = None, *,
+             dataset: str | None = None, **options: Any):
     """Build a :class:`~fedproto.simulation.Simulation` of your own clients.
+
+    Defaults: where ``dataset`` names the registry's dataset your data come from (``"mnist"``,
+    ``"cifar10"``...), the options the paper sets per dataset take its values, as ``fedproto run
+    --dataset`` does (``rounds``: mnist 100, femnist 120, cifar10 110; ``lambda_proto``: mnist 1,
+    cifar10 0.1) and ``num_classes`` defaults to its classes; without ``dataset``: 20 rounds and
+    λ = 1. Every other option has :class:`~fedproto.config.RunConfig`'s default (batch size 8, lr
+    0.01, momentum 0.5, ...); any keyword overrides.
 
     Args:
         clients: one :class:`Client` per client (their order gives the client ids 0..m-1).
-        num_classes: C; labels lie in 0..C-1.
+        num_classes: C; labels lie in 0..C-1 (default: the classes of ``dataset``; required
+            without it).
         out: the run directory (None: ``out_dir/<algorithm>-custom-m<clients>-s<seed>``; False:
             write nothing).
+        dataset: the name of a dataset of :data:`fedproto.data.registry.DATASETS` whose per-dataset
+            defaults to use (None: the defaults above). It only sets defaults: the data are your
+            clients'.
         options: any run option of :class:`fedproto.config.RunConfig` (``algorithm``,
             ``rounds``, ``lambda_proto``, ``lr``, ``batch_size``, ``participation``...).
     Returns:
         A Simulation; ``.run()`` trains and returns the summary.
     Raises:
-        ConfigError: a bad option. DataError: bad data (names the client). ModelError: a model that
-            does not fit (names the client), or embedding sizes that differ (names the clients; see
-            :func:`with_projection`).
+        ConfigError: a bad option, an unknown ``dataset``, or ``num_classes`` missing, not a whole
+            number, or not the dataset's. DataError: bad data (names the client). ModelError: a model
+            that does not fit (names the client), two clients sharing a model or layer object, or
+            embedding sizes that differ (names the clients and the fix,
+            ``Client(..., embedding_dim=d)``).
     """
-    from fedproto.simulation import Setup, build_algorithm, check_batches
+    from fedproto.data.registry import DATASETS, LOADABLE
+    from fedproto.simulation import build_setup
 
+    if isinstance(clients, Client) or not isinstance(clients, Iterable):
+        raise DataError(f"clients is a {type(clients).__name__}; pass a list of fedproto.federation.Client")
+    clients = list(clients)
     if not clients:
         raise DataError("no clients given; pass a list of fedproto.federation.Client")
-    for k in ("dataset", "classes", "clients", "model", "partition"):
+    if num_classes is not None:
+        if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+            raise ConfigError(f"federate(num_classes={num_classes!r}): give the number of classes as a whole number "
+                              "(your labels lie in 0..num_classes-1)")
+        num_classes = int(num_classes)
+    for k in ("classes", "clients", "model", "partition"):
         if k in options:
             raise ModelError(f"{k} is set by federate() from your clients; leave it out")
+    if dataset is not None:
+        if dataset not in LOADABLE:
+            raise ConfigError(f"federate(dataset={dataset!r}): no such dataset; name one of {', '.join(LOADABLE)} "
+                              "for its defaults, or leave dataset out")
+        info = DATASETS[dataset]
+        if num_classes is not None and num_classes != info.classes:
+            raise ConfigError(f"federate(num_classes={num_classes}, dataset={dataset!r}): {dataset} has "
+                              f"{info.classes} classes; give num_classes={info.classes} or leave it out")
+        num_classes = info.classes
+        options = {"rounds": info.rounds, "lambda_proto": info.lambda_proto, **options}
+    if num_classes is None:
+        raise ConfigError("federate() needs num_classes (your labels lie in 0..num_classes-1), or dataset='<name>' "
+                          "of the dataset your data come from")
     cfg = build_config(overrides={**options, "dataset": "custom", "classes": int(num_classes),
                                   "clients": len(clients), "model": "custom"})
     states, data, part = [], [], Partition([], [], [])
+    owner: dict[int, int] = {}  # id of a parameter -> its client: no two clients may share one
     for i, c in enumerate(clients):
         if not isinstance(c, Client):
             raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
                             "test)")
         x, y = _split(c.train, i, "train", num_classes)
         tx, ty = _split(c.test, i, "test", num_classes)
-        if c.embedding_dim is not None and not (isinstance(c.embedding_dim, int) and c.embedding_dim >= 1):
+        if c.embedding_dim is not None and (isinstance(c.embedding_dim, bool) or not (
+                isinstance(c.embedding_dim, numbers.Integral) and c.embedding_dim >= 1)):
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
         try:
             sample = x[0:1]
-        except (TypeError, ValueError, IndexError, KeyError, AttributeError) as e:
-            raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {e}); a "
-                            "Dataset's items must be (x, y) pairs") from None
+        except DataError as e:
+            raise e.prefixed(f"client {i}: train: ") from None
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+            raise DataError(f"client {i}: cannot read its first training input ({type(e).__name__}: {str(e)[:160]}); "
+                            "its inputs must be tensors or arrays of one shape") from None
+        mine = list(c.model.named_parameters()) if isinstance(c.model, nn.Module) else []
+        shared = next(((owner[id(p)], n) for n, p in mine if id(p) in owner), None)
+        if shared is not None:
+            raise ModelError(f"clients {shared[0]} and {i} share parameters (e.g. {shared[1]!r}: the same model or "
+                             "layer object), so they would train one set of weights; give each client its own model "
+                             "(e.g. copy.deepcopy(model))")
+        owner.update((id(p), i) for _, p in mine)
         model = adapt(c.model, c.head, num_classes, sample, i)
         if c.embedding_dim is not None:
             model = with_projection(model, int(c.embedding_dim))
@@ -329,14 +498,14 @@ def federate(clients: Sequence[Client], num_classes: int, out: Any = None, **opt
         part.test_idx.append(np.arange(len(ty)))
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
-    d = check_embedding_dims([s.model for s in states])
-    check_batches(cfg, [s.model for s in states], [len(x.y) for x in data])
-    alg = build_algorithm(cfg, d)
-    alg.check_setup(cfg, [x.y.numpy() for x in data])
-    alg.check_models([s.model for s in states])
-    from fedproto.devices import resolve_device
-
-    setup = Setup(None, part, states, data, alg, d).to_device(resolve_device(cfg.device))
+    dims = [int(s.model.embedding_dim) for s in states]
+    if len(set(dims)) > 1:  # named as the Python API fixes it (build_setup's own check words it for any front end)
+        groups = "; ".join(f"d={v}: clients {[i for i, x in enumerate(dims) if x == v]}" for v in sorted(set(dims)))
+        raise ModelError(f"clients have different embedding sizes ({groups}); FedProto averages prototypes, so they "
+                         "need one size: give every client Client(..., embedding_dim=d) with one d (e.g. "
+                         f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
+                         "differs")
+    setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
     return FederationSimulation(cfg, setup=setup, out=out)
 
 
@@ -354,4 +523,4 @@ class FederationSimulation(Simulation):
 
 
 __all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
-           "federate", "with_projection"]
+           "dataset_labels", "federate", "with_projection"]

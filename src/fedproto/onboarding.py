@@ -38,11 +38,11 @@ from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
-from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, opt
+from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, first_line, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
-from fedproto.simulation import client_step, summarize
+from fedproto.simulation import build_setup, client_step, summarize
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _read_run(run_dir: Path) -> tuple[RunConfig, dict[str, np.ndarray], dict | N
     try:
         cfg = RunConfig(**{k: v for k, v in stored.items() if k in RunConfig.model_fields})
     except Exception as e:
-        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({str(e).splitlines()[0]}); "
+        raise DataError(f"{str(run_dir / 'config.json')!r} does not validate ({first_line(e)}); "
                         f"{fix}") from None
     if cfg.algorithm != "fedproto":
         raise ConfigError(f"the run in {str(run_dir)!r} used algorithm={cfg.algorithm!r}; onboarding downloads "
@@ -212,12 +212,16 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
     data = [ClientData(ds.train_x[torch.as_tensor(free[tr])], ds.train_y[torch.as_tensor(free[tr])],
                        ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
             for tr, te in zip(part.train_idx, part.test_idx)]
+    # the checks and resolved options of every front end (batch size capped to the new clients' data)
+    setup = build_setup(cfg, [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)], data, part, ds,
+                        place=False, whole=False)
     rows = [{"client": i, "ways": len(c), "classes": " ".join(map(str, c)),
              "classes_without_prototype": " ".join(str(j) for j in c if j not in set(message["classes"].tolist())),
              "train_samples": len(data[i].x), "test_samples": len(data[i].test_y)} for i, c in enumerate(part.classes)]
     arms = {}
     for arm in ("prototypes", "local"):
         alg = FedProto.from_config(cfg, d)
+        alg.opt = setup.algorithm.opt
         alg.local_epochs = 1  # one client step = one epoch, so ``epochs`` counts real epochs
         if arm == "local":
             alg.lambda_proto = 0.0

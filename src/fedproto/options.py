@@ -12,7 +12,9 @@ help text, and its type, bounds and default say the rest. From them this module 
 
 A field added to RunConfig appears in all of them with no further edits. Per-field extras, in
 ``Field(json_schema_extra=...)``: ``"flag"`` (another flag name), ``"aliases"`` (more flag and
-key names), ``"off_flag"`` (the off switch of a boolean, default ``--no-<name>``).
+key names), ``"off_flag"`` (the off switch of a boolean, default ``--no-<name>``), ``"python_only"``
+(set from Python only: its flag is left out of ``fedproto run --help``). Each field's group (its
+panel of ``--help``, its section of the options page) is :data:`PANELS`.
 """
 
 from __future__ import annotations
@@ -157,19 +159,67 @@ def field_option(field: str) -> click.Option:
     info = _fields()[field]
     kind, choices = base_type(info.annotation)
     names = flags(field)
+    hidden = bool(_extra(info).get("python_only"))  # set by fedproto.federation only: not offered by --help
     if kind is bool and not choices:
-        return click.Option([field, f"{names[0]}/{names[-1]}", *names[1:-1]], default=None, help=help_text(field))
+        return click.Option([field, f"{names[0]}/{names[-1]}", *names[1:-1]], default=None, help=help_text(field),
+                            hidden=hidden)
     if choices:
         return click.Option([field, *names], type=click.Choice([str(c) for c in choices]), default=None,
-                            metavar="[" + "|".join(map(str, choices)) + "]", help=help_text(field))
+                            metavar="[" + "|".join(map(str, choices)) + "]", help=help_text(field), hidden=hidden)
     ptype = {int: _Int(), float: _Float(), str: click.STRING}.get(kind, _TomlValue())
     return click.Option([field, *names], type=ptype, default=None, metavar=_METAVAR.get(kind, "VALUE"),
-                        help=help_text(field))
+                        help=help_text(field), hidden=hidden)
+
+
+PANELS: dict[str, tuple[str, ...]] = {
+    "Data and partition": ("dataset", "classes", "data_dir", "download", "clients", "ways", "shots", "stdev",
+                           "test_shots", "overlap", "noise", "partition", "alpha", "min_client_samples", "augment"),
+    "Model": ("model", "pretrained", "embedding_dim", "dropout"),
+    "Method and training": ("algorithm", "rounds", "local_epochs", "participation", "batch_size", "lr", "momentum",
+                            "weight_decay", "drop_last", "freeze_after", "seed", "prox_mu", "personal_layers",
+                            "rep_head_epochs", "fesem_clusters"),
+    "FedProto": ("lambda_proto", "distance", "proto_source", "aggregation", "proto_classes", "lambda_warmup",
+                 "lambda_schedule", "proto_momentum", "proto_normalize", "min_proto_samples"),
+    "Robustness and privacy": ("trim", "min_contributors", "exclude_outliers", "proto_dist_alert", "dp", "dp_noise",
+                               "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
+                               "attack_scale"),
+    "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
+    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models"),
+}
+"""The groups of ``fedproto run --help`` (its panels) and of the options page (its sections), in
+order, each with its RunConfig fields in order: every field is listed once (a test checks it); a
+field not listed yet joins the group of the field before it in RunConfig."""
+
+_PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
+
+def panel(field: str) -> str:
+    """The group of a RunConfig field (:data:`PANELS`); a field missing there joins the group of
+    the field before it in RunConfig's order (the first group for the first field)."""
+    if field in _PANEL_OF:
+        return _PANEL_OF[field]
+    names = list(_fields())
+    before = names[: names.index(field)] if field in names else []
+    return next((_PANEL_OF[n] for n in reversed(before) if n in _PANEL_OF), next(iter(PANELS)))
+
+
+def grouped_fields() -> list[str]:
+    """Every RunConfig field, grouped as :data:`PANELS` (groups in order, RunConfig's order within
+    a group)."""
+    order = {p: i for i, p in enumerate(PANELS)}
+    names = list(_fields())
+    return sorted(names, key=lambda n: (order[panel(n)], names.index(n)))
 
 
 def run_params() -> list[click.Option]:
-    """One click option per RunConfig field, in the model's order."""
-    return [field_option(name) for name in _fields()]
+    """One click option per RunConfig field, grouped as :data:`PANELS`; each option's
+    ``rich_help_panel`` names its group (the panel it is listed in by ``fedproto run --help``)."""
+    out = []
+    for name in grouped_fields():
+        option = field_option(name)
+        option.rich_help_panel = panel(name)
+        out.append(option)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,12 +305,6 @@ def flower_wording(option: str, value: Any = NO_VALUE) -> str:
 # the options page
 
 
-SECTIONS = {"dataset": "Data and partition", "algorithm": "Method and model", "rounds": "Training",
-            "lambda_proto": "FedProto", "prox_mu": "Baselines", "execution": "Engine and output"}
-"""The options page starts a new section at these fields (fields added later join the section
-they follow)."""
-
-
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
@@ -274,11 +318,14 @@ def _type_text(field: str) -> str:
 
 def options_markdown() -> str:
     """The options table of the docs (``docs/options.md``): per field its TOML key, its flags, its
-    type, its default and its description, grouped as :data:`SECTIONS`."""
+    type, its default and its description, in the sections of :data:`PANELS` (the panels of
+    ``fedproto run --help``)."""
     out: list[str] = []
-    for name in _fields():
-        if name in SECTIONS:
-            out += ["", f"### {SECTIONS[name]}", "", "| TOML key | flag | type | default | description |",
+    section = None
+    for name in grouped_fields():
+        if panel(name) != section:
+            section = panel(name)
+            out += ["", f"### {section}", "", "| TOML key | flag | type | default | description |",
                     "|---|---|---|---|---|"]
         keys = ", ".join(f"`{k}`" for k in (name, *aliases(name)))
         fl = " ".join(f"`{f}`" for f in flags(name))

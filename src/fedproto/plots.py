@@ -93,8 +93,11 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
     cfg_file = run_dir / "config.json"
     if cfg_file.is_file():
         c = json.loads(cfg_file.read_text())
-        title = (f"{c.get('algorithm')} on {c.get('dataset')}: {c.get('clients')} clients, ways {c.get('ways')}, "
-                 f"shots {c.get('shots')}, model {c.get('model')}")
+        part = {"fewshot": f"ways {c.get('ways')}, shots {c.get('shots')}, ", "natural": "one client per writer, ",
+                "dirichlet": f"Dirichlet alpha {c.get('alpha')}, "}.get(c.get("partition"), "")  # own clients: none
+        model = (f"model {c.get('model')}" if c.get("dataset") != "custom"
+                 else f"own models, {c.get('embedding_dim')}-d embeddings")
+        title = f"{c.get('algorithm')} on {c.get('dataset')}: {c.get('clients')} clients, {part}{model}"
     monitored = any(isinstance(r.get("proto_dist"), (int, float)) for r in rows)
     if monitored:
         fig, (ax_acc, ax_loss, ax_dist) = _figure(16, 4.2, ncols=3)

@@ -20,6 +20,19 @@ adding or removing one of its training samples. Not covered: client-level privac
 whole dataset, or its label set), the test data, and the simulator's own logs (losses and
 accuracies computed from private data in ``metrics.jsonl``), which a deployment does not send.
 
+Where the noise comes from: every noise draw of a release, and DP-SGD's Poisson sampling and
+gradient noise, come from :func:`secure_rng`, seeded from the operating system's secure
+randomness on the client, never from the run's seed: the server knows that seed (it sets it in a
+Flower run config), the round, the client id and the architecture, and with noise drawn from them
+it could subtract the noise and recover the exact prototypes and counts. ``dp_reproducible_noise``
+draws the noise from the run's seed instead (bit-for-bit reproducible DP runs in the simulator,
+refused under Flower); it voids the guarantee against anyone who knows the seed.
+
+What is public under both modes: the client's label set (a prototype is sent for each of its
+classes, so a class held by a single sample appears or vanishes with that sample: the
+neighbouring relation keeps the label set fixed) and its architecture. A deployment sends nothing
+else about its data (:func:`deployment_fields`).
+
 Privacy spent: the Rényi-DP accountant of Opacus (:class:`opacus.accountants.RDPAccountant`),
 composing the subsampled Gaussian mechanism of every DP-SGD step with the Gaussian mechanism of
 every prototype release (:func:`epsilon`).
@@ -28,6 +41,8 @@ every prototype release (:func:`epsilon`).
 from __future__ import annotations
 
 import math
+import secrets
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +53,14 @@ RELEASE_SENSITIVITY = math.sqrt(2.0)
 """L2 sensitivity of one release, in units of ``C``: the vector (per-class sums of clipped
 embeddings, ``C`` x per-class counts) changes by at most ``sqrt(C**2 + C**2)`` when one sample is
 added or removed (its clipped embedding enters one class sum, and that class count moves by 1)."""
+
+
+def secure_rng() -> np.random.Generator:
+    """A numpy generator seeded with 128 bits of the operating system's secure randomness
+    (:func:`secrets.randbits`): a fresh one per release and per DP-SGD training, so no one who
+    knows the run's seed, round and client id can regenerate its draws. (PCG64 itself is not a
+    cryptographic generator; its secret is the seed, and its raw draws never leave the client.)"""
+    return np.random.default_rng(secrets.randbits(128))
 
 
 def clip_rows(h: torch.Tensor, bound: float) -> torch.Tensor:
@@ -60,7 +83,8 @@ def noisy_prototypes(
     Args:
         h: (N, d) embeddings of all local training samples (each sample once). y: (N,) labels.
         classes: (K,) the client's public label set (sorted). clip: C > 0.
-        noise_multiplier: sigma >= 0 (0: clipping only, no privacy). rng: the client's generator.
+        noise_multiplier: sigma >= 0 (0: clipping only, no privacy). rng: the noise's generator,
+            one the server cannot regenerate (:func:`secure_rng`) for the guarantee to hold.
     Returns:
         classes (K,) int64, protos (K, d) float32, counts (K,) int64 >= 1.
     Raises:
@@ -81,6 +105,44 @@ def noisy_prototypes(
         counts = counts + rng.normal(0.0, s / clip, counts.shape)
     protos = sums / np.maximum(counts, 1.0)[:, None]
     return classes, protos.astype(np.float32), np.maximum(1, np.rint(counts)).astype(np.int64)
+
+
+SENT_UNDER_DP: dict[str, tuple[str, ...]] = {
+    "query": ("cid", "classes", "params", "embedding-dim"),
+    "train": (),
+    "evaluate": (),
+}
+"""What a node sends the server under DP beside the algorithm message, per Flower message type:
+at ``query`` its client id, label set and architecture size (public); nothing at ``train`` but
+the noised release; nothing at ``evaluate`` but, under ``prototypes``, ``dp_epsilon``."""
+
+
+def deployment_fields(dp: str, kind: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Of the values a client's node would report to the server beside the algorithm message (the
+    Flower ClientApp's ``query``, ``train`` and ``evaluate`` replies), those it may send under
+    ``dp``: all of them with ``dp="off"``; under DP only what is public or covered by the
+    accountant (:data:`SENT_UNDER_DP`). Left out under DP: the training and test sample counts,
+    the training losses, step count and largest embedding norm, the test accuracies and
+    embedding health, all computed from private data without noise. ``dp_epsilon`` is sent
+    under ``prototypes`` (a function of σ, δ and the number of releases, all known to the
+    server) and not under ``full`` (it depends on the sample count through DP-SGD's sampling
+    rate q = B / n and step count).
+
+    Args:
+        dp: ``off``, ``prototypes`` or ``full``. kind: ``query``, ``train`` or ``evaluate``.
+        values: what the node would send without DP (key -> value).
+    Returns:
+        A new dict, a subset of ``values``.
+    Raises:
+        ValueError: ``dp`` or ``kind`` unknown.
+    """
+    if dp not in DP_MODES or kind not in SENT_UNDER_DP:
+        raise ValueError(f"dp={dp!r} (one of {', '.join(DP_MODES)}) and kind={kind!r} (one of "
+                         f"{', '.join(SENT_UNDER_DP)}): one is unknown")
+    if dp == "off":
+        return dict(values)
+    keep = SENT_UNDER_DP[kind] + (("dp_epsilon",) if kind == "evaluate" and dp == "prototypes" else ())
+    return {k: v for k, v in values.items() if k in keep}
 
 
 def epsilon(history: list[tuple[float, float, int]], delta: float) -> float:

@@ -15,62 +15,55 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedproto.atomic import atomic_write, atomic_write_bytes
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` atomically: ``write(f)`` fills a same-folder temp file, which is fsynced,
-    given the usual permissions and renamed over ``path``; on any error it is removed.
-
-    Raises whatever ``write`` raises, and ``OSError`` when the folder cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+if TYPE_CHECKING:
+    import torch
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
-    atomic_write(path, lambda f: f.write(data))
+INF_KEYS = ("epsilon",)
+"""Values under a JSON key containing one of these are written ``"inf"`` when infinite (a privacy
+epsilon without noise), as ``clients.csv`` and the console spell it; every other infinite or NaN
+value is written ``null``."""
 
 
-def _clean(obj: Any) -> Any:
+def _clean(obj: Any, inf_ok: bool = False) -> Any:
+    """``obj`` ready for JSON: numpy values as Python ones, NaN as None, infinity as ``"inf"``
+    (``"-inf"``) where ``inf_ok`` (under a key of :data:`INF_KEYS`) and as None elsewhere."""
     if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
+        return {str(k): _clean(v, inf_ok or any(w in str(k) for w in INF_KEYS)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
+        return [_clean(v, inf_ok) for v in obj]
     if isinstance(obj, np.ndarray):
-        return _clean(obj.tolist())
+        return _clean(obj.tolist(), inf_ok)
     if isinstance(obj, (np.integer,)):
         return int(obj)
     if isinstance(obj, (float, np.floating)):
         f = float(obj)
+        if math.isinf(f) and inf_ok:
+            return "inf" if f > 0 else "-inf"
         return None if math.isnan(f) or math.isinf(f) else f
     return obj
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """JSON (NaN written as null) via :func:`atomic_write_bytes`."""
+    """JSON via :func:`atomic_write_bytes`: NaN written as null, an infinite epsilon as ``"inf"``
+    (:data:`INF_KEYS`), other infinities as null."""
     atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
 
 
+MODELS_FILE = "models.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
+"""The run directory's checkpoint: :func:`fedproto.checkpoint.save_checkpoint` writes it, through
+:meth:`RunDir.write_checkpoint`."""
+"""The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
+
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt")
+                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt")
 """Files a run writes. A new run in the same folder never mixes its files with an older run's (no
 summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
 one finishes, an unfinished one is removed."""
@@ -219,8 +212,6 @@ class RunDir:
     @property
     def checkpoint(self) -> Path:
         """Path of the run's checkpoint file (see :mod:`fedproto.checkpoint`)."""
-        from fedproto.checkpoint import CHECKPOINT_FILE
-
         return self.path / CHECKPOINT_FILE
 
     def _unwritable(self, e: OSError) -> Exception:
@@ -276,11 +267,51 @@ class RunDir:
                  contributors=contributors if contributors is not None else np.zeros(0, np.int64))
         self._write(atomic_write_bytes, self.path / "prototypes.npz", buf.getvalue())
 
-    def write_checkpoint(self, state: dict) -> None:
-        """:func:`fedproto.checkpoint.save_checkpoint` into :attr:`checkpoint`."""
-        from fedproto.checkpoint import save_checkpoint
+    def write_models(self, models: Iterable[torch.nn.Module]) -> None:
+        """``models.pt``: ``{"format": 1, "clients": [state_dict, ...]}`` in client order, tensors on
+        the CPU (``save_models``); read it back with :func:`load_models`."""
+        import torch
 
-        self._write(save_checkpoint, self.checkpoint, state)
+        state = {"format": 1, "clients": [{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in models]}
+        self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f))
+
+    def write_checkpoint(self, save: Callable[[Path, dict], None], state: dict) -> None:
+        """``save(path, state)`` into :attr:`checkpoint` (``save``: :func:`fedproto.checkpoint.save_checkpoint`;
+        passed in, so that the run directory, a lower layer, imports no checkpoint format)."""
+        self._write(save, self.checkpoint, state)
+
+
+def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:
+    """The trained client models a run wrote with ``save_models``: one ``state_dict`` per client, in
+    client order, to load into models of the same architecture, e.g.
+    ``sim.models[i].load_state_dict(load_models(run_dir)[i])`` for a :class:`~fedproto.simulation.Simulation`
+    built as the run was (:attr:`~fedproto.simulation.Simulation.models`).
+
+    Args:
+        path: the run directory, or its ``models.pt``.
+    Raises:
+        DataError: the file is missing or is not a ``models.pt`` (names the file).
+    """
+    import torch
+
+    from fedproto.errors import DataError, first_line
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / MODELS_FILE
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise DataError(f"{str(p)!r} does not exist; run with save_models=True (--save-models) to write it") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a file that is not its own
+        raise DataError(f"cannot read {str(p)!r} ({type(e).__name__}: {first_line(e)[:160]}); pass a "
+                        "models.pt written by a run with save_models=True") from None
+    if not (isinstance(state, dict) and state.get("format") == 1 and isinstance(state.get("clients"), list)
+            and all(isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in sd.items()) for sd in state["clients"])):
+        raise DataError(f"{str(p)!r} is not a models.pt of fedproto (format 1: one state_dict per client); pass "
+                        "one written by a run with save_models=True")
+    return state["clients"]
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -11,6 +11,7 @@ client])``-style streams, so results do not depend on execution mode or client o
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,19 +24,28 @@ import torch
 from fedproto.algorithms import ALGORITHMS
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, ClientData, ClientState, Message, message_size
 from fedproto.attacks import attacker_ids, corrupt_message
-from fedproto.checkpoint import load_checkpoint
+from fedproto.checkpoint import load_checkpoint, save_checkpoint
 from fedproto.config import ADDED_FIELDS, RESULT_ONLY_FOR, RunConfig, result_fields
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
-from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, PartitionError, TrainingError, opt
-from fedproto.models.base import check_embedding_dims, count_parameters
+from fedproto.errors import (
+    CheckpointError,
+    CheckpointMismatch,
+    ConfigError,
+    PartitionError,
+    TrainingError,
+    first_line,
+    opt,
+)
+from fedproto.models.base import ProtoModel, check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, RunDir
 from fedproto.training import (
     EMBED_NORM_LIMIT,
     EVAL_TRAIN_NORM_RATIO,
     Objective,
+    batch_key,
     can_batch,
     has_batchnorm,
     portable_objective,
@@ -244,28 +254,94 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
                                  cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
-    d = check_embedding_dims(models)
-    check_batches(cfg, models, [len(tr) for tr in part.train_idx])
-    unused = [k for k, algs in RESULT_ONLY_FOR.items() if cfg.algorithm not in algs
-              and getattr(cfg, k) != RunConfig.model_fields[k].default]
-    if unused:
-        log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
-            f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     data = [
         ClientData(ds.train_x[torch.as_tensor(tr)], ds.train_y[torch.as_tensor(tr)],
                    ds.test_x[torch.as_tensor(te)], ds.test_y[torch.as_tensor(te)])
         for tr, te in zip(part.train_idx, part.test_idx)
     ]
+    return build_setup(cfg, states, data, part, ds)
+
+
+def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
+                dataset: Dataset | None = None, place: bool = True, whole: bool = True) -> Setup:
+    """The one set-up every front end finishes with (``fedproto run`` through :func:`prepare`,
+    :func:`fedproto.federation.federate`, the Flower nodes, onboarding): the checks of the clients
+    against the options, the algorithm, and the options resolved against the data, so a check
+    added here holds everywhere.
+
+    In order: the embedding sizes agree (:func:`~fedproto.models.base.check_embedding_dims`), the
+    batch size suits the clients (:func:`check_batches`), a warning for options the algorithm
+    ignores, the algorithm built and its own checks (``check_setup``, ``check_models``), a
+    warning naming the clients whose test sets hold classes absent from their training sets,
+    and ``batch_size`` capped at the largest client's training samples (a wider batch only adds
+    padding; the cap is ``Setup.algorithm.opt.batch_size``, and ``config.json``'s
+    ``batch_size_in_force``).
+
+    Args:
+        cfg: the validated run configuration.
+        states: one per client, in client order (``states[i].cid`` names the client in messages).
+        data: one per client, in the order of ``states``; ``data[i].y`` and ``data[i].test_y`` are
+            (n,) int64 label tensors.
+        partition: the clients' sample indices and classes (``config.json``'s
+            ``partition_summary``).
+        dataset: the loaded dataset (None for your own clients).
+        place: move the models and in-memory data to ``cfg.device`` (False: leave them where they are).
+        whole: the clients are the whole federation; False for some clients of one (a Flower
+            node's own client, onboarding's new clients): the algorithm's federation-wide checks
+            (``check_setup``: enough holders of a class for ``min_contributors``...) are skipped.
+    Returns:
+        The :class:`Setup`.
+    Raises:
+        ModelError: embedding sizes differ (names the clients). ConfigError: the batch size leaves a
+            client without a batch, or the algorithm refuses the clients' models or labels.
+    """
+    models = [s.model for s in states]
+    d = check_embedding_dims(models)
+    check_batches(cfg, models, [len(x.y) for x in data])
+    unused = [k for k, algs in RESULT_ONLY_FOR.items() if cfg.algorithm not in algs
+              and getattr(cfg, k) != RunConfig.model_fields[k].default]
+    if unused:
+        log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
+            f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
+    if cfg.dp_reproducible_noise:
+        log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
+                    else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "
+                         "anyone who knows the seed (use it for reproducible experiments only)")
     alg = build_algorithm(cfg, d)
-    alg.check_setup(cfg, [ds.train_y.numpy()[tr] for tr in part.train_idx])
+    if whole:
+        alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
     alg.check_models(models)
+    warn_unseen_test_classes(states, data)
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);
     # every step would hold the same samples, so cap it there
-    largest = max((len(tr) for tr in part.train_idx), default=1)
+    largest = max((len(x.y) for x in data), default=1)
     if alg.opt.batch_size > largest > 0:
         alg.opt = replace(alg.opt, batch_size=largest)
-    return Setup(ds, part, states, data, alg, d).to_device(resolve_device(cfg.device))
+    setup = Setup(dataset, partition, states, data, alg, d)
+    return setup.to_device(resolve_device(cfg.device)) if place else setup
+
+
+def warn_unseen_test_classes(states: list[ClientState], data: list[ClientData]) -> dict[int, list[int]]:
+    """Warn, naming the clients and the classes, where a client's test set holds classes its
+    training set lacks: the client never learns them, so its accuracy counts every such test
+    sample as an error (and nearest-prototype inference among its own classes cannot name them).
+
+    Returns:
+        client id -> the sorted classes seen in its test set only (clients without any left out).
+    """
+    unseen = {}
+    for s, x in zip(states, data):
+        extra = np.setdiff1d(np.unique(x.test_y.cpu().numpy()), np.unique(x.y.cpu().numpy()))
+        if len(extra):
+            unseen[int(s.cid)] = [int(c) for c in extra]
+    if unseen:
+        shown = "; ".join(f"client {i}: {v[:10]}" for i, v in list(unseen.items())[:10])
+        more = f" (and {len(unseen) - 10} more clients)" if len(unseen) > 10 else ""
+        log.warning("%d client(s) have test classes absent from their training data (%s%s): they cannot learn "
+                    "them, so those test samples count as errors; give them training samples of those classes or "
+                    "drop those test samples", len(unseen), shown, more)
+    return unseen
 
 
 class Simulation:
@@ -302,6 +378,21 @@ class Simulation:
         self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
         self._ran = False
 
+    @property
+    def models(self) -> list[ProtoModel]:
+        """The client models, indexed by client id: the objects training updates, so after :meth:`run`
+        they hold the trained weights, and the objects the reported accuracies were measured on
+        (``model(x)`` gives ``(logits (B, C), embedding (B, d))``; call ``.eval()`` first).
+
+        With your own clients (:func:`fedproto.federation.federate`) each is the adapter around your
+        module: your module is its ``net`` (:class:`~fedproto.federation.HeadSplitModel`,
+        :class:`~fedproto.federation.TupleModel`) and is trained in place. Where ``embedding_dim`` added a
+        projection the model is a :class:`~fedproto.federation.Projected`: your module (``.inner.net``)
+        holds the trained body, but its own final layer is not used nor trained; predict with this
+        object. ``save_models`` also writes them to ``models.pt`` (:func:`fedproto.results.load_models`).
+        """
+        return [s.model for s in self.setup.states]
+
     # -------------------------------------------------------------------------------------------
     _pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
     _worker_threads = 1
@@ -315,7 +406,7 @@ class Simulation:
             return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
-            key = self.setup.states[i].model.arch_key() if isinstance(self.setup.data[i].x, torch.Tensor) else None
+            key = batch_key(self.setup.states[i].model) if isinstance(self.setup.data[i].x, torch.Tensor) else None
             by_arch[key].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
         W = self._executors(max((len(m) for m in batched), default=0))
@@ -446,8 +537,43 @@ class Simulation:
                             "accuracy is not meaningful (flagged in clients.csv: nonfinite = 1)", r, i)
             elif m.get("emb_norm", 0.0) > EMBED_NORM_LIMIT:
                 log.warning("round %d: client %d's test embeddings have median norm %.3g (limit %.0e): the model "
-                            "blew up; check its data and learning rate, or for BatchNorm models its batch sizes",
-                            r, i, m["emb_norm"], EMBED_NORM_LIMIT)
+                            "blew up; %s", r, i, m["emb_norm"], EMBED_NORM_LIMIT, self._blowup_causes())
+
+    def _attack_hint(self) -> str:
+        """The simulated attack's part of a divergence error ('' without one): the options through
+        which misbehaving clients reach the honest ones."""
+        cfg = self.cfg
+        if not self.attackers:
+            return ""
+        what = f"{opt('attack', cfg.attack)}" + (f" x{cfg.attack_scale:g}" if cfg.attack == "scale" else "")
+        if cfg.algorithm != "fedproto":
+            fix = f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with " \
+                  f"{opt('aggregation', 'median')}"
+        elif cfg.aggregation in ("mean", "weighted") and not cfg.exclude_outliers:
+            fix = ""  # the algorithm's hint already names the robust aggregation rules
+        else:
+            rule = opt("aggregation", cfg.aggregation) + (f" with {opt('trim', cfg.trim)}" if cfg.aggregation ==
+                                                           "trimmed" else "")
+            fix = (f"{rule}" + (f" and {opt('exclude_outliers', cfg.exclude_outliers)}" if cfg.exclude_outliers
+                                else "") + f" did not hold them off: raise {opt('trim')} (trimmed), add "
+                   f"{opt('exclude_outliers')}, or lower {opt('attackers')}")
+        n = len(self.attackers)
+        return f"; {n} simulated misbehaving client{'s' if n > 1 else ''} ({what}) reach the others through " \
+               f"aggregation" + (f": {fix}" if fix else "")
+
+    def _blowup_causes(self) -> str:
+        """What a warning about exploding embeddings asks to check, given this run's options: DP
+        noise and the simulated attack where they are on, then the data, lr and BatchNorm batches."""
+        cfg = self.cfg
+        causes = []
+        if cfg.dp != "off":
+            causes.append(f"the DP noise (dp_noise={cfg.dp_noise:g}, dp_clip={cfg.dp_clip:g}: the noise added to "
+                          "prototypes grows with both)")
+        if self.attackers:
+            causes.append(f"the simulated attack (attack={cfg.attack}, attackers={cfg.attackers}; a robust "
+                          "aggregation holds it off)")
+        causes.append(f"its data and lr (now {cfg.lr:g}), or for BatchNorm models its batch sizes")
+        return "check " + "; ".join(causes)
 
     # -- hooks an engine over a transport replaces (fedproto.flower.server_app.FlowerEngine) ------
     def _initial_message(self) -> Message:
@@ -505,9 +631,26 @@ class Simulation:
         return reasons, whole
 
     def _config_record(self) -> dict:
-        """What ``config.json`` holds: the options, the λ and device in force, the partition."""
-        return {**self.cfg.model_dump(), "lambda_proto_in_force": self.cfg.lam, "device_in_use": str(self.setup.device),
-                "partition_summary": self.setup.partition.summary()}
+        """What ``config.json`` holds: the options, the λ, batch size and device in force, the
+        partition. For your own clients (dataset ``custom``) the options the run did not use
+        (:meth:`RunConfig.unused_fields`: the partition's, the zoo models') are ``null`` and
+        ``embedding_dim`` is your models' embedding size."""
+        record = self.cfg.model_dump()
+        if self.cfg.dataset == "custom":
+            record.update(dict.fromkeys(self.cfg.unused_fields()))
+            record["embedding_dim"] = int(self.setup.embedding_dim)
+        return {**record, "lambda_proto_in_force": self.cfg.lam,
+                "batch_size_in_force": int(getattr(self.setup.algorithm.opt, "batch_size", self.cfg.batch_size)),
+                "device_in_use": str(self.setup.device), "partition_summary": self.setup.partition.summary()}
+
+    def rounds_trained(self) -> list[int]:
+        """Per client: the rounds of this run (so far) in which it trained and replied, from the
+        metrics rows (``sampled`` lists them in rounds where not every client did)."""
+        counts = [0] * len(self.setup.states)
+        for row in self.history:
+            for i in row.get("sampled", range(len(counts))):
+                counts[int(i)] += 1
+        return counts
 
     def _model_params(self) -> list[int]:
         """Parameter count of each client's model (summary ``model_params``)."""
@@ -614,7 +757,7 @@ class Simulation:
             self.setup.algorithm.load_server_state(ckpt["server_state"])
         except (RuntimeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]}); delete it to start anew") from None
+                            f"{first_line(e)[:200]}); delete it to start anew") from None
         bad = self._message_problem(ckpt["message"])
         if bad:
             raise CheckpointError(f"{where} is damaged: its server message {bad}; delete it to start from round 1")
@@ -746,8 +889,8 @@ class Simulation:
                                 "metrics.jsonl)" if seen == ALERTS_PER_CLIENT else "")
             # a simulated misbehaving client may diverge (its messages go through the server's checks); the run
             # stops when an honest client does
-            bad = [i for i, x in zip(ids, tr) if not np.isfinite([x.loss_ce, x.loss_proto]).all()
-                   and i not in self.attackers]
+            seen = [(i, x) for i, x in zip(ids, tr) if x.loss_ce is not None]  # a node under DP sends no losses
+            bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
             if bad:
                 lam = alg.divergence_hint(cfg)
                 dirty = [i for i in bad if isinstance(self.setup.data[i].x, torch.Tensor)
@@ -757,19 +900,18 @@ class Simulation:
                                         "hold NaN or infinite values; clean or drop those samples")
                 raise TrainingError(
                     f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
-                    f"lower {opt('lr')} (now {cfg.lr}){lam}")
-            for i, x in zip(ids, tr):
+                    f"lower {opt('lr')} (now {cfg.lr}){lam}{self._attack_hint()}")
+            for i, x in seen:
                 self.train_norm[i] = x.emb_norm_max
                 if not x.emb_norm_max <= EMBED_NORM_LIMIT:
                     log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its "
-                                "numbers may be meaningless: check its data, lower lr, or for BatchNorm models "
-                                "its batch sizes", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
-                                "" if np.isfinite(x.emb_norm_max) else " (not finite)")
+                                "numbers may be meaningless: %s", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
+                                "" if np.isfinite(x.emb_norm_max) else " (not finite)", self._blowup_causes())
             train_time += t_train
             row = {
                 "round": r,
-                "loss_ce": float(np.mean([x.loss_ce for x in tr])),
-                "loss_proto": float(np.mean([x.loss_proto for x in tr])),
+                "loss_ce": float(np.mean([x.loss_ce for _, x in seen])) if seen else None,
+                "loss_proto": float(np.mean([x.loss_proto for _, x in seen])) if seen else None,
                 "up_params": sum(u[0] for u in up),
                 "up_bytes": sum(u[1] for u in up),
                 "down_params": sum(d[0] for d in down),
@@ -797,7 +939,7 @@ class Simulation:
             if self.run_dir:
                 self.run_dir.log_round(row)
                 if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
-                    self.run_dir.write_checkpoint(
+                    self.run_dir.write_checkpoint(save_checkpoint, 
                         self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
             if self.on_round:
                 self.on_round(row)
@@ -832,8 +974,25 @@ class Simulation:
             "execution": cfg.execution,
             "processes": self._processes,
         }
+        trained = self.rounds_trained()
+        never = [i for i, n in enumerate(trained) if n == 0]
+        if never:
+            # clients never sampled (participation < 1) are scored at their initial weights: the mean over all
+            # clients mixes them in, so the mean over the clients that trained stands beside it
+            did = [m for i, m in enumerate(per_client) if trained[i] > 0]
+            summary["clients_trained"] = len(did)
+            summary["accuracy_trained"] = {
+                "test_set": summary["test_set"] + f"; the {len(did)} clients that trained in at least one round",
+                **{k: dict(zip(("mean", "std"), summarize([m[k] for m in did]))) for k in summary["accuracy"]
+                   if k in per_client[0]}}
+            log.warning("%d of %d clients never trained (participation=%g over %d rounds): clients %s%s are scored "
+                        "at their initial "
+                        "weights and counted in the accuracy over all clients; the mean over the %d clients that "
+                        "trained is summary.json's accuracy_trained (clients.csv: rounds_trained)", len(never),
+                        len(S), cfg.participation, cfg.rounds, never[:10],
+                        " ..." if len(never) > 10 else "", len(did))
         scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
-        if scored < len(per_client):  # clients whose node did not answer the evaluation (Flower)
+        if scored < len(per_client) and any("acc" in m for m in per_client):  # a node did not answer (Flower)
             summary["clients_evaluated"] = scored
         if self.attackers:
             honest = [m for i, m in enumerate(per_client) if i not in self.attackers]
@@ -847,22 +1006,34 @@ class Simulation:
             for i, m in enumerate(full["clients"]):
                 per_client[i].update({f"full_{k}": v for k, v in m.items()})
         if cfg.dp != "off":
-            eps = [m["dp_epsilon"] for m in per_client]
+            # under Flower: NaN for a node that did not answer; none under dp=full (each node keeps its own)
+            eps = [m["dp_epsilon"] for m in per_client if m.get("dp_epsilon", math.nan) == m.get("dp_epsilon")]
             summary["privacy"] = {
                 "mode": cfg.dp, "noise_multiplier": cfg.dp_noise, "embedding_clip": cfg.dp_clip,
                 "grad_clip": cfg.dp_grad_clip if cfg.dp == "full" else None, "delta": cfg.dp_delta,
-                "epsilon_max": float(max(eps)), "epsilon_mean": float(np.mean(eps)),
+                "epsilon_max": float(max(eps)) if eps else None, "epsilon_mean": float(np.mean(eps)) if eps else None,
                 "accountant": "Opacus RDP (subsampled Gaussian per DP-SGD step, Gaussian per prototype release)",
-                "neighbouring": "one training sample of a client added or removed" + (
+                "neighbouring": "one training sample of a client added or removed, its label set unchanged (the "
+                                "label set is public)" + (
                     "; for a fixed feature extractor (the extractor's training is not covered)"
                     if cfg.dp == "prototypes" else ""),
+                "noise": "seeded by the run's seed (dp_reproducible_noise: no guarantee against whoever knows the "
+                         "seed)" if cfg.dp_reproducible_noise else "the operating system's secure randomness",
             }
+            if not eps:
+                summary["privacy"]["epsilon_note"] = ("each node logs its own epsilon: under dp=full it depends on "
+                                                      "the node's sample count, which the node does not send")
+        if cfg.save_models and not self.run_dir:
+            log.warning("save_models: this run writes no run directory (out=False); the trained models are in "
+                        "Simulation.models")
         if self.run_dir:
             self.run_dir.write_summary(summary)
-            rows = self._client_rows(per_client)
+            rows = [{**r, "rounds_trained": n} for r, n in zip(self._client_rows(per_client), trained)]
             if self.attackers:  # which clients misbehaved (fedproto.attacks)
                 rows = [{**r, 'attacker': int(int(r['client']) in self.attackers)} for r in rows]
             self.run_dir.write_clients(rows)
+            if cfg.save_models:
+                self.run_dir.write_models(self.models)
             if "protos" in self.message:
                 self.run_dir.write_prototypes(self.message["classes"], self.message["protos"],
                                               getattr(alg, "last_contributors", None))

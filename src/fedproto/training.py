@@ -168,12 +168,13 @@ class TrainResult:
     """Per client: class sums (C, d) and counts (C,) of last-epoch embeddings (None if not
     collected), mean losses over steps, the number of optimizer steps taken, and the largest L2
     norm of a training embedding in the round (``inf`` if one was not finite; see
-    :data:`EMBED_NORM_LIMIT`)."""
+    :data:`EMBED_NORM_LIMIT`). The losses are None where a Flower node under DP sends none
+    (:func:`fedproto.privacy.deployment_fields`)."""
 
     sums: torch.Tensor | None
     counts: torch.Tensor | None
-    loss_ce: float
-    loss_proto: float
+    loss_ce: float | None
+    loss_proto: float | None
     steps: int
     emb_norm_max: float = 0.0
 
@@ -338,10 +339,56 @@ def _step_terms(logits, h, y, w, obj: Objective):
     return ce, lp
 
 
+def frozen_params(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters of ``model`` that its owner froze (``requires_grad=False``).
+
+    Training never changes them on any path (sequential, batched, worker processes, DP-SGD, the
+    two-stage option) and leaves their flags as they were; see :func:`respect_frozen`.
+    """
+    return frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def frozen_batchnorms(model: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers of ``model`` whose affine parameters are all frozen (``requires_grad=False``):
+    they run in eval mode while training, so their running statistics stay as they are too (the
+    way one fine-tunes a pretrained network). A BatchNorm without parameters (``affine=False``)
+    has nothing to freeze and keeps updating its statistics in training mode."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            ps = list(m.parameters(recurse=False))
+            if ps and not any(p.requires_grad for p in ps):
+                out.append(m)
+    return out
+
+
+def respect_frozen(obj: Objective, frozen: frozenset[str]) -> Objective:
+    """``obj`` whose phases leave the parameters named in ``frozen`` (:func:`frozen_params`) untrained:
+    each phase's ``trains`` predicate becomes ``name not in frozen and trains(name)``. The same
+    object when ``frozen`` is empty."""
+    if not frozen:
+        return obj
+    phases = [Phase(p.epochs, _NotFrozen(frozen, p.trains), p.frozen_eval) for p in obj.phases]
+    return replace(obj, phases=phases)
+
+
+class _NotFrozen:
+    """Picklable predicate of :func:`respect_frozen`."""
+
+    def __init__(self, frozen: frozenset[str], trains: Callable[[str], bool] | None):
+        self.frozen, self.trains = frozenset(frozen), trains
+
+    def __call__(self, name: str) -> bool:
+        return name not in self.frozen and (self.trains is None or self.trains(name))
+
+
 def train_client(
     model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
 ) -> TrainResult:
     """Reference local training of one client (sequential path).
+
+    Parameters with ``requires_grad=False`` (:func:`frozen_params`) are not trained and keep their
+    flag; BatchNorm layers whose parameters are all frozen run in eval mode (:func:`frozen_batchnorms`).
 
     Args:
         model: the client's model (trained in place). x: (n, C, H, W) local inputs; y: (n,) labels.
@@ -349,7 +396,21 @@ def train_client(
     Returns:
         :class:`TrainResult`.
     """
+    named = dict(model.named_parameters())
+    flags = {n_: p.requires_grad for n_, p in named.items()}
+    try:
+        return _train_client(model, x, y, plan, respect_frozen(obj, frozen_params(model)), opt)
+    finally:
+        for n_, p in named.items():
+            p.requires_grad_(flags[n_])
+
+
+def _train_client(
+    model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
+) -> TrainResult:
+    """The body of :func:`train_client` (``obj`` already leaves the frozen parameters alone)."""
     model.train()
+    user_frozen_bn = {id(m) for m in frozen_batchnorms(model)}
     C = model.num_classes
     p0 = next(model.parameters())
     dev = p0.device
@@ -378,11 +439,15 @@ def train_client(
             p.requires_grad_(ph.trains is None or ph.trains(n_))
         for mod_name, mod in model.named_modules():
             if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                frozen = ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
-                                                    for n_, _ in mod.named_parameters())
+                frozen = id(mod) in user_frozen_bn or (
+                    ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
+                                               for n_, _ in mod.named_parameters()))
                 mod.train(not frozen)
-        optim = torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-        if obj.dp_sgd is not None:
+        # a phase may have nothing to train (all its parameters frozen): it still runs its passes (the
+        # embeddings it collects), without steps
+        optim = (torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+                 if params else None)
+        if obj.dp_sgd is not None and optim is not None:
             from opacus.optimizers import DPOptimizer
 
             dp = obj.dp_sgd
@@ -400,16 +465,18 @@ def train_client(
             if aug is not None:
                 xb = augment_batch(xb, aug[s][valid])
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
-            logits, h = net(xb, nb)
-            ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-            loss = ce + obj.lambda_proto * lp
-            if obj.prox_mu > 0 and obj.prox_ref is not None:
-                loss = loss + 0.5 * obj.prox_mu * sum(
-                    ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
-                )
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            optim.step()
+            with torch.set_grad_enabled(optim is not None):
+                logits, h = (net if optim is not None else model)(xb, nb)
+                ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
+                loss = ce + obj.lambda_proto * lp
+                if obj.prox_mu > 0 and obj.prox_ref is not None:
+                    loss = loss + 0.5 * obj.prox_mu * sum(
+                        ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
+                    )
+            if optim is not None:
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
             ce_total += float(ce.detach())
             lp_total += float(lp.detach())
             steps += 1
@@ -420,8 +487,6 @@ def train_client(
                 counts += torch.bincount(yb, minlength=C)
     if gsm is not None:
         gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again
-    for p in named.values():
-        p.requires_grad_(True)
     if sums is not None:
         sums, counts = sums.cpu(), counts.cpu()
     return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max))
@@ -440,11 +505,19 @@ def _norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> t
 # Client-batched path for the paper CNN family.
 
 
+def batch_key(model: ProtoModel) -> tuple | None:
+    """What clients trained as one batched computation share: the architecture
+    (:meth:`ProtoModel.arch_key`) and the frozen parameters (:func:`frozen_params`); None: the
+    model trains on the sequential path only."""
+    key = model.arch_key()
+    return None if key is None else (key, tuple(sorted(frozen_params(model))))
+
+
 def can_batch(models: Sequence[ProtoModel]) -> bool:
-    """True when all models share one architecture (:meth:`ProtoModel.arch_key`) that can be
-    trained as one batched computation (:attr:`ProtoModel.batch_params` and
-    :meth:`ProtoModel.grouped_forward`)."""
-    keys = {m.arch_key() for m in models}
+    """True when all models share one architecture and the same frozen parameters
+    (:func:`batch_key`) that can be trained as one batched computation
+    (:attr:`ProtoModel.batch_params` and :meth:`ProtoModel.grouped_forward`)."""
+    keys = {batch_key(m) for m in models}
     return len(keys) == 1 and None not in keys and bool(models[0].batch_params)
 
 
@@ -561,7 +634,8 @@ def train_group(
 
     Args:
         models: G models with equal :meth:`arch_key` (checked by :func:`can_batch`); updated in place.
-        xs, ys: per client local data (n_g, Cin, H, W) and (n_g,).
+        xs: per client local inputs (n_g, Cin, H, W).
+        ys: per client local labels (n_g,).
         plans: per client plans with the same phase structure.
         obj: the shared objective (global prototypes are the same for all clients of a round).
         opt: SGD settings.
@@ -570,11 +644,19 @@ def train_group(
     Returns:
         One :class:`TrainResult` per client, as :func:`train_client` would give.
     Raises:
-        ValueError: per-client objectives that differ from ``obj`` in anything but ``prox_ref``
-            (they cannot share one batched computation).
+        ValueError: per-client objectives that differ from ``obj`` in anything but ``prox_ref``, or
+            models whose frozen parameters (:func:`frozen_params`) differ (they cannot share one
+            batched computation).
     """
     names = models[0].batch_params
     G = len(models)
+    frozen = frozen_params(models[0])
+    for g, m in enumerate(models):
+        if frozen_params(m) != frozen:
+            raise ValueError(f"client {g} of the group has other frozen parameters (requires_grad=False) than the "
+                             "group's first; train it in another group")
+    obj = respect_frozen(obj, frozen)
+    objs = [respect_frozen(o, frozen) for o in objs] if objs is not None else None
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
     ref = stacked_refs(obj, objs, names, G)
     offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
@@ -601,7 +683,8 @@ def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequen
     if obj.prox_mu <= 0:
         return None
     src = objs if objs is not None else [obj] * G
-    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names}
+    # frozen parameters (never trained, never sent) have no reference
+    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names if k in src[0].prox_ref}
 
 
 def train_stacked(
@@ -680,17 +763,18 @@ def train_stacked(
                 for k in train_names:
                     loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
             plist = [Pc[k] for k in train_names]
-            grads = list(torch.autograd.grad(loss_g.sum(), plist))
+            grads = list(torch.autograd.grad(loss_g.sum(), plist)) if plist else []  # [] : all frozen
             with torch.no_grad():
                 blist = [bufc[k] for k in train_names]
-                if opt.weight_decay:
+                if opt.weight_decay and plist:
                     torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
-                if opt.momentum:
+                if opt.momentum and plist:
                     torch._foreach_mul_(blist, opt.momentum)
                     torch._foreach_add_(blist, grads)
-                else:
+                elif plist:
                     torch._foreach_copy_(blist, grads)
-                torch._foreach_add_(plist, blist, alpha=-opt.lr)
+                if plist:
+                    torch._foreach_add_(plist, blist, alpha=-opt.lr)
                 ce_tot.index_add_(0, cur, ce.detach().double())
                 lp_tot.index_add_(0, cur, lp.detach().double())
                 nsteps[cur] += 1

@@ -25,9 +25,11 @@ from fedproto.training import (
     OptimConfig,
     Phase,
     TrainResult,
+    frozen_params,
     make_plan,
     min_batch,
     predict,
+    respect_frozen,
     train_client,
 )
 
@@ -218,13 +220,14 @@ class Algorithm:
 
     def local_objective(self, state: ClientState, message: Message) -> Objective:
         """:meth:`objective` as every engine uses it: in the second stage (``head_only`` in the
-        message, :meth:`broadcast`) each phase trains the head's parameters only."""
+        message, :meth:`broadcast`) each phase trains the head's parameters only; parameters the
+        user froze (``requires_grad=False``, :func:`fedproto.training.frozen_params`) never train."""
         obj = self.objective(state, message)
         if "head_only" in message:
             head = state.model.is_head_param
             obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)
                           for p in obj.phases]
-        return obj
+        return respect_frozen(obj, frozen_params(state.model))
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         """Build the client's message after local training."""

@@ -13,6 +13,14 @@ What is sent:
 The first broadcast (:meth:`FedAvg.initial_message`) is client 0's initial weights, so all clients
 start round 1 from one global model.
 
+Frozen tensors are not shared (:func:`shared_tensors`): a parameter its client froze
+(``requires_grad=False``, e.g. a pretrained backbone) and the running statistics of a BatchNorm
+whose parameters are all frozen are neither sent up nor overwritten on download; they stay the
+client's own, and the communication cost counts only what is sent. Every client must freeze the
+same tensors (their values may differ): a tensor shared by some clients and kept by others has no
+one global value to average, so the run is refused at the start, naming the clients and the tensor
+(:func:`check_same_shapes`, :func:`check_message_shapes`).
+
 Evaluation (personalized, as for every method here): each client's model *after its local
 training of the last round*, on the client's own test set (:meth:`Algorithm.evaluate`; the engine
 evaluates after aggregation, before the next ``prepare``). This is the "FedAvg + one round of
@@ -27,6 +35,7 @@ FedRep, FeSEM), which subclass :class:`FedAvg` and change only what they share o
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -35,23 +44,41 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
-from fedproto.training import TrainResult
+from fedproto.training import TrainResult, frozen_batchnorms, frozen_params
+
+log = logging.getLogger(__name__)
 
 WEIGHT_PREFIX = "w/"
 COUNT_KEY = "n"
 
 
 def shared_tensors(model: ProtoModel, include=None) -> OrderedDict[str, torch.Tensor]:
-    """Name -> tensor of the parameters and floating-point buffers that pass ``include(name)``
-    (None: all), in ``named_parameters`` then ``named_buffers`` order."""
+    """Name -> tensor of what ``model`` shares: its parameters and floating-point buffers that pass
+    ``include(name)`` (None: all), in ``named_parameters`` then ``named_buffers`` order, without
+    the frozen ones (:func:`frozen_tensors`), which stay the client's own."""
+    frozen = frozen_tensors(model)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, p in model.named_parameters():
-        if include is None or include(name):
+        if name not in frozen and (include is None or include(name)):
             out[name] = p
     for name, b in model.named_buffers():
-        if b.is_floating_point() and (include is None or include(name)):
+        if b.is_floating_point() and name not in frozen and (include is None or include(name)):
             out[name] = b
     return out
+
+
+def frozen_tensors(model: ProtoModel) -> frozenset[str]:
+    """Names of the tensors of ``model`` its owner froze, which weight sharing leaves alone: the
+    parameters with ``requires_grad=False`` (:func:`fedproto.training.frozen_params`) and the
+    buffers (running statistics) of the BatchNorm layers whose parameters are all frozen
+    (:func:`fedproto.training.frozen_batchnorms`; training leaves those statistics alone too)."""
+    out = set(frozen_params(model))
+    bns = {id(m) for m in frozen_batchnorms(model)}
+    if bns:
+        for prefix, m in model.named_modules():
+            if id(m) in bns:
+                out.update(f"{prefix}.{n}" if prefix else n for n, _ in m.named_buffers(recurse=False))
+    return frozenset(out)
 
 
 def weights_message(model: ProtoModel, include=None) -> Message:
@@ -79,13 +106,21 @@ def load_weights(model: ProtoModel, message: Message, include=None) -> None:
 
 
 def check_same_shapes(states: list[ClientState], method: str, include=None) -> None:
-    """Raise :class:`ConfigError` unless all clients share tensor names and shapes.
+    """Raise :class:`ConfigError` unless all clients share the same tensors (:func:`shared_tensors`:
+    names and shapes, frozen tensors left out).
 
-    The message groups the clients by architecture and names the first tensor that differs.
+    The message names the clients that freeze a tensor others share (freeze the same tensors on
+    every client), else groups the clients by architecture and names the first tensor that differs.
     """
     sigs = [tuple((n, tuple(t.shape)) for n, t in shared_tensors(s.model, include).items()) for s in states]
     if len(set(sigs)) <= 1:
         return
+    frozen = [frozen_tensors(s.model) for s in states]
+    for name in dict.fromkeys(n for sig in sigs for n, _ in sig):
+        keep = [s.cid for s, f in zip(states, frozen) if name in f]
+        if keep:
+            send = [s.cid for s, sig in zip(states, sigs) if name in dict(sig)]
+            raise ConfigError(_frozen_differs(method, name, keep, send))
     groups: dict[tuple, list[int]] = {}
     for s, sig in zip(states, sigs):
         groups.setdefault(sig, []).append(s.cid)
@@ -106,9 +141,23 @@ def check_same_shapes(states: list[ClientState], method: str, include=None) -> N
     )
 
 
+def _frozen_differs(method: str, name: str, keep: list[int], send: list[int], seen: bool = True) -> str:
+    """The error for tensor ``name`` frozen by clients ``keep`` (``seen``: known from their models;
+    else only missing from their messages) and shared by clients ``send``."""
+    why = (f"froze {name!r} (requires_grad=False" if seen else
+           f"do not send {name!r} (frozen, requires_grad=False, or another architecture")
+    return (f"{method} averages the tensors the clients share, but clients {keep[:10]} {why}; a frozen tensor "
+            f"stays the client's own and is not sent) while clients {send[:10]} train and share it, so it has no "
+            "one global value; freeze the same parameters on every client (their values may differ), or use "
+            "algorithm='fedproto' or 'local'")
+
+
 def check_message_shapes(joins: dict[int, Message], method: str) -> None:
     """Raise :class:`ConfigError` unless the ``w/`` tensors of every client's message (keyed by
-    client id) have the same names and shapes; names the clients that differ from the lowest id."""
+    client id) have the same names and shapes; names the clients that differ from the lowest id.
+    When one of two clients sends a subset of the other's tensors (same shapes), the message names
+    the missing tensor as one those clients froze (or another architecture). Logs a warning when
+    the clients share no tensor at all (all frozen or personal: each client trains alone)."""
     if not joins:
         raise ConfigError(f"{method}: no client sent its initial weights")
     sig = {c: tuple((k, tuple(np.shape(v))) for k, v in m.items() if k.startswith(WEIGHT_PREFIX))
@@ -118,9 +167,18 @@ def check_message_shapes(joins: dict[int, Message], method: str) -> None:
     if odd:
         a, b = dict(sig[first]), dict(sig[odd[0]])
         diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
+        name = diff.removeprefix(WEIGHT_PREFIX)
+        common = set(a) & set(b)
+        if all(a[k] == b[k] for k in common) and common in (set(a), set(b)):  # one sends less: frozen there?
+            send = [c for c in sig if diff in dict(sig[c])]
+            keep = [c for c in sig if diff not in dict(sig[c])]
+            raise ConfigError(_frozen_differs(method, name, keep, send, seen=False))
         raise ConfigError(f"{method} averages model weights, so every client needs the same architecture, but "
-                          f"clients {odd[:10]} differ from client {first} (at {diff.removeprefix(WEIGHT_PREFIX)!r}: "
+                          f"clients {odd[:10]} differ from client {first} (at {name!r}: "
                           f"{b.get(diff)} vs {a.get(diff)}); use one model for all clients, or algorithm='fedproto'")
+    if not sig[first]:
+        log.warning("%s: the clients share no tensor (every one is frozen, requires_grad=False, or personal), so "
+                    "each trains alone as with algorithm='local'", method)
 
 
 def weights_problem(reply: Message, sent: Message) -> str:

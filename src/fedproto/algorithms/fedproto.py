@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
-from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes
+from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
     DISTANCE_FORMS,
@@ -86,6 +86,9 @@ class FedProto(Algorithm):
             the λ used in each round is ``lambda`` in the metrics.
         dp, dp_noise, dp_clip, dp_grad_clip, dp_delta: differential privacy of the uploaded
             prototypes (:mod:`fedproto.privacy`); ``dp_epsilon`` per client in ``clients.csv``.
+        dp_reproducible_noise: draw the DP noise and DP-SGD's sampling from the client's seeded
+            generator (bit-for-bit reproducible runs) instead of :func:`fedproto.privacy.secure_rng`;
+            voids the guarantee against whoever knows the run's seed.
 
     Every reply is checked before aggregation: a prototype row that is not finite, of another
     size than d, or of a class outside 0..C-1 (or with a count below 1) is dropped and named in
@@ -122,6 +125,7 @@ class FedProto(Algorithm):
         dp_clip: float = 5.0,
         dp_grad_clip: float = 1.0,
         dp_delta: float = 1e-5,
+        dp_reproducible_noise: bool = False,
         class_check: float = 0.0,
     ):
         super().__init__(num_classes, opt, local_epochs)
@@ -133,6 +137,7 @@ class FedProto(Algorithm):
                              f"(> 0), dp_grad_clip={dp_grad_clip} (> 0), dp_delta={dp_delta} (in (0, 1)): one is "
                              "out of range")
         self.trim, self.min_contributors = float(trim), int(min_contributors)
+        self._trim_warned = False  # the trimmed mean's "cuts nothing" warning is logged once per run
         self.exclude_outliers = float(exclude_outliers)
         if class_check < 0:
             raise ValueError(f"class_check={class_check}: give 0 (off) or a robust z-score above 0 (e.g. 3)")
@@ -143,6 +148,7 @@ class FedProto(Algorithm):
         self.lambda_schedule = lambda_schedule
         self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
         self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
+        self.dp_reproducible_noise = bool(dp_reproducible_noise)
         self.sequential_only = dp == "full"
         self.last_excluded: list[int] = []
         self._warned_exclusion = False  # exclude_outliers could not act (logged once)
@@ -183,7 +189,7 @@ class FedProto(Algorithm):
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
                    cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
                    cfg.trim, cfg.min_contributors, cfg.exclude_outliers, cfg.lambda_schedule, cfg.dp, cfg.dp_noise,
-                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.class_check)
+                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.dp_reproducible_noise, cfg.class_check)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
@@ -206,24 +212,28 @@ class FedProto(Algorithm):
 
     def plan(self, state: ClientState, obj, n: int, rng: np.random.Generator):
         """The batch plan; with ``dp="full"`` Poisson-sampled (:func:`fedproto.training.poisson_plan`)
-        with the DP-SGD noise seed drawn after it; with any ``dp`` mode the seed of the release noise
-        is then drawn too (kept in the client's state: the noise never leaves the client)."""
+        with the DP-SGD noise seed drawn after it, both from :func:`fedproto.privacy.secure_rng`
+        (which the server cannot regenerate) unless ``dp_reproducible_noise``, which draws them
+        from ``rng``, the client's seeded generator, and then also draws the seed of the release
+        noise (kept in the client's state; the noise never leaves the client)."""
         if self.dp != "full":
             plan = super().plan(state, obj, n, rng)
         else:
             m = state.model
-            plan = poisson_plan(n, obj.phases, self.opt.batch_size, m.noise_widths(), m.dropout, rng)
-            plan.seed = int(rng.integers(2**62))
+            src = rng if self.dp_reproducible_noise else secure_rng()
+            plan = poisson_plan(n, obj.phases, self.opt.batch_size, m.noise_widths(), m.dropout, src)
+            plan.seed = int(src.integers(2**62))
             state.extra["dp_rate"] = min(1.0, self.opt.batch_size / max(n, 1))
             if obj.dp_sgd is not None:
                 obj.dp_sgd.expected_batch_size = max(1, round(state.extra["dp_rate"] * n))
-        if self.dp != "off":
+        if self.dp != "off" and self.dp_reproducible_noise:
             state.extra["dp_seed"] = int(rng.integers(2**62))
         return plan
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         if self.dp != "off":  # each sample counted once, in an eval-mode pass (fedproto.privacy)
-            rng = np.random.default_rng(state.extra.pop("dp_seed"))
+            seed = state.extra.pop("dp_seed", None)
+            rng = np.random.default_rng(seed) if self.dp_reproducible_noise and seed is not None else secure_rng()
             classes, protos, cnt = noisy_prototypes(embed_all(state.model, data.x), data.y, state.classes,
                                                     self.dp_clip, self.dp_noise, rng)
             state.extra["dp_releases"] = int(state.extra.get("dp_releases", 0)) + 1
@@ -366,6 +376,21 @@ class FedProto(Algorithm):
                 kept = tuple([v for j, v in enumerate(part) if j not in out] for part in kept)
         cls, protos, contrib = aggregate_prototypes(*kept, self.num_classes, self.aggregation, self.trim,
                                                     self.min_contributors)
+        if self.aggregation == "trimmed" and not self._trim_warned:
+            plain = [int(c) for c, n in zip(cls.tolist(), contrib.tolist()) if int(self.trim * n) == 0]
+            if plain:  # scipy's trim_mean cuts int(trim * n) values from each end: none for small n
+                self._trim_warned = True
+                few = (f"fewer than {int(np.ceil(1.0 / self.trim - 1e-9))} contributors" if self.trim > 0
+                       else "any number of contributors")
+                ns = [int(n) for c, n in zip(cls.tolist(), contrib.tolist()) if int(c) in plain]
+                cuttable = [n for n in ns if n >= 3]  # int(trim * n) >= 1 for some trim < 0.5 only from n = 3
+                fix = (f"raise trim to {1.0 / min(cuttable):.3g} or more (below 0.5) or use aggregation='median'"
+                       if cuttable else "no trim below 0.5 cuts anything from 2 or fewer contributors: give each "
+                       "class more contributors per round (participation, clients) for a robust aggregate")
+                log.warning("round %d: aggregation='trimmed' with trim=%g cuts nothing for classes with %s (here: "
+                            "classes %s, at most %d client%s each), so their global prototypes are the plain mean; "
+                            "%s (warned once)", round, self.trim, few, plain[:10], max(ns),
+                            "" if max(ns) == 1 else "s", fix)
         if self.global_classes is not None:
             # a class no (sampled) client sent this round keeps its previous global prototype
             now = dict(zip(cls.tolist(), contrib.tolist()))
@@ -385,18 +410,26 @@ class FedProto(Algorithm):
 
     def check_models(self, models) -> None:
         """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
-        BatchNorm (its statistics mix the samples of a batch, so per-sample gradients do not
-        exist; Opacus refuses them too)."""
+        BatchNorm that trains (its statistics mix the samples of a batch, so per-sample gradients do
+        not exist; Opacus refuses them too). Frozen BatchNorm layers
+        (:func:`fedproto.training.frozen_batchnorms`) run in eval mode, one sample at a time: allowed."""
         super().check_models(models)
         if self.dp == "full":
-            from fedproto.errors import ConfigError
-            from fedproto.training import has_batchnorm
+            from torch import nn
 
-            bn = [i for i, m in enumerate(models) if has_batchnorm(m)]
+            from fedproto.errors import ConfigError
+            from fedproto.training import frozen_batchnorms
+
+            def trains_bn(m) -> bool:
+                frozen = {id(b) for b in frozen_batchnorms(m)}
+                return any(isinstance(b, nn.modules.batchnorm._BatchNorm) and id(b) not in frozen for b in m.modules())
+
+            bn = [i for i, m in enumerate(models) if trains_bn(m)]
             if bn:
                 raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
-                                  f"clients {bn[:10]} have BatchNorm layers; use models without BatchNorm (e.g. "
-                                  "GroupNorm, or model='cnn') or dp='prototypes'")
+                                  f"clients {bn[:10]} have BatchNorm layers that train; use models without BatchNorm "
+                                  "(e.g. GroupNorm, or model='cnn'), freeze them (requires_grad=False), or "
+                                  "dp='prototypes'")
 
     def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
         """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every

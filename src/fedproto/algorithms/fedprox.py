@@ -12,7 +12,8 @@ term reaches the gradient: mu * (w - w_global)). ``mu`` is the run option ``prox
 Note: the FedProto official code's FedProx helper computes this term between state-dict copies,
 so there it never reaches the gradient (see the paper summary, "Paper vs code"); here it does.
 
-What is sent: up ``w/<name>`` for all weights + ``n`` (count); down ``w/<name>``.
+What is sent: up ``w/<name>`` for all weights + ``n`` (count); down ``w/<name>``. Parameters the
+user froze (``requires_grad=False``) are neither sent nor trained, so the term leaves them out.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class FedProx(FedAvg):
             for name, p in state.model.named_parameters()
             if WEIGHT_PREFIX + name in message
         }
-        if self.prox_mu == 0 or len(ref) < len(dict(state.model.named_parameters())):
+        trained = [name for name, p in state.model.named_parameters() if p.requires_grad]  # frozen: not sent
+        if self.prox_mu == 0 or any(name not in ref for name in trained):
             # mu = 0, or no global weights to stay close to (cannot happen after initial_message)
             return Objective(phases=phases)
         return Objective(phases=phases, prox_mu=self.prox_mu, prox_ref=ref)

@@ -18,10 +18,16 @@ size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.
 e.g. initial weights for weight-sharing methods), ``train`` (one client step:
 :func:`fedproto.simulation.client_step`, reply: the algorithm message plus losses) and
 ``evaluate`` (reply: the algorithm's per-client metrics).
+
+Under DP (``dp`` ``prototypes`` or ``full``) a node sends only what is public or covered by the
+accountant (:func:`fedproto.privacy.deployment_fields`): at ``query`` no sample counts, at
+``train`` the noised release alone, at ``evaluate`` ``dp_epsilon`` under ``prototypes`` and
+nothing under ``full``; the node logs what it keeps (its accuracy, and its ε under ``full``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +42,14 @@ from fedproto.errors import ConfigError
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.models.base import count_parameters
+from fedproto.privacy import deployment_fields
 from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"
 
 app = ClientApp()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,19 +148,24 @@ def _checked_round(n: Node, msg: Message) -> int:
 def query(msg: Message, context: Context) -> Message:
     """Reply with what the server needs of this node: ``cid``, ``classes`` (its training classes),
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
-    algorithm's join message (e.g. the model's initial weights for weight-sharing methods)."""
+    algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
+    DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
     n = node(context)
     info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
+    info = deployment_fields(n.cfg.dp, "query", info)
     join = n.algorithm.join_message(n.state)
     return Message(RecordDict({CONFIG: ConfigRecord(info), MESSAGE: to_record(join)}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """One round of local training; same seeding as the simulation's sequential path. A node
-    with ``misbehave`` in its node config corrupts its message (tests of the server's checks)."""
+    """One round of local training; same seeding as the simulation's sequential path (the DP noise
+    excepted: it comes from :func:`fedproto.privacy.secure_rng`). Reply: the algorithm message
+    and, without DP, the losses, step count, largest embedding norm and ``num-examples``; under DP
+    the message alone. A node with ``misbehave`` in its node config corrupts its message (tests of
+    the server's checks)."""
     n = node(context)
     r = _checked_round(n, msg)
     out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
@@ -162,17 +175,25 @@ def train(msg: Message, context: Context) -> Message:
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "num-examples": len(n.data.x)}
-    return Message(RecordDict({MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}), reply_to=msg)
+    metrics = deployment_fields(n.cfg.dp, "train", metrics)
+    content = {MESSAGE: to_record(out), **({METRICS: MetricRecord(metrics)} if metrics else {})}
+    return Message(RecordDict(content), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """The algorithm's metrics of this client on its own test set (``acc`` in [0, 1]; FedProto
-    adds ``acc_proto``, eq. 4), plus ``num-examples``."""
+    adds ``acc_proto``, eq. 4), plus ``num-examples``. Under DP only ``dp_epsilon`` under
+    ``prototypes``, nothing under ``full`` (:func:`fedproto.privacy.deployment_fields`); the node
+    logs the metrics it keeps."""
     n = node(context)
     _checked_round(n, msg)
     metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
     metrics.update(n.algorithm.client_report(n.state))  # e.g. the privacy this client spent (dp)
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["num-examples"] = len(n.data.test_y)
-    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+    sent = deployment_fields(n.cfg.dp, "evaluate", metrics)
+    if len(sent) < len(metrics):
+        log.warning("fedproto client %d (dp=%s) keeps on this node: %s", n.cid, n.cfg.dp,
+                    ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))
+    return Message(RecordDict({METRICS: MetricRecord(sent)}), reply_to=msg)

@@ -21,7 +21,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from fedproto.algorithms.base import Message
 from fedproto.config import RunConfig, build_config, normal_key
-from fedproto.errors import ConfigError
+from fedproto.errors import ConfigError, opt
 
 MESSAGE = "fedproto.message"
 """RecordDict key of the algorithm message (an ArrayRecord) in both directions."""
@@ -106,14 +106,21 @@ def run_config(user_config: Mapping[str, Any], node_overrides: Mapping[str, Any]
     ``local-epochs``); the keys of :class:`FlowerOptions` are left out. With ``dataset =
     "custom"`` (nodes bring their own data and models: :mod:`fedproto.flower.node`) ``model``
     is ``custom``. ``node_overrides`` (a node's ``data-dir``) are applied last and are
-    result-neutral. Raises :class:`ConfigError` naming unknown keys or invalid values.
+    result-neutral. Raises :class:`ConfigError` naming unknown keys or invalid values, and for
+    ``dp_reproducible_noise`` (DP noise the server could regenerate from the seed it sets).
     """
     data = {normal_key(str(k)): v for k, v in user_config.items() if normal_key(str(k)) not in FLOWER_KEYS}
     if data.get("dataset") == "custom":
         data.setdefault("model", "custom")
     data.update(node_overrides or {})
     try:
-        return build_config(None, data)
+        cfg = build_config(None, data)
     except ConfigError as e:
         raise e.prefixed("Flower run config: ") from None
+    if cfg.dp_reproducible_noise:
+        raise ConfigError(f"Flower run config: {opt('dp_reproducible_noise', True)} draws the DP noise from the run's "
+                          "seed, which the server sets, so the server could subtract it; it is for simulations only",
+                          option="dp_reproducible_noise", value=True,
+                          hint=f"leave it out ({opt('dp_reproducible_noise', False)})")
+    return cfg
 

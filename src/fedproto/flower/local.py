@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -131,6 +132,20 @@ def config_arg(values: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={toml_value(v)}" for k, v in values.items())
 
 
+FLOWER_COMMANDS = ("flower-superlink", "flower-supernode", "flwr")
+"""Flower's commands this module runs."""
+
+
+def flower_command(name: str) -> str | None:
+    """The path of Flower's command ``name`` (``flwr``, ``flower-superlink``...): the one installed
+    beside the running Python (its environment's ``bin``/``Scripts`` folder, found even when that
+    environment is not activated), else the one on PATH; None when neither has it."""
+
+    here = Path(sys.executable).parent
+    beside = shutil.which(name, path=str(here))
+    return beside or shutil.which(name)
+
+
 class LocalFederation:
     """A SuperLink and SuperNodes on 127.0.0.1 (see the module docstring).
 
@@ -142,16 +157,21 @@ class LocalFederation:
             run`` gets ``num-supernodes``).
         env: extra environment for every process (e.g. ``PYTHONPATH``).
     Raises:
-        ConfigError: ``auth`` without ``tls``; Flower's commands not on PATH.
+        ConfigError: ``auth`` without ``tls``; Flower's commands neither beside the running Python
+            nor on PATH (:func:`flower_command`).
     """
 
     def __init__(self, workdir: str | Path, tls: bool = False, auth: bool = False, simulation: bool = False,
                  env: Mapping[str, str] | None = None):
         if auth and not tls:
             raise ConfigError("SuperNode authentication needs TLS: pass tls=True with auth=True")
-        for cmd in ("flower-superlink", "flower-supernode", "flwr"):
-            if shutil.which(cmd) is None:
-                raise ConfigError(f"{cmd} is not on PATH; install Flower: pip install \"fedproto[flower]\"")
+
+        self.commands = {cmd: flower_command(cmd) for cmd in FLOWER_COMMANDS}
+        for cmd, path in self.commands.items():
+            if path is None:
+                raise ConfigError(f"Flower's command {cmd} is neither beside this Python "
+                                  f"({Path(sys.executable).parent}) nor on PATH; install Flower into this environment: "
+                                  f"{sys.executable} -m pip install \"fedproto[flower]\"")
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.tls, self.auth, self.simulation = tls, auth, simulation
@@ -159,6 +179,10 @@ class LocalFederation:
         self.home = self.workdir / "flwr-home"
         self.home.mkdir(exist_ok=True)
         self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        # the SuperLink and SuperNodes start Flower's own helpers (flwr-serverapp, flwr-clientapp) by name: find them
+        # where flower-superlink was found, activated environment or not
+        bin_dir = str(Path(self.commands["flower-superlink"]).parent)
+        self.env["PATH"] = os.pathsep.join([bin_dir, *filter(None, [self.env.get("PATH")])])
         self.creds: Credentials | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self._keys_made = 0
@@ -184,8 +208,8 @@ class LocalFederation:
 
     def start_superlink(self, timeout: float = 60.0) -> None:
         """Start the SuperLink and wait until it listens. Raises ConfigError if it exits or does not listen in time."""
-        args = ["flower-superlink", "--port", str(self.port), "--database", str(self.workdir / "superlink.db"),
-                "--disable-runtime-dependency-installation"]
+        args = [self.commands["flower-superlink"], "--port", str(self.port), "--database",
+                str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"]
         if self.tls:
             c = self.creds
             args += ["--ssl-ca-certfile", str(c.ca_cert), "--ssl-certfile", str(c.server_cert),
@@ -213,7 +237,7 @@ class LocalFederation:
         folder = self.workdir / "credentials" / f"key{i}"
         priv, pub = make_credentials(folder, 1).node_keys[0]
         if register:
-            res = subprocess.run(["flwr", "supernode", "register", str(pub), CONNECTION], env=self.env,
+            res = subprocess.run([self.commands["flwr"], "supernode", "register", str(pub), CONNECTION], env=self.env,
                                  cwd=self.workdir, capture_output=True, text=True, timeout=120)
             if res.returncode != 0:
                 raise ConfigError(f"flwr supernode register failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
@@ -225,7 +249,7 @@ class LocalFederation:
         its private key (default: a new registered one). ``max_wait``: seconds it keeps trying to
         connect (default: forever)."""
         name = name or f"node{sum(n.startswith('node') for n in self.procs)}"
-        args = ["flower-supernode", "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
+        args = [self.commands["flower-supernode"], "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
                 "--node-config", config_arg(node_config)]
         args += ["--root-certificates", str(self.creds.ca_cert)] if self.tls else ["--insecure"]
         if self.auth:
@@ -249,7 +273,7 @@ class LocalFederation:
         """``flwr run <app> --stream`` against this SuperLink with ``run_config`` overrides (keys
         must be listed in the app's ``[tool.flwr.app.config]``); ``num_supernodes`` for the
         simulation runtime. Returns the finished process (stdout and stderr as text)."""
-        args = ["flwr", "run", str(app), CONNECTION, "--stream"]
+        args = [self.commands["flwr"], "run", str(app), CONNECTION, "--stream"]
         if run_config:
             args += ["--run-config", config_arg(run_config)]
         if num_supernodes is not None:

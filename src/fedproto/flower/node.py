@@ -90,9 +90,10 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
             every message starts with ``node client-id=<id>``.
     """
     from fedproto.data.folder import load_client_folder
+    from fedproto.data.partition import Partition
     from fedproto.federation import adapt
     from fedproto.models.zoo import build_model, model_seed
-    from fedproto.simulation import build_algorithm, check_batches
+    from fedproto.simulation import build_setup
 
     unknown = sorted(str(k) for k in node_config if k not in NODE_KEYS + FLOWER_NODE_KEYS)
     if unknown:
@@ -144,15 +145,15 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     if model.embedding_dim != d:
         raise ConfigError(f"{who}: its model {spec!r} has embedding size {model.embedding_dim}, but the run's "
                           f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
-    alg = build_algorithm(cfg, d)
-    try:
-        alg.check_setup(cfg, [y.numpy()])
-        alg.check_models([model])
-        check_batches(cfg, [model], [len(y)])
+    state = ClientState(cid, model, np.unique(y.numpy()))
+    data = ClientData(x, y, tx, ty)
+    try:  # the set-up of every front end (fedproto.simulation.build_setup), for this node's one client
+        setup = build_setup(cfg, [state], [data], Partition([np.arange(len(y))], [np.arange(len(ty))],
+                                                            [state.classes]), place=False,
+                            whole=False)
     except FedprotoError as e:
         raise ConfigError(f"{who}: {e}") from None
-    state = ClientState(cid, model, np.unique(y.numpy()))
-    return LocalClient(cid, state, ClientData(x, y, tx, ty), alg, who)
+    return LocalClient(cid, state, data, setup.algorithm, who)
 
 
 def _is_import_path(spec: str) -> bool:

@@ -6,10 +6,11 @@ by messages to SuperNodes: rounds, aggregation, reply checks, monitoring, commun
 the same clients and seed give the numbers of an in-process run.
 
 The server holds no data and no client model. What it knows of a client comes from the client's
-node, once, when the node joins (a ``query`` reply: client id, classes, sample counts, embedding
-size, parameter count, and the algorithm's join message, e.g. initial weights for the
-weight-sharing baselines, whose first broadcast is then the weights of the client with the lowest
-id). It needs only the run config: for nodes with their own data (:mod:`fedproto.flower.node`)
+node, once, when the node joins (a ``query`` reply: client id, classes, sample counts (none under
+DP: :func:`fedproto.privacy.deployment_fields`), embedding size, parameter count, and the
+algorithm's join message, e.g. initial weights for the weight-sharing baselines, whose first
+broadcast is then the weights of the client with the lowest id). It needs only the run config:
+for nodes with their own data (:mod:`fedproto.flower.node`)
 ``dataset = "custom"``, ``classes``, ``embedding-dim`` and the algorithm's options.
 
 Membership is dynamic: each round the server looks for newly connected nodes (a node that comes
@@ -52,6 +53,10 @@ from fedproto.training import TrainResult
 log = logging.getLogger(__name__)
 
 app = ServerApp()
+
+REPORT_KEYS = ("dp_epsilon",)
+"""Keys of a node's evaluate reply that are its :meth:`~fedproto.algorithms.base.Algorithm.client_report`
+(per client in ``clients.csv`` and ``summary.json``), not a score averaged over clients."""
 
 RETRY_PAUSE_S = 2.0
 """Seconds between a round below ``min-replies`` and its retry (nodes may reconnect meanwhile)."""
@@ -100,6 +105,7 @@ class FlowerEngine(Simulation):
         self.refusals: list[dict] = []  # every refusal: node_id, client_id (None if unknown), reason, round
         self._logged_refusals = 0  # refusals already in a metrics.jsonl row
         self._status: dict = {}
+        self._reports: dict[int, dict] = {}  # client id -> its client_report from its last evaluate reply
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
         self._discover(self.opts.wait_nodes)
@@ -275,10 +281,13 @@ class FlowerEngine(Simulation):
             st["failed"].update({str(i): why for i, why in failed.items()})
             st["timed_out"] += [i for i in missing if i not in st["timed_out"]]
             for i, rep in replies.items():
-                m = rep.content[METRICS]
-                res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
-                                  float(m.get("emb-norm-max", 0.0)))
-                if not np.isfinite([res.loss_ce, res.loss_proto]).all():
+                m = rep.content[METRICS] if METRICS in rep.content else {}
+                if "loss_ce" in m:
+                    res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
+                                      float(m.get("emb-norm-max", 0.0)))
+                else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)
+                    res = TrainResult(None, None, None, None, 0)
+                if res.loss_ce is not None and not np.isfinite([res.loss_ce, res.loss_proto]).all():
                     st["failed"][str(i)] = "its training loss is not finite (diverged)"
                     log.warning("round %d: client %d's training diverged (loss not finite); its reply is left out",
                                 round, i)
@@ -355,7 +364,7 @@ class FlowerEngine(Simulation):
                 [cid_of[n] for n in missing])
 
     def _client_report(self, cid: int) -> dict:
-        return {}  # the node's evaluate reply carries it (Algorithm.client_report runs on the node)
+        return self._reports.get(cid, {})  # from the node's evaluate reply (Algorithm.client_report runs there)
 
     def _who(self, cid: int) -> str:
         return f"client {cid} (node {self.nodes.get(cid)})"
@@ -371,6 +380,8 @@ class FlowerEngine(Simulation):
         replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
                for i, rep in replies.items()}
+        for i, m in got.items():  # the client's own report (Algorithm.client_report) goes to clients.csv, not accuracy
+            self._reports[i] = {k: m.pop(k) for k in REPORT_KEYS if k in m}
         if not got:
             raise TrainingError("no node replied to the final evaluation; restart the SuperNodes and run again")
         keys = [k for k in next(iter(got.values())) if k not in HEALTH_KEYS]
@@ -421,6 +432,10 @@ def main(grid: Grid, context: Context) -> None:
         return
     acc = summary["accuracy"].get("acc", {})
     n = summary["clients"]
+    if not acc and cfg.dp != "off":
+        log.warning("fedproto: %s on %s with dp=%s: each node kept its accuracy (and logged it); results in %s",
+                    cfg.algorithm, cfg.dataset, cfg.dp, out)
+        return
     over = f"{summary['clients_evaluated']} of {n}" if "clients_evaluated" in summary else f"{n}"
     log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %s clients, %.1fk parameters up per round; "
                 "results in %s", cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")),

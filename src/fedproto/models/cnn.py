@@ -94,7 +94,7 @@ class PaperCNN(ProtoModel):
     batch_params = ("conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias",
                     "fc2.weight", "fc2.bias")
 
-    def grouped_forward(self, P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise=None):
+    def grouped_forward(self, P: dict[str, torch.Tensor], xb: torch.Tensor, G: int, noise: Noise | None = None):
         """Forward pass of G stacked paper CNNs.
 
         Args:

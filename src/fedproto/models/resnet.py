@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedproto.errors import DataError, ModelError
+from fedproto.errors import DataError, ModelError, first_line
 from fedproto.models.base import Noise, ProtoModel
 
 PRETRAINED_SKIP = ("conv1.", "bn1.", "fc.")
@@ -76,7 +76,8 @@ class ResNet18(ProtoModel):
     Args:
         num_classes: logits width C. in_channels: input channels (3 for CIFAR-10; conv1 is never
             loaded from pretrained weights, so other values work with them too).
-        conv1_stride, maxpool_stride: (2, 2) default; (1, 4) for half the FedProto-mh clients.
+        conv1_stride: stride of conv1, 2 by default (1 for half the FedProto-mh clients).
+        maxpool_stride: stride of the max pool after conv1, 2 by default (4 for half the FedProto-mh clients).
 
     Shapes: x (B, in_channels, H, W) -> logits (B, C), h (B, 512).
 
@@ -163,7 +164,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise DataError(f"{str(p)!r} holds pickled Python objects (a whole model?), not a state dict; save "
                             "model.state_dict() with torch.save and pass that file") from None
         raise DataError(f"cannot read pretrained weights {str(p)!r} ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0][:200]}); replace it with a good copy of the state dict "
+                        f"{first_line(exc)[:200]}); replace it with a good copy of the state dict "
                         "file") from None
     if isinstance(obj, Mapping) and isinstance(obj.get("state_dict"), Mapping):
         obj = obj["state_dict"]
