@@ -38,7 +38,8 @@ many clients one batched computation holds)."""
 
 RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
     k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
-                               "min_contributors", "exclude_outliers", "lambda_schedule")}}
+                               "min_contributors", "exclude_outliers", "lambda_schedule",
+                               "class_check")}}
 """Fields that change the numbers of these algorithms only."""
 
 
@@ -48,7 +49,7 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False, "dp_reproducible_noise": True}
+               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -164,6 +165,10 @@ class RunConfig(BaseModel):
     exclude_outliers: float = Field(0.0, ge=0.0, le=1e6, description=(
         "FedProto: leave out of a round's aggregation the clients whose prototype distance has a robust "
         "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
+    class_check: float = Field(0.0, ge=0.0, le=1e6, description=(
+        "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
+        "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
+        "value (0: off; e.g. 3)"))
     lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
         "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
     freeze_after: int = Field(0, ge=0, le=10_000_000, description=(
