@@ -1138,14 +1138,17 @@ def train_group_generic(
                     Bc = {k: Bf[k][cur.to(dev)].clone() for k in bnames}
                     momc = {k: mom[k][cur.to(dev)].clone() for k in train_names}
                 cnt = valid_n[s][cur]
-                total = None
+                grads: dict[str, torch.Tensor | None] = {}
                 for c in torch.unique(cnt).tolist():
                     pos = torch.nonzero(cnt == c).flatten()
                     whole = len(pos) == len(cur)
                     pos_d = pos.to(dev)
                     ids = cur[pos]
                     idd = ids.to(dev)
-                    pin = Pc if whole else {k: v[pos_d] for k, v in Pc.items()}
+                    # another sample count than the rest of the step: the clients' own leaves, their gradients
+                    # copied into the step's (every stepping client is in exactly one sub-group)
+                    pin = Pc if whole else {k: v[pos_d].detach().requires_grad_(k in train_names)
+                                            for k, v in Pc.items()}
                     bin_ = Bc if whole else {k: v[pos_d].clone() for k, v in Bc.items()}
                     idx = order[s][:c, idd].t()  # (Gs, c) rows of X
                     xb = X[idx.reshape(-1)]
@@ -1168,7 +1171,15 @@ def train_group_generic(
                         for k in train_names:
                             if k in ref:
                                 loss_g = loss_g + 0.5 * obj.prox_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
-                    total = loss_g.sum() if total is None else total + loss_g.sum()
+                    if train_names:
+                        gs = torch.autograd.grad(loss_g.sum(), [pin[k] for k in train_names], allow_unused=True)
+                        for k, gr in zip(train_names, gs):
+                            if whole or gr is None:
+                                grads[k] = gr
+                            else:
+                                if k not in grads:
+                                    grads[k] = torch.empty_like(Pc[k])
+                                grads[k].index_copy_(0, pos_d, gr)
                     with torch.no_grad():
                         ce_tot.index_add_(0, idd, ce.detach().double())
                         lp_tot.index_add_(0, idd, lp.detach().double())
@@ -1179,12 +1190,9 @@ def train_group_generic(
                             flat = (yb + (idd * C).unsqueeze(1)).reshape(-1)
                             sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
                             counts.index_add_(0, flat, sel.reshape(-1).long())
-                plist = [Pc[k] for k in train_names]
-                if not plist:
-                    continue
-                grads = torch.autograd.grad(total, plist, allow_unused=True)
                 with torch.no_grad():
-                    for k, p, gr in zip(train_names, plist, grads):
+                    for k in train_names:
+                        gr, p = grads.get(k), Pc[k]
                         if gr is None:  # as torch.optim.SGD skips a parameter without gradient
                             continue
                         if opt.weight_decay:
