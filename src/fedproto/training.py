@@ -9,7 +9,12 @@ Two execution paths share every definition in this module:
   and SGD with momentum is applied per client; clients whose data has run out leave the stacked
   computation (compaction), so their weights and momentum stay untouched.
 
-Both draw their randomness (batch order, dropout masks and, with ``OptimConfig.augment``, the
+* :func:`train_group_generic` — clients of any one architecture (equal :func:`generic_key`) trained
+  as one batched computation with ``torch.func``: ``functional_call`` of one model under ``vmap``
+  over the clients' stacked parameters and buffers (BatchNorm statistics per client, dropout
+  masks replayed from each client's torch seed); for models without a hand-written batched forward.
+
+All draw their randomness (batch order, dropout masks and, with ``OptimConfig.augment``, the
 crop offsets and flips of :func:`augment_batch`) from the same per-client plan
 (:func:`make_plan`), so they give the same weights up to float rounding.
 
