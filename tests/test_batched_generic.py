@@ -239,3 +239,13 @@ def test_models_vmap_cannot_batch_train_sequentially(digits, generic_calls, capl
     assert generic_calls == []
     assert sum("vmap cannot batch them" in r.getMessage() for r in caplog.records) == 1  # checked once per run
     assert not torch.equal(clients[0].model.fc1.weight, w0)
+
+
+def test_auto_keeps_models_without_a_hand_written_batched_forward_sequential(digits, generic_calls):
+    """execution="auto" (the default) does not take the generic path: it was measured slower or no faster."""
+    clients = []
+    for i, (train, test) in enumerate(_splits(digits)):
+        torch.manual_seed(i)
+        clients.append(Client(TupleCNN(4), train, test))
+    federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, execution="auto").run()
+    assert generic_calls == []

@@ -411,7 +411,9 @@ class Simulation:
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             by_arch[self._group_key(i)].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
-        generic = [m for m in by_arch.values() if len(m) > 1 and self._generic_ok(m)]
+        # the generic path only when asked for (execution="batched"): on this project's 2-core CPU it was measured
+        # 1.0-1.2x the sequential path's speed for small CNNs and 0.44x for ResNet18 (docs/benchmarks.md)
+        generic = [m for m in by_arch.values() if mode == "batched" and len(m) > 1 and self._generic_ok(m)]
         W = self._executors(max((len(m) for m in batched), default=0))
         groups = []
         for members in by_arch.values():
