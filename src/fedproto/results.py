@@ -25,6 +25,25 @@ if TYPE_CHECKING:
     import torch
 
 
+def pct(x) -> str:
+    """An accuracy in [0, 1] as a percentage with 2 decimals; '-' for None or NaN."""
+    return "-" if x is None or x != x else f"{100 * x:.2f}"
+
+
+def round_line(row: dict, rounds: int, elapsed: float) -> str:
+    """One plain progress line of an evaluated round, for output that is no terminal (a log file,
+    CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
+    prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
+    ``acc_mean``; the prototype parts only where the run has them."""
+    losses = f"loss ce {row['loss_ce']:.4f}"
+    if row.get("loss_proto"):
+        losses += f", proto {row['loss_proto']:.4f}"
+    accs = f"accuracy % classifier {pct(row['acc_mean'])}"
+    if "acc_proto_mean" in row:
+        accs += f", nearest prototype {pct(row['acc_proto_mean'])}"
+    return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"
+
+
 INF_KEYS = ("epsilon",)
 """Values under a JSON key containing one of these are written ``"inf"`` when infinite (a privacy
 epsilon without noise), as ``clients.csv`` and the console spell it; every other infinite or NaN

@@ -40,7 +40,7 @@ from fedproto.errors import (
 )
 from fedproto.models.base import ProtoModel, check_embedding_dims, count_parameters
 from fedproto.models.zoo import build_client_models
-from fedproto.results import PREVIOUS, RunDir
+from fedproto.results import PREVIOUS, RunDir, round_line
 from fedproto.training import (
     EMBED_NORM_LIMIT,
     EVAL_TRAIN_NORM_RATIO,
@@ -985,8 +985,11 @@ class Simulation:
             if self.run_dir:
                 self.run_dir.log_round(row)
                 if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 and r < cfg.rounds:
-                    self.run_dir.write_checkpoint(save_checkpoint, 
-                        self._checkpoint_state(r, totals, train_time, time.perf_counter() - t_start))
+                    self.run_dir.write_checkpoint(save_checkpoint,
+                                                  self._checkpoint_state(r, totals, train_time,
+                                                                         time.perf_counter() - t_start))
+            if "acc_mean" in row:  # one line per evaluated round, for Python users who turn INFO logging on
+                log.info("%s", round_line(row, cfg.rounds, time.perf_counter() - t_start))
             if self.on_round:
                 self.on_round(row)
         if not per_client:  # resumed after the last round's checkpoint: evaluate the restored models
