@@ -8,13 +8,11 @@ import logging
 
 import pytest
 import torch
-from conftest import flat_weights, float64_sim
+from conftest import client_splits, digits_fewshot, flat_weights, float64_sim
 from torch import nn
 
 import fedproto.simulation as simulation
 from fedproto.config import build_config
-from fedproto.data.datasets import load_dataset
-from fedproto.data.partition import fewshot_partition
 from fedproto.federation import Client, federate
 from fedproto.training import generic_batch_problem, generic_key
 
@@ -23,16 +21,11 @@ BOUND = 1e-9  # relative, as tests/test_fedproto.py's batched-vs-sequential chec
 
 @pytest.fixture(scope="module")
 def digits():
-    ds = load_dataset("digits")
-    part = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, 1, 10, seed=5)
-    return ds, part
+    return digits_fewshot(stdev=1)
 
 
 def _splits(digits):
-    ds, part = digits
-    for tr, te in zip(part.train_idx, part.test_idx):
-        tr, te = torch.as_tensor(tr), torch.as_tensor(te)
-        yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])
+    return client_splits(*digits)
 
 
 @pytest.fixture
