@@ -94,3 +94,21 @@ def run_cli(args, capsys, monkeypatch):
         code = e.code
     out = capsys.readouterr()
     return code, out.out + out.err
+
+
+def digits_fewshot(stdev: int, seed: int = 5):
+    """scikit-learn's digits with 4 few-shot clients (3 ways, 25 shots, 10 test shots): (dataset, partition)."""
+    from fedproto.data.datasets import load_dataset
+    from fedproto.data.partition import fewshot_partition
+
+    ds = load_dataset("digits")
+    return ds, fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, stdev, 10, seed=seed)
+
+
+def client_splits(ds, part):
+    """Per client of ``part``: ((train x, train y), (test x, test y)) tensors of ``ds``."""
+    import torch
+
+    for tr, te in zip(part.train_idx, part.test_idx):
+        tr, te = torch.as_tensor(tr), torch.as_tensor(te)
+        yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])

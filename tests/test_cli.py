@@ -380,3 +380,20 @@ def test_progress_off_a_terminal_is_one_line_per_evaluated_round(capsys, monkeyp
     assert 0 <= elapsed[0] <= elapsed[1], elapsed
     code, text = run_cli([*args, "--quiet"], capsys, monkeypatch)
     assert code == 0 and not [line for line in text.splitlines() if line.startswith("round ")], text
+
+
+def test_python_runs_log_one_line_per_evaluated_round_at_info(caplog):
+    """A Python run prints nothing while it trains; at INFO logging (``logging.basicConfig(level=
+    logging.INFO)``) each evaluated round is the line the CLI prints off a terminal."""
+    import logging
+
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    cfg = build_config(overrides=dict(dataset="digits", clients=3, rounds=3, eval_every=2, threads=1))
+    with caplog.at_level(logging.INFO, logger="fedproto.simulation"):
+        sim = Simulation(cfg, out=False)
+        sim.run()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert [line.split(":")[0] for line in lines] == ["round 2/3", "round 3/3"]
+    assert f"classifier {100 * sim.history[1]['acc_mean']:.2f}" in lines[0]

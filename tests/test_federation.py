@@ -221,9 +221,11 @@ def test_breaker_findings_are_refused_before_training(digits, tmp_path):
     sim.run_dir.acquire()
     sim._ran = True
     sim.message = sim.setup.algorithm.initial_message(sim.setup.states)
-    sim.run_dir.write_checkpoint(sim._checkpoint_state(1, {k: 0 for k in ("up_params", "up_bytes", "down_params",
-                                                                            "down_bytes")}, 0.0, 0.0) | {
-        "history": [{"round": 1}]})
+    from fedproto.checkpoint import save_checkpoint
+
+    zero = {k: 0 for k in ("up_params", "up_bytes", "down_params", "down_bytes")}
+    state = sim._checkpoint_state(1, zero, 0.0, 0.0) | {"history": [{"round": 1}]}
+    sim.run_dir.write_checkpoint(save_checkpoint, state)
     sim.run_dir.release()
     cs = _clients(digits, TwoOut)
     x, y = cs[2].train

@@ -52,6 +52,7 @@ class LocalGrid(Grid):
         self._ids = itertools.count()
         self.sent: list[str] = []
         self.silent: set[int] = set()  # nodes whose replies never arrive (a SuperNode that went away)
+        self.gone: set[int] = set()  # nodes the SuperLink knows are offline: it answers for them at once
         self.on_send = None  # called with (message type, group id) before each batch
 
     def add_node(self, nid: int, node_config: dict) -> None:
@@ -87,6 +88,11 @@ class LocalGrid(Grid):
             msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
             self.sent.append(msg.metadata.message_type)
             if msg.metadata.dst_node_id in self.silent:
+                continue
+            if msg.metadata.dst_node_id in self.gone:  # as the SuperLink answers: from node 0, code 5
+                rep = Message(Error(code=5, reason="Error: Node Unavailable"), reply_to=msg)
+                rep.metadata.__dict__["_src_node_id"] = 0
+                replies.append(rep)
                 continue
             try:
                 replies.append(client_app.app(msg, self.contexts[msg.metadata.dst_node_id]))
@@ -423,6 +429,28 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
     assert rows[1]["sampled"] == [0, 1, 2] and rows[1]["replied"] == [0, 1] and rows[1]["timed_out"] == [2]
     assert rows[2]["replied"] == [0, 1, 2] and eng.nodes[2] == 1003
     assert rows[1]["up_params"] == 2 / 3 * rows[0]["up_params"]
+
+
+def test_an_unavailable_node_is_recorded_as_unavailable_not_timed_out(tmp_path, caplog):
+    """Issue #23: the SuperLink answers at once for a node it knows is gone, with an error reply
+    whose source is the SuperLink (node 0); matched by source node it was never matched, and the
+    round recorded a timeout ("sent no reply within 90 s"). Matched by the message it answers."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 2})
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+
+    def script(grid, kind, group):
+        if kind == "train" and group == "2":
+            grid.gone.add(1002)
+
+    grid.on_send = script
+    FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["unavailable"] == {} and rows[0]["replied"] == [0, 1, 2]
+    assert rows[1]["replied"] == [0, 1] and rows[1]["timed_out"] == [] and rows[1]["failed"] == {}
+    assert rows[1]["unavailable"] == {"2": "Error: Node Unavailable (code 5)"}
+    assert any("client 2 (node 1002) is unavailable" in r.getMessage() for r in caplog.records)
+    assert not any("sent no reply" in r.getMessage() for r in caplog.records)
 
 
 def test_below_min_replies_the_round_is_retried_then_the_run_stops_keeping_earlier_rounds(tmp_path, monkeypatch):

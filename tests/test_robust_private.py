@@ -17,7 +17,7 @@ from fedproto.attacks import attacker_ids, corrupt_message
 from fedproto.config import ADDED_FIELDS, build_config, result_fields
 from fedproto.errors import ConfigError, TrainingError
 from fedproto.privacy import RELEASE_SENSITIVITY, clip_rows, deployment_fields, epsilon, noisy_prototypes
-from fedproto.prototypes import aggregate_prototypes, lambda_at, robust_z
+from fedproto.prototypes import aggregate_prototypes, class_check, lambda_at, robust_z
 from fedproto.simulation import Simulation, client_rng, client_step
 from fedproto.training import (
     DPSGD,
@@ -109,6 +109,66 @@ def test_bad_replies_are_dropped_and_named(caplog):
     assert "count 0 below 1" in text and "class 11 outside 0..9" in text and "(K, 2)" in text
 
 
+def _replies(rng, refs, clients):
+    """Honest replies near the references: per client (classes, protos (K, 2), counts)."""
+    out = []
+    for cls in clients:
+        cls = np.array(cls)
+        out.append((cls, refs[cls] + rng.normal(0, 0.3, (len(cls), 2)), np.full(len(cls), 5)))
+    return out
+
+
+REFS = np.array([[0.0, 4.0], [4.0, 0.0], [0.0, -4.0], [-4.0, 0.0]])  # global prototypes of 4 classes
+
+
+def test_class_check_flags_flipped_and_scaled_prototypes_not_honest_ones():
+    rng = np.random.default_rng(0)
+    honest = _replies(rng, REFS, [[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    flipped = [(c, p, n) for c, p, n in _replies(rng, REFS, [[0, 1], [2, 3]])]
+    flipped = [((c + 1) % 4, p, n) for c, p, n in flipped]  # class c's prototype sent as c + 1
+    scaled = [(c, p * 100, n) for c, p, n in _replies(rng, REFS, [[1, 2]])]
+    replies = honest + flipped + scaled
+    flags, acted = class_check([r[0] for r in replies], [r[1] for r in replies], np.arange(4), REFS)
+    assert acted
+    assert [f.tolist() for f in flags] == [[False, False]] * 6 + [[True, True]] * 3
+    # a prototype at its own class's reference but 10x as far out as the others: the distance test alone
+    far = [(np.array([0]), REFS[[0]] * 10, np.array([5]))]
+    flags, _ = class_check([r[0] for r in honest + far], [r[1] for r in honest + far], np.arange(4), REFS)
+    assert [f.any() for f in flags] == [False] * 6 + [True]
+    # no reference yet (first round): the norms alone, so the 100x rows are flagged, the flipped ones cannot be
+    flags, acted = class_check([r[0] for r in replies], [r[1] for r in replies], np.zeros(0, np.int64),
+                               np.zeros((0, 2)))
+    assert not acted and [f.any() for f in flags] == [False] * 8 + [True]
+    # embeddings not aligned with the references (most rows nearer another class): the nearer test waits
+    rotated = [(c, p @ np.array([[0.0, 1.0], [-1.0, 0.0]]), n) for c, p, n in honest]  # 90 degrees: class c -> c+1
+    flags, acted = class_check([r[0] for r in rotated], [r[1] for r in rotated], np.arange(4), REFS, z=1e6)
+    assert not acted and not any(f.any() for f in flags)  # (z 1e6: the distance test off)
+    with pytest.raises(ValueError, match="z=0"):
+        class_check([np.array([0])], [REFS[[0]]], np.arange(4), REFS, z=0)
+
+
+def test_class_check_keeps_flipped_prototypes_out_of_the_aggregate():
+    """The server with class_check: the global prototypes from the honest replies only, the
+    flipping clients named in the metrics; without it, the flipped prototypes move the global ones."""
+    rng = np.random.default_rng(1)
+    honest = _replies(rng, REFS, [[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    flipped = [((c + 1) % 4, p, n) for c, p, n in _replies(rng, REFS, [[0, 1], [2, 3]])]
+    msgs = {i: {"classes": c, "protos": p.astype(np.float32), "counts": n} for i, (c, p, n) in
+            enumerate(honest + flipped)}
+    clean = aggregate_prototypes([c for c, _, _ in honest], [p for _, p, _ in honest],
+                                 [n for _, _, n in honest], 4)[1]
+    for z, expect_flagged in ((3.0, [6, 7]), (0.0, None)):
+        alg = FedProto(4, OptimConfig(), embedding_dim=2, class_check=z)
+        alg.global_classes, alg.global_protos = np.arange(4), REFS.astype(np.float32)
+        out = alg.aggregate(2, msgs)
+        if expect_flagged:
+            assert np.allclose(out["protos"], clean, atol=1e-6)
+            assert alg.round_metrics()["flagged"] == [6, 7] and alg.round_metrics()["flagged_rows"] == 4
+        else:
+            assert np.abs(out["protos"] - clean).max() > 1.0  # 2 of 5 contributors of each class flipped
+            assert "flagged" not in alg.round_metrics()
+
+
 DIGITS20 = dict(dataset="digits", clients=20, ways=3, shots=8, stdev=1, test_shots=10, rounds=20, eval_every=0,
                 threads=1)
 
@@ -131,7 +191,7 @@ def test_poisoning_small_version():
         assert np.isfinite(sim.message["protos"]).all() and len(sim.message["classes"]) == 10
         assert sorted(sim.history[-1]["dropped"]) == sorted(sim.attackers)
     # the mean follows 100x prototypes until honest clients blow up
-    with pytest.raises(TrainingError, match="diverged"):
+    with pytest.raises(TrainingError, match=r"diverged(.|\n)*class_check=3"):  # the hint names the class check
         Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2}), out=False).run()
     for kw in ({"aggregation": "median"}, {"aggregation": "trimmed", "trim": 0.4}, {"exclude_outliers": 3.0}):
         sim = Simulation(build_config(overrides={**DIGITS20, "attack": "scale", "attackers": 2, **kw}), out=False)
@@ -371,6 +431,7 @@ def test_seeded_dp_noise_option_is_result_relevant_only_under_dp():
     (dict(attackers=2), "give both"),
     (dict(attack="nan", attackers=7), "attackers=7 is more than clients=6"),
     (dict(aggregation="trimmed", trim=0.5), "trim"),
+    (dict(class_check=-1), "class_check"),
     (dict(dp="full", dp_noise=-1.0), "dp_noise"),
 ])
 def test_bad_options_are_refused(kw, match):

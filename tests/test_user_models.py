@@ -7,26 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import client_splits, digits_fewshot
 from torch import nn
 
-from fedproto.data.datasets import load_dataset
-from fedproto.data.partition import fewshot_partition
 from fedproto.federation import Client, federate
 from fedproto.models.cnn import PaperCNN
 
 
 @pytest.fixture(scope="module")
 def digits():
-    ds = load_dataset("digits")
-    part = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, 0, 10, seed=5)
-    return ds, part
+    return digits_fewshot(stdev=0)
 
 
 def _splits(digits):
-    ds, part = digits
-    for tr, te in zip(part.train_idx, part.test_idx):
-        tr, te = torch.as_tensor(tr), torch.as_tensor(te)
-        yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])
+    return client_splits(*digits)
 
 
 class BNNet(nn.Module):

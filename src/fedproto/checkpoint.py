@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedproto.atomic import atomic_write
 from fedproto.errors import CheckpointError, first_line
-from fedproto.results import atomic_write
+from fedproto.results import CHECKPOINT_FILE  # re-exported: the file name is the run directory's
 
 FORMAT = 1
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 _ARRAY = "__ndarray__"

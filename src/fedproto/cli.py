@@ -59,20 +59,6 @@ def _pct(x) -> str:
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
-def round_line(row: dict, rounds: int, elapsed: float) -> str:
-    """One plain progress line of an evaluated round, for output that is no terminal (a log file,
-    CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
-    prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
-    ``acc_mean``; the prototype parts only where the run has them."""
-    losses = f"loss ce {row['loss_ce']:.4f}"
-    if row.get("loss_proto"):
-        losses += f", proto {row['loss_proto']:.4f}"
-    accs = f"accuracy % classifier {_pct(row['acc_mean'])}"
-    if "acc_proto_mean" in row:
-        accs += f", nearest prototype {_pct(row['acc_proto_mean'])}"
-    return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"
-
-
 RUN_HELP = """Train with the in-process simulator and write a run directory.
 
 Every run option below can also be set in the --config TOML file: its key is the option's field
@@ -163,7 +149,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     )
     from rich.table import Table
 
-    from fedproto.results import PREVIOUS, RunDir  # here, not at the top: it imports numpy, which --help does not need
+    # here, not at the top: fedproto.results imports numpy, which --help does not need
+    from fedproto.results import PREVIOUS, RunDir, round_line
     from fedproto.simulation import Simulation, prepare
 
     if overrides.get("dataset") == "custom" or "classes" in overrides:  # Python-only: say so before what they need

@@ -15,7 +15,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedproto.data.registry import DATASETS as REGISTRY
-from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, same_value
+from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, register_option_names, same_value
+from fedproto.models.names import MODEL_NAMES, zoo_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +38,8 @@ many clients one batched computation holds)."""
 
 RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
     k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
-                               "min_contributors", "exclude_outliers", "lambda_schedule")}}
+                               "min_contributors", "exclude_outliers", "lambda_schedule",
+                               "class_check")}}
 """Fields that change the numbers of these algorithms only."""
 
 
@@ -47,7 +49,7 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False, "dp_reproducible_noise": True}
+               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -64,7 +66,7 @@ def result_fields(cfg: dict) -> dict[str, Any]:
     algorithm = cfg.get("algorithm")
     out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
            and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
-    if str(cfg.get("model", "")).startswith("resnet18"):
+    if all((z := zoo_name(m)) is not None and z.family == "resnet18" for m in str(cfg.get("model", "")).split(",")):
         out.pop("personal_layers", None)
     if out.get("dp", "off") == "off":
         out.pop("dp_reproducible_noise", None)  # the noise source acts only under DP
@@ -110,8 +112,8 @@ class RunConfig(BaseModel):
     augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
     algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem")
-    model: str = Field(None, validate_default=False, description="cnn | cnn-mh | resnet18 | resnet18-mh | "
-                       "projcnn:<c1>-<c2>, or a comma list of these, one per client in turn")
+    model: str = Field(None, validate_default=False, description=" | ".join(MODEL_NAMES).replace("[,...]", "")
+                       + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
                                       "into all but conv1, bn1 and fc")
     embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of cnn and "
@@ -163,6 +165,10 @@ class RunConfig(BaseModel):
     exclude_outliers: float = Field(0.0, ge=0.0, le=1e6, description=(
         "FedProto: leave out of a round's aggregation the clients whose prototype distance has a robust "
         "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
+    class_check: float = Field(0.0, ge=0.0, le=1e6, description=(
+        "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
+        "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
+        "value (0: off; e.g. 3)"))
     lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
         "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
     freeze_after: int = Field(0, ge=0, le=10_000_000, description=(
@@ -278,7 +284,8 @@ class RunConfig(BaseModel):
                               hint="use letters, digits and '.', '_', '-', '+', '=' (starting with a letter, digit "
                               "or '_'; at most 200 characters; no '/', spaces or other symbols)")
         specs = {m.strip() for m in self.model.split(",")}
-        if specs <= {"resnet18", "resnet18-mh"} and self.embedding_dim not in (50, 512):
+        fixed = {z.fixed_embedding for z in map(zoo_name, specs) if z is not None}
+        if all(zoo_name(m) is not None for m in specs) and fixed == {512} and self.embedding_dim not in (50, 512):
             raise ConfigError(f"{opt('embedding_dim', self.embedding_dim)} does not apply to {self.model}: its "
                               "embedding is the 512-d layer4 output", option="embedding_dim",
                               value=self.embedding_dim,
@@ -563,9 +570,16 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
 
 
 def _aliases() -> dict[str, str]:
-    from fedproto.options import aliases
+    """Each alias -> its field, from the fields' ``json_schema_extra["aliases"]`` (as
+    :func:`fedproto.options.aliases` reads them; config does not import options, options imports config)."""
+    out = {}
+    for name, info in RunConfig.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        out.update({a: name for a in extra.get("aliases", ())})
+    return out
 
-    return {a: name for name in RunConfig.model_fields for a in aliases(name)}
+
+register_option_names(lambda: RunConfig.model_fields)
 
 
 KEY_ALIASES = _aliases()

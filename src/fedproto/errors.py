@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _REF = "\x1f"  # delimits an option reference inside a message (never in user text: not printable)
@@ -99,16 +99,28 @@ def opt(option: str, value: Any = NO_VALUE) -> str:
     return f"{_REF}{option}{encoded}{_REF}"
 
 
+_OPTION_NAMES: list[Callable[[], Iterable[str]]] = []
+
+
+def register_option_names(names: Callable[[], Iterable[str]]) -> None:
+    """Tell :func:`python_wording` which names are run options (``fedproto.config`` registers
+    RunConfig's fields when it is imported; this module imports nothing of the package above it)."""
+    _OPTION_NAMES.append(names)
+
+
+def _option_names() -> list[str]:
+    return [n for names in _OPTION_NAMES for n in names()]
+
+
 def python_wording(option: str, value: Any = NO_VALUE) -> str:
     """An option as a Python keyword: ``shots``, ``shots=10``, ``noise='gaussian'``; a switch that
     is no run option (``resume``) as ``resume=True``."""
-    from fedproto.config import RunConfig
-
+    fields = _option_names()
     if option.startswith(UNKNOWN):
-        return unknown_text(option[1:], list(RunConfig.model_fields))
+        return unknown_text(option[1:], fields)
     names = option.split("|")
     if value is NO_VALUE:
-        return " / ".join(n if n in RunConfig.model_fields else f"{n}=True" for n in names)
+        return " / ".join(n if n in fields else f"{n}=True" for n in names)
     return f"{names[0]}={value!r}"
 
 

@@ -42,6 +42,7 @@ from fedproto.checkpoint import CHECKPOINT_FILE
 from fedproto.config import ADDED_FIELDS, RunConfig, build_config, normal_key, result_fields
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
 from fedproto.errors import CheckpointError, CheckpointMismatch, ConfigError, FedprotoError, same_value, unknown_text
+from fedproto.models.names import mh_variant
 from fedproto.results import _clean, atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
         base = str(sets.pop("model"))
         # the family's "-mh" variant where one exists (cnn, resnet18); other specs (a projcnn
         # list, already heterogeneous if the user wants it) are used as given
-        model = f"{base}-mh" if method in HETEROGENEOUS and base in ("cnn", "resnet18") else base
+        model = mh_variant(base) if method in HETEROGENEOUS else base
     over.update(sets)
     over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model, seed=seed,
                 data_dir=data_dir, out_dir=str(runs_dir), name=name)

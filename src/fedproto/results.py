@@ -15,41 +15,33 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from fedproto.atomic import atomic_write, atomic_write_bytes
 
 if TYPE_CHECKING:
     import torch
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` atomically: ``write(f)`` fills a same-folder temp file, which is fsynced,
-    given the usual permissions and renamed over ``path``; on any error it is removed.
-
-    Raises whatever ``write`` raises, and ``OSError`` when the folder cannot be written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def pct(x) -> str:
+    """An accuracy in [0, 1] as a percentage with 2 decimals; '-' for None or NaN."""
+    return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
-    atomic_write(path, lambda f: f.write(data))
+def round_line(row: dict, rounds: int, elapsed: float) -> str:
+    """One plain progress line of an evaluated round, for output that is no terminal (a log file,
+    CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
+    prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
+    ``acc_mean``; the prototype parts only where the run has them."""
+    losses = f"loss ce {row['loss_ce']:.4f}"
+    if row.get("loss_proto"):
+        losses += f", proto {row['loss_proto']:.4f}"
+    accs = f"accuracy % classifier {pct(row['acc_mean'])}"
+    if "acc_proto_mean" in row:
+        accs += f", nearest prototype {pct(row['acc_proto_mean'])}"
+    return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"
 
 
 INF_KEYS = ("epsilon",)
@@ -84,6 +76,9 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 MODELS_FILE = "models.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
+"""The run directory's checkpoint: :func:`fedproto.checkpoint.save_checkpoint` writes it, through
+:meth:`RunDir.write_checkpoint`."""
 """The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
@@ -236,8 +231,6 @@ class RunDir:
     @property
     def checkpoint(self) -> Path:
         """Path of the run's checkpoint file (see :mod:`fedproto.checkpoint`)."""
-        from fedproto.checkpoint import CHECKPOINT_FILE
-
         return self.path / CHECKPOINT_FILE
 
     def _unwritable(self, e: OSError) -> Exception:
@@ -301,11 +294,10 @@ class RunDir:
         state = {"format": 1, "clients": [{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in models]}
         self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f))
 
-    def write_checkpoint(self, state: dict) -> None:
-        """:func:`fedproto.checkpoint.save_checkpoint` into :attr:`checkpoint`."""
-        from fedproto.checkpoint import save_checkpoint
-
-        self._write(save_checkpoint, self.checkpoint, state)
+    def write_checkpoint(self, save: Callable[[Path, dict], None], state: dict) -> None:
+        """``save(path, state)`` into :attr:`checkpoint` (``save``: :func:`fedproto.checkpoint.save_checkpoint`;
+        passed in, so that the run directory, a lower layer, imports no checkpoint format)."""
+        self._write(save, self.checkpoint, state)
 
 
 def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:

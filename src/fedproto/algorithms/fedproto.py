@@ -21,6 +21,7 @@ from fedproto.prototypes import (
     DISTANCE_FORMS,
     LAMBDA_SCHEDULES,
     aggregate_prototypes,
+    class_check,
     class_sums,
     client_distances,
     embedding_health,
@@ -74,6 +75,13 @@ class FedProto(Algorithm):
             scored with :func:`fedproto.prototypes.robust_z`; clients scoring above Z are left
             out of that round's aggregation (``excluded`` in the metrics). The median is the
             reference because a mean is dragged toward the very clients to be found.
+        class_check: Z > 0: each round, every prototype row is checked against the previous round's
+            global prototypes (:func:`fedproto.prototypes.class_check`; in the first aggregation
+            against the origin, i.e. on its norm): a row nearer another class's global prototype than
+            its own (once most rows are nearest their own), or whose distance to its own has a robust
+            z-score above Z over all the round's rows, is left out of the aggregation (``flagged``
+            in the metrics: the clients with a row left out; ``flagged_rows``: how many rows).
+            Catches prototypes sent under the wrong class id, scaled and random ones.
         lambda_schedule: ``linear`` or ``cosine`` warm-up (:func:`fedproto.prototypes.lambda_at`);
             the λ used in each round is ``lambda`` in the metrics.
         dp, dp_noise, dp_clip, dp_grad_clip, dp_delta: differential privacy of the uploaded
@@ -118,6 +126,7 @@ class FedProto(Algorithm):
         dp_grad_clip: float = 1.0,
         dp_delta: float = 1e-5,
         dp_reproducible_noise: bool = False,
+        class_check: float = 0.0,
     ):
         super().__init__(num_classes, opt, local_epochs)
         if not 0.0 <= trim < 0.5 or min_contributors < 1 or exclude_outliers < 0:
@@ -130,6 +139,12 @@ class FedProto(Algorithm):
         self.trim, self.min_contributors = float(trim), int(min_contributors)
         self._trim_warned = False  # the trimmed mean's "cuts nothing" warning is logged once per run
         self.exclude_outliers = float(exclude_outliers)
+        if class_check < 0:
+            raise ValueError(f"class_check={class_check}: give 0 (off) or a robust z-score above 0 (e.g. 3)")
+        self.class_check = float(class_check)
+        self.last_flagged: list[int] = []
+        self.last_flagged_rows = 0
+        self._warned_nearer = False  # the class check's nearer test could not act yet (logged once)
         self.lambda_schedule = lambda_schedule
         self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
         self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
@@ -174,7 +189,7 @@ class FedProto(Algorithm):
                    cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
                    cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
                    cfg.trim, cfg.min_contributors, cfg.exclude_outliers, cfg.lambda_schedule, cfg.dp, cfg.dp_noise,
-                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.dp_reproducible_noise)
+                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.dp_reproducible_noise, cfg.class_check)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
@@ -303,6 +318,28 @@ class FedProto(Algorithm):
             return {}, why  # nothing usable left
         return {"classes": c[ok], "protos": p[ok], "counts": n[ok]}, why
 
+    def _class_checked(self, round: int, cids: list, kept):
+        """``kept`` (classes, protos, counts per reply) without the rows :func:`class_check` flags
+        against the previous global prototypes (none in the first aggregation: the origin); the
+        clients with a flagged row go to ``last_flagged``, the number of rows to ``last_flagged_rows``."""
+        classes, protos, counts = kept
+        if self.global_classes is not None and len(self.global_classes):
+            ref_c, ref_p = self.global_classes, self.global_protos
+        else:
+            ref_c, ref_p = np.zeros(0, np.int64), np.zeros((0, self.embedding_dim), np.float32)
+        flags, acted = class_check(classes, protos, ref_c, ref_p, self.class_check)
+        if len(ref_c) > 1 and not acted and not self._warned_nearer:
+            self._warned_nearer = True
+            log.info("round %d: class check: most prototypes lie nearer another class's global prototype than their "
+                     "own (the clients' embeddings are not aligned yet), so only the distance test acts; logged once",
+                     round)
+        self.last_flagged = [int(cids[j]) for j, f in enumerate(flags) if f.any()]
+        self.last_flagged_rows = sum(int(f.sum()) for f in flags)
+        if self.last_flagged:
+            log.info("round %d: class check: %d prototype(s) of clients %s left out", round, self.last_flagged_rows,
+                     self.last_flagged)
+        return tuple([np.asarray(v)[~f] for v, f in zip(part, flags)] for part in kept)
+
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
         """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
         ``min_proto_samples`` filtering, with ``proto_momentum`` against the previous global
@@ -326,6 +363,9 @@ class FedProto(Algorithm):
         kept = ([np.asarray(m["classes"])[k] for m, k in zip(messages, keep)],
                 [np.asarray(m["protos"])[k] for m, k in zip(messages, keep)],
                 [np.asarray(m["counts"])[k] for m, k in zip(messages, keep)])
+        self.last_flagged, self.last_flagged_rows = [], 0
+        if self.class_check > 0:
+            kept = self._class_checked(round, cids, kept)
         self.last_excluded = []
         if self.exclude_outliers > 0:
             out = self._outlier_rows(round, kept)
@@ -427,9 +467,15 @@ class FedProto(Algorithm):
         out = f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
         if self.dp != "off":
             out += f", or {opt('dp_noise')} (now {self.dp_noise:g}) or {opt('dp_clip')} (now {self.dp_clip:g})"
-        if getattr(cfg, "attackers", 0) and self.aggregation in ("mean", "weighted") and not self.exclude_outliers:
-            out += (f"; with misbehaving clients ({opt('attack')}) the mean follows their prototypes: use "
-                    f"{opt('aggregation', 'median')}, {opt('aggregation', 'trimmed')} or {opt('exclude_outliers')}")
+        if getattr(cfg, "attackers", 0) and not self.class_check:
+            if self.aggregation in ("mean", "weighted") and not self.exclude_outliers:
+                out += (f"; with misbehaving clients ({opt('attack')}) the mean follows their prototypes: use "
+                        f"{opt('aggregation', 'median')}, {opt('aggregation', 'trimmed')}, {opt('exclude_outliers')} "
+                        f"or {opt('class_check', 3)}")
+            else:
+                out += (f"; with misbehaving clients ({opt('attack')}), where half of a class's senders misbehave the "
+                        f"median, the trimmed mean and {opt('exclude_outliers')} follow them: {opt('class_check', 3)} "
+                        "checks each prototype against the last global prototypes instead")
         return out
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
@@ -482,6 +528,9 @@ class FedProto(Algorithm):
                                       self.lambda_schedule) if self._had_protos else 0.0
         if self.exclude_outliers > 0:
             out["excluded"] = list(self.last_excluded)
+        if self.class_check > 0:
+            out["flagged"] = list(self.last_flagged)
+            out["flagged_rows"] = self.last_flagged_rows
         if self.last_dropped:
             out["dropped"] = list(self.last_dropped)
         if d is None or not np.isfinite(d).any():

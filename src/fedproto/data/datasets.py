@@ -217,8 +217,28 @@ def load_dataset(
             raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to {opt('data_dir')}, "
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
     if key in LOADABLE:
-        return DATASETS[key].loader(root, download, progress)
+        return globals()[DATASETS[key].loader](root, download, progress)
     raise DataError(f"Unknown dataset {name!r}. Known datasets: {', '.join(KNOWN_DATASETS)}.")
+
+
+def load_mnist_files(root: str | Path | None, download: bool, progress: bool) -> Dataset:
+    """The registry's loader of ``mnist`` (:data:`fedproto.data.registry.Loader`)."""
+    return _load_mnist(root, download, progress)
+
+
+def load_digits_bundled(root: str | Path | None, download: bool, progress: bool) -> Dataset:
+    """The registry's loader of ``digits``: scikit-learn's bundled 8x8 digits (``root`` unused)."""
+    return _cached(("digits",), _load_digits)
+
+
+def load_femnist_files(root: str | Path | None, download: bool, progress: bool) -> Dataset:
+    """The registry's loader of ``femnist`` (never downloaded: LEAF's files are built by its scripts)."""
+    return _load_femnist(root)
+
+
+def load_cifar10_files(root: str | Path | None, download: bool, progress: bool) -> Dataset:
+    """The registry's loader of ``cifar10``."""
+    return _load_cifar10(root, download, progress)
 
 
 def load_femnist_unpaired(root: str | Path | None = None) -> Dataset:

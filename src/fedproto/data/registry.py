@@ -19,37 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
-    from fedproto.data.datasets import Dataset
-
-Loader = Callable[[Optional[str | Path], bool, bool], "Dataset"]
-"""``loader(root, download, progress) -> Dataset``."""
-
-
-def _mnist(root, download, progress):
-    from fedproto.data.datasets import _load_mnist
-
-    return _load_mnist(root, download, progress)
-
-
-def _digits(root, download, progress):
-    from fedproto.data.datasets import _cached, _load_digits
-
-    return _cached(("digits",), _load_digits)
-
-
-def _femnist(root, download, progress):
-    from fedproto.data.datasets import _load_femnist
-
-    return _load_femnist(root)
-
-
-def _cifar10(root, download, progress):
-    from fedproto.data.datasets import _load_cifar10
-
-    return _load_cifar10(root, download, progress)
+Loader = Callable[[Optional[str | Path], bool, bool], Any]
+"""``loader(root, download, progress) -> Dataset``: the function of :mod:`fedproto.data.datasets`
+that :attr:`DatasetInfo.loader` names (by name, so the registry imports no loading code and the
+two modules form no import cycle)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +44,7 @@ class DatasetInfo:
         shots: default training samples per class k.
         test_shots: default test samples per own class.
         in_paper: whether the paper reports results on it (tab. 1-4).
-        loader: ``loader(root, download, progress) -> Dataset``; None for ``custom``.
+        loader: the name of its :data:`Loader` in :mod:`fedproto.data.datasets`; None for ``custom``.
     """
 
     name: str
@@ -84,7 +59,7 @@ class DatasetInfo:
     shots: int
     test_shots: int
     in_paper: bool
-    loader: Loader | None = None
+    loader: str | None = None
 
     def defaults(self) -> dict[str, object]:
         """The RunConfig fields this dataset fills when they are not given (:data:`FILLED`)."""
@@ -93,13 +68,13 @@ class DatasetInfo:
 
 DATASETS: dict[str, DatasetInfo] = {d.name: d for d in (
     DatasetInfo("mnist", "MNIST", 10, (1, 28, 28), rounds=100, model="cnn", mh_model="cnn-mh", stdev=2,
-                lambda_proto=1.0, shots=100, test_shots=40, in_paper=True, loader=_mnist),
+                lambda_proto=1.0, shots=100, test_shots=40, in_paper=True, loader="load_mnist_files"),
     DatasetInfo("femnist", "FEMNIST", 62, (1, 28, 28), rounds=120, model="cnn", mh_model="cnn-mh", stdev=1,
-                lambda_proto=1.0, shots=100, test_shots=3, in_paper=True, loader=_femnist),
+                lambda_proto=1.0, shots=100, test_shots=3, in_paper=True, loader="load_femnist_files"),
     DatasetInfo("cifar10", "CIFAR-10", 10, (3, 32, 32), rounds=110, model="resnet18", mh_model="resnet18-mh",
-                stdev=1, lambda_proto=0.1, shots=100, test_shots=40, in_paper=True, loader=_cifar10),
+                stdev=1, lambda_proto=0.1, shots=100, test_shots=40, in_paper=True, loader="load_cifar10_files"),
     DatasetInfo("digits", "digits (8x8, scikit-learn)", 10, (1, 8, 8), rounds=20, model="cnn", mh_model="cnn-mh",
-                stdev=1, lambda_proto=1.0, shots=10, test_shots=10, in_paper=False, loader=_digits),
+                stdev=1, lambda_proto=1.0, shots=10, test_shots=10, in_paper=False, loader="load_digits_bundled"),
     # your own clients (fedproto.federation.federate): classes given by the `classes` option
     DatasetInfo("custom", "your own federation", 0, None, rounds=20, model="custom", mh_model="custom", stdev=0,
                 lambda_proto=1.0, shots=1, test_shots=1, in_paper=False),

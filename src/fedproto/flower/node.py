@@ -41,13 +41,13 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.config import RunConfig
 from fedproto.errors import ConfigError, FedprotoError
+from fedproto.models.names import MODEL_NAMES, ZOO
 
 MISBEHAVIOURS = ("nan", "scale", "random", "flip")
 NODE_KEYS = ("client-id", "data", "model", "head", "misbehave", "data-dir")
 """The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
 FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
 """Node config keys Flower's simulation runtime sets itself (ignored on an own-data node)."""
-ZOO_PREFIXES = ("cnn", "cnn-mh", "resnet18", "resnet18-mh", "projcnn")
 
 
 @dataclass
@@ -162,7 +162,7 @@ def _is_import_path(spec: str) -> bool:
     from fedproto.models.zoo import check_model_name
 
     mod, sep, _ = spec.partition(":")
-    if not sep or mod.strip() in ZOO_PREFIXES:
+    if not sep or mod.strip() in ZOO:
         return False  # a zoo spec (a bad one gets the zoo's message)
     try:
         check_model_name(spec)
@@ -175,7 +175,6 @@ def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) 
     """Call the ``package.module:factory`` at ``path``; raises ModelError-like ConfigError."""
     mod_name, _, attr = path.partition(":")
     if not all(p.isidentifier() for p in mod_name.split(".")) or not attr.isidentifier():
-        from fedproto.models.zoo import MODEL_NAMES
 
         raise ConfigError(f"model {path!r} is neither a zoo model ({', '.join(MODEL_NAMES)}) nor an import path "
                           "package.module:factory (absolute, e.g. mymodels.nets:small_cnn); fix the node config model=")

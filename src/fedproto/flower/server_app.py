@@ -21,7 +21,9 @@ waits up to ``round-timeout`` seconds, and aggregates the valid replies if at le
 error, the rounds already logged kept. Every reply is checked before aggregation
 (:func:`fedproto.simulation.reply_problem`); a bad one is dropped and logged with the client and
 node id and the reason. ``metrics.jsonl`` records per round which clients were ``sampled``,
-``replied``, ``failed`` (with the reason), ``timed_out`` and ``dropped`` (with the reason).
+``replied``, ``failed`` (with the node's error), ``unavailable`` (the SuperLink's answer for a node it
+knows is gone, within about its heartbeat interval), ``timed_out`` (no reply within ``round-timeout``)
+and ``dropped`` (with the reason).
 
 Run options come from the Flower run config (``[tool.flwr.app.config]`` of the Flower app, or
 ``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option (``-`` or ``_``) plus
@@ -49,6 +51,12 @@ from fedproto.errors import ConfigError, FedprotoError, TrainingError
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, run_config, to_record
 from fedproto.simulation import Setup, Simulation, build_algorithm, reply_problem, sample_clients
 from fedproto.training import TrainResult
+
+NODE_UNAVAILABLE = 5
+"""Flower's ``ErrorCode.NODE_UNAVAILABLE`` (``flwr.common.constant``): the SuperLink's error reply
+for a message to a node it has marked offline."""
+REPLY_UNAVAILABLE = 4
+"""Flower's ``ErrorCode.REPLY_MESSAGE_UNAVAILABLE``: the reply expired or was lost at the SuperLink."""
 
 log = logging.getLogger(__name__)
 
@@ -123,24 +131,40 @@ class FlowerEngine(Simulation):
         super().__init__(cfg, setup=setup, out=out, on_round=on_round)
 
     # -- nodes ----------------------------------------------------------------------------------
-    def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], list[int]]:
-        """Send, wait up to ``round_timeout``: (replies by node id, errors by node id, node ids
-        that did not reply)."""
+    def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], dict[int, str],
+                                                            list[int]]:
+        """Send, wait up to ``round_timeout``: (replies by node id, failures by node id (the node's
+        error), unavailable nodes by node id (the SuperLink's answer for a node it knows is gone:
+        no wait), node ids that did not reply in time).
+
+        A reply is matched to the message it answers (``reply_to_message_id``): an error reply the
+        SuperLink sends for an unavailable node carries the SuperLink's node id as its source, so
+        matching by source node recorded it as a timeout (issue #23). A grid that sets no message
+        ids (a test double) is matched by source node."""
         if not messages:
-            return {}, {}, []
+            return {}, {}, {}, []
         replies = list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
+        by_message = {rep.metadata.reply_to_message_id: rep for rep in replies if rep.metadata.reply_to_message_id}
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
-        ok, failed, missing = {}, {}, []
+        ok, failed, unavailable, missing = {}, {}, {}, []
         for m in messages:
             nid = m.metadata.dst_node_id
-            if nid not in by_node:
+            rep = by_message.get(m.metadata.message_id) if m.metadata.message_id else None
+            if rep is None:
+                rep = by_node.get(nid)
+            if rep is None:
                 missing.append(nid)
-            elif by_node[nid].has_error():
-                err = by_node[nid].error
-                failed[nid] = f"{err.reason} (code {err.code})"
+            elif rep.has_error():
+                err = rep.error
+                if err.code == NODE_UNAVAILABLE:
+                    unavailable[nid] = f"{err.reason} (code {err.code})"
+                elif err.code == REPLY_UNAVAILABLE:  # the reply expired or was lost at the SuperLink
+                    missing.append(nid)
+                else:
+                    failed[nid] = f"{err.reason} (code {err.code})"
             else:
-                ok[nid] = by_node[nid]
-        return ok, failed, missing
+                ok[nid] = rep
+        return ok, failed, unavailable, missing
 
     def _query_new(self, strict: bool = False) -> list[int]:
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
@@ -158,8 +182,10 @@ class FlowerEngine(Simulation):
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, missing = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
-                                              for nid in new])
+        ok, failed, unavailable, _ = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
+                                                     for nid in new])
+        for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
+            log.warning("node %d is unavailable: %s", nid, why)
         for nid, why in failed.items():
             m = re.search(r"client-id=(\d+)", why)
             self._refuse(nid, int(m.group(1)) if m else None, why)
@@ -261,7 +287,7 @@ class FlowerEngine(Simulation):
         return [live[j] for j in sample_clients(self.cfg.seed, round, len(live), p)]
 
     def _round_status(self) -> dict:
-        """The round's ``sampled``/``replied``/``failed``/``timed_out``, plus ``refused``: the nodes
+        """The round's ``sampled``/``replied``/``failed``/``unavailable``/``timed_out``, plus ``refused``: the nodes
         refused since the previous row (at the start: during discovery), with client id and reason."""
         new = self.refusals[self._logged_refusals:]
         self._logged_refusals = len(self.refusals)
@@ -273,12 +299,13 @@ class FlowerEngine(Simulation):
         are spent."""
         self.round = round
         alg = self.setup.algorithm
-        st = {"sampled": list(ids), "replied": [], "failed": {}, "timed_out": []}
+        st = {"sampled": list(ids), "replied": [], "failed": {}, "unavailable": {}, "timed_out": []}
         out: dict[int, tuple] = {}
         ask = list(ids)
         for attempt in range(self.opts.round_retries + 1):
-            replies, failed, missing = self._send(MessageType.TRAIN, ask, msgs)
+            replies, failed, unavailable, missing = self._send(MessageType.TRAIN, ask, msgs)
             st["failed"].update({str(i): why for i, why in failed.items()})
+            st["unavailable"].update({str(i): why for i, why in unavailable.items()})
             st["timed_out"] += [i for i in missing if i not in st["timed_out"]]
             for i, rep in replies.items():
                 m = rep.content[METRICS] if METRICS in rep.content else {}
@@ -294,6 +321,7 @@ class FlowerEngine(Simulation):
                     continue
                 out[i] = (from_record(rep.content[MESSAGE]), res)
                 st["failed"].pop(str(i), None)
+                st["unavailable"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
             dropped = {i: self._unusable(i, out[i][0], msgs[i]) for i in sorted(out)}
@@ -308,8 +336,8 @@ class FlowerEngine(Simulation):
                 where = (f" (rounds 1..{round - 1} are in {self.run_dir.path / 'metrics.jsonl'})"
                          if self.run_dir and round > 1 else "")
                 hints = []
-                if st["timed_out"]:
-                    hints.append("restart the SuperNodes that did not reply")
+                if st["timed_out"] or st["unavailable"]:
+                    hints.append("restart the SuperNodes that did not reply or are unavailable")
                 if st["failed"]:
                     hints.append("fix what the failed nodes report (a node error, or a training that diverged: "
                                  "check that node's data, model and lr)")
@@ -320,7 +348,8 @@ class FlowerEngine(Simulation):
                     hints.append("start more SuperNodes")
                 raise TrainingError(
                     f"round {round}: {len(valid)} valid replies, fewer than min-replies={self.opts.min_replies}, "
-                    f"after {self.opts.round_retries} retries (failed: {st['failed'] or 'none'}; timed out: "
+                    f"after {self.opts.round_retries} retries (failed: {st['failed'] or 'none'}; unavailable: "
+                    f"{sorted(int(i) for i in st['unavailable']) or 'none'}; timed out: "
                     f"{st['timed_out'] or 'none'}; dropped: "
                     f"{ {str(i): w for i, w in dropped.items()} or 'none'}){where}; {'; '.join(hints)}, and run again")
             log.warning("round %d: %d valid replies, fewer than min-replies=%d; retrying (%d of %d)", round, len(valid),
@@ -353,15 +382,18 @@ class FlowerEngine(Simulation):
                                    CONFIG: ConfigRecord({"round": self.round, "cid": i})}),
                        dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
                for i in ids]
-        ok, failed, missing = self._exchange(out)
+        ok, failed, unavailable, missing = self._exchange(out)
         cid_of = {self.nodes[i]: i for i in ids}
         for nid, why in failed.items():
             log.warning("round %d (%s): client %d (node %d) failed: %s", self.round, kind, cid_of[nid], nid, why)
+        for nid, why in unavailable.items():
+            log.warning("round %d (%s): client %d (node %d) is unavailable: %s", self.round, kind, cid_of[nid], nid,
+                        why)
         for nid in missing:
             log.warning("round %d (%s): client %d (node %d) sent no reply within %g s", self.round, kind,
                         cid_of[nid], nid, self.opts.round_timeout)
         return ({cid_of[n]: r for n, r in ok.items()}, {cid_of[n]: w for n, w in failed.items()},
-                [cid_of[n] for n in missing])
+                {cid_of[n]: w for n, w in unavailable.items()}, [cid_of[n] for n in missing])
 
     def _client_report(self, cid: int) -> dict:
         return self._reports.get(cid, {})  # from the node's evaluate reply (Algorithm.client_report runs there)
@@ -377,7 +409,7 @@ class FlowerEngine(Simulation):
         if self.run_dir:  # nodes that joined or were refused after the start
             self.run_dir.write_config(self._config_record())
         ids = sorted(self.nodes)
-        replies, _, _ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
+        replies, *_ = self._send(MessageType.EVALUATE, ids, {i: alg.downlink(self.message, i) for i in ids})
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
                for i, rep in replies.items()}
         for i, m in got.items():  # the client's own report (Algorithm.client_report) goes to clients.csv, not accuracy

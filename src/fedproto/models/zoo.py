@@ -28,11 +28,11 @@ import torch
 from fedproto.errors import ModelError, opt
 from fedproto.models.base import ProtoModel
 from fedproto.models.cnn import PaperCNN, ProjectedCNN
+from fedproto.models.names import MODEL_NAMES, zoo_name  # the one list of names (MODEL_NAMES re-exported)
 from fedproto.models.resnet import MH_STRIDES, ResNet18, load_pretrained, read_state_dict
 
 log = logging.getLogger(__name__)
 
-MODEL_NAMES = ("cnn", "cnn-mh", "resnet18", "resnet18-mh", "projcnn:<c1>-<c2>[,...]")
 
 
 def mh_conv2_channels(cid: int, num_clients: int) -> int:
@@ -151,7 +151,8 @@ def check_model_name(name: str) -> None:
         raise ModelError(f"model list {name!r} has an empty entry; write the specs separated by single commas, "
                          "e.g. 'cnn,projcnn:16-32'")
     for spec in specs:
-        if spec in ("cnn", "cnn-mh", "resnet18", "resnet18-mh"):
+        entry = zoo_name(spec)
+        if entry is not None and entry.family != "projcnn":
             continue
         if spec.startswith("projcnn:"):
             projcnn_channels(spec)
