@@ -703,7 +703,8 @@ def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monke
         eng.run()
     msg = str(e.value)
     assert msg.startswith("round 1: 0 valid replies, fewer than min-replies=1, after 0 retries (failed: none; "
-                          "unavailable: none; timed out: none; dropped: {'0': 'the prototype of class 0: values that are not finite")
+                          "unavailable: none; timed out: none; dropped: {'0': 'the prototype of class 0: values that "
+                          "are not finite")
     assert "check the data and models of the nodes whose replies were dropped" in msg
     assert "restart" not in msg
     logged = [r.getMessage() for r in caplog.records if "dropped the reply of client" in r.getMessage()]
