@@ -94,11 +94,13 @@ class ClientData:
         """A client whose inputs are rows ``train_idx`` of ``train`` and ``test_idx`` of ``test``.
 
         Args:
-            train, test: the shared inputs of the two splits (N, C, H, W).
-            train_idx, test_idx: (n,) and (n_test,) integer row indices (numpy or torch; kept
-                without a copy where they already are int64).
-            train_y, test_y: the clients' (n,) / (n_test,) int64 labels (the dataset's labels at
-                those rows).
+            train: the shared inputs of the training split (N, C, H, W).
+            train_idx: (n,) integer row indices into ``train`` (numpy or torch; kept without a copy
+                where they already are int64).
+            train_y: the client's (n,) int64 training labels (the dataset's labels at those rows).
+            test: the shared inputs of the test split (N_test, C, H, W).
+            test_idx: (n_test,) integer row indices into ``test``.
+            test_y: the client's (n_test,) int64 test labels.
         Raises:
             ValueError: an index and its labels differ in length, or an index lies outside its split.
         """
