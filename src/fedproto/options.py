@@ -105,6 +105,8 @@ def default_text(field: str) -> str:
     if d is None:
         return ""
     if kind is bool:
+        if "off_flag" in _extra(info):  # a pair of differently named switches: name the one in force
+            return (flag(field) if d else off_flag(field)).removeprefix("--")
         return "on" if d else "off"
     return f"{d:g}" if isinstance(d, float) else str(d)
 
