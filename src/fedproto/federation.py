@@ -55,7 +55,8 @@ class TupleModel(ProtoModel):
 
     def forward(self, x, noise=None):
         out = self.net(x)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        tensor = (torch.Tensor, torch.fx.Proxy)  # a Proxy: the forward traced by fedproto.grouped
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, tensor) for t in out)):
             raise ModelError(f"the model's forward returned a {type(out).__name__}, not (logits, embedding); give "
                              "head='<final layer>' for a plain classifier")
         logits, h = out

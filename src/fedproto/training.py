@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedproto.grouped import grouped_call, grouped_graph
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
 
@@ -1063,7 +1064,10 @@ def train_group_generic(
       parameters that get no gradient are skipped, as SGD skips a ``None`` gradient).
 
     Clients whose plan has run out of steps leave the stacked computation (compaction), as in
-    :func:`train_stacked`.
+    :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
+    accepts (no BatchNorm, no active dropout) run their forward as G-grouped operations on one
+    channels-last layout (:func:`fedproto.grouped.grouped_call`) instead of under ``vmap``: the same
+    computation, faster on CPU.
 
     Args:
         models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;
@@ -1117,6 +1121,7 @@ def train_group_generic(
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
+    gm = None if calls or bnames else grouped_graph(m0)[0]  # standard layers only: grouped ops, faster than vmap
     with _Functional(m0) as fn:
         for pi, ph in enumerate(obj.phases):
             for m in models:  # the modes the sequential path leaves each model in
@@ -1164,7 +1169,7 @@ def train_group_generic(
                     mk = {d_.name: torch.stack([masks[g][pi][s][d_.name] for g in ids.tolist()]).to(dev)
                           for d_ in calls}
                     nz = {k: v[s][idd, :c] for k, v in noise.items()}
-                    logits, h = fn(pin, bin_, xb, mk, nz)
+                    logits, h = grouped_call(gm, pin, xb) if gm is not None else fn(pin, bin_, xb, mk, nz)
                     if not whole:
                         with torch.no_grad():
                             for k in bnames:
