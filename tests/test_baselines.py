@@ -294,3 +294,63 @@ def test_batched_matches_sequential(algorithm):
     assert accs["batched"] == accs["sequential"]
     for a, b in zip(weights["batched"], weights["sequential"]):
         assert ((a - b).norm() / b.norm()).item() < 1e-9
+
+
+def _score(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)[0]
+    return float((logits.argmax(1) == y).float().mean())
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedper", "fesem"])
+def test_global_accuracy_is_the_servers_model_scored_by_hand(algorithm, tmp_path):
+    """acc_global (issue #24): the server's last aggregated weights (FedPer: the body, with the
+    client's own head; FeSEM: the client's cluster centre), loaded by hand into a copy of each
+    client's model, scored on the client's test set: exactly the run's number. acc (personal) is
+    the client's own trained model, which the global evaluation leaves untouched."""
+    import csv
+    import json
+
+    sim = Simulation(_cfg(algorithm=algorithm, rounds=4), out=tmp_path / "run")
+    summary = sim.run()
+    msg, S, D = sim.message, sim.setup.states, sim.setup.data
+    before = flat_weights(sim)
+    per = sim.evaluate()
+    assert all(torch.equal(b, a) for b, a in zip(before, flat_weights(sim)))  # global eval restores the model
+    glob, pers = [], []
+    for i, s in enumerate(S):
+        pers.append(_score(copy.deepcopy(s.model), D[i].test_x, D[i].test_y))
+        model = copy.deepcopy(s.model)
+        sd = model.state_dict()
+        loaded = 0
+        for name in sd:
+            w = msg.get("w/" + name)
+            if w is not None:
+                sd[name] = torch.as_tensor(w[int(msg["assign"][i])] if algorithm == "fesem" else w)
+                loaded += 1
+        assert loaded == sum(1 for k in msg if k.startswith("w/"))  # every server tensor went in
+        model.load_state_dict(sd)
+        glob.append(_score(model, D[i].test_x, D[i].test_y))
+    assert [m["acc_global"] for m in per] == glob
+    assert [m["acc"] for m in per] == pers
+    assert glob != pers  # two protocols, two numbers (after a local epoch the personal model differs)
+    mean, std = float(np.mean(glob)), float(np.std(glob))
+    assert summary["accuracy"]["acc_global"]["mean"] == pytest.approx(mean, abs=1e-12)
+    assert summary["accuracy"]["acc_global"]["std"] == pytest.approx(std, abs=1e-12)
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(float(np.mean(pers)), abs=1e-12)
+    assert set(summary["evaluation"]) == {"acc", "acc_global"}
+    assert summary["evaluation"]["acc"].startswith("personal")
+    assert summary["evaluation"]["acc_global"].startswith("global")
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk["evaluation"] == summary["evaluation"]
+    with open(tmp_path / "run" / "clients.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["acc_global"]) for r in rows] == pytest.approx(glob, abs=1e-6)
+
+
+def test_global_accuracy_only_for_weight_sharing_methods():
+    local = _run("local")
+    assert "acc_global" not in local.evaluate()[0]
+    assert Local(10, OptimConfig(0.01, 0.5, 0.0, 8, False)).eval_protocols().keys() == {"acc"}
+    assert "aggregated body" in ALGORITHMS["fedrep"].global_protocol and "centre" in FeSEM.global_protocol

@@ -397,3 +397,12 @@ def test_python_runs_log_one_line_per_evaluated_round_at_info(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
     assert [line.split(":")[0] for line in lines] == ["round 2/3", "round 3/3"]
     assert f"classifier {100 * sim.history[1]['acc_mean']:.2f}" in lines[0]
+
+
+def test_progress_line_names_the_global_model_accuracy():
+    """A weight-sharing run's progress line gives the global model's accuracy beside the personal one."""
+    from fedproto.results import round_line
+
+    row = {"round": 3, "loss_ce": 0.5, "loss_proto": 0.0, "acc_mean": 0.9846, "acc_global_mean": 0.9739}
+    assert round_line(row, 150, 1.0) == ("round 3/150: loss ce 0.5000; accuracy % classifier 98.46, global model "
+                                         "97.39; elapsed 1.0 s")

@@ -518,6 +518,10 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
     got = eng.run()
     want = in_process_reference(folders, models=models, algorithm="fedavg").run()
     assert got["accuracy"]["acc"]["mean"] == pytest.approx(want["accuracy"]["acc"]["mean"], abs=1e-9)
+    # the evaluate message carries the server's aggregate, so each node scores the global model too (issue #24)
+    assert got["accuracy"]["acc_global"]["mean"] == pytest.approx(want["accuracy"]["acc_global"]["mean"], abs=1e-9)
+    assert got["accuracy"]["acc_global"]["mean"] != pytest.approx(got["accuracy"]["acc"]["mean"], abs=1e-6)
+    assert got["evaluation"] == want["evaluation"] and set(got["evaluation"]) == {"acc", "acc_global"}
     uc = _own_config(**{"algorithm": "fedavg"})
     with pytest.raises(ConfigError, match=r"fedavg averages model weights.*clients \[1\] differ from client 0"):
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()

@@ -320,3 +320,34 @@ def test_tsne_says_marker_shapes_are_clients(monkeypatch, tmp_path):
     caption = figs[0].axes[0].get_xlabel()
     assert caption == (f"colour: class · marker shape: client (20 clients; shapes repeat after {len(MARKERS)})\n"
                        "star: global prototype of the class")
+
+
+def test_table_records_global_and_personal_protocols(tmp_path):
+    """Issue #24: a weight-sharing cell's acc_global goes into table.csv and the markdown's
+    "Global vs personal" table beside its personal accuracy and the paper's; FedProto has none."""
+    from fedproto import reproduce as rp
+
+    cells = rp.plan_grid(tmp_path, ["mnist"], [3], ["fedavg", "fedproto"], [1])
+
+    def summary(m, g):
+        acc = {"acc": {"mean": m, "std": 0.01}}
+        if g is not None:
+            acc["acc_global"] = {"mean": g, "std": 0.02}
+        return {"accuracy": acc, "params_per_round": {"up": 3000.0}}
+
+    results = [rp.CellResult(cells[0], "done", summary(0.985, 0.9734)),
+               rp.CellResult(cells[1], "done", summary(0.98, None))]
+    rows = {r["method"]: r for r in rp.table_rows(results)}
+    assert rows["fedavg"]["acc_global_mean"] == pytest.approx(97.34) and rows["fedavg"]["acc_mean"] == 98.5
+    assert rows["fedavg"]["acc_global_std_clients"] == pytest.approx(2.0)
+    assert rows["fedproto"]["acc_global_mean"] != rows["fedproto"]["acc_global_mean"]  # NaN: no global model
+    md = rp.render_markdown(list(rows.values()))
+    assert "## Global vs personal (weight-sharing methods)" in md
+    assert "| mnist (stdev 2) | fedavg | 3 | 97.34 ± 2.00 | 98.50 ± 1.00 | 95.04 ± 6.48 |" in md
+    assert "| fedproto | 3 |" not in md.split("## Global vs personal")[1]
+    rp.write_table(tmp_path, results)
+    import csv
+
+    with open(tmp_path / "table.csv") as f:
+        by = {r["method"]: r for r in csv.DictReader(f)}
+    assert float(by["fedavg"]["acc_global_mean"]) == pytest.approx(97.34) and by["fedproto"]["acc_global_mean"] == ""

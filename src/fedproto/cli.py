@@ -211,7 +211,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                         f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")
     table.add_column("accuracy % (mean ± std over clients)", justify="right")
-    for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype (eq. 4)")):
+    for key, label in (("acc", "classifier"), ("acc_global", "classifier, global model (before local training)"),
+                       ("acc_proto", "nearest prototype (eq. 4)")):
         if key in summary["accuracy"]:
             a = summary["accuracy"][key]
             table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")

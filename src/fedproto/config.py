@@ -136,7 +136,10 @@ class RunConfig(BaseModel):
     lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6, json_schema_extra={"aliases": ["lambda"]},
                                           description="λ, the weight of the prototype loss (app. A)")
     distance: Literal["mse", "squared_l2", "l2"] = Field(
-        "mse", description="Prototype distance: mse (official code), squared_l2 (app. B) or l2 (main text)")
+        "mse", description="Prototype distance: mse (official code), squared_l2 (app. B) or l2 (main text). lambda "
+                           "depends on it: mse = squared_l2 / d (d: embedding size), so lambda L under mse gives the "
+                           "same loss as L / d under squared_l2; l2 (not squared, one term per class) has "
+                           "no fixed conversion. The paper's lambda values (app. A) are tied to mse")
     proto_source: Literal["last_epoch", "after_training"] = Field(
         "last_epoch", description="Local prototypes from the last epoch's batches (official code) or from a "
         "pass after training (eq. 3)")

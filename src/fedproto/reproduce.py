@@ -466,6 +466,7 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
         failed = [r for r in rs if r.status == "failed"]
         acc = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc")) for r in ok])
         accp = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_proto")) for r in ok])
+        accg = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_global")) for r in ok])
         pp = paper.accuracy(ds, sd, method, n)
         up = [r.summary["params_per_round"]["up"] for r in ok if r.summary.get("params_per_round")]
         rows.append({
@@ -474,6 +475,8 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
             "acc_mean": acc["mean"], "acc_std_clients": acc["std_clients"], "acc_std_seeds": acc["std_seeds"],
             "acc_proto_mean": accp["mean"], "acc_proto_std_clients": accp["std_clients"],
             "acc_proto_std_seeds": accp["std_seeds"],
+            "acc_global_mean": accg["mean"], "acc_global_std_clients": accg["std_clients"],
+            "acc_global_std_seeds": accg["std_seeds"],
             "paper_mean": pp[0] if pp else float("nan"), "paper_std": pp[1] if pp else float("nan"),
             "rounds": rs[0].cell.cfg.rounds, "paper_rounds": paper.rounds(ds, method),
             "params_up_per_round": float(np.mean(up)) if up else float("nan"),
@@ -487,7 +490,11 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
 CAPTION = (
     "Accuracy in % on each client's own test classes (test split), after the last round, as "
     "mean ± std over clients (each client once). **Ours** is the classifier (argmax of the client's "
-    "head); nearest-prototype accuracy (eq. 4) is in the second table and in table.csv. With several "
+    "head) under the *personal* protocol: each client's own model after its local training of the last "
+    "round. The weight-sharing methods' *global* protocol (the server's aggregated model of the last round, "
+    "before local training, on each client's test set; FedPer/FedRep: the global body with the client's "
+    "own head; FeSEM: the client's cluster centre) is in the table \"Global vs personal\" and in table.csv "
+    "(acc_global_*); nearest-prototype accuracy (eq. 4) is in its own table and in table.csv. With several "
     "seeds: the mean over seeds of the per-seed client means ± the per-seed std over clients averaged "
     "over seeds; `[±x, s seeds]` is the sample std (ddof 1) of the per-seed means. **Paper**: tab. 1 "
     "(main stdev) or appendix tab. 2–4 (second stdev), 20 clients; n.a. where the paper has no such "
@@ -514,6 +521,7 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
     for r in rows:
         blocks.setdefault((r["dataset"], r["stdev"]), []).append(r)
     proto_lines: list[str] = []
+    global_lines: list[str] = []
     failures: dict[str, list[str]] = {}
     for (ds, sd), rs in blocks.items():
         ways = sorted({r["ways"] for r in rs})
@@ -560,7 +568,19 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
                 if r is not None and r["acc_proto_mean"] == r["acc_proto_mean"]:
                     proto_lines.append(f"| {ds} (stdev {sd}) | {m} | {n} | {_ours_cell(r, 'acc_proto')} | "
                                        f"{_ours_cell(r)} |")
+                if r is not None and r.get("acc_global_mean", math.nan) == r.get("acc_global_mean", math.nan):
+                    paper_cell = (_pm(r["paper_mean"], r["paper_std"]) if r["paper_mean"] == r["paper_mean"]
+                                  else "n.a.")
+                    global_lines.append(f"| {ds} (stdev {sd}) | {m} | {n} | {_ours_cell(r, 'acc_global')} | "
+                                        f"{_ours_cell(r)} | {paper_cell} |")
         out.append("")
+    if global_lines:
+        out += ["## Global vs personal (weight-sharing methods)", "",
+                "Same runs. **global**: the server's aggregated model of the last round (FedPer/FedRep: global body "
+                "with the client's own head; FeSEM: the client's cluster centre), before local training, on each "
+                "client's test set; **personal**: the client's model after its local training of the last round "
+                "(the main table's ours).", "",
+                "| dataset | method | n | global | personal | paper |", "|---|---|--:|--:|--:|--:|", *global_lines, ""]
     if proto_lines:
         out += ["## Nearest-prototype accuracy (eq. 4)", "",
                 "Same runs and aggregation rule; classifier accuracy repeated for comparison.", "",
@@ -583,8 +603,8 @@ def _csv_bytes(rows: Sequence[dict], fields: Sequence[str]) -> bytes:
 
 TABLE_FIELDS = ("dataset", "stdev", "method", "algorithm", "model", "ways", "seeds", "failed", "acc_mean",
                 "acc_std_clients", "acc_std_seeds", "acc_proto_mean", "acc_proto_std_clients", "acc_proto_std_seeds",
-                "paper_mean", "paper_std", "rounds", "paper_rounds", "params_up_per_round", "paper_params_k",
-                "message")
+                "acc_global_mean", "acc_global_std_clients", "acc_global_std_seeds", "paper_mean", "paper_std",
+                "rounds", "paper_rounds", "params_up_per_round", "paper_params_k", "message")
 
 
 def write_status(out: Path, results: Sequence[CellResult]) -> None:
@@ -613,6 +633,9 @@ def describe(r: CellResult) -> str:
     mp, sp = _acc(r.summary, "acc_proto")
     if mp == mp:
         txt += f", proto {_pm(100 * mp, 100 * sp)}"
+    mg, sg = _acc(r.summary, "acc_global")
+    if mg == mg:
+        txt += f", global {_pm(100 * mg, 100 * sg)}"
     up = (r.summary.get("params_per_round") or {}).get("up")
     if up is not None:
         txt += f", up {up / 1e3:.1f}k/round"
@@ -670,8 +693,8 @@ def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: 
 # sweeps
 
 SWEEP_FIELDS = ("param", "value", "method", "dataset", "ways", "seeds", "failed", "acc_mean", "acc_std",
-                "acc_std_seeds", "acc_proto_mean", "acc_proto_std", "loss_proto_train", "proto_mse_test", "rounds",
-                "params_up_per_round", "message")
+                "acc_std_seeds", "acc_global_mean", "acc_global_std", "acc_proto_mean", "acc_proto_std",
+                "loss_proto_train", "proto_mse_test", "rounds", "params_up_per_round", "message")
 
 
 def sweep_rows(results: Sequence[CellResult]) -> list[dict]:
@@ -684,6 +707,7 @@ def sweep_rows(results: Sequence[CellResult]) -> list[dict]:
         ok = [r for r in rs if r.status in ("done", "skipped") and r.summary]
         acc = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc")) for r in ok])
         accp = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_proto")) for r in ok])
+        accg = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_global")) for r in ok])
         d = [Path(r.cell.cfg.out_dir) / r.cell.name for r in ok]
         lp = [x for x in (_last_loss_proto(p) for p in d) if x == x]
         pm = [x for x in (proto_mse(p) for p in d) if x == x]
@@ -693,6 +717,7 @@ def sweep_rows(results: Sequence[CellResult]) -> list[dict]:
             "param": c.param, "value": c.value, "method": method, "dataset": c.dataset, "ways": c.ways,
             "seeds": acc["n"], "failed": sum(r.status == "failed" for r in rs),
             "acc_mean": acc["mean"], "acc_std": acc["std_clients"], "acc_std_seeds": acc["std_seeds"],
+            "acc_global_mean": accg["mean"], "acc_global_std": accg["std_clients"],
             "acc_proto_mean": accp["mean"], "acc_proto_std": accp["std_clients"],
             "loss_proto_train": float(np.mean(lp)) if lp else float("nan"),
             "proto_mse_test": float(np.mean(pm)) if pm else float("nan"),

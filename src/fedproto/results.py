@@ -39,6 +39,8 @@ def round_line(row: dict, rounds: int, elapsed: float) -> str:
     if row.get("loss_proto"):
         losses += f", proto {row['loss_proto']:.4f}"
     accs = f"accuracy % classifier {pct(row['acc_mean'])}"
+    if "acc_global_mean" in row:  # weight-sharing methods: the server's model before local training
+        accs += f", global model {pct(row['acc_global_mean'])}"
     if "acc_proto_mean" in row:
         accs += f", nearest prototype {pct(row['acc_proto_mean'])}"
     return f"round {row['round']}/{rounds}: {losses}; {accs}; elapsed {elapsed:.1f} s"

@@ -1058,6 +1058,7 @@ class Simulation:
                                       "client's training class proportions"}[cfg.partition],
             "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
                          for k in last if k.endswith("_mean")},
+            "evaluation": alg.eval_protocols(),  # which protocol each accuracy key is (issue #24)
             "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
             "bytes_total": {"up": totals["up_bytes"], "down": totals["down_bytes"]},
             "model_params": self._model_params(),

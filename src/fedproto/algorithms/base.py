@@ -369,6 +369,12 @@ class Algorithm:
         (argmax over all C classes), in [0, 1]."""
         return {"acc": float((logits.argmax(1) == y).to(torch.float64).mean()) if len(y) else float("nan")}
 
+    def eval_protocols(self) -> dict[str, str]:
+        """What each accuracy key of :meth:`evaluate` scores (``summary.json``'s ``evaluation``):
+        key -> one sentence. Default: ``acc``, the personal protocol."""
+        return {"acc": "personal: each client's own model after its local training of the last round, on the "
+                       "client's own test set"}
+
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
         the outputs' health (:data:`HEALTH_KEYS`)."""

@@ -21,12 +21,15 @@ same tensors (their values may differ): a tensor shared by some clients and kept
 one global value to average, so the run is refused at the start, naming the clients and the tensor
 (:func:`check_same_shapes`, :func:`check_message_shapes`).
 
-Evaluation (personalized, as for every method here): each client's model *after its local
-training of the last round*, on the client's own test set (:meth:`Algorithm.evaluate`; the engine
-evaluates after aggregation, before the next ``prepare``). This is the "FedAvg + one round of
-local fine-tuning" reading of tab. 1, matching how the personalized numbers of the other methods
-are taken; evaluating the averaged global model instead would score one model on every client's
-label subset.
+Evaluation: two protocols, both recorded (issue #24; ``summary.json``'s ``evaluation`` says which
+key is which). ``acc``, *personal* (as for every method here): each client's model *after its
+local training of the last round*, on the client's own test set (:meth:`Algorithm.evaluate`; the
+engine evaluates after aggregation, before the next ``prepare``), the "FedAvg + one round of local
+fine-tuning" reading. ``acc_global``, *global*: the server's aggregated model of the last round
+(after aggregation, before any local training) on each client's own test set
+(:meth:`FedAvg.global_accuracy`); this is the protocol whose numbers match tab. 1's FedAvg
+(docs/reproducing.md). For FedPer/FedRep "global" is the global body with the client's own head,
+for FeSEM the centre of the client's cluster.
 
 The helpers here (:func:`check_same_shapes`, :func:`weights_message`, :func:`load_weights`,
 :func:`weighted_average`) are shared by the other weight-sharing baselines (FedProx, FedPer,
@@ -44,7 +47,7 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
-from fedproto.training import TrainResult, frozen_batchnorms, frozen_params
+from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +269,51 @@ class FedAvg(Algorithm):
         return weighted_average(list(messages.values()))
 
     # -- client ---------------------------------------------------------------------------------
+    def load_global(self, state: ClientState, message: Message) -> None:
+        """Load the server's weights for this client (FedAvg: every shared tensor of ``message``)
+        into ``state.model``; what :meth:`prepare` does and what :meth:`global_accuracy` scores."""
+        load_weights(state.model, message, self.include(state.model))
+
     def prepare(self, state: ClientState, message: Message) -> None:
         """Load the global weights into the client model."""
-        load_weights(state.model, message, self.include(state.model))
+        self.load_global(state, message)
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         msg = weights_message(state.model, self.include(state.model))
         msg[COUNT_KEY] = np.array([len(data.y)], dtype=np.int64)
         return msg
+
+    # -- evaluation -----------------------------------------------------------------------------
+    global_protocol = ("global: the server's aggregated model after the last round's aggregation, before any local "
+                       "training, on each client's own test set")
+    """What ``acc_global`` scores (:meth:`eval_protocols`); subclasses say what "global" is for them."""
+
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal) and ``acc_global`` (:attr:`global_protocol`)."""
+        return {**super().eval_protocols(), "acc_global": self.global_protocol}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """:meth:`Algorithm.evaluate` (``acc``: the personal protocol) plus ``acc_global``
+        (:meth:`global_accuracy`), both in [0, 1]."""
+        out = super().evaluate(state, message, data)
+        out["acc_global"] = self.global_accuracy(state, message, data)
+        return out
+
+    @torch.no_grad()
+    def global_accuracy(self, state: ClientState, message: Message, data: ClientData) -> float:
+        """Accuracy in [0, 1] of the server's model for this client on its own test set (NaN with
+        no test samples): the weights of ``message`` (:meth:`load_global`; the tensors the server
+        does not send, e.g. FedPer's personal layers or frozen ones, are the client's own) in eval
+        mode. The client's model is left exactly as it was (its shared tensors are restored)."""
+        n = len(data.test_y)
+        if not n:
+            return float("nan")
+        shared = shared_tensors(state.model, self.include(state.model))
+        saved = {k: t.detach().clone() for k, t in shared.items()}
+        try:
+            self.load_global(state, message)
+            logits, _ = predict(state.model, data.test_x)
+        finally:
+            for k, t in shared.items():
+                t.copy_(saved[k])
+        return float((logits.argmax(1) == data.test_y.to(logits.device)).float().mean())

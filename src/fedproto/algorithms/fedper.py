@@ -15,8 +15,10 @@ Local training: cross-entropy on all parameters for ``local_epochs`` epochs.
 
 What is sent: up ``w/<name>`` for every shared tensor + ``n`` (count); down ``w/<name>`` for
 every shared tensor. The first broadcast is client 0's initial base; each client keeps its own
-initialisation of the personal layers. Evaluation: the client's model (global base as trained
-locally + own personal layers) after the last round's local training, on its own test set.
+initialisation of the personal layers. Evaluation: ``acc`` (personal), the client's model (global
+base as trained locally + own personal layers) after the last round's local training, on its own
+test set; ``acc_global``, the server's aggregated base of the last round with the client's own
+personal layers (as they are after its last local training), on its own test set.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class FedPer(FedAvg):
     """
 
     name = "fedper"
+    global_protocol = ("global: the server's aggregated body (shared layers) after the last round's aggregation, "
+                       "with the client's own personal layers as its last local training left them, on the client's "
+                       "own test set")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, personal_layers: str = "fc"):
         super().__init__(num_classes, opt, local_epochs)

@@ -553,6 +553,12 @@ class FedProto(Algorithm):
         return [(self._cid(i), float(x), med) for i, x in enumerate(d)
                 if np.isfinite(x) and x > self.proto_dist_alert * med > 0]
 
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal, the classifier head) and ``acc_proto`` (eq. 4)."""
+        return {**super().eval_protocols(),
+                "acc_proto": "personal, eq. 4: each client's own model after its local training of the last round, "
+                             "nearest global prototype of its embedding, on the client's own test set"}
+
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
         """Classifier accuracy and nearest-global-prototype accuracy (eq. 4), both in [0, 1],
         computed for this client alone (no running totals across clients or modes), and the

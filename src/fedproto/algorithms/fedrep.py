@@ -16,8 +16,10 @@ the last 1 the representation. With the FedProto setting of one body epoch (app.
 local_epochs`` epochs of forward passes (head-only backward passes are cheap).
 
 What is sent: up ``w/<name>`` for every body tensor + ``n`` (count); down ``w/<name>`` for every
-body tensor. Evaluation: the client's model after the last round's local training (head adapted
-to the received body, then the body updated), on its own test set.
+body tensor. Evaluation: ``acc`` (personal), the client's model after the last round's local
+training (head adapted to the received body, then the body updated), on its own test set;
+``acc_global``, the server's aggregated body of the last round with the client's own head, as
+FedPer.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ ids, and :meth:`FeSEM.prepare` picks row ``assign[cid]``. A client needs only it
 downlink cost per client is one model (:meth:`FeSEM.downlink` gives that per-client view, which
 :meth:`prepare` also accepts as is — as a per-client transport would deliver it).
 
-Evaluation: the client's model after the last round's local training, on its own test set.
+Evaluation: ``acc`` (personal), the client's model after the last round's local training, on its
+own test set; ``acc_global``, the centre of the client's cluster after the last round's E- and
+M-step (what the client would load next), on its own test set.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class FeSEM(FedAvg):
     """
 
     name = "fesem"
+    global_protocol = ("global: the centre of the client's cluster after the last round's aggregation (E- and "
+                       "M-step), before any local training, on the client's own test set")
     server_state_keys = ("centres", "assign", "last_distances")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0):
@@ -139,4 +143,8 @@ class FeSEM(FedAvg):
         """Load the centre of the client's cluster (full server message or per-client view)."""
         if ASSIGN_KEY in message and state.cid < len(message[ASSIGN_KEY]):
             state.extra["cluster"] = int(message[ASSIGN_KEY][state.cid])
+        self.load_global(state, message)
+
+    def load_global(self, state: ClientState, message: Message) -> None:
+        """Load the centre of the client's cluster (full server message or per-client view)."""
         load_weights(state.model, self.downlink(message, state.cid))
