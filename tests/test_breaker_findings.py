@@ -170,3 +170,20 @@ def test_cli_refuses_python_only_custom_and_classes_at_once(args, named, capsys,
     assert code == 2, out
     assert f"error: {named} is for your own clients, built from Python with fedproto.federation.federate(" in out
     assert "needs --classes" not in out and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("toml, named", [
+    ('dataset = "custom"\nclasses = 3\n', 'dataset = "custom" in'),
+    ('[run]\ndataset = "digits"\nclasses = 3\n', "classes in"),
+])
+def test_cli_refuses_python_only_options_from_the_config_file(toml, named, capsys, monkeypatch, tmp_path):
+    """The breaker's note: a TOML file with dataset = "custom" still got "needs --classes"."""
+    from conftest import run_cli
+
+    f = tmp_path / "run.toml"
+    f.write_text(toml)
+    code, out = run_cli(["run", "--config", str(f), "--threads", "1", "--out-dir", str(tmp_path / "runs")], capsys,
+                        monkeypatch)
+    assert code == 2, out
+    assert f"error: {named} '{f}' is for your own clients, built from Python with fedproto.federation.federate(" in out
+    assert "needs --classes" not in out and not (tmp_path / "runs").exists()

@@ -136,6 +136,32 @@ class _RunCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
+def _python_only(config: Optional[Path], overrides: dict) -> str:
+    """How the user set ``dataset = custom`` or ``classes`` (Python-only: own clients come from
+    ``federate``), by flag or in the ``--config`` file; '' when neither is set. A file that cannot
+    be read is left to :func:`~fedproto.config.build_config`, which reports it."""
+    if overrides.get("dataset") == "custom":
+        return "--dataset custom"
+    if "classes" in overrides:
+        return "--classes"
+    if config is None:
+        return ""
+    from fedproto.config import normal_key
+    from fedproto.options import tomllib
+
+    try:
+        data = tomllib.loads(Path(config).read_text(encoding="utf-8-sig"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
+        return ""
+    run = data.get("run") if isinstance(data.get("run"), dict) else {}
+    keys = {normal_key(k): v for k, v in {**data, **run}.items()}
+    if keys.get("dataset") == "custom" and "dataset" not in overrides:
+        return f'dataset = "custom" in {str(config)!r}'
+    if "classes" in keys:
+        return f"classes in {str(config)!r}"
+    return ""
+
+
 def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
     overrides = {k: v for k, v in fields.items() if v is not None}
@@ -153,12 +179,13 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     from fedproto.results import PREVIOUS, RunDir, round_line
     from fedproto.simulation import Simulation, prepare
 
-    if overrides.get("dataset") == "custom" or "classes" in overrides:  # Python-only: say so before what they need
+    named = _python_only(config, overrides)
+    if named:  # Python-only options: say so before what they would need
         from fedproto.errors import ConfigError
 
-        raise ConfigError(f"{'--dataset custom' if overrides.get('dataset') == 'custom' else '--classes'} is for your "
-                          "own clients, built from Python with fedproto.federation.federate(clients, num_classes, "
-                          "...); the command line runs mnist, femnist, cifar10, digits (each with its own classes)")
+        raise ConfigError(f"{named} is for your own clients, built from Python with fedproto.federation.federate("
+                          "clients, num_classes, ...); the command line runs mnist, femnist, cifar10, digits (each "
+                          "with its own classes)")
     cfg = build_config(config, overrides)
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
