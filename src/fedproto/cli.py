@@ -55,10 +55,6 @@ def _root(
         logging.getLogger().setLevel(logging.INFO)
 
 
-def _pct(x) -> str:
-    return "-" if x is None or x != x else f"{100 * x:.2f}"
-
-
 RUN_HELP = """Train with the in-process simulator and write a run directory.
 
 Every run option below can also be set in the --config TOML file: its key is the option's field
@@ -177,6 +173,7 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
 
     # here, not at the top: fedproto.results imports numpy, which --help does not need
     from fedproto.results import PREVIOUS, RunDir, round_line
+    from fedproto.results import pct as _pct
     from fedproto.simulation import Simulation, prepare
 
     named = _python_only(config, overrides)
@@ -330,6 +327,7 @@ def onboard(
     from rich.table import Table
 
     from fedproto.onboarding import onboard as do_onboard
+    from fedproto.results import pct as _pct
 
     s = do_onboard(run_dir, clients, epochs, seed, data_dir, threads=threads)
     table = Table(title=f"{s['clients']} new clients, {s['epochs']} local epochs each (per-client test sets)")
