@@ -70,7 +70,8 @@ def float64_sim(cfg, **kw):
     """
     import torch
 
-    from fedproto.simulation import Simulation, prepare
+    from fedproto.engine.setup import prepare
+    from fedproto.simulation import Simulation
 
     return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), out=False, **kw)
 

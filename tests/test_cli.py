@@ -310,7 +310,7 @@ def test_participation_above_the_client_count_says_so(capsys, monkeypatch, tmp_p
     code, text = run_cli(["run", "--dataset", "digits", "--participation", "4", "--clients", "3", "--out-dir",
                           str(tmp_path)], capsys, monkeypatch)
     assert code == 2 and "--participation 4 is more than --clients 3" in text and "neither" not in text, text
-    from fedproto.simulation import sample_clients
+    from fedproto.engine.seeding import sample_clients
 
     with pytest.raises(ValueError, match="participation=4 is more than the 3 clients"):
         sample_clients(1, 1, 3, 4.0)
@@ -391,7 +391,7 @@ def test_python_runs_log_one_line_per_evaluated_round_at_info(caplog):
     from fedproto.simulation import Simulation
 
     cfg = build_config(overrides=dict(dataset="digits", clients=3, rounds=3, eval_every=2, threads=1))
-    with caplog.at_level(logging.INFO, logger="fedproto.simulation"):
+    with caplog.at_level(logging.INFO, logger="fedproto"):
         sim = Simulation(cfg, out=False)
         sim.run()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]

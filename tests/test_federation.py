@@ -219,12 +219,11 @@ def test_breaker_findings_are_refused_before_training(digits, tmp_path):
     run = tmp_path / "ck"
     sim = federate(_clients(digits, TwoOut), 10, rounds=3, checkpoint_every=1, out=run, eval_every=0)
     sim.run_dir.acquire()
-    sim._ran = True
-    sim.message = sim.setup.algorithm.initial_message(sim.setup.states)
+    sim.loop.message = sim.loop.initial_message()
     from fedproto.checkpoint import save_checkpoint
+    from fedproto.engine.observers.checkpoints import checkpoint_state
 
-    zero = {k: 0 for k in ("up_params", "up_bytes", "down_params", "down_bytes")}
-    state = sim._checkpoint_state(1, zero, 0.0, 0.0) | {"history": [{"round": 1}]}
+    state = checkpoint_state(sim.loop, 1) | {"history": [{"round": 1}]}
     sim.run_dir.write_checkpoint(save_checkpoint, state)
     sim.run_dir.release()
     cs = _clients(digits, TwoOut)

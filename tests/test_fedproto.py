@@ -161,7 +161,7 @@ def test_client_sampling_leaves_unsampled_clients_untouched(algorithm):
     counts only their messages."""
     import copy
 
-    from fedproto.simulation import sample_clients
+    from fedproto.engine.seeding import sample_clients
 
     cfg = _digits_cfg(rounds=1, participation=0.5, algorithm=algorithm, eval_every=0)
     sim = Simulation(cfg, out=False)
@@ -183,7 +183,7 @@ def test_client_sampling_leaves_unsampled_clients_untouched(algorithm):
 
 
 def test_sample_clients_is_seeded_per_round_and_sized():
-    from fedproto.simulation import sample_clients
+    from fedproto.engine.seeding import sample_clients
 
     assert sample_clients(1, 1, 20, 1.0) == list(range(20))
     draws = [sample_clients(1, r, 20, 0.2) for r in range(1, 6)]

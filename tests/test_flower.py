@@ -367,7 +367,8 @@ def test_own_data_nodes_give_the_python_api_numbers(tmp_path):
     uc = _own_config()
     grid = LocalGrid(uc, node_configs=node_configs(folders))
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
-    assert eng.setup.dataset is None and eng.setup.data == [] and all(s.model is None for s in eng.setup.states)
+    # the server holds no client model and no data: nothing to checkpoint, no data to fingerprint
+    assert eng.executor.client_states() is None and eng.executor.data_fingerprint() is None
     got = eng.run()
     ref = in_process_reference(folders)
     want = ref.run()
@@ -414,7 +415,7 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
     grid = LocalGrid(uc, node_configs=ncs)
     grid.on_send = script
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 3:
@@ -422,7 +423,7 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
             grid.add_node(1003, ncs[2])
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["replied"] == [0, 1, 2] and rows[0]["timed_out"] == []
@@ -454,10 +455,10 @@ def test_an_unavailable_node_is_recorded_as_unavailable_not_timed_out(tmp_path, 
 
 
 def test_below_min_replies_the_round_is_retried_then_the_run_stops_keeping_earlier_rounds(tmp_path, monkeypatch):
-    from fedproto.flower import server_app
+    from fedproto.flower import executor
     from fedproto.flower.common import FlowerOptions
 
-    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(executor, "RETRY_PAUSE_S", 0.0)
     folders = write_node_folders(tmp_path)
     uc = _own_config(**{"rounds": 3})
     grid = LocalGrid(uc, node_configs=node_configs(folders))
@@ -529,7 +530,7 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
 
 def test_reply_checks_name_what_is_wrong():
     from fedproto.algorithms import FedAvg, FedProto
-    from fedproto.simulation import reply_problem
+    from fedproto.engine.checks import reply_problem
     from fedproto.training import OptimConfig
 
     fp = FedProto(10, OptimConfig(), embedding_dim=5)
@@ -677,27 +678,28 @@ def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
     uc = _own_config(**{"rounds": 3})
     grid = LocalGrid(uc, node_configs=ncs)
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 2:
             grid.add_node(1003, {**ncs[1], "data": str(folders[2])})
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     assert eng.nodes == {0: 1000, 1: 1001, 2: 1002}
-    assert eng.info[1]["classes"] == [2, 3, 4, 5]
-    assert "client-id=1 is already taken by node 1001" in eng.refused[1003] and "node 1003" in eng.refused[1003]
+    assert eng.executor.info[1]["classes"] == [2, 3, 4, 5]
+    why = eng.executor.refused[1003]
+    assert "client-id=1 is already taken by node 1001" in why and "node 1003" in why
     assert not any("is back on node" in r.getMessage() for r in caplog.records)
     assert grid.sent.count("query") == 4  # node 1003 asked once
 
 
 def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monkeypatch, caplog):
-    from fedproto.flower import server_app
+    from fedproto.flower import executor
     from fedproto.flower.common import FlowerOptions
 
-    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(executor, "RETRY_PAUSE_S", 0.0)
     folders = write_node_folders(tmp_path)
     uc = _own_config()
     ncs = node_configs(folders, extra={i: {"misbehave": "nan"} for i in range(3)})
@@ -723,14 +725,14 @@ def test_refused_nodes_and_late_joiners_are_recorded_in_the_run_folder(tmp_path)
     uc = _own_config(**{"rounds": 2, "clients": 4})
     grid = LocalGrid(uc, node_configs=ncs)
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", wait_s=0)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 2:
             grid.add_node(1003, {"client-id": 3, "data": str(late), "model": "cnn"})
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (ref,) = rows[0]["refused"]

@@ -12,12 +12,13 @@ from conftest import DATA
 
 from fedproto.config import build_config
 from fedproto.data.partition import fewshot_partition, natural_partition
+from fedproto.engine.setup import prepare
 from fedproto.errors import ConfigError, DataError, ModelError, PartitionError
 from fedproto.models.cnn import PaperCNN
 from fedproto.models.resnet import ResNet18, load_pretrained
 from fedproto.models.zoo import build_client_models, mh_resnet_strides
 from fedproto.prototypes import prototype_table
-from fedproto.simulation import Simulation, prepare
+from fedproto.simulation import Simulation
 from fedproto.training import (
     AUGMENT_PAD,
     Objective,
@@ -400,7 +401,7 @@ def test_resnet18_runs_in_the_simulation_sequentially(tmp_path):
                                       test_shots=5, rounds=1, pretrained=str(path)))
     sim = Simulation(cfg, out=False)
     # _groups gives (clients, process) pairs: each client alone, in the main process
-    assert sim.setup.embedding_dim == 512 and sim._groups([0, 1]) == [([0], 0), ([1], 0)]
+    assert sim.setup.embedding_dim == 512 and sim.executor._groups([0, 1]) == [([0], 0), ([1], 0)]
     assert [s.model.strides for s in sim.setup.states] == [(1, 4), (2, 2)]
     assert all(torch.equal(s.model.layer2[1].conv2.weight, saved["layer2.1.conv2.weight"]) for s in sim.setup.states)
     summary = sim.run()
@@ -517,9 +518,9 @@ def test_eval_mode_blow_up_below_the_norm_limit_is_reported(caplog):
     unreported (below the 1e4 limit). Test embeddings 10x larger than any training embedding of
     the client's last round are reported."""
     sim = Simulation(build_config(overrides=dict(dataset="digits", clients=3, rounds=1)), out=False)
-    sim.train_norm = {0: 20.0, 1: 20.0, 2: 0.0}
+    sim.health.train_norm.update({0: 20.0, 1: 20.0, 2: 0.0})
     with caplog.at_level("WARNING"):
-        sim._check_health(4, [{"emb_norm": 25.0, "nonfinite": 0.0}, {"emb_norm": 727.0, "nonfinite": 0.0},
+        sim.health.evaluated(sim.loop, 4, [{"emb_norm": 25.0, "nonfinite": 0.0}, {"emb_norm": 727.0, "nonfinite": 0.0},
                               {"emb_norm": 727.0, "nonfinite": 0.0}])
     assert "round 4: client 1's test embeddings (median norm 727) are 36x larger" in caplog.text
     assert "client 0" not in caplog.text and "client 2" not in caplog.text  # no training norm known: no claim

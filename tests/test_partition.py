@@ -265,7 +265,8 @@ def test_overlap_runs_end_to_end_and_is_recorded(tmp_path):
     import json
 
     from fedproto.config import build_config
-    from fedproto.simulation import Simulation, prepare
+    from fedproto.engine.setup import prepare
+    from fedproto.simulation import Simulation
 
     base = dict(dataset="digits", clients=60, ways=3, shots=10, stdev=0, test_shots=5, rounds=1, eval_every=0,
                 threads=1, out_dir=str(tmp_path), name="o")

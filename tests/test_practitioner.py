@@ -85,7 +85,7 @@ def test_client_distances_and_outlier_warning(caplog):
     assert [i for i, _, _ in alg.outliers()] == [4]
     sim = Simulation(_cfg(rounds=2), out=False)
     sim.setup.algorithm.proto_dist_alert = 1e-9  # every client above the median is flagged
-    with caplog.at_level(logging.WARNING, logger="fedproto.simulation"):
+    with caplog.at_level(logging.WARNING, logger="fedproto"):
         sim.run()
     assert "prototypes lie" in caplog.text and "check its data" in caplog.text
     assert all(k in sim.history[-1] for k in ("proto_dist", "proto_dist_max", "proto_dist_argmax"))
@@ -137,9 +137,9 @@ def test_options_validated_and_resumable(tmp_path):
 def test_options_of_other_algorithms_are_warned_about(caplog):
     """The engine names options that act on other algorithms only (from config.RESULT_ONLY_FOR),
     without knowing any algorithm by name."""
-    from fedproto.simulation import prepare
+    from fedproto.engine.setup import prepare
 
-    with caplog.at_level(logging.WARNING, logger="fedproto.simulation"):
+    with caplog.at_level(logging.WARNING, logger="fedproto"):
         prepare(_cfg(algorithm="fedavg", proto_momentum=0.5, personal_layers="head"), progress=False)
     assert "fedavg ignores personal_layers, proto_momentum" in caplog.text
     assert "proto_momentum acts on fedproto only" in caplog.text

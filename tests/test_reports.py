@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 from fedproto.config import build_config
+from fedproto.engine.seeding import sample_clients
+from fedproto.engine.setup import prepare
 from fedproto.errors import TrainingError
 from fedproto.federation import Client, federate
 from fedproto.results import atomic_write_json
-from fedproto.simulation import Simulation, prepare, sample_clients
+from fedproto.simulation import Simulation
 
 SMALL = {"dataset": "digits", "threads": 1, "eval_every": 0}
 
@@ -58,7 +60,7 @@ def _own_clients(n=3, seed=0):
 
 def test_sampled_clients_record_rounds_trained_and_the_mean_over_those_that_trained(tmp_path, caplog):
     cfg = build_config(overrides={**SMALL, "clients": 10, "participation": 0.1, "rounds": 3, "algorithm": "fedavg"})
-    with caplog.at_level(logging.WARNING, logger="fedproto.simulation"):
+    with caplog.at_level(logging.WARNING, logger="fedproto"):
         summary = Simulation(cfg, out=tmp_path / "run").run()
     expected = np.zeros(10, int)
     for r in (1, 2, 3):
@@ -162,9 +164,9 @@ def test_divergence_under_an_attack_names_the_attack():
 def test_exploding_embeddings_under_dp_blame_the_dp_noise():
     sim = Simulation(build_config(overrides={**SMALL, "clients": 3, "rounds": 1, "dp": "prototypes",
                                              "dp_noise": 1000.0}), out=False)
-    causes = sim._blowup_causes()
+    causes = sim.health.blowup_causes()
     assert causes.startswith("check the DP noise (dp_noise=1000, dp_clip=5") and "BatchNorm" in causes
-    plain = Simulation(build_config(overrides={**SMALL, "clients": 3, "rounds": 1}), out=False)._blowup_causes()
+    plain = Simulation(build_config(overrides={**SMALL, "clients": 3, "rounds": 1}), out=False).health.blowup_causes()
     assert "DP" not in plain and "lr (now 0.01)" in plain
 
 

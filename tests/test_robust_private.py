@@ -15,10 +15,12 @@ from fedproto.algorithms.base import Algorithm
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.attacks import attacker_ids, corrupt_message
 from fedproto.config import ADDED_FIELDS, build_config, result_fields
+from fedproto.engine.executors.local import client_step
+from fedproto.engine.seeding import client_rng
 from fedproto.errors import ConfigError, TrainingError
 from fedproto.privacy import RELEASE_SENSITIVITY, clip_rows, deployment_fields, epsilon, noisy_prototypes
 from fedproto.prototypes import aggregate_prototypes, class_check, lambda_at, robust_z
-from fedproto.simulation import Simulation, client_rng, client_step
+from fedproto.simulation import Simulation
 from fedproto.training import (
     DPSGD,
     Objective,
@@ -173,17 +175,17 @@ DIGITS20 = dict(dataset="digits", clients=20, ways=3, shots=8, stdev=1, test_sho
                 threads=1)
 
 
-def _honest(sim):
+def _honest(sim, attackers=None):
     per = sim.evaluate()
-    return np.mean([m["acc_proto"] for i, m in enumerate(per) if i not in sim.attackers])
+    bad = sim.attackers if attackers is None else attackers
+    return np.mean([m["acc_proto"] for i, m in enumerate(per) if i not in bad])
 
 
 def test_poisoning_small_version():
     """2 of 20 digits clients send scaled or NaN prototypes (the README's MNIST table, small)."""
     clean = Simulation(build_config(overrides=DIGITS20), out=False)
     clean.run()
-    clean.attackers = set(attacker_ids(1234, 20, 2))
-    ref = _honest(clean)
+    ref = _honest(clean, set(attacker_ids(1234, 20, 2)))
     for rule in ("mean", "weighted", "median", "trimmed"):  # NaN never reaches a global prototype
         sim = Simulation(build_config(overrides={**DIGITS20, "attack": "nan", "attackers": 2, "aggregation": rule}),
                          out=False)
@@ -349,7 +351,7 @@ def test_the_server_cannot_subtract_the_dp_noise(reproducible, caplog):
     sim = Simulation(cfg, out=False)
     alg, cid = sim.setup.algorithm, 0
     st, data = sim.setup.states[cid], sim.setup.data[cid]
-    msg = alg.downlink(sim._initial_message(), cid)
+    msg = alg.downlink(sim.loop.initial_message(), cid)
     out, _ = client_step(alg, st, msg, data, cfg.seed, 1)
     _, truth, true_counts = noisy_prototypes(embed_all(st.model, data.x), data.y, st.classes, cfg.dp_clip, 0.0, None)
     guess = _server_reconstruction(alg, st, msg, len(data.x), cfg.seed, 1, out)
@@ -385,7 +387,7 @@ def test_poisson_batches_of_dp_full_come_from_the_secure_source():
     (with the option they do, and equal the plan drawn from it)."""
     sim = Simulation(_cfg(dp="full", rounds=1), out=False)
     alg, st = sim.setup.algorithm, sim.setup.states[0]
-    obj = alg.local_objective(st, alg.downlink(sim._initial_message(), 0))
+    obj = alg.local_objective(st, alg.downlink(sim.loop.initial_message(), 0))
     n = len(sim.setup.data[0].x)
     p1, p2 = (alg.plan(st, obj, n, client_rng(1234, 1, 0)) for _ in range(2))
     assert not torch.equal(p1.order[0], p2.order[0]) and p1.seed != p2.seed
@@ -513,7 +515,7 @@ def test_breaker_findings_on_the_robust_and_private_options(caplog):
 def test_prototype_distance_warnings_are_not_repeated_without_end(caplog):
     """A misbehaving client is flagged by the distance monitor every round; the log names it
     ALERTS_PER_CLIENT times, the metrics every round."""
-    from fedproto.simulation import ALERTS_PER_CLIENT
+    from fedproto.engine.observers.health import ALERTS_PER_CLIENT
 
     sim = Simulation(_cfg(rounds=6, attack="scale", attackers=1, aggregation="median"), out=False)
     sim.run()

@@ -171,10 +171,12 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     )
     from rich.table import Table
 
+    from fedproto.engine.setup import prepare
+
     # here, not at the top: fedproto.results imports numpy, which --help does not need
     from fedproto.results import PREVIOUS, RunDir, round_line
     from fedproto.results import pct as _pct
-    from fedproto.simulation import Simulation, prepare
+    from fedproto.simulation import Simulation
 
     named = _python_only(config, overrides)
     if named:  # Python-only options: say so before what they would need
@@ -226,9 +228,6 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                 err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                                   f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130) from None
-    from fedproto.plots import save_embeddings
-
-    save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
     part = {"fewshot": f"ways {cfg.ways}, shots {cfg.shots}", "natural": "one client per writer",
             "dirichlet": f"Dirichlet alpha {cfg.alpha:g}"}[cfg.partition]
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "

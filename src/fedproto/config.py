@@ -63,9 +63,15 @@ def result_fields(cfg: dict) -> dict[str, Any]:
     ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
     values are one split) and ``dp_reproducible_noise`` without DP. Used to decide whether a
     checkpoint may be resumed and whether a reproduce cell is already done."""
+    from fedproto.plugins import owners
+
     algorithm = cfg.get("algorithm")
-    out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
-           and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
+    fields = config_model().model_fields
+    def acts(k: str) -> bool:  # the option changes this algorithm's numbers
+        users = RESULT_ONLY_FOR.get(k) or (owners(k) if k not in RunConfig.model_fields else (algorithm,))
+        return algorithm in users
+
+    out = {k: v for k, v in cfg.items() if k in fields and k not in RESULT_NEUTRAL and acts(k)}
     if all((z := zoo_name(m)) is not None and z.family == "resnet18" for m in str(cfg.get("model", "")).split(",")):
         out.pop("personal_layers", None)
     if out.get("dp", "off") == "off":
@@ -256,11 +262,11 @@ class RunConfig(BaseModel):
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
                               hint=f"choose one of {', '.join(DATASETS)}")
-        from fedproto.algorithms import ALGORITHMS
+        from fedproto.plugins import algorithm_names
 
-        if self.algorithm not in ALGORITHMS:
+        if self.algorithm not in algorithm_names():
             raise ConfigError(f"unknown algorithm {self.algorithm!r}", option="algorithm", value=self.algorithm,
-                              hint=f"choose one of {', '.join(ALGORITHMS)}")
+                              hint=f"choose one of {', '.join(algorithm_names())}")
         from fedproto.errors import ModelError
         from fedproto.models.zoo import check_model_name
 
@@ -440,7 +446,7 @@ class RunConfig(BaseModel):
         for k, v in mine.items():
             if k in skip:
                 continue
-            default = RunConfig.model_fields[k].default
+            default = type(self).model_fields[k].default
             if k in filled:
                 default = filled[k]
             elif k == "lambda_proto":
@@ -503,6 +509,41 @@ def _name_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}" if float(f"{v:g}") == v else repr(v)
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(v))[:40]
+
+
+_MODELS: dict[int, type[RunConfig]] = {}
+
+
+def config_model() -> type[RunConfig]:
+    """The run options in force: :class:`RunConfig`, plus the ``Options`` of every algorithm
+    registered from outside the library (:mod:`fedproto.plugins`) as a subclass of it
+    (so a config is still a RunConfig). Flags, TOML keys, keywords and the options page come from
+    its fields; rebuilt when a registration adds options.
+
+    Raises:
+        ConfigError: a plug-in's option has the name of another option (names both).
+    """
+    from fedproto.plugins import plugin_options, version
+
+    plugins = plugin_options()
+    key = version()
+    if key not in _MODELS:
+        if not plugins:
+            _MODELS[key] = RunConfig
+        else:
+            seen = {k: "fedproto" for k in RunConfig.model_fields}
+            for name, opts in plugins:
+                for k in opts.model_fields:
+                    if k in seen:
+                        other = "is a fedproto option" if seen[k] == "fedproto" else f"algorithm {seen[k]!r} declares"
+                        raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {other}; rename it "
+                                          "(e.g. with the algorithm's name as prefix)")
+                    seen[k] = name
+            from pydantic import create_model
+
+            _MODELS[key] = create_model("RunConfig", __base__=(RunConfig, *(o for _, o in plugins)),
+                                        __module__=__name__)
+    return _MODELS[key]
 
 
 def toml_value(value: Any) -> str:
@@ -655,6 +696,6 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
             data[k] = v
             from_file.pop(k, None)
     try:
-        return RunConfig(**data)
+        return config_model()(**data)
     except ValidationError as e:
         raise _config_error(e, from_file, p) from None

@@ -435,7 +435,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             ``Client(..., embedding_dim=d)``).
     """
     from fedproto.data.registry import DATASETS, LOADABLE
-    from fedproto.simulation import build_setup
+    from fedproto.engine.setup import build_setup
 
     if isinstance(clients, Client) or not isinstance(clients, Iterable):
         raise DataError(f"clients is a {type(clients).__name__}; pass a list of fedproto.federation.Client")
@@ -507,20 +507,12 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
                          f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
                          "differs")
     setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
-    return FederationSimulation(cfg, setup=setup, out=out)
+    return Simulation(cfg, setup=setup, out=out)
 
 
-class FederationSimulation(Simulation):
-    """A Simulation that also writes ``embeddings.npz`` (test embeddings, for ``fedproto plot``'s
-    t-SNE) into its run directory when it finishes, as ``fedproto run`` does."""
-
-    def run(self, resume: bool = False) -> dict:
-        summary = super().run(resume)
-        if self.run_dir:
-            from fedproto.plots import save_embeddings
-
-            save_embeddings(self, self.run_dir.path)
-        return summary
+FederationSimulation = Simulation
+"""The run :func:`federate` builds: a :class:`~fedproto.simulation.Simulation` (which writes
+``embeddings.npz`` for ``fedproto plot`` into its run directory, as every front end does)."""
 
 
 __all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",

@@ -37,9 +37,9 @@ else:  # pragma: no cover
 
 
 def _fields() -> dict[str, FieldInfo]:
-    from fedproto.config import RunConfig
+    from fedproto.config import config_model
 
-    return RunConfig.model_fields
+    return config_model().model_fields
 
 
 def _extra(info: FieldInfo) -> dict[str, Any]:
@@ -195,12 +195,19 @@ field not listed yet joins the group of the field before it in RunConfig."""
 
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
+PLUGIN_PANEL = "Algorithm plug-ins"
+"""The group of the options that algorithms from outside the library declare (:mod:`fedproto.plugins`)."""
+
 
 def panel(field: str) -> str:
     """The group of a RunConfig field (:data:`PANELS`); a field missing there joins the group of
     the field before it in RunConfig's order (the first group for the first field)."""
     if field in _PANEL_OF:
         return _PANEL_OF[field]
+    from fedproto.config import RunConfig
+
+    if field not in RunConfig.model_fields:  # an algorithm plug-in's own option
+        return PLUGIN_PANEL
     names = list(_fields())
     before = names[: names.index(field)] if field in names else []
     return next((_PANEL_OF[n] for n in reversed(before) if n in _PANEL_OF), next(iter(PANELS)))
@@ -209,7 +216,7 @@ def panel(field: str) -> str:
 def grouped_fields() -> list[str]:
     """Every RunConfig field, grouped as :data:`PANELS` (groups in order, RunConfig's order within
     a group)."""
-    order = {p: i for i, p in enumerate(PANELS)}
+    order = {p: i for i, p in enumerate([*PANELS, PLUGIN_PANEL])}
     names = list(_fields())
     return sorted(names, key=lambda n: (order[panel(n)], names.index(n)))
 

@@ -172,12 +172,13 @@ def collect_embeddings(sim) -> dict[str, np.ndarray]:
     from fedproto.training import embed_all
 
     hs, ys, cs = [], [], []
-    for i, (state, data) in enumerate(zip(sim.setup.states, sim.setup.data)):
+    setup = getattr(sim, "setup", sim)  # a Simulation or its Setup
+    for i, (state, data) in enumerate(zip(setup.states, setup.data)):
         h = embed_all(state.model, data.test_x)
         hs.append(h.cpu().numpy().astype(np.float32))
         ys.append(data.test_y.cpu().numpy().astype(np.int64))
         cs.append(np.full(len(data.test_y), i, dtype=np.int64))
-    d = sim.setup.embedding_dim
+    d = setup.embedding_dim
     return {
         "h": np.concatenate(hs) if hs else np.zeros((0, d), np.float32),
         "y": np.concatenate(ys) if ys else np.zeros(0, np.int64),

@@ -331,7 +331,6 @@ def _valid_summary(summary: Any) -> bool:
 
 def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     """Run (or skip) one cell; FedprotoError -> a failed result (other exceptions propagate)."""
-    from fedproto.plots import save_embeddings
     from fedproto.simulation import Simulation
 
     summary = finished(cell)
@@ -352,7 +351,6 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
             (d / CHECKPOINT_FILE).unlink(missing_ok=True)
             sim = Simulation(cell.cfg, out=d, progress=progress)
             summary = sim.run()
-        save_embeddings(sim, d)
     except FedprotoError as e:
         return CellResult(cell, "failed", None, set_message(e), time.perf_counter() - t0)
     return CellResult(cell, "done", summary, "", time.perf_counter() - t0)

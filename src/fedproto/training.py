@@ -26,6 +26,7 @@ so momentum does not carry across rounds).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -110,6 +111,52 @@ class Phase:
     frozen_eval: bool = False
 
 
+class LossTerm:
+    """A term an algorithm adds to its clients' local loss, beside cross-entropy, FedProto's
+    prototype term and FedProx's proximal term (which are built in): the seam through which a
+    method with its own loss needs no engine change. Every training path calls it, so one term
+    trains alike on the sequential, batched and worker paths.
+
+    Subclasses implement :meth:`__call__` for a batch with any leading dimensions (one client:
+    none; a batched group: (G,)), from the batch's outputs:
+
+        term(logits (..., B, C), h (..., B, d), y (..., B) int64, w (..., B)) -> (...)
+
+    where ``w`` weighs the samples (1, or 0 on padding); return the weighted mean over the batch,
+    ``(value * w).sum(-1) / w.sum(-1).clamp_min(1)``, already multiplied by the term's weight.
+    Tensors the term holds (e.g. global per-class targets) must be moved by :meth:`to`; terms of two
+    clients must compare equal with :meth:`same_as` to train in one batched computation (the
+    default compares the attributes, tensors by value). Terms are pickled to worker processes, so
+    define them at module level. DP-SGD (``dp="full"``) refuses them (its loss must be per sample).
+    """
+
+    def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> LossTerm:
+        """This term with its tensors on ``device`` (a new object where any moved)."""
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor) and v.device != device}
+        if not moved:
+            return self
+        out = copy.copy(self)
+        vars(out).update(moved)
+        return out
+
+    def same_as(self, other: LossTerm) -> bool:
+        """True when ``other`` is the same term (type and attributes; tensors compared by value)."""
+        if type(other) is not type(self) or vars(self).keys() != vars(other).keys():
+            return False
+        for k, a in vars(self).items():
+            b = vars(other)[k]
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                        and bool(torch.equal(a.cpu(), b.cpu()))):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
 @dataclass
 class Objective:
     """What a client minimizes in one round (configured by the algorithm).
@@ -124,6 +171,7 @@ class Objective:
             (official code's local prototypes).
         normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
         dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
+        terms: the algorithm's own loss terms (:class:`LossTerm`), added to the loss as they are.
     """
 
     phases: list[Phase]
@@ -136,6 +184,7 @@ class Objective:
     collect: bool = False
     normalize: bool = False
     dp_sgd: DPSGD | None = None
+    terms: tuple[LossTerm, ...] = ()
 
 
 @dataclass
@@ -331,18 +380,21 @@ def on_device(obj: Objective, device: torch.device) -> Objective:
         return obj
     ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
     return replace(obj, table=None if obj.table is None else obj.table.to(device),
-                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref)
+                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref,
+                   terms=tuple(t.to(device) for t in obj.terms))
 
 
 def _step_terms(logits, h, y, w, obj: Objective):
-    """Cross-entropy (weighted mean) and prototype loss for (..., B) batches."""
+    """Cross-entropy (weighted mean), prototype loss and the sum of the algorithm's own terms
+    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...)."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
     if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
         lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
     else:
         lp = torch.zeros_like(ce)
-    return ce, lp
+    extra = sum((t(logits, h, y, w) for t in obj.terms), torch.zeros_like(ce))
+    return ce, lp, extra
 
 
 def frozen_params(model: nn.Module) -> frozenset[str]:
@@ -433,9 +485,9 @@ def _train_client(
     if obj.dp_sgd is not None:
         from opacus import GradSampleModule
 
-        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2"):
-            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term "
-                             "or the 'l2' distance (a batch prototype)")
+        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2") or obj.terms:
+            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term, "
+                             "the 'l2' distance (a batch prototype) or an algorithm's own loss terms")
         net = gsm = GradSampleModule(model, loss_reduction="mean")
         # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -473,8 +525,8 @@ def _train_client(
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
             with torch.set_grad_enabled(optim is not None):
                 logits, h = (net if optim is not None else model)(xb, nb)
-                ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-                loss = ce + obj.lambda_proto * lp
+                ce, lp, extra = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
+                loss = ce + obj.lambda_proto * lp + extra
                 if obj.prox_mu > 0 and obj.prox_ref is not None:
                     loss = loss + 0.5 * obj.prox_mu * sum(
                         ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
@@ -540,7 +592,8 @@ def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
     return (phases(a) == phases(b)
             and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
             and a.collect == b.collect and a.normalize == b.normalize
-            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask))
+            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask)
+            and len(a.terms) == len(b.terms) and all(t.same_as(u) for t, u in zip(a.terms, b.terms)))
 
 
 @torch.no_grad()
@@ -763,8 +816,8 @@ def train_stacked(
             w = weight[s][cur]
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
             logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
-            ce, lp = _step_terms(logits, h, yb, w, obj)
-            loss_g = ce + obj.lambda_proto * lp
+            ce, lp, extra = _step_terms(logits, h, yb, w, obj)
+            loss_g = ce + obj.lambda_proto * lp + extra
             if refc is not None:
                 for k in train_names:
                     loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
@@ -1175,8 +1228,8 @@ def train_group_generic(
                             for k in bnames:
                                 Bc[k][pos_d] = bin_[k]
                     w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
-                    ce, lp = _step_terms(logits, h, yb, w, obj)
-                    loss_g = ce + obj.lambda_proto * lp
+                    ce, lp, extra = _step_terms(logits, h, yb, w, obj)
+                    loss_g = ce + obj.lambda_proto * lp + extra
                     if ref is not None:
                         for k in train_names:
                             if k in ref:

@@ -1,5 +1,10 @@
-"""Algorithms on the shared engine. ``ALGORITHMS`` maps a name to its class; ``make_algorithm``
-builds one from a :class:`~fedproto.config.RunConfig`."""
+"""Algorithms on the shared engine, by name.
+
+``ALGORITHMS`` maps the name of each of the library's methods to its class. Other algorithms are
+declared in the ``fedproto.algorithms`` entry-point group or registered at run time with
+:func:`register_algorithm` (:mod:`fedproto.plugins`). :func:`get_algorithm` is how
+the engine finds any of them.
+"""
 
 from __future__ import annotations
 
@@ -16,5 +21,34 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (FedProto, Local, FedAvg, FedProx, FedPer, FedRep, FeSEM)
 }
 
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The algorithm class registered as ``name`` (:func:`fedproto.plugins.algorithm_names`
+    lists them, plug-ins included).
+
+    Raises:
+        ConfigError: no algorithm has that name (the error lists those there are).
+    """
+    from fedproto.plugins import PLUGINS, algorithm_names
+
+    names = algorithm_names()
+    if name not in names:
+        from fedproto.errors import ConfigError
+
+        raise ConfigError(f"unknown algorithm {name!r}", option="algorithm", value=name,
+                          hint=f"choose one of {', '.join(names)}")
+    return ALGORITHMS.get(name) or PLUGINS[name]
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Register an algorithm class under its ``name`` (usable as a class decorator); its ``Options``
+    (a :class:`fedproto.plugins.AlgorithmOptions` subclass) add flags, TOML keys and
+    Python options (:func:`fedproto.plugins.register`)."""
+    from fedproto.plugins import register
+
+    register(cls)
+    return cls
+
+
 __all__ = ["ALGORITHMS", "Algorithm", "ClientData", "ClientState", "FeSEM", "FedAvg", "FedPer", "FedProto",
-           "FedProx", "FedRep", "Local", "Message", "message_size"]
+           "FedProx", "FedRep", "Local", "Message", "get_algorithm", "message_size", "register_algorithm"]

@@ -197,6 +197,9 @@ class Algorithm:
     """
 
     name = "base"
+    Options: Any = None
+    """Plug-ins: the algorithm's own options (:class:`fedproto.plugins.AlgorithmOptions`),
+    which become run options (flags, TOML keys, keywords); :meth:`from_config` fills ``self.options``."""
     shares_weights = False
     sequential_only = False
     """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
@@ -212,8 +215,16 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
-        """Build from a :class:`fedproto.config.RunConfig` (subclasses read their own fields)."""
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        """Build from a :class:`fedproto.config.RunConfig`: ``cls(num_classes, opt, local_epochs)``,
+        then, for an algorithm with ``Options`` (its own typed options,
+        :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
+        values from the run config and ``self.embedding_dim``."""
+        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        options = getattr(cls, "Options", None)
+        if options is not None:
+            alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
+        alg.embedding_dim = embedding_dim
+        return alg
 
     # -- checks the engine asks for (it knows no algorithm by name) ---------------------------
     def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
@@ -301,6 +312,16 @@ class Algorithm:
         """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
         for k in self.server_state_keys:
             setattr(self, k, state[k])
+
+    def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
+        """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
+        the run's options and the final per-client metrics (default: none)."""
+        return {}
+
+    def write_results(self, run_dir: Any, message: Message) -> None:
+        """Write this algorithm's own result files into the finished run's folder
+        (:class:`fedproto.results.RunDir`; FedProto: ``prototypes.npz``) from the final server
+        message (default: none)."""
 
     def round_metrics(self) -> dict[str, float]:
         """Extra numbers of the last aggregation for the round's metrics row (default: none)."""

@@ -38,12 +38,13 @@ from flwr.clientapp import ClientApp
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
+from fedproto.engine.executors.local import client_step
+from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.models.base import count_parameters
 from fedproto.privacy import deployment_fields
-from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"

@@ -91,9 +91,9 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     """
     from fedproto.data.folder import load_client_folder
     from fedproto.data.partition import Partition
+    from fedproto.engine.setup import build_setup
     from fedproto.federation import adapt
     from fedproto.models.zoo import build_model, model_seed
-    from fedproto.simulation import build_setup
 
     unknown = sorted(str(k) for k in node_config if k not in NODE_KEYS + FLOWER_NODE_KEYS)
     if unknown:
