@@ -29,6 +29,7 @@ from fedproto.config import build_config  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
 from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
+from fedproto.flower.node_state import INSTANCE_KEYS  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.privacy import epsilon  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
@@ -115,6 +116,14 @@ def _server_process(monkeypatch):
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Own-data nodes keep their state files in the user cache (fedproto.flower.node_state): a
+    test's own, so that no test reads another's (the contexts here all have run id 1) and none
+    writes to the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("algorithm", ["fedproto", "fesem", "fedrep"])
@@ -269,14 +278,17 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
                                                                    else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
+    inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
+    assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
-        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"}
+        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
                    for r in t)
         assert summary["accuracy"]["acc"]["mean"] > 0.5
         return
-    assert all(set(_reply_keys(r)) == {"message"} for r in t)  # the release alone
+    assert all(set(_reply_keys(r)) == {"message", "metrics"} and _reply_keys(r)["metrics"] == inst
+               for r in t)  # the release alone, and the instance keys
     assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
-    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) for r in e)
+    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) | inst for r in e)
     assert summary["accuracy"] == {} and "clients_evaluated" not in summary
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_ce"] for r in rows] == [None, None]
