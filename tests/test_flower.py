@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -281,8 +282,8 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
-        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
-                   for r in t)
+        sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
+        assert all(_reply_keys(r)["metrics"] == sent for r in t)
         assert summary["accuracy"]["acc"]["mean"] > 0.5
         return
     assert all(set(_reply_keys(r)) == {"message", "metrics"} and _reply_keys(r)["metrics"] == inst
@@ -537,6 +538,92 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
     uc = _own_config(**{"algorithm": "fedavg"})
     with pytest.raises(ConfigError, match=r"fedavg averages model weights.*clients \[1\] differ from client 0"):
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
+
+
+def _evaluate_on(context, eng, cid: int, nid: int) -> dict:
+    """Send the server's evaluate message of client ``cid`` to the ClientApp with ``context`` (node
+    ``nid``); the reply's metrics."""
+    from flwr.app import ConfigRecord
+
+    from fedproto.flower.common import CONFIG, MESSAGE, METRICS
+
+    msg = Message(RecordDict({MESSAGE: to_record(eng.setup.algorithm.downlink(eng.message, cid)),
+                              CONFIG: ConfigRecord({"round": eng.round, "cid": cid})}),
+                  dst_node_id=nid, message_type="evaluate", group_id=str(eng.round))
+    msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
+    return dict(client_app.app(msg, context).content[METRICS])
+
+
+def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path, caplog):
+    """Issue #23: every reply carries ``instance`` (one per SuperNode process), ``restored`` and
+    ``state-round``; an own-data node saves its client's state after each train round and, when it
+    restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
+    model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
+    restarted node draws a new instance and says ``restored`` 0."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    ncs = node_configs(folders, extra={0: {"state-dir": str(tmp_path / "s0")}, 1: {"state-dir": ""}})
+    grid = RecordingGrid(uc, node_configs=ncs)  # node 1002 (client 2): the default folder, the user cache
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
+    eng.run()
+    inst = {}
+    for kind, replies in grid.replies.items():
+        for rep in replies:
+            m = rep.content["fedproto.metrics"]
+            nid = rep.metadata.src_node_id
+            assert inst.setdefault(nid, m["instance"]) == m["instance"] and 1 <= m["instance"] < 2**53
+            assert m["restored"] == 0
+            assert m["state-round"] == (int(rep.metadata.group_id) if kind != "query" else 0)
+    assert sorted(inst) == [1000, 1001, 1002] and len(set(inst.values())) == 3
+    files = {0: list((tmp_path / "s0").glob("*.pt")),
+             2: list((tmp_path / "cache" / "fedproto" / "node-state").glob("*.pt"))}
+    assert [f.name.startswith(f"run-1-client-{i}-") for i in files for f in files[i]] == [True, True]
+    assert not any(Path(tmp_path).glob("**/run-1-client-1-*.pt"))  # state-dir="": no file
+    before = {nid: {k: v for k, v in rep.content["fedproto.metrics"].items()}
+              for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
+
+    old = {nid: grid.contexts[nid] for nid in (1000, 1001)}
+    client_app._CACHE.clear()  # a new SuperNode process: the model is built afresh from the seed
+    for nid in (1000, 1001):
+        grid.add_node(nid, ncs[nid - 1000])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["instance"] == inst[1000] and got["restored"] == 1 and got["state-round"] == 2
+    assert got["acc"] == before[1000]["acc"] and got["acc_proto"] == before[1000]["acc_proto"]
+    saved = grid.contexts[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    want = old[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    assert "fedproto client 0: restored its state of round 2 from" in caplog.text
+
+    got = _evaluate_on(grid.contexts[1001], eng, 1, 1001)  # no state file: a new instance
+    assert got["instance"] != inst[1001] and got["restored"] == 0 and got["state-round"] == 0
+    assert client_app.STATE_MODEL not in grid.contexts[1001].state
+
+    other_run = Context(run_id=2, node_id=1000, node_config=dict(ncs[0]), state=RecordDict(), run_config=dict(uc))
+    got = _evaluate_on(other_run, eng, 0, 1000)
+    assert got["instance"] != inst[1000] and got["restored"] == 0
+    files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
+
+
+def test_a_state_file_is_keyed_by_run_client_result_fields_and_node_config():
+    from fedproto.flower.node_state import state_dir, state_key
+
+    cfg = run_config(_own_config())
+    nc = {"client-id": 0, "data": "/d0", "model": "cnn"}
+    key = state_key(7, 0, cfg, nc)
+    assert key["run_id"] == 7 and key["client_id"] == 0 and len(key["hash"]) == 16
+    assert state_key(7, 0, cfg.model_copy(update={"threads": 2}), {**nc, "state-dir": "/x"}) == key  # neutral
+    for other in (state_key(8, 0, cfg, nc), state_key(7, 1, cfg, nc), state_key(7, 0, cfg, {**nc, "model": "lenet"}),
+                  state_key(7, 0, cfg.model_copy(update={"lr": 0.01}), nc)):
+        assert other != key
+    assert state_dir({"partition-id": 0}, own_data=False) is None  # Flower's simulation nodes: none by default
+    assert state_dir({"state-dir": ""}, own_data=True) is None
+    with pytest.raises(ConfigError, match=r"node config state-dir=5 is not a folder path; give a string"):
+        state_dir({"state-dir": 5}, own_data=True)
 
 
 def test_reply_checks_name_what_is_wrong():
