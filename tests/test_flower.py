@@ -714,6 +714,61 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
     assert got["params_per_round"] == want["params_per_round"]
 
 
+@pytest.mark.slow
+def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
+    """Issue #23, on 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
+    ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
+    SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
+    (same key, same node id), reloads its state file (same instance, restored 1) and takes part
+    again; the run finishes. Several minutes (the heartbeat's 60 s and Flower's per-message cost)."""
+    import os
+    import signal
+    import threading
+
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(tmp_path / "data")
+    out, state = tmp_path / "runs", tmp_path / "state1"
+    ncs = node_configs(folders, extra={1: {"state-dir": str(state)}})
+    got: dict = {}
+    with LocalFederation(tmp_path / "fed", tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for i, nc in enumerate(ncs):
+            fed.start_supernode(nc, restart=(1.0, 4.0) if i == 1 else None)
+        run = threading.Thread(target=lambda: got.update(res=fed.flwr_run(
+            app, {"rounds": 5, "out-dir": str(out), "seed": 7, "round-timeout": 120, "min-replies": 1},
+            timeout=1200)))
+        run.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:  # until node 1 has saved its state of round 1
+            files = list(state.glob("*.pt"))
+            if files and torch.load(files[0], weights_only=True)["round"] >= 1:
+                break
+            time.sleep(0.5)
+        before = torch.load(files[0], weights_only=True)
+        os.kill(fed.supernode_pids("node1")[-1], signal.SIGKILL)
+        run.join(1200)
+        node_log = fed.log("node1")
+    res = got["res"]
+    logs = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:] + node_log[-3000:]
+    assert len(fed.supernode_pids("node1")) >= 2, node_log[-3000:]  # restarted
+    assert "Failed to activate SuperNode" in node_log  # refused while the SuperLink held it online
+    assert "Flower exit code 305" in node_log and "restart 1 in 1 s" in node_log
+    run_dir = next(out.glob("*/summary.json")).parent
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    missed = [r["round"] for r in rows if 1 not in r["replied"]]
+    assert missed and missed[0] == before["round"] + 1, rows  # the round it was killed in
+    assert 1 in rows[-1]["replied"], rows  # back, under the same node id
+    after = torch.load(next(state.glob("*.pt")), weights_only=True)
+    assert after["instance"] == before["instance"] and after["round"] == rows[-1]["round"]
+    clients = {r["client"]: r for r in csv.DictReader(open(run_dir / "clients.csv"))}
+    assert float(clients["1"]["restored"]) == 1 and float(clients["0"]["restored"]) == 0
+    assert float(clients["1"]["instance"]) == before["instance"]
+
+
 def test_flower_options_are_read_and_checked():
     from fedproto.flower.common import FlowerOptions
 
