@@ -560,6 +560,8 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
     model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
     restarted node draws a new instance and says ``restored`` 0."""
+    from fedproto.flower import node_state
+
     folders = write_node_folders(tmp_path)
     uc = _own_config()
     ncs = node_configs(folders, extra={0: {"state-dir": str(tmp_path / "s0")}, 1: {"state-dir": ""}})
@@ -607,6 +609,13 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
     assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
+    key = node_state.state_key(1, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
+    node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert "it does not fit this node's model (tensors [" in caplog.text
 
 
 def test_a_state_file_is_keyed_by_run_client_result_fields_and_node_config():

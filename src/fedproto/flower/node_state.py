@@ -33,8 +33,9 @@ first built and after every ``train``, and reloads it when ``context.state`` is 
 message after a restart). The file name carries the run id, the client id and a hash
 (:func:`state_key`) of the run config's result fields (:meth:`fedproto.config.RunConfig.result_fields`)
 and of the node config, and the file repeats them: a different run, client, configuration,
-data folder or model never loads it. A file that cannot be read is logged and ignored (the client
-starts afresh, with a new ``instance``). It is read with ``torch.load(weights_only=True)``.
+data folder or model never loads it. A file that cannot be read, or whose tensors do not fit the
+node's model (a factory changed under the same spec), is logged and ignored (the client starts
+afresh, with a new ``instance``). It is read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -172,6 +173,10 @@ def begin(context: Context, cid: int, cfg: RunConfig, model: torch.nn.Module,
         return None
     path = _path(context, cid, cfg)
     saved = load_state(path, _key(context, cid, cfg)) if path is not None else None
+    if saved is not None and (bad := _mismatch(saved["model"], model.state_dict())):
+        log.warning("fedproto client %d: ignoring the node state file %s: it does not fit this node's model (%s); "
+                    "the client starts afresh", cid, path, bad)
+        saved = None
     if saved is not None:
         log.warning("fedproto client %d: restored its state of round %d from %s (instance %d)", cid, saved["round"],
                     path, saved["instance"])
@@ -200,6 +205,17 @@ def reply_metrics(context: Context) -> dict[str, int]:
     """The :data:`INSTANCE_KEYS` of this node's state, for a reply's metrics record."""
     rec = context.state[STATE_NODE]
     return {k: int(rec[k]) for k in INSTANCE_KEYS}
+
+
+def _mismatch(saved: Mapping[str, Any], model: Mapping[str, torch.Tensor]) -> str:
+    """'' when ``saved`` has exactly the tensors of ``model`` (names and shapes), else what differs
+    (a model factory changed under the same spec)."""
+    if saved.keys() != model.keys():
+        return f"tensors {sorted(set(saved) ^ set(model))[:3]} differ"
+    for k, v in model.items():
+        if not isinstance(saved[k], torch.Tensor) or saved[k].shape != v.shape:
+            return f"tensor {k!r} has shape {tuple(getattr(saved[k], 'shape', ()))}, the model's {tuple(v.shape)}"
+    return ""
 
 
 def _own_data(node_config: Mapping[str, Any]) -> bool:
