@@ -11,7 +11,9 @@ A node is one of two kinds, by its node config:
   dataset and models from the run config and keeps only client ``partition-id``.
 
 The client's model and extras live in ``context.state`` between rounds (they never leave the
-node); the data set-up is cached per process.
+node); the data set-up is cached per process. An own-data node also keeps them in its state file
+and reloads them after a restart, and every reply carries the node's ``instance``, ``restored`` and
+``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`, issue #23).
 
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
