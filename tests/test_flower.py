@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from fedproto.config import build_config  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
 from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
+from fedproto.flower.node_state import INSTANCE_KEYS  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.privacy import epsilon  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
@@ -115,6 +117,14 @@ def _server_process(monkeypatch):
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Own-data nodes keep their state files in the user cache (fedproto.flower.node_state): a
+    test's own, so that no test reads another's (the contexts here all have run id 1) and none
+    writes to the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 @pytest.mark.parametrize("algorithm", ["fedproto", "fesem", "fedrep"])
@@ -269,14 +279,17 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
                                                                    else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
+    inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
+    assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
-        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"}
-                   for r in t)
+        sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
+        assert all(_reply_keys(r)["metrics"] == sent for r in t)
         assert summary["accuracy"]["acc"]["mean"] > 0.5
         return
-    assert all(set(_reply_keys(r)) == {"message"} for r in t)  # the release alone
+    assert all(set(_reply_keys(r)) == {"message", "metrics"} and _reply_keys(r)["metrics"] == inst
+               for r in t)  # the release alone, and the instance keys
     assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
-    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) for r in e)
+    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) | inst for r in e)
     assert summary["accuracy"] == {} and "clients_evaluated" not in summary
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_ce"] for r in rows] == [None, None]
@@ -528,6 +541,101 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
 
 
+def _evaluate_on(context, eng, cid: int, nid: int) -> dict:
+    """Send the server's evaluate message of client ``cid`` to the ClientApp with ``context`` (node
+    ``nid``); the reply's metrics."""
+    from flwr.app import ConfigRecord
+
+    from fedproto.flower.common import CONFIG, MESSAGE, METRICS
+
+    msg = Message(RecordDict({MESSAGE: to_record(eng.setup.algorithm.downlink(eng.message, cid)),
+                              CONFIG: ConfigRecord({"round": eng.round, "cid": cid})}),
+                  dst_node_id=nid, message_type="evaluate", group_id=str(eng.round))
+    msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
+    return dict(client_app.app(msg, context).content[METRICS])
+
+
+def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path, caplog):
+    """Issue #23: every reply carries ``instance`` (one per SuperNode process), ``restored`` and
+    ``state-round``; an own-data node saves its client's state after each train round and, when it
+    restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
+    model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
+    restarted node draws a new instance and says ``restored`` 0."""
+    from fedproto.flower import node_state
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    ncs = node_configs(folders, extra={0: {"state-dir": str(tmp_path / "s0")}, 1: {"state-dir": ""}})
+    grid = RecordingGrid(uc, node_configs=ncs)  # node 1002 (client 2): the default folder, the user cache
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
+    eng.run()
+    inst = {}
+    for kind, replies in grid.replies.items():
+        for rep in replies:
+            m = rep.content["fedproto.metrics"]
+            nid = rep.metadata.src_node_id
+            assert inst.setdefault(nid, m["instance"]) == m["instance"] and 1 <= m["instance"] < 2**53
+            assert m["restored"] == 0
+            assert m["state-round"] == (int(rep.metadata.group_id) if kind != "query" else 0)
+    assert sorted(inst) == [1000, 1001, 1002] and len(set(inst.values())) == 3
+    files = {0: list((tmp_path / "s0").glob("*.pt")),
+             2: list((tmp_path / "cache" / "fedproto" / "node-state").glob("*.pt"))}
+    assert [f.name.startswith(f"run-1-client-{i}-") for i in files for f in files[i]] == [True, True]
+    assert not any(Path(tmp_path).glob("**/run-1-client-1-*.pt"))  # state-dir="": no file
+    before = {nid: {k: v for k, v in rep.content["fedproto.metrics"].items()}
+              for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
+
+    old = {nid: grid.contexts[nid] for nid in (1000, 1001)}
+    client_app._CACHE.clear()  # a new SuperNode process: the model is built afresh from the seed
+    for nid in (1000, 1001):
+        grid.add_node(nid, ncs[nid - 1000])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["instance"] == inst[1000] and got["restored"] == 1 and got["state-round"] == 2
+    assert got["acc"] == before[1000]["acc"] and got["acc_proto"] == before[1000]["acc_proto"]
+    saved = grid.contexts[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    want = old[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    assert "fedproto client 0: restored its state of round 2 from" in caplog.text
+
+    got = _evaluate_on(grid.contexts[1001], eng, 1, 1001)  # no state file: a new instance
+    assert got["instance"] != inst[1001] and got["restored"] == 0 and got["state-round"] == 0
+    assert client_app.STATE_MODEL not in grid.contexts[1001].state
+
+    other_run = Context(run_id=2, node_id=1000, node_config=dict(ncs[0]), state=RecordDict(), run_config=dict(uc))
+    got = _evaluate_on(other_run, eng, 0, 1000)
+    assert got["instance"] != inst[1000] and got["restored"] == 0
+    files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
+    key = node_state.state_key(1, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
+    node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert "it does not fit this node's model (tensors [" in caplog.text
+
+
+def test_a_state_file_is_keyed_by_run_client_result_fields_and_node_config():
+    from fedproto.flower.node_state import state_dir, state_key
+
+    cfg = run_config(_own_config())
+    nc = {"client-id": 0, "data": "/d0", "model": "cnn"}
+    key = state_key(7, 0, cfg, nc)
+    assert key["run_id"] == 7 and key["client_id"] == 0 and len(key["hash"]) == 16
+    assert state_key(7, 0, cfg.model_copy(update={"threads": 2}), {**nc, "state-dir": "/x"}) == key  # neutral
+    for other in (state_key(8, 0, cfg, nc), state_key(7, 1, cfg, nc), state_key(7, 0, cfg, {**nc, "model": "lenet"}),
+                  state_key(7, 0, cfg.model_copy(update={"lr": 0.01}), nc)):
+        assert other != key
+    assert state_dir({"partition-id": 0}, own_data=False) is None  # Flower's simulation nodes: none by default
+    assert state_dir({"state-dir": ""}, own_data=True) is None
+    with pytest.raises(ConfigError, match=r"node config state-dir=5 is not a folder path; give a string"):
+        state_dir({"state-dir": 5}, own_data=True)
+
+
 def test_reply_checks_name_what_is_wrong():
     from fedproto.algorithms import FedAvg, FedProto
     from fedproto.engine.checks import reply_problem
@@ -614,6 +722,63 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
         assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
         assert a["loss_proto"] == pytest.approx(b["loss_proto"], rel=1e-6, abs=1e-12)
     assert got["params_per_round"] == want["params_per_round"]
+
+
+@pytest.mark.slow
+def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
+    """Issue #23, on 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
+    ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
+    SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
+    (same key, same node id), reloads its state file (same instance, restored 1) and takes part
+    again; the run finishes. Several minutes (the heartbeat's 60 s and Flower's per-message cost)."""
+    import os
+    import signal
+    import threading
+
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(tmp_path / "data")
+    out, state = tmp_path / "runs", tmp_path / "state1"
+    ncs = node_configs(folders, extra={1: {"state-dir": str(state)}})
+    got: dict = {}
+    with LocalFederation(tmp_path / "fed", tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for i, nc in enumerate(ncs):
+            fed.start_supernode(nc, restart=(1.0, 4.0) if i == 1 else None)
+        run = threading.Thread(target=lambda: got.update(res=fed.flwr_run(
+            app, {"rounds": 4, "out-dir": str(out), "seed": 7, "round-timeout": 60, "min-replies": 1},
+            timeout=1200)))
+        run.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list(out.glob("*/metrics.jsonl")):
+            time.sleep(0.5)
+        metrics = next(out.glob("*/metrics.jsonl"))
+        while time.monotonic() < deadline and not metrics.read_text().strip():  # until round 1 is logged
+            time.sleep(0.5)
+        time.sleep(0.5)  # round 2 is under way
+        os.kill(fed.supernode_pids("node1")[-1], signal.SIGKILL)
+        before = torch.load(next(state.glob("*.pt")), weights_only=True)
+        run.join(1200)
+        node_log = fed.log("node1")
+    res = got["res"]
+    logs = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:] + node_log[-3000:]
+    assert len(fed.supernode_pids("node1")) >= 2, node_log[-3000:]  # restarted
+    assert "Failed to activate SuperNode" in node_log  # refused while the SuperLink held it online
+    assert "Flower exit code 305" in node_log and "restart 1 in 1 s" in node_log
+    run_dir = next(out.glob("*/summary.json")).parent
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    missed = [r["round"] for r in rows if 1 not in r["replied"]]
+    assert 1 in rows[0]["replied"] and missed[:1] == [2], rows  # killed in round 2
+    assert before["round"] in (1, 2)  # its state file when it was killed
+    assert 1 in rows[-1]["replied"], rows  # back, under the same node id
+    after = torch.load(next(state.glob("*.pt")), weights_only=True)
+    assert after["instance"] == before["instance"] and after["round"] == rows[-1]["round"]
+    clients = {r["client"]: r for r in csv.DictReader(open(run_dir / "clients.csv"))}
+    assert float(clients["1"]["restored"]) == 1 and float(clients["0"]["restored"]) == 0
+    assert float(clients["1"]["instance"]) == before["instance"]
 
 
 def test_flower_options_are_read_and_checked():

@@ -35,10 +35,13 @@ from fedproto.training import (
 
 Message = dict[str, np.ndarray]
 
-HEALTH_KEYS = ("emb_norm", "nonfinite")
+HEALTH_KEYS = ("emb_norm", "nonfinite", "instance", "restored", "state-round")
 """Per-client evaluation entries that describe the outputs, not a test accuracy
 (:func:`fedproto.prototypes.embedding_health`): kept in ``clients.csv``, left out of the
-accuracy summary."""
+accuracy summary. The last three (issue #23) are a Flower node's instance keys
+(:data:`fedproto.flower.node_state.INSTANCE_KEYS`), which ride in its evaluate reply: listed here
+only so that the current Flower server keeps them out of the accuracy mean (the server rewrite,
+issue #22, reads them itself)."""
 
 
 def optim_config(cfg: Any) -> OptimConfig:

@@ -11,7 +11,9 @@ A node is one of two kinds, by its node config:
   dataset and models from the run config and keeps only client ``partition-id``.
 
 The client's model and extras live in ``context.state`` between rounds (they never leave the
-node); the data set-up is cached per process.
+node); the data set-up is cached per process. An own-data node also keeps them in its state file
+and reloads them after a restart, and every reply carries the node's ``instance``, ``restored`` and
+``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`, issue #23).
 
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
@@ -41,6 +43,7 @@ from fedproto.config import RunConfig
 from fedproto.engine.executors.local import client_step
 from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
+from fedproto.flower import node_state
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.models.base import count_parameters
@@ -96,6 +99,11 @@ def node(context: Context) -> Node:
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
     else:
         n = _benchmark_node(cfg, nc)
+    # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
+    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra)
+    if saved is not None:
+        context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=saved["model"])
+        context.state[STATE_EXTRA] = ConfigRecord(saved["extra"])
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
@@ -157,7 +165,9 @@ def query(msg: Message, context: Context) -> Message:
             "embedding-dim": int(n.state.model.embedding_dim)}
     info = deployment_fields(n.cfg.dp, "query", info)
     join = n.algorithm.join_message(n.state)
-    return Message(RecordDict({CONFIG: ConfigRecord(info), MESSAGE: to_record(join)}), reply_to=msg)
+    content = {CONFIG: ConfigRecord(info), MESSAGE: to_record(join),
+               METRICS: MetricRecord(node_state.reply_metrics(context))}
+    return Message(RecordDict(content), reply_to=msg)
 
 
 @app.train()
@@ -171,13 +181,14 @@ def train(msg: Message, context: Context) -> Message:
     r = _checked_round(n, msg)
     out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
     _save(n, context)
+    node_state.after_train(context, n.cid, n.cfg, r, n.state.model, n.state.extra)
     if n.misbehave:
         rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "num-examples": len(n.data.y)}
-    metrics = deployment_fields(n.cfg.dp, "train", metrics)
-    content = {MESSAGE: to_record(out), **({METRICS: MetricRecord(metrics)} if metrics else {})}
+    metrics = {**deployment_fields(n.cfg.dp, "train", metrics), **node_state.reply_metrics(context)}
+    content = {MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}
     return Message(RecordDict(content), reply_to=msg)
 
 
@@ -197,4 +208,5 @@ def evaluate(msg: Message, context: Context) -> Message:
     if len(sent) < len(metrics):
         log.warning("fedproto client %d (dp=%s) keeps on this node: %s", n.cid, n.cfg.dp,
                     ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))
+    sent.update(node_state.reply_metrics(context))
     return Message(RecordDict({METRICS: MetricRecord(sent)}), reply_to=msg)

@@ -18,6 +18,10 @@ Node config keys (``flower-supernode --node-config '...'``):
 ``head`` (optional)
     The final layer of a plain classifier from a factory (its input is the embedding); leave it
     out when the module returns ``(logits, embedding)`` itself.
+``state-dir`` (optional)
+    The folder of the node's state file, which keeps the client's model across a restart of the
+    SuperNode (:mod:`fedproto.flower.node_state`); default ``~/.cache/fedproto/node-state``
+    (``$XDG_CACHE_HOME/fedproto/node-state``); ``state-dir=""``: no state file.
 ``misbehave`` (optional, for tests of the server's checks only)
     ``nan``, ``scale``, ``random`` or ``flip``: the node corrupts every message it sends up
     (:func:`fedproto.attacks.corrupt_message`).
@@ -44,7 +48,7 @@ from fedproto.errors import ConfigError, FedprotoError
 from fedproto.models.names import MODEL_NAMES, ZOO
 
 MISBEHAVIOURS = ("nan", "scale", "random", "flip")
-NODE_KEYS = ("client-id", "data", "model", "head", "misbehave", "data-dir")
+NODE_KEYS = ("client-id", "data", "model", "head", "state-dir", "misbehave", "data-dir")
 """The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
 FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
 """Node config keys Flower's simulation runtime sets itself (ignored on an own-data node)."""
@@ -100,7 +104,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
         cid = node_config.get("client-id")
         where = f"node client-id={cid}" if cid is not None else "this SuperNode"
         raise ConfigError(f"{where}: unknown node config key(s) {', '.join(repr(k) for k in unknown)}; the known keys "
-                          f"are {', '.join(NODE_KEYS[:5])}; check the spelling (e.g. client-id, not clientid)")
+                          f"are {', '.join(NODE_KEYS[:6])}; check the spelling (e.g. client-id, not clientid)")
     cid = node_client_id(node_config)
     who = f"node client-id={cid}"
     for key in ("data", "model"):
