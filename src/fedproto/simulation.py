@@ -159,6 +159,7 @@ def client_step(alg: Algorithm, state: ClientState, message: Message, data: Clie
     client's numpy generator :func:`client_rng`, then :meth:`Algorithm.client_update`. Returns the
     client's message and its :class:`~fedproto.training.TrainResult`."""
     torch.manual_seed(client_seed(seed, round, state.cid))
+    alg.opt = alg.opt.at_round(round)  # issue #24: the round's lr (lr_schedule), on every engine
     return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
 
 
@@ -286,7 +287,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
                     "digits or letters", cfg.dataset)
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
-                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
+                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained,
+                                 shared_init=cfg.shared_init)  # issue #24
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
 
@@ -557,6 +559,7 @@ class Simulation:
 
     def _client_step(self, round: int, ids: list[int], msgs: dict[int, Message]) -> dict[int, tuple[Message, object]]:
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        alg.opt = alg.opt.at_round(round)  # issue #24: the round's lr (lr_schedule) for the batched paths too
         out = {}
         groups = self._groups(ids)
         pool = self._pool or None
@@ -1001,6 +1004,7 @@ class Simulation:
                 "round": r,
                 "loss_ce": float(np.mean([x.loss_ce for _, x in seen])) if seen else None,
                 "loss_proto": float(np.mean([x.loss_proto for _, x in seen])) if seen else None,
+                "lr": alg.opt.lr_of_round(r),  # issue #24: the round's learning rate (lr_schedule)
                 "up_params": sum(u[0] for u in up),
                 "up_bytes": sum(u[1] for u in up),
                 "down_params": sum(d[0] for d in down),
