@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.adam import adam as torch_adam
 
 from fedproto.grouped import grouped_call, grouped_graph
 from fedproto.models.base import ProtoModel
@@ -212,10 +213,9 @@ def adam_step_stacked(opt: OptimConfig, params: list[torch.Tensor], grads: list[
     function ``torch.optim.Adam.step`` calls): the update is elementwise, so each client's rows get the update
     their own ``torch.optim.Adam`` would give. ``steps``: one scalar tensor per parameter (its step count,
     shared by the stepping clients: they all took every step of the phase so far)."""
-    torch.optim.adam.adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
-                          decoupled_weight_decay=opt.optimizer == "adamw", amsgrad=False, beta1=ADAM_BETAS[0],
-                          beta2=ADAM_BETAS[1], lr=opt.round_lr, weight_decay=opt.weight_decay, eps=ADAM_EPS,
-                          maximize=False)
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+               decoupled_weight_decay=opt.optimizer == "adamw", amsgrad=False, beta1=ADAM_BETAS[0],
+               beta2=ADAM_BETAS[1], lr=opt.round_lr, weight_decay=opt.weight_decay, eps=ADAM_EPS, maximize=False)
 
 
 @dataclass
