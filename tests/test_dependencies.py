@@ -29,7 +29,7 @@ SRC = ROOT / "src" / "fedproto"
 DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yaml": "pyyaml"}
 
 # which installs a module belongs to: the base install, or the base install plus an extra
-EXTRA_OF = {"flower": "flower"}
+EXTRA_OF = {"flower": "flower", "tensorboard.py": "tensorboard"}
 
 
 def _requirement_name(req: str) -> str:
@@ -101,3 +101,15 @@ def test_cli_and_plot_dependencies_are_direct(name):
     """The packages of the reported fault are declared by name, not left to another package's requirements."""
     base, _ = _declared()
     assert name in base
+
+
+def test_tensorboard_is_allowed_in_its_module_only(tmp_path):
+    """fedproto/tensorboard.py may import the ``tensorboard`` extra's package; any other module may not."""
+    pkg = tmp_path / "fedproto"
+    pkg.mkdir()
+    (pkg / "tensorboard.py").write_text("import tensorboard\nfrom torch.utils.tensorboard import SummaryWriter\n")
+    (pkg / "results.py").write_text("import tensorboard\n")
+    problems = undeclared(pkg)
+    assert len(problems) == 1 and "results.py:1 imports tensorboard" in problems[0], problems
+    _, extras = _declared()
+    assert extras["tensorboard"] == {"tensorboard"}

@@ -32,7 +32,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "workers", "save_models")
+                  "proto_dist_alert", "device", "workers", "save_models", "tensorboard")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -49,7 +49,8 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0}
+               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
+               "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -133,9 +134,25 @@ class RunConfig(BaseModel):
                                  "(0, 1] (max(1, round(fraction x clients)) take part) or a whole number of "
                                  "clients; 1: every client, as in the paper")
     batch_size: int = Field(8, ge=1, le=10_000_000, description="Local batch size (app. A)")
-    lr: float = Field(0.01, gt=0.0, le=100.0, description="SGD learning rate")
-    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="SGD weight decay")
+    lr: float = Field(0.01, gt=0.0, le=100.0, description="Learning rate (of round 1 under lr_schedule step or "
+                      "cosine)")
+    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="SGD momentum (optimizer sgd only)")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Weight decay (L2 added to the gradient for sgd "
+                                "and adam, decoupled for adamw)")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description=(
+        "Local optimizer: sgd (paper, app. A), adam or adamw (torch.optim's classes; betas 0.9, 0.999 and eps 1e-8, "
+        "torch's defaults; a fresh optimizer each round)"))
+    lr_schedule: Literal["constant", "step", "cosine"] = Field("constant", description=(
+        "Learning rate over rounds: constant; step (times lr_gamma every lr_step_rounds rounds); cosine (from lr at "
+        "round 1 to lr_min at the last round)"))
+    lr_step_rounds: int = Field(30, ge=1, le=10_000_000, description=(
+        "lr_schedule step: rounds between two lr decays (round r trains at lr x lr_gamma^((r-1) // lr_step_rounds))"))
+    lr_gamma: float = Field(0.1, gt=0.0, le=1e6, description="lr_schedule step: factor of each lr decay")
+    lr_min: float = Field(0.0, ge=0.0, le=100.0, description="lr_schedule cosine: lr of the last round (at most lr)")
+    shared_init: bool = Field(False, description=(
+        "Clients of one architecture start from identical initial weights (those client 0 would get; for your own "
+        "models: the first client's with the same parameter names and shapes); off: each client seeded apart, as "
+        "the official code"))
     drop_last: bool = Field(False, json_schema_extra={"off_flag": "--keep-last"},
                             description="Skip the last partial batch of every epoch (official code)")
     # FedProto
@@ -223,6 +240,9 @@ class RunConfig(BaseModel):
                                   "removed when the run finishes (0: none)")
     save_models: bool = Field(False, description=(
         "Write every client's trained model (its state_dict, client order) to models.pt in the run directory"))
+    tensorboard: bool = Field(False, description=(
+        "Also log the per-round metrics as TensorBoard scalars in the run directory's tensorboard/ folder (needs "
+        "pip install \"fedproto[tensorboard]\"; metrics.jsonl is written in any case)"))
     seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
     out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
     name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")
@@ -376,6 +396,10 @@ class RunConfig(BaseModel):
                                   f"{opt('dataset', 'custom')} brings its own clients" if self.dataset == "custom"
                                   else f"{opt('partition', self.partition)} gives every sample to one client"),
                               option="overlap", value=self.overlap, hint=f"leave {opt('overlap')} out")
+        if self.lr_schedule == "cosine" and self.lr_min > self.lr:
+            raise ConfigError(f"{opt('lr_min', self.lr_min)} is above {opt('lr', self.lr)}: the cosine schedule "
+                              "decays from lr to lr_min", option="lr_min", value=self.lr_min,
+                              hint=f"use {opt('lr_min')} in [0, {self.lr}] (0: decay to zero)")
         C = self.num_classes
         if self.dataset != "custom" and self.ways > C:
             raise ConfigError(f"{opt('ways', self.ways)} is more than the {C} classes of {self.dataset}",
@@ -425,6 +449,12 @@ class RunConfig(BaseModel):
             off.add("attack_scale")
         if not self.lambda_warmup:
             off.add("lambda_schedule")
+        if self.lr_schedule != "step":
+            off |= {"lr_step_rounds", "lr_gamma"}
+        if self.lr_schedule != "cosine":
+            off.add("lr_min")
+        if self.optimizer != "sgd":
+            off.add("momentum")
         for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem")):
             if self.algorithm != alg:
                 off.add(k)

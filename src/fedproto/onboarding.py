@@ -206,7 +206,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
                               f"onboard other clients ({opt('seed')}) or onboard a run without drop_last")
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, clients, C, ds.num_classes, H, cfg.embedding_dim, cfg.dropout, pseed,
-                                 pretrained=cfg.pretrained)
+                                 pretrained=cfg.pretrained, shared_init=cfg.shared_init)
     d = check_embedding_dims(models)
     if d != message["protos"].shape[1]:
         raise ModelError(f"model {cfg.model!r} gives {d}-d embeddings but the run's prototypes are "

@@ -177,8 +177,9 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Data and partition": ("dataset", "classes", "data_dir", "download", "clients", "ways", "shots", "stdev",
                            "test_shots", "overlap", "noise", "partition", "alpha", "min_client_samples", "augment"),
     "Model": ("model", "pretrained", "embedding_dim", "dropout"),
-    "Method and training": ("algorithm", "rounds", "local_epochs", "participation", "batch_size", "lr", "momentum",
-                            "weight_decay", "drop_last", "freeze_after", "seed", "prox_mu", "personal_layers",
+    "Method and training": ("algorithm", "rounds", "local_epochs", "participation", "batch_size", "optimizer", "lr",
+                            "momentum", "weight_decay", "lr_schedule", "lr_step_rounds", "lr_gamma", "lr_min",
+                            "drop_last", "freeze_after", "seed", "shared_init", "prox_mu", "personal_layers",
                             "rep_head_epochs", "fesem_clusters"),
     "FedProto": ("lambda_proto", "distance", "proto_source", "aggregation", "proto_classes", "lambda_warmup",
                  "lambda_schedule", "proto_momentum", "proto_normalize", "min_proto_samples"),
@@ -187,7 +188,7 @@ PANELS: dict[str, tuple[str, ...]] = {
                                "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
                                "attack_scale"),
     "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
-    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models"),
+    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models", "tensorboard"),
 }
 """The groups of ``fedproto run --help`` (its panels) and of the options page (its sections), in
 order, each with its RunConfig fields in order: every field is listed once (a test checks it); a

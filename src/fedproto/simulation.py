@@ -96,6 +96,10 @@ class Simulation:
         if self.run_dir:
             obs += [RunFolder(self.run_dir, self.config_record, lambda: self.models),
                     Checkpoints(self.run_dir, self.cfg.checkpoint_every), Embeddings(self.setup, self.run_dir)]
+            if self.cfg.tensorboard:  # the optional extra (fedproto[tensorboard])
+                from fedproto.tensorboard import TensorBoardObserver
+
+                obs.append(TensorBoardObserver(self.run_dir.path))
         return [*obs, Progress(self._notify)]
 
     def _notify(self, row: dict) -> None:

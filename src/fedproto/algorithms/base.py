@@ -46,8 +46,11 @@ issue #22, reads them itself)."""
 
 def optim_config(cfg: Any) -> OptimConfig:
     """The :class:`OptimConfig` of a run configuration."""
+    # issue #24: optimizer and lr schedule fields (the round is set per round with OptimConfig.at_round)
     return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last,
-                       augment=bool(getattr(cfg, "augment", False)))
+                       augment=bool(getattr(cfg, "augment", False)), optimizer=cfg.optimizer,
+                       lr_schedule=cfg.lr_schedule, lr_step_rounds=cfg.lr_step_rounds, lr_gamma=cfg.lr_gamma,
+                       lr_min=cfg.lr_min, rounds=cfg.rounds)
 
 
 def message_size(msg: Message) -> tuple[int, int]:

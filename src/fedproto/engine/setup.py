@@ -140,7 +140,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
                     "digits or letters", cfg.dataset)
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
-                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained)
+                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained, shared_init=cfg.shared_init)
     states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
     return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
 

@@ -14,7 +14,8 @@ Node config keys (``flower-supernode --node-config '...'``):
     ending in the run's ``embedding-dim``), or an import path ``package.module:factory`` of a
     function returning an ``nn.Module`` (called with those of ``num_classes``, ``in_channels``
     and ``embedding_dim`` it accepts). The model is built after ``torch.manual_seed(
-    fedproto.models.zoo.model_seed(seed, client-id))``.
+    fedproto.models.zoo.model_seed(seed, client-id))`` (with ``shared-init``: client-id 0's seed on every
+    node, :func:`fedproto.models.zoo.init_seed`).
 ``head`` (optional)
     The final layer of a plain classifier from a factory (its input is the embedding); leave it
     out when the module returns ``(logits, embedding)`` itself.
@@ -97,7 +98,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     from fedproto.data.partition import Partition
     from fedproto.engine.setup import build_setup
     from fedproto.federation import adapt
-    from fedproto.models.zoo import build_model, model_seed
+    from fedproto.models.zoo import build_model, init_seed
 
     unknown = sorted(str(k) for k in node_config if k not in NODE_KEYS + FLOWER_NODE_KEYS)
     if unknown:
@@ -120,7 +121,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     try:
         (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
         if _is_import_path(spec):
-            torch.manual_seed(model_seed(cfg.seed, cid))
+            torch.manual_seed(init_seed(cfg.seed, cid, cfg.shared_init))  # shared_init: one seed for all nodes
             factory_model = _factory(spec, C, int(x.shape[1]), d)
             try:
                 model = adapt(factory_model, head, C, x[0:1], cid)
@@ -137,7 +138,8 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                 raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are {tuple(x.shape)}; give "
                                   "a model factory (package.module:factory) for flat features")
             try:
-                model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed)
+                model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed,
+                                    shared_init=cfg.shared_init)
             except FedprotoError:
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. images too small for the architecture

@@ -73,6 +73,10 @@ class FlowerEngine:
         observers = [Health(cfg)]
         if self.run_dir:
             observers.append(RunFolder(self.run_dir, self.config_record))
+            if cfg.tensorboard:  # the optional extra (fedproto[tensorboard])
+                from fedproto.tensorboard import TensorBoardObserver
+
+                observers.append(TensorBoardObserver(self.run_dir.path))
         observers.append(Progress(on_round))
         self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
 

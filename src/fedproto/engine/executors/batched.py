@@ -213,6 +213,7 @@ class BatchedExecutor(LocalExecutor):
         """Client id -> (message, TrainResult) of one round: batched groups (in worker processes where
         there are any), the rest one by one (:func:`client_step`)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule) for the batched paths too
         out = {}
         groups = self._groups(sorted(msgs))
         pool = self._pool or None

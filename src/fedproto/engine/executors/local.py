@@ -26,6 +26,7 @@ def client_step(alg: Algorithm, state: ClientState, message: Message, data: Clie
     :meth:`Algorithm.client_update`. Returns the client's message and its
     :class:`~fedproto.training.TrainResult`."""
     torch.manual_seed(client_seed(seed, round, state.cid))
+    alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), on every executor
     return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
 
 
