@@ -10,6 +10,7 @@ import torch
 from conftest import client_splits, digits_fewshot, flat_weights, float64_sim
 from torch import nn
 
+import fedproto.engine.executors.batched as batched
 import fedproto.simulation as simulation
 import fedproto.training as training
 from fedproto.config import build_config
@@ -90,8 +91,8 @@ def test_adamw_cosine_generic_path_matches_sequential(digits, monkeypatch):
     """Your own models on the generic (vmap / grouped) batched path train with AdamW and a cosine schedule as
     the sequential path does (float64, 1e-9); the metrics rows log the lr of each round."""
     calls = []
-    orig = simulation.train_group_generic
-    monkeypatch.setattr(simulation, "train_group_generic", lambda models, *a, **k: calls.append(len(models))
+    orig = batched.train_group_generic
+    monkeypatch.setattr(batched, "train_group_generic", lambda models, *a, **k: calls.append(len(models))
                         or orig(models, *a, **k))
     sims = {}
     for mode in ("sequential", "batched"):
