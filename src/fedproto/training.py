@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +125,10 @@ class Objective:
             (official code's local prototypes).
         normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
         dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
+        extra: an extra loss term added to every step's loss (issue #24: FD's logit distillation,
+            :class:`fedproto.algorithms.fd.LogitDistill`), None: none. A callable ``(logits (..., B, C),
+            h (..., B, d), y (..., B), w (..., B) 0/1 validity) -> (...)`` loss, already weighted, with
+            ``to(device)``; the batched path compares it with ``==`` across a group's clients.
     """
 
     phases: list[Phase]
@@ -136,6 +141,7 @@ class Objective:
     collect: bool = False
     normalize: bool = False
     dp_sgd: DPSGD | None = None
+    extra: Any = None  # issue #24 draft seam: an extra loss term (see the docstring)
 
 
 @dataclass
@@ -331,7 +337,13 @@ def on_device(obj: Objective, device: torch.device) -> Objective:
         return obj
     ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
     return replace(obj, table=None if obj.table is None else obj.table.to(device),
-                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref)
+                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref,
+                   extra=None if obj.extra is None else obj.extra.to(device))
+
+
+def _extra_term(logits, h, y, w, obj: Objective):
+    """``obj.extra``'s loss for (..., B) batches, 0 without one (issue #24 draft seam)."""
+    return 0.0 if obj.extra is None else obj.extra(logits, h, y, w)
 
 
 def _step_terms(logits, h, y, w, obj: Objective):
@@ -474,7 +486,7 @@ def _train_client(
             with torch.set_grad_enabled(optim is not None):
                 logits, h = (net if optim is not None else model)(xb, nb)
                 ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-                loss = ce + obj.lambda_proto * lp
+                loss = ce + obj.lambda_proto * lp + _extra_term(logits, h, yb, torch.ones(len(yb), device=dev), obj)
                 if obj.prox_mu > 0 and obj.prox_ref is not None:
                     loss = loss + 0.5 * obj.prox_mu * sum(
                         ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
@@ -539,7 +551,7 @@ def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
 
     return (phases(a) == phases(b)
             and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
-            and a.collect == b.collect and a.normalize == b.normalize
+            and a.collect == b.collect and a.normalize == b.normalize and a.extra == b.extra
             and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask))
 
 
@@ -764,7 +776,7 @@ def train_stacked(
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
             logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
             ce, lp = _step_terms(logits, h, yb, w, obj)
-            loss_g = ce + obj.lambda_proto * lp
+            loss_g = ce + obj.lambda_proto * lp + _extra_term(logits, h, yb, w, obj)
             if refc is not None:
                 for k in train_names:
                     loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
@@ -1176,7 +1188,7 @@ def train_group_generic(
                                 Bc[k][pos_d] = bin_[k]
                     w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
                     ce, lp = _step_terms(logits, h, yb, w, obj)
-                    loss_g = ce + obj.lambda_proto * lp
+                    loss_g = ce + obj.lambda_proto * lp + _extra_term(logits, h, yb, w, obj)
                     if ref is not None:
                         for k in train_names:
                             if k in ref:
