@@ -24,7 +24,8 @@ def _sample(name: str):
     value = getattr(cfg, name)
     if value is not None:
         return value
-    return {"lambda_proto": 0.5, "data_dir": "/tmp", "pretrained": None, "name": "x", "classes": None}[name]
+    return {"lambda_proto": 0.5, "data_dir": "/tmp", "pretrained": None, "name": "x", "classes": None,
+            "server_epochs": 5, "server_lr": 0.1, "server_batch_size": 4}[name]
 
 
 def test_flags_toml_keys_and_options_page_agree(tmp_path):

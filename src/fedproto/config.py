@@ -36,7 +36,9 @@ RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpo
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
-RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
+RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), "server_epochs": ("fedtgp", "fedgh"),
+                   "server_lr": ("fedtgp", "fedgh"), "server_batch_size": ("fedtgp", "fedgh"),
+                   "tgp_margin": ("fedtgp",), "fd_lambda": ("fd",), "fd_temperature": ("fd",), **{
     k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
                                "min_contributors", "exclude_outliers", "lambda_schedule",
                                "class_check")}}
@@ -118,7 +120,8 @@ class RunConfig(BaseModel):
                                     "holds this many training samples")
     augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
-    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem")
+    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem | "
+                           "fedtgp | fd | fedgh | lgfedavg")
     model: str = Field(None, validate_default=False, description=" | ".join(MODEL_NAMES).replace("[,...]", "")
                        + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
@@ -228,6 +231,19 @@ class RunConfig(BaseModel):
     rep_head_epochs: int = Field(9, ge=1, le=100_000, description="FedRep head epochs per round (official code: "
                                  "9 head + 1 body)")
     fesem_clusters: int = Field(3, ge=1, le=1_000_000, description="FeSEM clusters K (arXiv 2005.01026)")
+    # model-heterogeneous methods (issue #24 item 2; drafts)
+    server_epochs: Optional[int] = Field(None, ge=0, le=1_000_000, description="FedTGP/FedGH server training "
+                                         "passes per round (default: FedTGP 100, FedGH 1 as the FedGH paper)")
+    server_lr: Optional[float] = Field(None, gt=0, le=1e6, description="FedTGP/FedGH server SGD step size "
+                                       "(default: FedTGP 0.1, FedGH 0.01)")
+    server_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000, description="FedTGP/FedGH prototypes per "
+                                             "server SGD step (default: FedTGP 10, FedGH 1 as the FedGH paper)")
+    tgp_margin: float = Field(100.0, gt=0, le=1e12, description="FedTGP margin threshold tau: the adaptive margin "
+                              "is min(largest nearest-class gap, tau) (arXiv 2401.03230)")
+    fd_lambda: float = Field(1.0, ge=0, le=1e6, description="FD weight of the logit distillation term "
+                             "(arXiv 1811.11479; PFLlib 1)")
+    fd_temperature: float = Field(1.0, gt=0, le=1e6, description="FD distillation temperature T (the paper and "
+                                  "PFLlib: 1)")
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "
@@ -455,11 +471,16 @@ class RunConfig(BaseModel):
             off.add("lr_min")
         if self.optimizer != "sgd":
             off.add("momentum")
-        for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem")):
+        for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem"),
+                       ("tgp_margin", "fedtgp"), ("fd_lambda", "fd"), ("fd_temperature", "fd")):
             if self.algorithm != alg:
                 off.add(k)
+        if self.algorithm not in ("fedtgp", "fedgh"):
+            off |= {"server_epochs", "server_lr", "server_batch_size"}
         if self.algorithm != "fedproto":
-            off |= {"lambda_proto", "distance", "proto_source", "proto_classes", "aggregation", "trim"}
+            off |= {"aggregation", "trim"}
+        if self.algorithm not in ("fedproto", "fedtgp"):  # FedTGP's client is FedProto's
+            off |= {"lambda_proto", "distance", "proto_source", "proto_classes"}
         return off
 
     def name_options(self) -> dict[str, Any]:

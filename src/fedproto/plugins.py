@@ -45,7 +45,7 @@ _version = 0
 PLUGINS: dict[str, Any] = {}
 """Algorithm classes registered from outside the library, by name (:func:`register`)."""
 
-BUILTIN = ("fedproto", "local", "fedavg", "fedprox", "fedper", "fedrep", "fesem")
+BUILTIN = ("fedproto", "local", "fedavg", "fedprox", "fedper", "fedrep", "fesem", "fedtgp", "fd", "fedgh", "lgfedavg")
 """The library's own methods (:data:`fedproto.algorithms.ALGORITHMS`)."""
 
 
