@@ -77,6 +77,13 @@ def register(cls: Any) -> None:
     _version += 1
 
 
+def unregister(name: str) -> None:
+    """Remove the plug-in registered as ``name`` (and its options); nothing if there is none."""
+    global _version
+    if PLUGINS.pop(name, None) is not None:
+        _version += 1
+
+
 def load_plugins() -> None:
     """Register the algorithms of the ``fedproto.algorithms`` entry-point group (once per process)."""
     global _loaded
