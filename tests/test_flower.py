@@ -548,9 +548,10 @@ def _evaluate_on(context, eng, cid: int, nid: int) -> dict:
 
     from fedproto.flower.common import CONFIG, MESSAGE, METRICS
 
-    msg = Message(RecordDict({MESSAGE: to_record(eng.setup.algorithm.downlink(eng.message, cid)),
-                              CONFIG: ConfigRecord({"round": eng.round, "cid": cid})}),
-                  dst_node_id=nid, message_type="evaluate", group_id=str(eng.round))
+    r = eng.executor.round
+    msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid})}),
+                  dst_node_id=nid, message_type="evaluate", group_id=str(r))
     msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
     return dict(client_app.app(msg, context).content[METRICS])
 
@@ -988,3 +989,43 @@ def test_min_replies_above_clients_is_refused_up_front():
     with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
         FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
     assert grid.sent == []
+
+
+@pytest.mark.parametrize("keep_state", [False, True])
+def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_state, tmp_path, caplog):
+    """Issue #23 (1): a node that restarts before round 4 of 4 (same node id, as under node
+    authentication) is detected from its reply's instance id. Without its state file it trains a
+    fresh model in round 4 only: the metrics row says so (``rejoined``), clients.csv marks it
+    (``state_lost_round``), and the headline accuracy leaves it out (``left_out``; all clients in
+    ``accuracy_all_clients``). With its state file it comes back with its model: recorded as restored,
+    scored as the others."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    state = {"state-dir": str(tmp_path / "s1")} if keep_state else {"state-dir": ""}
+    ncs = node_configs(folders, extra={1: state})
+    grid = LocalGrid(uc, node_configs=ncs)
+
+    def restart(grid, kind, group):
+        if kind == "train" and group == "4":
+            client_app._CACHE.clear()  # a new SuperNode process: nothing of the old one in memory
+            grid.add_node(1001, ncs[1])
+
+    grid.on_send = restart
+    with caplog.at_level("WARNING"):
+        summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("rejoined" not in r for r in rows[:3])
+    clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    if keep_state:
+        assert rows[3]["rejoined"] == {"1": "restarted with its state restored from its state file"}
+        assert "left_out" not in summary and "state_lost_round" not in clients[1]
+        assert "client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
+        return
+    assert rows[3]["rejoined"] == {"1": "restarted without its state: a fresh model"}
+    assert [c["state_lost_round"] for c in clients] == ["", "4", ""]
+    assert summary["left_out"] == {"1": "its node lost its state in round 4; it trained in 1 round(s) from then on, "
+                                        "fewer than 2"}
+    accs = [float(c["acc"]) for c in clients]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean([accs[0], accs[2]]), abs=1e-12)
+    assert summary["accuracy_all_clients"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert "client 1 (node 1001) restarted and lost its state" in caplog.text

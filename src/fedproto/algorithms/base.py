@@ -35,13 +35,10 @@ from fedproto.training import (
 
 Message = dict[str, np.ndarray]
 
-HEALTH_KEYS = ("emb_norm", "nonfinite", "instance", "restored", "state-round")
+HEALTH_KEYS = ("emb_norm", "nonfinite")
 """Per-client evaluation entries that describe the outputs, not a test accuracy
 (:func:`fedproto.prototypes.embedding_health`): kept in ``clients.csv``, left out of the
-accuracy summary. The last three (issue #23) are a Flower node's instance keys
-(:data:`fedproto.flower.node_state.INSTANCE_KEYS`), which ride in its evaluate reply: listed here
-only so that the current Flower server keeps them out of the accuracy mean (the server rewrite,
-issue #22, reads them itself)."""
+accuracy summary."""
 
 
 def optim_config(cfg: Any) -> OptimConfig:
