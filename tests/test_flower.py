@@ -190,10 +190,13 @@ def test_too_few_nodes_and_wrong_num_partitions_fail_clearly():
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3], num_partitions=5), out=False)
 
 
-def test_checkpoints_and_resume_are_refused_under_flower():
-    uc = _user_config(checkpoint_every=1)
-    with pytest.raises(ConfigError, match="checkpoint_every=1: under Flower"):
-        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False)
+def test_resume_needs_the_folder_of_an_interrupted_run(tmp_path):
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    for where, why in ((tmp_path / "none", "is not a folder"), (tmp_path, "is not the config.json of a Flower run")):
+        with pytest.raises(ConfigError, match=why):
+            FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), options=FlowerOptions(resume_from=str(where)))
 
 
 def _benchmark_run_matches_the_simulation(tmp_path, simulation: bool):
@@ -309,10 +312,10 @@ def test_server_app_logs_a_user_mistake_in_one_line(caplog):
     """Reported: every user mistake under Flower printed a ServerApp traceback."""
     from fedproto.flower import server_app
 
-    uc = _user_config(checkpoint_every=1)
+    uc = {**_user_config(), "resume-from": "/no/such/run"}
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=uc)
     server_app.main(LocalGrid(uc, [0, 1, 2, 3]), ctx)  # returns instead of raising
-    assert any("fedproto: checkpoint_every=1: under Flower" in r.getMessage() for r in caplog.records)
+    assert any("fedproto: resume-from='/no/such/run' is not a folder" in r.getMessage() for r in caplog.records)
 
 
 def test_a_fractional_partition_id_is_refused():
@@ -541,16 +544,16 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
 
 
-def _evaluate_on(context, eng, cid: int, nid: int) -> dict:
+def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -> dict:
     """Send the server's evaluate message of client ``cid`` to the ClientApp with ``context`` (node
-    ``nid``); the reply's metrics."""
+    ``nid``), with the server's run key (or ``run_key``); the reply's metrics."""
     from flwr.app import ConfigRecord
 
     from fedproto.flower.common import CONFIG, MESSAGE, METRICS
 
     r = eng.executor.round
     msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
-                              CONFIG: ConfigRecord({"round": r, "cid": cid})}),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key})}),
                   dst_node_id=nid, message_type="evaluate", group_id=str(r))
     msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
     return dict(client_app.app(msg, context).content[METRICS])
@@ -581,7 +584,7 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     assert sorted(inst) == [1000, 1001, 1002] and len(set(inst.values())) == 3
     files = {0: list((tmp_path / "s0").glob("*.pt")),
              2: list((tmp_path / "cache" / "fedproto" / "node-state").glob("*.pt"))}
-    assert [f.name.startswith(f"run-1-client-{i}-") for i in files for f in files[i]] == [True, True]
+    assert [f.name.startswith(f"run-{eng.run_key}-client-{i}-") for i in files for f in files[i]] == [True, True]
     assert not any(Path(tmp_path).glob("**/run-1-client-1-*.pt"))  # state-dir="": no file
     before = {nid: {k: v for k, v in rep.content["fedproto.metrics"].items()}
               for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
@@ -603,7 +606,7 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     assert client_app.STATE_MODEL not in grid.contexts[1001].state
 
     other_run = Context(run_id=2, node_id=1000, node_config=dict(ncs[0]), state=RecordDict(), run_config=dict(uc))
-    got = _evaluate_on(other_run, eng, 0, 1000)
+    got = _evaluate_on(other_run, eng, 0, 1000, run_key="another-run")
     assert got["instance"] != inst[1000] and got["restored"] == 0
     files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
     client_app._CACHE.clear()
@@ -611,7 +614,7 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
     assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
-    key = node_state.state_key(1, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
+    key = node_state.state_key(eng.run_key, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
     node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
     client_app._CACHE.clear()
     grid.add_node(1000, ncs[0])
@@ -1029,3 +1032,47 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
     assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean([accs[0], accs[2]]), abs=1e-12)
     assert summary["accuracy_all_clients"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
     assert "client 1 (node 1001) restarted and lost its state" in caplog.text
+
+
+def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
+    """Issue #23 (3): the SuperLink goes away in round 3 of 4. The server has written a checkpoint
+    after every round and writes failure.json (the round, the error, the resume command). A new
+    SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
+    state files, keyed by the server's run key) continues the run with ``resume-from``: rounds 1-2
+    kept, the numbers of a run that was never interrupted."""
+    from fedproto.flower.common import FlowerOptions
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    want = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
+    client_app._CACHE.clear()
+
+    def superlink_dies(grid, kind, group):
+        if kind == "train" and group == "3":
+            raise RuntimeError("StatusCode.UNAVAILABLE: the SuperLink went away")
+
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    grid.on_send = superlink_dies
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="SuperLink went away"):
+        FlowerEngine(run_config(uc), grid, out=run).run()
+    failure = json.loads((run / "failure.json").read_text())
+    assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
+    assert failure["checkpoint"] and f"resume-from='{run}'" in failure["resume"]
+    assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert not (run / "summary.json").exists()
+
+    client_app._CACHE.clear()  # new SuperNode processes
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    for nid, c in grid.contexts.items():  # a new SuperLink: a new Flower run id
+        grid.contexts[nid] = Context(run_id=2, node_id=nid, node_config=c.node_config, state=RecordDict(),
+                                     run_config=c.run_config)
+    resumed = {**uc, "resume-from": str(run)}
+    got = FlowerEngine(run_config(resumed), grid, options=FlowerOptions.from_user_config(resumed)).run()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert not (run / "failure.json").exists() and not (run / "checkpoint.pt").exists()
+    assert all(r["rejoined"] == {str(i): "restarted with its state restored from its state file" for i in range(3)}
+               for r in rows[2:3])
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)

@@ -71,7 +71,14 @@ class Node:
 _CACHE: dict[str, Any] = {}
 
 
-def node(context: Context) -> Node:
+def _run_key(msg: Message) -> str | None:
+    """The server's run key in a message's config record (:data:`fedproto.flower.node_state.RUN_KEY`), if any."""
+    if CONFIG in msg.content and node_state.RUN_KEY in msg.content[CONFIG]:
+        return str(msg.content[CONFIG][node_state.RUN_KEY])
+    return None
+
+
+def node(context: Context, run_key: str | None = None) -> Node:
     """This node's client, its model restored from ``context.state`` (built on first use).
 
     Raises:
@@ -100,7 +107,7 @@ def node(context: Context) -> Node:
     else:
         n = _benchmark_node(cfg, nc)
     # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
-    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra)
+    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
     if saved is not None:
         context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=saved["model"])
         context.state[STATE_EXTRA] = ConfigRecord(saved["extra"])
@@ -159,7 +166,7 @@ def query(msg: Message, context: Context) -> Message:
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
     DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
@@ -177,7 +184,7 @@ def train(msg: Message, context: Context) -> Message:
     and, without DP, the losses, step count, largest embedding norm and ``num-examples``; under DP
     the message alone. A node with ``misbehave`` in its node config corrupts its message (tests of
     the server's checks)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     r = _checked_round(n, msg)
     out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
     _save(n, context)
@@ -198,7 +205,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     adds ``acc_proto``, eq. 4), plus ``num-examples``. Under DP only ``dp_epsilon`` under
     ``prototypes``, nothing under ``full`` (:func:`fedproto.privacy.deployment_fields`); the node
     logs the metrics it keeps."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     _checked_round(n, msg)
     metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
     metrics.update(n.algorithm.client_report(n.state))  # e.g. the privacy this client spent (dp)

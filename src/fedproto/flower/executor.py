@@ -83,8 +83,9 @@ class FlowerExecutor(Executor):
     execution = "flower"
     membership_changes = True
 
-    def __init__(self, cfg: RunConfig, grid: Grid, options: FlowerOptions):
+    def __init__(self, cfg: RunConfig, grid: Grid, options: FlowerOptions, run_key: str = ""):
         self.opts = options
+        self.run_key = run_key  # sent in every message: the nodes' state files belong to it
         if options.min_replies > cfg.clients:
             raise ConfigError(f"Flower run config: min-replies={options.min_replies} is larger than clients="
                               f"{cfg.clients}, so no round could have enough replies; give min-replies <= clients")
@@ -149,6 +150,11 @@ class FlowerExecutor(Executor):
                             f"fewer than {need}")
         return out
 
+    def _config(self, entries: dict) -> dict:
+        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)."""
+        entries = {**entries, "run-key": self.run_key} if self.run_key else entries
+        return {CONFIG: ConfigRecord(entries)} if entries else {}
+
     def bind(self, algorithm: Algorithm) -> None:
         """The server side of the run's algorithm (its reply check decides a round's retries)."""
         self.algorithm = algorithm
@@ -205,7 +211,8 @@ class FlowerExecutor(Executor):
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, unavailable, _ = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
+        ok, failed, unavailable, _ = self._exchange([Message(RecordDict(self._config({})), dst_node_id=nid,
+                                                             message_type=QUERY)
                                                      for nid in new])
         for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
             log.warning("node %d is unavailable: %s", nid, why)
@@ -388,7 +395,7 @@ class FlowerExecutor(Executor):
         client ids that timed out). Failures and timeouts are logged."""
         ids = [i for i in ids if i in self.nodes]
         out = [Message(RecordDict({MESSAGE: to_record(msgs[i]),
-                                   CONFIG: ConfigRecord({"round": self.round, "cid": i})}),
+                                   **self._config({"round": self.round, "cid": i})}),
                        dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
                for i in ids]
         ok, failed, unavailable, missing = self._exchange(out)
@@ -434,7 +441,8 @@ class FlowerExecutor(Executor):
     def config_record(self) -> dict:
         return {"engine": "flower", "embedding_dim_in_force": self.embedding_dim,
                 "flower": {"round_timeout": self.opts.round_timeout, "min_replies": self.opts.min_replies,
-                           "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes},
+                           "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes,
+                           "run_key": self.run_key},
                 "nodes": {str(i): {**{k: v for k, v in self.info[i].items() if k != "cid"}, "node_id": self.nodes[i]}
                           for i in sorted(self.info)},
                 "refused": [dict(r) for r in self.refusals]}
