@@ -81,7 +81,7 @@ def min_batch(model: nn.Module, batch_size: int) -> int:
     a client blew up to norms of 1e6-1e17 and its accuracy fell to chance (issue #10; at B = 4 a
     kept 2-sample batch did the same). With this rule no trailing batch holds fewer than
     min(B, 4) samples nor fewer than half the batch size, and none more than 1.5 B + 3. Batch
-    sizes below 4 leave every step short of values: :func:`fedproto.simulation.prepare` warns.
+    sizes below 4 leave every step short of values: :func:`fedproto.engine.setup.prepare` warns.
     Models without BatchNorm: 1 (every trailing batch is kept as it is).
     """
     B = int(batch_size)
@@ -1111,7 +1111,7 @@ def _dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[_DropCall]:
 def _replay_masks(calls: Sequence[_DropCall], counts: Sequence[torch.Tensor], seed: int) -> list[list[dict]]:
     """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
     CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
-    :func:`fedproto.simulation.client_step`): torch's CPU dropout draws
+    :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
     ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
     ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -1253,7 +1253,7 @@ def train_group_generic(
         obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
         opt: optimizer settings (:class:`OptimConfig`).
         seeds: per client seed of torch's generator on the sequential path
-            (:func:`fedproto.simulation.client_seed`); needed when the models hold active dropout
+            (:func:`fedproto.engine.seeding.client_seed`); needed when the models hold active dropout
             modules. On CUDA the sequential path's dropout draws from the fused CUDA kernel's
             generator instead, so there the two paths draw other (equally distributed) masks.
     Returns:

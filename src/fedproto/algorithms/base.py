@@ -60,7 +60,7 @@ def message_size(msg: Message) -> tuple[int, int]:
 class SharedInputs:
     """One inputs tensor (N, C, H, W) that many clients' :class:`ClientData` views index into.
 
-    :meth:`fedproto.simulation.Setup.to_device` moves it once for all clients (``tensor`` is
+    :meth:`fedproto.engine.setup.Setup.to_device` moves it once for all clients (``tensor`` is
     replaced); the views read it whenever they gather their rows.
     """
 
@@ -158,7 +158,7 @@ class ClientData:
     def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> ClientData:
         """Move the held tensors to ``device`` (labels always; inputs held as tensors) and/or cast
         the inputs to the float ``dtype``, in place; returns self. A view's shared inputs are not
-        moved here (:meth:`fedproto.simulation.Setup.to_device` moves each once); its gathered rows
+        moved here (:meth:`fedproto.engine.setup.Setup.to_device` moves each once); its gathered rows
         are cast to ``dtype`` on every read."""
         if device is not None:
             self.y, self.test_y = self.y.to(device), self.test_y.to(device)

@@ -18,7 +18,7 @@ and reloads them after a restart, and every reply carries the node's ``instance`
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
 e.g. initial weights for weight-sharing methods), ``train`` (one client step:
-:func:`fedproto.simulation.client_step`, reply: the algorithm message plus losses) and
+:func:`fedproto.engine.executors.local.client_step`, reply: the algorithm message plus losses) and
 ``evaluate`` (reply: the algorithm's per-client metrics).
 
 Under DP (``dp`` ``prototypes`` or ``full``) a node sends only what is public or covered by the
