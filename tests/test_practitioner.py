@@ -135,7 +135,7 @@ def test_options_validated_and_resumable(tmp_path):
 
 
 def test_options_of_other_algorithms_are_warned_about(caplog):
-    """The engine names options that act on other algorithms only (from config.RESULT_ONLY_FOR),
+    """The engine names options that act on other algorithms only (the owners of each option, fedproto.algorithms.options.owners),
     without knowing any algorithm by name."""
     from fedproto.engine.setup import prepare
 

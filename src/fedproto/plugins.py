@@ -110,8 +110,3 @@ def plugin_options() -> list[tuple[str, type[BaseModel]]]:
     """(name, ``Options``) of the plug-ins that have options, in registration order."""
     load_plugins()
     return [(n, cls.Options) for n, cls in PLUGINS.items() if getattr(cls, "Options", None) is not None]
-
-
-def owners(field: str) -> tuple[str, ...]:
-    """The plug-ins whose ``Options`` declare ``field``."""
-    return tuple(n for n, o in plugin_options() if field in o.model_fields)

@@ -18,14 +18,14 @@ import torch
 
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
-from fedproto.config import RESULT_ONLY_FOR, RunConfig
+from fedproto.algorithms.options import owners
+from fedproto.config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError, PartitionError, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
-from fedproto.plugins import owners, plugin_options
 from fedproto.training import has_batchnorm
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,8 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     models = [s.model for s in states]
     d = check_embedding_dims(models)
     check_batches(cfg, models, [len(x.y) for x in data])
-    users = {**RESULT_ONLY_FOR, **{k: owners(k) for _, o in plugin_options() for k in o.model_fields}}
     fields = type(cfg).model_fields
+    users = {k: owners(k) for k in fields if k not in CommonConfig.model_fields}  # the algorithms' own options
     unused = [k for k, algs in users.items() if cfg.algorithm not in algs and getattr(cfg, k) != fields[k].default]
     if unused:
         log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
