@@ -246,7 +246,7 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     writable = isolated / "w" / "femnist"
     writable.mkdir(parents=True)
     shutil.copyfile(archive, writable / archive.name)
-    folder = ds._find_femnist(isolated / "w")
+    folder = ds.find_femnist(isolated / "w")
     assert folder.is_relative_to(writable) and (folder / "train").is_dir()
     assert leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
 
@@ -255,7 +255,7 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     shutil.copyfile(archive, readonly / archive.name)
     readonly.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
     try:
-        folder = ds._find_femnist(isolated / "r")
+        folder = ds.find_femnist(isolated / "r")
         assert folder.is_relative_to(dl.default_cache_dir())
         assert sorted(os.listdir(readonly)) == [archive.name]
     finally:

@@ -91,10 +91,10 @@ def test_download_file_cleans_up_on_keyboard_interrupt(
     www, base = http_root
     (www / "blob.bin").write_bytes(b"x" * 1000)
 
-    def interrupted(*args: object) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dl, "_verify", interrupted)
+    monkeypatch.setattr(dl, "md5_of", interrupted)  # the check of the finished download
     dest = tmp_path / "out" / "blob.bin"
     with pytest.raises(KeyboardInterrupt):
         dl.download_file([f"{base}/blob.bin"], dest, md5="0" * 32, progress=False)

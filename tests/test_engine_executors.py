@@ -41,7 +41,7 @@ def test_resnet18_runs_in_the_simulation_sequentially(tmp_path):
                                       test_shots=5, rounds=1, pretrained=str(path)))
     sim = Simulation(cfg, out=False)
     # _groups gives (clients, process) pairs: each client alone, in the main process
-    assert sim.setup.embedding_dim == 512 and sim.executor._groups([0, 1]) == [([0], 0), ([1], 0)]
+    assert sim.setup.embedding_dim == 512 and sim.executor.groups([0, 1]) == [([0], 0), ([1], 0)]
     assert [s.model.strides for s in sim.setup.states] == [(1, 4), (2, 2)]
     assert all(torch.equal(s.model.layer2[1].conv2.weight, saved["layer2.1.conv2.weight"]) for s in sim.setup.states)
     summary = sim.run()

@@ -9,7 +9,7 @@ import pytest
 from conftest import DOCS, run_cli
 from pydantic import Field
 
-from fedproto import options
+from fedproto import config, options
 from fedproto.config import RunConfig, build_config
 from fedproto.errors import ConfigError, opt, python_wording
 
@@ -29,9 +29,9 @@ def test_flags_toml_keys_and_options_page_agree(tmp_path):
     """Every RunConfig field is a `fedproto run` flag whose help is the field's description and
     default, a TOML key that reaches the same field, and a row of docs/options.md (which is the
     generator's current output, so it is never stale)."""
-    from fedproto.cli import _run_command
+    from fedproto.cli import run_command
 
-    params = {p.name: p for p in _run_command().params}
+    params = {p.name: p for p in run_command().params}
     fields = RunConfig.model_fields
     assert set(fields) <= set(params) and set(params) - set(fields) == {"config", "resume", "quiet"}
     page = (DOCS / "options.md").read_text(encoding="utf-8")
@@ -69,7 +69,7 @@ def test_a_new_field_becomes_a_flag_and_a_row_with_no_other_edit(monkeypatch):
         robust_trim: int = Field(2, ge=0, description="Trimmed-mean: drop this many on each side")
         secure: bool = Field(False, description="Add secure aggregation")
 
-    monkeypatch.setattr(options, "_fields", lambda: Extended.model_fields)
+    monkeypatch.setattr(config, "config_model", lambda: Extended)
     by_name = {p.name: p for p in options.run_params()}
     assert by_name["robust_trim"].opts == ["--robust-trim"]
     assert by_name["robust_trim"].help == "Trimmed-mean: drop this many on each side (default: 2)"

@@ -78,13 +78,13 @@ def _capture_figures(monkeypatch):
     """Keep every figure the plot functions save (and still write the PNG)."""
     from fedproto import plots
 
-    figs, save = [], plots._save
+    figs, save = [], plots.save_figure
 
     def keep(fig, path):
         figs.append(fig)
         return save(fig, path)
 
-    monkeypatch.setattr(plots, "_save", keep)
+    monkeypatch.setattr(plots, "save_figure", keep)
     return figs
 
 

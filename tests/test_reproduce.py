@@ -148,17 +148,17 @@ def test_cells_stored_before_personal_layers_existed():
     """A stored config without ``personal_layers`` was a FedPer/FedRep run that kept only the last
     layer local: it no longer matches the default ("fc") and is rerun; other methods, for which
     the field means nothing, still match and are skipped."""
-    from fedproto.reproduce import _comparable
+    from fedproto.reproduce import comparable
 
     for method, same in (("fedper", False), ("fedrep", False), ("fedavg", True), ("fedproto", True)):
         cfg = build_config(overrides={"dataset": "digits", "algorithm": method}).model_dump()
         stored = {k: v for k, v in cfg.items() if k != "personal_layers"}
-        assert (_comparable(stored) == _comparable(cfg)) is same, method
+        assert (comparable(stored) == comparable(cfg)) is same, method
         legacy = build_config(overrides={"dataset": "digits", "algorithm": method, "personal_layers": "head"})
-        assert _comparable(stored) == _comparable(legacy.model_dump()), method
+        assert comparable(stored) == comparable(legacy.model_dump()), method
     # ResNet18's only fully connected layer is its head, so both splits are the same run
     cfg = build_config(overrides={"dataset": "cifar10", "algorithm": "fedrep"}).model_dump()
-    assert _comparable({k: v for k, v in cfg.items() if k != "personal_layers"}) == _comparable(cfg)
+    assert comparable({k: v for k, v in cfg.items() if k != "personal_layers"}) == comparable(cfg)
 
 
 def test_table_records_global_and_personal_protocols(tmp_path):
