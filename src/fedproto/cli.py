@@ -409,7 +409,7 @@ def _finish(results, wrote: str) -> None:
         raise typer.Exit(1)
 
 
-def _run_command() -> click.Command:
+def run_command() -> click.Command:
     """``fedproto run`` as a click command whose options are generated from RunConfig's fields
     (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
     from fedproto.options import run_params
@@ -432,7 +432,7 @@ def _run_command() -> click.Command:
 def command() -> click.Group:
     """The whole command line as a click group: the typer app's commands and ``run``."""
     group = typer.main.get_command(app)
-    group.add_command(_run_command(), "run")
+    group.add_command(run_command(), "run")
     group.commands = {"run": group.commands.pop("run"), **group.commands}  # `run` first in --help
     return group
 

@@ -1,6 +1,6 @@
 """The batched executor: clients of one architecture trained as one batched computation.
 
-Each round's clients are grouped by architecture (:meth:`BatchedExecutor._groups`). A group whose
+Each round's clients are grouped by architecture (:meth:`BatchedExecutor.groups`). A group whose
 models have a hand-written batched forward (:attr:`~fedproto.models.base.ProtoModel.batch_params`,
 the paper's CNN) trains with :func:`~fedproto.training.train_group`, split over worker processes
 (:mod:`fedproto.parallel`) where the run has them; with ``execution="batched"`` other
@@ -98,7 +98,13 @@ class BatchedExecutor(LocalExecutor):
         self._worker_threads = 1
         self._generic_checked: dict = {}
 
-    def _groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
+    @property
+    def pool(self):
+        """The :class:`~fedproto.parallel.WorkerPool` training this run's batched groups; False when
+        they train in this process; None before the first batched round and after :meth:`close`."""
+        return self._pool
+
+    def groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
         process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
         mode = self.mode
@@ -215,7 +221,7 @@ class BatchedExecutor(LocalExecutor):
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule) for the batched paths too
         out = {}
-        groups = self._groups(sorted(msgs))
+        groups = self.groups(sorted(msgs))
         pool = self._pool or None
         tasks: dict[int, list] = defaultdict(list)
         for group, w in groups:  # the workers' parts first: they train while the main process trains its own
