@@ -13,8 +13,8 @@ from fedproto.federation import Client, federate
 
 
 def test_options_of_other_algorithms_are_warned_about(caplog):
-    """The engine names options that act on other algorithms only (the owners of each option, fedproto.algorithms.options.owners),
-    without knowing any algorithm by name."""
+    """The engine names options that act on other algorithms only (each option's owners,
+    fedproto.algorithms.options.owners), without knowing any algorithm by name."""
     from fedproto.engine.setup import prepare
 
     with caplog.at_level(logging.WARNING, logger="fedproto"):
