@@ -238,11 +238,11 @@ def assert_png(path):
 @pytest.fixture(scope="session")
 def private_cache(tmp_path_factory: pytest.TempPathFactory):
     """Keep every test's cache writes (downloads, extractions) out of the user's home."""
-    from fedproto.data import datasets as ds
+    from fedproto.data import mnist
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
-        mp.delenv(ds.MNIST_MIRRORS_ENV, raising=False)
+        mp.delenv(mnist.MNIST_MIRRORS_ENV, raising=False)
         yield
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import leftovers
 
-from fedproto.data import Dataset, load_dataset
+from fedproto.data import Dataset, femnist, load_dataset, mnist
 from fedproto.data import datasets as ds
 from fedproto.data import download as dl
 from fedproto.errors import DataError
@@ -83,7 +83,7 @@ def _serve_mnist(www: Path, folder: str) -> Path:
 def test_mnist_download_with_mirror_fallback(isolated: Path, http_root, monkeypatch) -> None:
     www, base = http_root
     _serve_mnist(www, "good")
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/missing/,{base}/good")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/missing/,{base}/good")
     root = isolated / "root"
 
     data = load_dataset("mnist", root=root, progress=False)
@@ -103,7 +103,7 @@ def test_mnist_download_corrupt_file(
         _regzip_corrupted(bad, bad)
     else:
         _flip_raw_bytes(bad, bad)
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/bad/")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/bad/")
     root = isolated / "root"
 
     with pytest.raises(DataError) as info:
@@ -121,7 +121,7 @@ def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> 
     www, base = http_root
     served = _serve_mnist(www, "partial")
     (served / "t10k-labels-idx1-ubyte.gz").unlink()
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/partial/")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/partial/")
     root = isolated / "root"
 
     with pytest.raises(DataError) as info:
@@ -235,7 +235,7 @@ def test_femnist_from_shared_data() -> None:
     assert len(np.unique(data.train_groups)) == 105 and len(data.group_names or []) == 105
     assert set(np.unique(data.test_groups)) <= set(np.unique(data.train_groups))
 
-    unpaired = ds.load_femnist_unpaired()
+    unpaired = femnist.load_femnist_unpaired()
     assert len(unpaired.train_y) == 0 and unpaired.test_x.shape == (2493, 1, 28, 28)
     assert len(unpaired.group_names or []) == 85
     assert not set(unpaired.group_names or []) & set(data.group_names or [])
@@ -246,7 +246,7 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     writable = isolated / "w" / "femnist"
     writable.mkdir(parents=True)
     shutil.copyfile(archive, writable / archive.name)
-    folder = ds.find_femnist(isolated / "w")
+    folder = femnist.find_femnist(isolated / "w")
     assert folder.is_relative_to(writable) and (folder / "train").is_dir()
     assert leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
 
@@ -255,7 +255,7 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     shutil.copyfile(archive, readonly / archive.name)
     readonly.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
     try:
-        folder = ds.find_femnist(isolated / "r")
+        folder = femnist.find_femnist(isolated / "r")
         assert folder.is_relative_to(dl.default_cache_dir())
         assert sorted(os.listdir(readonly)) == [archive.name]
     finally:
