@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--big-site", type=int, default=10000, help="images of node 0 in the second setting (0: skip)")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--with-superexec", action="store_true",
+                    help="also --isolation process with Flower's own flower-superexec (a process per message)")
     args = ap.parse_args()
     rl = _run_local()
     tmp = Path(tempfile.mkdtemp(prefix="bench-flower-"))
@@ -103,10 +105,10 @@ def main() -> None:
             write_big_site(big, args.big_site)
             settings.append((f"node 0: {args.big_site:,} images", [big, *folders[1:]]))
         for label, fs in settings:
-            for ex in (None, "fedproto"):
-                key = f"{label} | {'executor' if ex else 'default'}"
-                results[key] = deployment(tmp / key.replace(" ", "_").replace("|", "").replace(",", "").replace(":", ""),
-                                          fs, rl.NODE_MODELS, ex, args.rounds)
+            for ex in (None, "fedproto", *(("flower",) if args.with_superexec else ())):
+                key = f"{label} | {ex or 'default'}"
+                work = tmp / "".join(c if c.isalnum() else "_" for c in key)
+                results[key] = deployment(work, fs, rl.NODE_MODELS, ex, args.rounds)
                 r = results[key]
                 print(f"{key}: rounds {[round(s, 2) for s in r['rounds_s']]} s, final eval {r['eval_s']:.2f} s, "
                       f"acc {r['acc']:.6f} / {r['acc_proto']:.6f}, load {r['load_before'][0]:.2f} -> "
@@ -119,13 +121,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for key, r in results.items():
         label, iso = key.split(" | ")
-        iso = "default (flwr-clientapp per message)" if iso == "default" else "`--isolation process` + our executor"
+        iso = {"default": "default (flwr-clientapp per message)", "fedproto": "`--isolation process` + our executor",
+               "flower": "`--isolation process` + flower-superexec"}[iso]
         print(f"| {label} | {iso} | {', '.join(f'{s:.2f}' for s in r['rounds_s'])} | "
               f"{statistics.median(r['rounds_s']):.2f} | {r['eval_s']:.2f} | {r['acc']:.6f} / {r['acc_proto']:.6f} | "
               f"{r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f} |")
-    keys = list(results)
-    for a, b in zip(keys[::2], keys[1::2]):
-        ra, rb = results[a], results[b]
+    for a in [k for k in results if k.endswith("| default")]:
+        ra, rb = results[a], results[a.replace("| default", "| fedproto")]
         speed = statistics.median(ra["rounds_s"]) / statistics.median(rb["rounds_s"])
         same = (ra["acc"], ra["acc_proto"]) == (rb["acc"], rb["acc_proto"])
         print(f"{a.split(' | ')[0]}: median round {speed:.1f}x faster with the executor; accuracies "

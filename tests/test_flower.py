@@ -853,7 +853,7 @@ def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
     assert "fedproto: fedproto on custom: accuracy" in text, text[-3000:] + logs["node0-executor"][-3000:]
     for i in range(3):
         ex = logs[f"node{i}-executor"]
-        assert "ready in" in ex and "16 samples decoded, warm-up done" in ex, ex[-2000:]  # 4 classes x (3 + 1)
+        assert "ready in" in ex and "64 samples decoded, warm-up done" in ex, ex[-2000:]  # 4 classes x (12 + 4)
         assert ex.count("ClientApp in process") == 4, ex[-3000:]  # query, train x 2, evaluate: one fork each
         assert "exited with" not in ex, ex[-3000:]
     run = next(out.glob("*/summary.json")).parent

@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                                             "threads apply to the tasks); default 1")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds between task polls (0.01..60)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per poll
     try:
         secret = None
