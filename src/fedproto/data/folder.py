@@ -45,6 +45,9 @@ def load_client_folder(folder: str | Path, num_classes: int, class_names: Sequen
         DataError: the folder or a split is missing or empty, an array is missing or has the wrong
             shape, a label is not a whole number in 0..C-1, images differ in size or cannot be read
             (each message names the file and the fix).
+
+    Every call reads the files, unless :func:`keep_decoded` was turned on in this process (the
+    Flower executor does): then a folder's decoded arrays are reused while its files are unchanged.
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
