@@ -220,7 +220,13 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
     started, me = 0, os.getpid()
     try:
         while not stop["now"] and (max_tasks is None or started < max_tasks):
-            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[CLIENTAPP]))
+            try:
+                res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[CLIENTAPP]))
+            except Exception as e:  # noqa: BLE001 - e.g. the SuperNode restarting: say so and ask again
+                log.warning("asking the SuperNode at %s for a task failed (%s: %s); trying again in 1 s", address,
+                            type(e).__name__, str(e)[:200])
+                time.sleep(1.0)
+                continue
             if res.HasField("task") and res.token:
                 pid = os.fork()
                 if pid == 0:  # the child
