@@ -824,7 +824,7 @@ def test_min_replies_above_clients_is_refused_up_front():
 
 
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
-    """Issue #23 item 4 (a CI test, ~30 s): the three own-data SuperNodes started with
+    """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
     ``--isolation process`` and ``python -m fedproto.flower.executor`` each (one warm process
     that forks per message) give the in-process numbers, as the default path does in the test
     above; every executor decoded its node's data and warmed up before the first task, ran one

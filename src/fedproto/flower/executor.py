@@ -190,8 +190,10 @@ def _run_child(address: str, token: str, insecure: bool, root_certificates: str 
 def serve(address: str, insecure: bool = False, root_certificates: str | None = None,
           poll_interval: float = 0.1, secret: bytes | None = None, max_tasks: int | None = None) -> int:
     """Ask the SuperNode's Runtime API at ``address`` for ClientApp tasks and run each in a forked
-    child (Flower's ``run_clientapp`` with the task's token), until SIGTERM/SIGINT or ``max_tasks``
-    tasks. Returns the number of tasks started.
+    child (Flower's ``run_clientapp`` with the task's token), until ``max_tasks`` tasks have ended
+    (then returns how many were started) or SIGTERM/SIGINT (exits at once; a task under way is
+    ended by Flower's watch of this process in the child). While the SuperNode is unreachable it
+    keeps asking (Flower's HTTP retries, with backoff).
 
     Raises:
         ConfigError: no ``os.fork`` (Windows), ``poll_interval`` outside 0.01..60 s, neither
@@ -209,17 +211,18 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
 
     client = _runtime_client(address, insecure, root_certificates, secret)
-    stop = {"now": False}
 
     def _stop(signum, frame) -> None:  # noqa: ARG001
-        stop["now"] = True
+        # at once, also from inside Flower's retries while the SuperNode is unreachable; a task under
+        # way ends too: Flower's run_clientapp in the child watches this process (parent_pid)
+        raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     children: set[int] = set()
     started, me = 0, os.getpid()
     try:
-        while not stop["now"] and (max_tasks is None or started < max_tasks):
+        while max_tasks is None or started < max_tasks:
             try:
                 res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[CLIENTAPP]))
             except Exception as e:  # noqa: BLE001 - e.g. the SuperNode restarting: say so and ask again
@@ -236,7 +239,7 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
                 log.info("task %d (run %d): ClientApp in process %d", res.task.task_id, res.task.run_id, pid)
             children -= _reaped(children)
             time.sleep(poll_interval)
-        for pid in children:  # let running tasks finish
+        for pid in children:  # max_tasks reached: let the running tasks finish
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
