@@ -5,7 +5,7 @@ a SuperLink and three SuperNodes on 127.0.0.1 (digits, models cnn / projcnn:16-3
 ``own_data`` app, FedProto), run twice with the same run config and seed:
 
 * ``default``: ``flower-supernode`` as is (a fresh ``flwr-clientapp`` process per message);
-* ``executor``: ``flower-supernode --isolation process`` plus ``python -m fedproto.flower.executor``
+* ``executor``: ``flower-supernode --isolation process`` plus ``python -m fedproto.flower.prefork``
   per node (one warm process that forks per message).
 
 Then the same with node 0 replaced by a site of ``--big-site`` images (an image folder of 8x8

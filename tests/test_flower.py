@@ -825,7 +825,7 @@ def test_min_replies_above_clients_is_refused_up_front():
 
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
     """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
-    ``--isolation process`` and ``python -m fedproto.flower.executor`` each (one warm process
+    ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
     that forks per message) give the in-process numbers, as the default path does in the test
     above; every executor decoded its node's data and warmed up before the first task, ran one
     forked ClientApp per message (query, 2 x train, evaluate) and is stopped at the end."""
@@ -869,8 +869,8 @@ def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
 
 
 def test_executor_options_are_checked_with_the_fix(tmp_path):
-    from fedproto.flower.executor import parse_node_config, preload, serve
     from fedproto.flower.local import LocalFederation
+    from fedproto.flower.prefork import parse_node_config, preload, serve
 
     assert parse_node_config('client-id=0 data="/d" model="cnn"') == {"client-id": 0, "data": "/d", "model": "cnn"}
     assert parse_node_config(None) == {} == parse_node_config("  ")

@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="runs/flower-local")
     ap.add_argument("--executor", choices=("default", "fedproto", "flower"), default="default",
                     help="default: a flwr-clientapp process per message; fedproto: --isolation process and "
-                         "python -m fedproto.flower.executor per node (rounds in seconds); flower: --isolation "
+                         "python -m fedproto.flower.prefork per node (rounds in seconds); flower: --isolation "
                          "process and Flower's flower-superexec")
     ap.add_argument("--compare", action="store_true",
                     help="then run the same clients in-process and print per-round times side by side")

@@ -250,7 +250,7 @@ class LocalFederation:
         its private key (default: a new registered one). ``max_wait``: seconds it keeps trying to
         connect (default: forever). ``executor``: None (default: the SuperNode starts a
         ``flwr-clientapp`` process per message), ``"fedproto"`` (``--isolation process`` and
-        ``python -m fedproto.flower.executor`` as process ``<name>-executor``: one warm process
+        ``python -m fedproto.flower.prefork`` as process ``<name>-executor``: one warm process
         that forks per message) or ``"flower"`` (``--isolation process`` and Flower's
         ``flower-superexec``). Raises ConfigError for another ``executor``."""
         if executor not in (None, "fedproto", "flower"):
@@ -263,7 +263,7 @@ class LocalFederation:
             args += ["--isolation", "process"]
             runtime = f"127.0.0.1:{runtime_port}"
             if executor == "fedproto":
-                cmd = [sys.executable, "-m", "fedproto.flower.executor", "--supernode", runtime, "--insecure",
+                cmd = [sys.executable, "-m", "fedproto.flower.prefork", "--supernode", runtime, "--insecure",
                        "--node-config", config_arg(node_config)]
             else:
                 superexec = flower_command("flower-superexec")

@@ -9,7 +9,7 @@ per task, which costs the same. This one, one per node::
 
     flower-supernode --isolation process --port 9100 --superlink 10.0.0.1:9092 ... \\
         --node-config 'client-id=0 data="/data/site0" model="cnn"'
-    python -m fedproto.flower.executor --supernode 127.0.0.1:9100 --insecure \\
+    python -m fedproto.flower.prefork --supernode 127.0.0.1:9100 --insecure \\
         --node-config 'client-id=0 data="/data/site0" model="cnn"'
 
 imports torch, flwr and fedproto's ClientApp once, decodes the node's data once (its node
@@ -51,7 +51,7 @@ FLOWER_VERSIONS = ("1.42.",)
 CLIENTAPP = "flwr-clientapp"
 """Flower's task type of a ClientApp run (``flwr.supercore.constant.TaskType.CLIENT_APP``)."""
 
-log = logging.getLogger("fedproto.flower.executor")
+log = logging.getLogger("fedproto.flower.prefork")
 
 
 def parse_node_config(text: str | None) -> dict[str, Any]:
@@ -266,8 +266,8 @@ def _reaped(children: set[int]) -> set[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m fedproto.flower.executor --supernode HOST:PORT --insecure [--node-config ...]``."""
-    ap = argparse.ArgumentParser(prog="python -m fedproto.flower.executor", description=__doc__.split("\n\n")[0])
+    """``python -m fedproto.flower.prefork --supernode HOST:PORT --insecure [--node-config ...]``."""
+    ap = argparse.ArgumentParser(prog="python -m fedproto.flower.prefork", description=__doc__.split("\n\n")[0])
     ap.add_argument("--supernode", required=True, metavar="HOST:PORT",
                     help="the SuperNode's Runtime API: 127.0.0.1 and its --port (the SuperNode started with "
                          "--isolation process)")
