@@ -11,7 +11,7 @@ import torch
 from conftest import client_splits, digits_fewshot, flat_weights, float64_sim
 from torch import nn
 
-import fedproto.simulation as simulation
+import fedproto.engine.executors.batched as simulation
 from fedproto.config import build_config
 from fedproto.federation import Client, federate
 from fedproto.training import generic_batch_problem, generic_key
@@ -227,7 +227,7 @@ def test_models_vmap_cannot_batch_train_sequentially(digits, generic_calls, capl
     sim = federate(clients, 10, rounds=2, out=False, eval_every=0, threads=1, execution="batched")
     problem = generic_batch_problem(sim.models[0], sim.setup.data[0].x)
     assert problem is not None and "random" in problem.lower()
-    with caplog.at_level(logging.INFO, logger="fedproto.simulation"):
+    with caplog.at_level(logging.INFO, logger="fedproto"):
         sim.run()
     assert generic_calls == []
     assert sum("vmap cannot batch them" in r.getMessage() for r in caplog.records) == 1  # checked once per run

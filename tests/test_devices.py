@@ -8,8 +8,9 @@ from conftest import flat_weights
 
 from fedproto.config import build_config
 from fedproto.devices import resolve_device
+from fedproto.engine.setup import prepare
 from fedproto.errors import ConfigError
-from fedproto.simulation import Simulation, prepare
+from fedproto.simulation import Simulation
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh)")
 

@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from fedproto.config import build_config  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
 from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
+from fedproto.flower.node_state import INSTANCE_KEYS  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.privacy import epsilon  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
@@ -117,6 +119,14 @@ def _server_process(monkeypatch):
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Own-data nodes keep their state files in the user cache (fedproto.flower.node_state): a
+    test's own, so that no test reads another's (the contexts here all have run id 1) and none
+    writes to the user's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("algorithm", ["fedproto", "fesem", "fedrep"])
 def test_flower_engine_matches_the_simulation(algorithm):
     """Same config and seed: the Flower engine (every client step on its node, state kept in the
@@ -180,10 +190,13 @@ def test_too_few_nodes_and_wrong_num_partitions_fail_clearly():
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3], num_partitions=5), out=False)
 
 
-def test_checkpoints_and_resume_are_refused_under_flower():
-    uc = _user_config(checkpoint_every=1)
-    with pytest.raises(ConfigError, match="checkpoint_every=1: under Flower"):
-        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False)
+def test_resume_needs_the_folder_of_an_interrupted_run(tmp_path):
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    for where, why in ((tmp_path / "none", "is not a folder"), (tmp_path, "is not the config.json of a Flower run")):
+        with pytest.raises(ConfigError, match=why):
+            FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), options=FlowerOptions(resume_from=str(where)))
 
 
 def _benchmark_run_matches_the_simulation(tmp_path, simulation: bool):
@@ -269,14 +282,17 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
                                                                    else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
+    inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
+    assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
-        assert all(_reply_keys(r)["metrics"] == {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"}
-                   for r in t)
+        sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
+        assert all(_reply_keys(r)["metrics"] == sent for r in t)
         assert summary["accuracy"]["acc"]["mean"] > 0.5
         return
-    assert all(set(_reply_keys(r)) == {"message"} for r in t)  # the release alone
+    assert all(set(_reply_keys(r)) == {"message", "metrics"} and _reply_keys(r)["metrics"] == inst
+               for r in t)  # the release alone, and the instance keys
     assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
-    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) for r in e)
+    assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) | inst for r in e)
     assert summary["accuracy"] == {} and "clients_evaluated" not in summary
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_ce"] for r in rows] == [None, None]
@@ -296,10 +312,10 @@ def test_server_app_logs_a_user_mistake_in_one_line(caplog):
     """Reported: every user mistake under Flower printed a ServerApp traceback."""
     from fedproto.flower import server_app
 
-    uc = _user_config(checkpoint_every=1)
+    uc = {**_user_config(), "resume-from": "/no/such/run"}
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=uc)
     server_app.main(LocalGrid(uc, [0, 1, 2, 3]), ctx)  # returns instead of raising
-    assert any("fedproto: checkpoint_every=1: under Flower" in r.getMessage() for r in caplog.records)
+    assert any("fedproto: resume-from='/no/such/run' is not a folder" in r.getMessage() for r in caplog.records)
 
 
 def test_a_fractional_partition_id_is_refused():
@@ -367,7 +383,8 @@ def test_own_data_nodes_give_the_python_api_numbers(tmp_path):
     uc = _own_config()
     grid = LocalGrid(uc, node_configs=node_configs(folders))
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
-    assert eng.setup.dataset is None and eng.setup.data == [] and all(s.model is None for s in eng.setup.states)
+    # the server holds no client model and no data: nothing to checkpoint, no data to fingerprint
+    assert eng.executor.client_states() is None and eng.executor.data_fingerprint() is None
     got = eng.run()
     ref = in_process_reference(folders)
     want = ref.run()
@@ -414,7 +431,7 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
     grid = LocalGrid(uc, node_configs=ncs)
     grid.on_send = script
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 3:
@@ -422,7 +439,7 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
             grid.add_node(1003, ncs[2])
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["replied"] == [0, 1, 2] and rows[0]["timed_out"] == []
@@ -454,10 +471,10 @@ def test_an_unavailable_node_is_recorded_as_unavailable_not_timed_out(tmp_path, 
 
 
 def test_below_min_replies_the_round_is_retried_then_the_run_stops_keeping_earlier_rounds(tmp_path, monkeypatch):
-    from fedproto.flower import server_app
+    from fedproto.flower import executor
     from fedproto.flower.common import FlowerOptions
 
-    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(executor, "RETRY_PAUSE_S", 0.0)
     folders = write_node_folders(tmp_path)
     uc = _own_config(**{"rounds": 3})
     grid = LocalGrid(uc, node_configs=node_configs(folders))
@@ -527,9 +544,105 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
 
 
+def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -> dict:
+    """Send the server's evaluate message of client ``cid`` to the ClientApp with ``context`` (node
+    ``nid``), with the server's run key (or ``run_key``); the reply's metrics."""
+    from flwr.app import ConfigRecord
+
+    from fedproto.flower.common import CONFIG, MESSAGE, METRICS
+
+    r = eng.executor.round
+    msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key})}),
+                  dst_node_id=nid, message_type="evaluate", group_id=str(r))
+    msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
+    return dict(client_app.app(msg, context).content[METRICS])
+
+
+def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path, caplog):
+    """Issue #23: every reply carries ``instance`` (one per SuperNode process), ``restored`` and
+    ``state-round``; an own-data node saves its client's state after each train round and, when it
+    restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
+    model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
+    restarted node draws a new instance and says ``restored`` 0."""
+    from fedproto.flower import node_state
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config()
+    ncs = node_configs(folders, extra={0: {"state-dir": str(tmp_path / "s0")}, 1: {"state-dir": ""}})
+    grid = RecordingGrid(uc, node_configs=ncs)  # node 1002 (client 2): the default folder, the user cache
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
+    eng.run()
+    inst = {}
+    for kind, replies in grid.replies.items():
+        for rep in replies:
+            m = rep.content["fedproto.metrics"]
+            nid = rep.metadata.src_node_id
+            assert inst.setdefault(nid, m["instance"]) == m["instance"] and 1 <= m["instance"] < 2**53
+            assert m["restored"] == 0
+            assert m["state-round"] == (int(rep.metadata.group_id) if kind != "query" else 0)
+    assert sorted(inst) == [1000, 1001, 1002] and len(set(inst.values())) == 3
+    files = {0: list((tmp_path / "s0").glob("*.pt")),
+             2: list((tmp_path / "cache" / "fedproto" / "node-state").glob("*.pt"))}
+    assert [f.name.startswith(f"run-{eng.run_key}-client-{i}-") for i in files for f in files[i]] == [True, True]
+    assert not any(Path(tmp_path).glob("**/run-1-client-1-*.pt"))  # state-dir="": no file
+    before = {nid: {k: v for k, v in rep.content["fedproto.metrics"].items()}
+              for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
+
+    old = {nid: grid.contexts[nid] for nid in (1000, 1001)}
+    client_app._CACHE.clear()  # a new SuperNode process: the model is built afresh from the seed
+    for nid in (1000, 1001):
+        grid.add_node(nid, ncs[nid - 1000])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["instance"] == inst[1000] and got["restored"] == 1 and got["state-round"] == 2
+    assert got["acc"] == before[1000]["acc"] and got["acc_proto"] == before[1000]["acc_proto"]
+    saved = grid.contexts[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    want = old[1000].state[client_app.STATE_MODEL].to_torch_state_dict()
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    assert "fedproto client 0: restored its state of round 2 from" in caplog.text
+
+    got = _evaluate_on(grid.contexts[1001], eng, 1, 1001)  # no state file: a new instance
+    assert got["instance"] != inst[1001] and got["restored"] == 0 and got["state-round"] == 0
+    assert client_app.STATE_MODEL not in grid.contexts[1001].state
+
+    other_run = Context(run_id=2, node_id=1000, node_config=dict(ncs[0]), state=RecordDict(), run_config=dict(uc))
+    got = _evaluate_on(other_run, eng, 0, 1000, run_key="another-run")
+    assert got["instance"] != inst[1000] and got["restored"] == 0
+    files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
+    key = node_state.state_key(eng.run_key, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
+    node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
+    client_app._CACHE.clear()
+    grid.add_node(1000, ncs[0])
+    got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
+    assert got["restored"] == 0 and got["instance"] != inst[1000]
+    assert "it does not fit this node's model (tensors [" in caplog.text
+
+
+def test_a_state_file_is_keyed_by_run_client_result_fields_and_node_config():
+    from fedproto.flower.node_state import state_dir, state_key
+
+    cfg = run_config(_own_config())
+    nc = {"client-id": 0, "data": "/d0", "model": "cnn"}
+    key = state_key(7, 0, cfg, nc)
+    assert key["run_id"] == 7 and key["client_id"] == 0 and len(key["hash"]) == 16
+    assert state_key(7, 0, cfg.model_copy(update={"threads": 2}), {**nc, "state-dir": "/x"}) == key  # neutral
+    for other in (state_key(8, 0, cfg, nc), state_key(7, 1, cfg, nc), state_key(7, 0, cfg, {**nc, "model": "lenet"}),
+                  state_key(7, 0, cfg.model_copy(update={"lr": 0.01}), nc)):
+        assert other != key
+    assert state_dir({"partition-id": 0}, own_data=False) is None  # Flower's simulation nodes: none by default
+    assert state_dir({"state-dir": ""}, own_data=True) is None
+    with pytest.raises(ConfigError, match=r"node config state-dir=5 is not a folder path; give a string"):
+        state_dir({"state-dir": 5}, own_data=True)
+
+
 def test_reply_checks_name_what_is_wrong():
     from fedproto.algorithms import FedAvg, FedProto
-    from fedproto.simulation import reply_problem
+    from fedproto.engine.checks import reply_problem
     from fedproto.training import OptimConfig
 
     fp = FedProto(10, OptimConfig(), embedding_dim=5)
@@ -615,6 +728,63 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
     assert got["params_per_round"] == want["params_per_round"]
 
 
+@pytest.mark.slow
+def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
+    """Issue #23, on 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
+    ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
+    SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
+    (same key, same node id), reloads its state file (same instance, restored 1) and takes part
+    again; the run finishes. Several minutes (the heartbeat's 60 s and Flower's per-message cost)."""
+    import os
+    import signal
+    import threading
+
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(tmp_path / "data")
+    out, state = tmp_path / "runs", tmp_path / "state1"
+    ncs = node_configs(folders, extra={1: {"state-dir": str(state)}})
+    got: dict = {}
+    with LocalFederation(tmp_path / "fed", tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for i, nc in enumerate(ncs):
+            fed.start_supernode(nc, restart=(1.0, 4.0) if i == 1 else None)
+        run = threading.Thread(target=lambda: got.update(res=fed.flwr_run(
+            app, {"rounds": 4, "out-dir": str(out), "seed": 7, "round-timeout": 60, "min-replies": 1},
+            timeout=1200)))
+        run.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list(out.glob("*/metrics.jsonl")):
+            time.sleep(0.5)
+        metrics = next(out.glob("*/metrics.jsonl"))
+        while time.monotonic() < deadline and not metrics.read_text().strip():  # until round 1 is logged
+            time.sleep(0.5)
+        time.sleep(0.5)  # round 2 is under way
+        os.kill(fed.supernode_pids("node1")[-1], signal.SIGKILL)
+        before = torch.load(next(state.glob("*.pt")), weights_only=True)
+        run.join(1200)
+        node_log = fed.log("node1")
+    res = got["res"]
+    logs = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:] + node_log[-3000:]
+    assert len(fed.supernode_pids("node1")) >= 2, node_log[-3000:]  # restarted
+    assert "Failed to activate SuperNode" in node_log  # refused while the SuperLink held it online
+    assert "Flower exit code 305" in node_log and "restart 1 in 1 s" in node_log
+    run_dir = next(out.glob("*/summary.json")).parent
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    missed = [r["round"] for r in rows if 1 not in r["replied"]]
+    assert 1 in rows[0]["replied"] and missed[:1] == [2], rows  # killed in round 2
+    assert before["round"] in (1, 2)  # its state file when it was killed
+    assert 1 in rows[-1]["replied"], rows  # back, under the same node id
+    after = torch.load(next(state.glob("*.pt")), weights_only=True)
+    assert after["instance"] == before["instance"] and after["round"] == rows[-1]["round"]
+    clients = {r["client"]: r for r in csv.DictReader(open(run_dir / "clients.csv"))}
+    assert float(clients["1"]["restored"]) == 1 and float(clients["0"]["restored"]) == 0
+    assert float(clients["1"]["instance"]) == before["instance"]
+
+
 def test_flower_options_are_read_and_checked():
     from fedproto.flower.common import FlowerOptions
 
@@ -677,27 +847,28 @@ def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
     uc = _own_config(**{"rounds": 3})
     grid = LocalGrid(uc, node_configs=ncs)
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 2:
             grid.add_node(1003, {**ncs[1], "data": str(folders[2])})
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     assert eng.nodes == {0: 1000, 1: 1001, 2: 1002}
-    assert eng.info[1]["classes"] == [2, 3, 4, 5]
-    assert "client-id=1 is already taken by node 1001" in eng.refused[1003] and "node 1003" in eng.refused[1003]
+    assert eng.executor.info[1]["classes"] == [2, 3, 4, 5]
+    why = eng.executor.refused[1003]
+    assert "client-id=1 is already taken by node 1001" in why and "node 1003" in why
     assert not any("is back on node" in r.getMessage() for r in caplog.records)
     assert grid.sent.count("query") == 4  # node 1003 asked once
 
 
 def test_when_every_reply_is_dropped_the_stop_message_names_them(tmp_path, monkeypatch, caplog):
-    from fedproto.flower import server_app
+    from fedproto.flower import executor
     from fedproto.flower.common import FlowerOptions
 
-    monkeypatch.setattr(server_app, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(executor, "RETRY_PAUSE_S", 0.0)
     folders = write_node_folders(tmp_path)
     uc = _own_config()
     ncs = node_configs(folders, extra={i: {"misbehave": "nan"} for i in range(3)})
@@ -723,14 +894,14 @@ def test_refused_nodes_and_late_joiners_are_recorded_in_the_run_folder(tmp_path)
     uc = _own_config(**{"rounds": 2, "clients": 4})
     grid = LocalGrid(uc, node_configs=ncs)
     eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", wait_s=0)
-    orig = eng._sample
+    orig = eng.executor.available
 
     def sample(r):
         if r == 2:
             grid.add_node(1003, {"client-id": 3, "data": str(late), "model": "cnn"})
         return orig(r)
 
-    eng._sample = sample
+    eng.executor.available = sample
     eng.run()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (ref,) = rows[0]["refused"]
@@ -821,6 +992,90 @@ def test_min_replies_above_clients_is_refused_up_front():
     with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
         FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
     assert grid.sent == []
+
+
+@pytest.mark.parametrize("keep_state", [False, True])
+def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_state, tmp_path, caplog):
+    """Issue #23 (1): a node that restarts before round 4 of 4 (same node id, as under node
+    authentication) is detected from its reply's instance id. Without its state file it trains a
+    fresh model in round 4 only: the metrics row says so (``rejoined``), clients.csv marks it
+    (``state_lost_round``), and the headline accuracy leaves it out (``left_out``; all clients in
+    ``accuracy_all_clients``). With its state file it comes back with its model: recorded as restored,
+    scored as the others."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    state = {"state-dir": str(tmp_path / "s1")} if keep_state else {"state-dir": ""}
+    ncs = node_configs(folders, extra={1: state})
+    grid = LocalGrid(uc, node_configs=ncs)
+
+    def restart(grid, kind, group):
+        if kind == "train" and group == "4":
+            client_app._CACHE.clear()  # a new SuperNode process: nothing of the old one in memory
+            grid.add_node(1001, ncs[1])
+
+    grid.on_send = restart
+    with caplog.at_level("WARNING"):
+        summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("rejoined" not in r for r in rows[:3])
+    clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    if keep_state:
+        assert rows[3]["rejoined"] == {"1": "restarted with its state restored from its state file"}
+        assert "left_out" not in summary and "state_lost_round" not in clients[1]
+        assert "client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
+        return
+    assert rows[3]["rejoined"] == {"1": "restarted without its state: a fresh model"}
+    assert [c["state_lost_round"] for c in clients] == ["", "4", ""]
+    assert summary["left_out"] == {"1": "its node lost its state in round 4; it trained in 1 round(s) from then on, "
+                                        "fewer than 2"}
+    accs = [float(c["acc"]) for c in clients]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean([accs[0], accs[2]]), abs=1e-12)
+    assert summary["accuracy_all_clients"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert "client 1 (node 1001) restarted and lost its state" in caplog.text
+
+
+def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
+    """Issue #23 (3): the SuperLink goes away in round 3 of 4. The server has written a checkpoint
+    after every round and writes failure.json (the round, the error, the resume command). A new
+    SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
+    state files, keyed by the server's run key) continues the run with ``resume-from``: rounds 1-2
+    kept, the numbers of a run that was never interrupted."""
+    from fedproto.flower.common import FlowerOptions
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    want = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
+    client_app._CACHE.clear()
+
+    def superlink_dies(grid, kind, group):
+        if kind == "train" and group == "3":
+            raise RuntimeError("StatusCode.UNAVAILABLE: the SuperLink went away")
+
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    grid.on_send = superlink_dies
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="SuperLink went away"):
+        FlowerEngine(run_config(uc), grid, out=run).run()
+    failure = json.loads((run / "failure.json").read_text())
+    assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
+    assert failure["checkpoint"] and f"resume-from='{run}'" in failure["resume"]
+    assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert not (run / "summary.json").exists()
+
+    client_app._CACHE.clear()  # new SuperNode processes
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    for nid, c in grid.contexts.items():  # a new SuperLink: a new Flower run id
+        grid.contexts[nid] = Context(run_id=2, node_id=nid, node_config=c.node_config, state=RecordDict(),
+                                     run_config=c.run_config)
+    resumed = {**uc, "resume-from": str(run)}
+    got = FlowerEngine(run_config(resumed), grid, options=FlowerOptions.from_user_config(resumed)).run()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert not (run / "failure.json").exists() and not (run / "checkpoint.pt").exists()
+    assert all(r["rejoined"] == {str(i): "restarted with its state restored from its state file" for i in range(3)}
+               for r in rows[2:3])
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
 
 
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):

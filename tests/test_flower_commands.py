@@ -37,3 +37,66 @@ def test_flower_commands_beside_the_interpreter_then_on_path(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=r"flwr is neither beside this Python \(.*venv/bin\) nor on PATH; install "
                        r"Flower into this environment: .*venv/bin/python -m pip install \"fedproto\[flower\]\""):
         LocalFederation(tmp_path / "fed2")
+
+
+def _script(tmp_path, body: str) -> list[str]:
+    """A shell command that counts its starts in ``starts`` (``$n``: this start's number) then runs ``body``."""
+    return ["sh", "-c", f'n=$(( $(cat {tmp_path}/starts 2>/dev/null || echo 0) + 1 )); echo $n > {tmp_path}/starts; '
+            + body]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
+def test_supervise_restarts_a_failed_node_with_backoff_and_stops_when_told(tmp_path, capsys):
+    """Issue #23: flower-supernode logs "Exit Code: 305" and exits with status 1 when the SuperLink
+    still holds it online; the supervisor starts it again, waiting backoff, 2 x backoff, ... (capped);
+    it does not restart a clean exit (status 0: Flower's graceful stop too) or a configuration error
+    (Flower codes 302-304), and gives up after max_restarts."""
+    import time
+
+    from fedproto.flower.supervise import NO_RESTART, supervise
+
+    t0 = time.monotonic()
+    assert supervise(_script(tmp_path, 'if [ $n -le 3 ]; then echo "Exit Code: 305"; exit 1; fi; exit 0'), backoff=0.1,
+                     max_backoff=0.2) == 0
+    took = time.monotonic() - t0
+    assert (tmp_path / "starts").read_text().strip() == "4"
+    assert 0.5 <= took < 5  # waited 0.1 + 0.2 + 0.2 (capped)
+    out, err = capsys.readouterr()
+    assert out.count("Exit Code: 305") == 3  # its output is passed on
+    assert "sh exited with status 1 (Flower exit code 305: The SuperNode could not establish a connection to the " \
+           "SuperLink.); restart 1 in 0.1 s" in err or "sh exited with status 1 (Flower exit code 305); restart 1 " \
+           "in 0.1 s" in err  # Flower's words when it is installed
+    assert "restart 2 in 0.2 s" in err and "restart 3 in 0.2 s" in err and "restart 4" not in err
+    assert err.count("started sh (pid ") == 4
+
+    (tmp_path / "starts").unlink()
+    assert supervise(_script(tmp_path, "kill -9 $$"), backoff=0.05, max_restarts=2) == 128 + 9
+    assert (tmp_path / "starts").read_text().strip() == "3"  # killed by a signal: restarted, then given up
+    assert "exited with status -9 (killed by SIGKILL); giving up after 2 restart(s)" in capsys.readouterr().err
+    for body, status in (('echo "Exit Code: 302"; exit 1', 1), ("exit 0", 0)):
+        (tmp_path / "starts").unlink()
+        assert supervise(_script(tmp_path, body), backoff=0.05) == status
+        assert (tmp_path / "starts").read_text().strip() == "1"  # not restarted
+    assert 302 in NO_RESTART and "(Flower exit code 302" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"backoff=0 must be > 0"):
+        supervise(["true"], backoff=0)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_supervise_passes_sigterm_on_and_does_not_restart(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    p = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", "--backoff", "0.05", "--",
+                          *_script(tmp_path, "trap 'kill $!; exit 0' TERM; sleep 30 >/dev/null 2>&1 & wait")],
+                         env={**os.environ, "PYTHONPATH": src}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "starts").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
+    assert (tmp_path / "starts").read_text().strip() == "1"
+    assert "restart" not in p.stderr.read()

@@ -9,10 +9,11 @@ import torch
 from conftest import flat_weights, float64_sim
 
 from fedproto.config import build_config
+from fedproto.engine.executors.batched import balanced_parts
 from fedproto.errors import ConfigError
 from fedproto.models.cnn import PaperCNN
 from fedproto.parallel import CLIENTS_PER_WORKER, THREADS_PER_WORKER, WorkerPool, _Blocks, plan_workers
-from fedproto.simulation import Simulation, _balanced_parts
+from fedproto.simulation import Simulation
 from fedproto.training import Objective, OptimConfig, Phase
 
 # digits (scikit-learn 8x8), 6 clients; every client of a round is batched, so 2 workers split them.
@@ -48,7 +49,7 @@ def test_workers_match_one_process_float64(algorithm, shm_blocks):
     for workers in (1, 2):
         sim = float64_sim(build_config(overrides={**BASE, "algorithm": algorithm, "workers": workers}))
         sim.run()
-        assert sim._pool is None  # closed when the run ended
+        assert sim.executor.pool is None  # closed when the run ended
         weights[workers] = flat_weights(sim)
         accs[workers] = [r["acc"] for r in sim.evaluate()]
     assert weights[2][0].dtype == torch.float64
@@ -98,13 +99,13 @@ def test_plan_workers_by_cores_and_clients():
 
 def test_balanced_parts_split_by_samples():
     sizes = [396, 198, 400, 495, 495, 198, 198, 297, 198, 300, 500, 500, 200, 300, 495, 495, 198, 495, 500, 297]
-    parts = _balanced_parts(list(range(20)), sizes, 2)
+    parts = balanced_parts(list(range(20)), sizes, 2)
     assert parts == [[0, 1, 5, 8, 10, 13, 14, 17, 18, 19], [2, 3, 4, 6, 7, 9, 11, 12, 15, 16]]
     assert [sum(sizes[i] for i in p) for p in parts] == [3577, 3578]  # of 7155
-    assert _balanced_parts([0, 1, 2], [10, 10, 10], 3) == [[0], [1], [2]]
-    assert _balanced_parts([5, 6, 7, 8], [1, 9, 5, 5], 2) == [[5, 6], [7, 8]]
-    assert _balanced_parts([0, 1], [1, 1], 5) == [[0], [1]]  # never an empty part
-    assert _balanced_parts([4, 7], [5, 5], 1) == [[4, 7]]
+    assert balanced_parts([0, 1, 2], [10, 10, 10], 3) == [[0], [1], [2]]
+    assert balanced_parts([5, 6, 7, 8], [1, 9, 5, 5], 2) == [[5, 6], [7, 8]]
+    assert balanced_parts([0, 1], [1, 1], 5) == [[0], [1]]  # never an empty part
+    assert balanced_parts([4, 7], [5, 5], 1) == [[4, 7]]
 
 
 def test_workers_refused_where_they_cannot_act():
@@ -152,7 +153,7 @@ def test_worker_killed_names_the_signal():
     for step in ("collect", "submit"):
         models, pool = _tiny_pool()
         try:
-            worker = pool._procs[0]
+            worker = pool.processes[0]
             assert os.getsid(worker.pid) != os.getsid(0)  # Ctrl-C in a terminal does not reach it
             worker.send_signal(signal.SIGKILL)
             worker.wait()
@@ -173,20 +174,20 @@ def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch, shm_blocks
     """Ctrl-C while the main process trains its part: KeyboardInterrupt comes out, not the error of
     a worker that died meanwhile (before the fix: "worker process 1 died"), and the shared memory
     is freed."""
-    import fedproto.simulation as simulation
+    import fedproto.engine.executors.batched as batched
 
     sim = Simulation(build_config(overrides={**BASE, "workers": 2}), out=False)
     procs = []
 
     def interrupted(*a, **k):
-        procs.extend(sim._pool._procs)
+        procs.extend(sim.executor.pool.processes)
         procs[0].kill()  # e.g. a signal to the whole process group
         procs[0].wait()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(simulation, "train_group", interrupted)
+    monkeypatch.setattr(batched, "train_group", interrupted)
     with pytest.raises(KeyboardInterrupt):
         sim.run()
     assert len(procs) == 1
-    assert sim._pool is None
+    assert sim.executor.pool is None
     assert shm_blocks and not any(os.path.exists(f"/dev/shm/{n}") for n in shm_blocks)

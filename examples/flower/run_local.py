@@ -8,6 +8,7 @@ SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), 
     python examples/flower/run_local.py                       # 3 nodes, 3 rounds, no TLS
     python examples/flower/run_local.py --tls --auth --unregistered
     python examples/flower/run_local.py --kill 2@2 --round-timeout 20
+    python examples/flower/run_local.py --tls --auth --restart --kill 1@2 --rounds 5   # killed, restarted, back
     python examples/flower/run_local.py --misbehave 1:nan
     python examples/flower/run_local.py --runtime simulation  # Flower's simulation runtime (Ray)
     python examples/flower/run_local.py --compare             # then the same clients in-process, times side by side
@@ -16,8 +17,11 @@ SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), 
 ``--tls`` makes a CA, a SuperLink certificate and (``--auth``) one registered key pair per
 SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registered and prints
 what it was told. ``--kill N@R`` kills node N once round R has started (its metrics row will
-name it failed or timed out). ``--misbehave N:KIND`` makes node N corrupt what it sends
-(``nan``; ``scale``, ``random``, ``flip`` with fedproto.attacks).
+name it failed or timed out). ``--restart`` runs every SuperNode under ``python -m
+fedproto.flower.supervise`` (restarted 2, 4, 8, 10, 10... s after a failure), so a killed node comes
+back (under ``--auth`` once the SuperLink has marked it offline, up to 60 s).
+``--misbehave N:KIND`` makes node N corrupt what it sends (``nan``; ``scale``, ``random``, ``flip``
+with fedproto.attacks).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -89,6 +94,8 @@ def main() -> None:
     ap.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
     ap.add_argument("--unregistered", action="store_true", help="also start a node whose key is not registered")
     ap.add_argument("--kill", default=None, type=_kill, metavar="N@R", help="kill node N once round R has started")
+    ap.add_argument("--restart", action="store_true",
+                    help="run each SuperNode under fedproto.flower.supervise: restarted when it fails or is killed")
     ap.add_argument("--misbehave", default=None, type=_misbehave, metavar="N:KIND",
                     help="node N corrupts its messages (nan, scale, random, flip)")
     ap.add_argument("--round-timeout", type=float, default=60.0)
@@ -122,7 +129,8 @@ def main() -> None:
             nc = {"client-id": i, "data": str(folder), "model": NODE_MODELS[i % len(NODE_MODELS)]}
             if str(i) in bad:
                 nc["misbehave"] = bad[str(i)]
-            fed.start_supernode(nc, name=f"node{i}", executor=None if args.executor == "default" else args.executor)
+            fed.start_supernode(nc, name=f"node{i}", restart=(2.0, 10.0) if args.restart else None,
+                                executor=None if args.executor == "default" else args.executor)
         if args.unregistered:
             key, _ = fed.node_key(register=False)
             intruder = fed.start_supernode({"client-id": args.nodes, "data": str(work / "data" / "node0"),
@@ -138,7 +146,10 @@ def main() -> None:
             while runner.is_alive() and rounds_logged(out) < at - 1:
                 time.sleep(0.5)
             time.sleep(0.5)  # round `at` is under way
-            fed.kill(f"node{node}")
+            if args.restart:  # the SuperNode, not its supervisor, which starts it again
+                os.kill(fed.supernode_pids(f"node{node}")[-1], signal.SIGKILL)
+            else:
+                fed.kill(f"node{node}")
             print(f"killed node{node} during round {at} ({time.perf_counter() - t0:.1f} s)")
         runner.join()
         if args.unregistered:

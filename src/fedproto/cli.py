@@ -171,10 +171,12 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     )
     from rich.table import Table
 
+    from fedproto.engine.setup import prepare
+
     # here, not at the top: fedproto.results imports numpy, which --help does not need
     from fedproto.results import PREVIOUS, RunDir, round_line
     from fedproto.results import pct as _pct
-    from fedproto.simulation import Simulation, prepare
+    from fedproto.simulation import Simulation
 
     named = _python_only(config, overrides)
     if named:  # Python-only options: say so before what they would need
@@ -226,9 +228,6 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                 err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
                                   f"(no summary.json: the run did not finish){saved}")
             raise typer.Exit(130) from None
-    from fedproto.plots import save_embeddings
-
-    save_embeddings(sim, out)  # test embeddings for `fedproto plot` (t-SNE, fig. 2)
     part = {"fewshot": f"ways {cfg.ways}, shots {cfg.shots}", "natural": "one client per writer",
             "dirichlet": f"Dirichlet alpha {cfg.alpha:g}"}[cfg.partition]
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
@@ -410,7 +409,7 @@ def _finish(results, wrote: str) -> None:
         raise typer.Exit(1)
 
 
-def _run_command() -> click.Command:
+def run_command() -> click.Command:
     """``fedproto run`` as a click command whose options are generated from RunConfig's fields
     (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
     from fedproto.options import run_params
@@ -433,7 +432,7 @@ def _run_command() -> click.Command:
 def command() -> click.Group:
     """The whole command line as a click group: the typer app's commands and ``run``."""
     group = typer.main.get_command(app)
-    group.add_command(_run_command(), "run")
+    group.add_command(run_command(), "run")
     group.commands = {"run": group.commands.pop("run"), **group.commands}  # `run` first in --help
     return group
 

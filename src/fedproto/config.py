@@ -32,16 +32,9 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "workers", "save_models")
+                  "proto_dist_alert", "device", "workers", "save_models", "tensorboard")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
-
-RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), **{
-    k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
-                               "min_contributors", "exclude_outliers", "lambda_schedule",
-                               "class_check")}}
-"""Fields that change the numbers of these algorithms only."""
-
 
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
                "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None,
@@ -49,7 +42,8 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "trim": 0.2, "min_contributors": 1, "exclude_outliers": 0.0, "lambda_schedule": "linear",
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
-               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0}
+               "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
+               "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -58,14 +52,18 @@ never shared training samples; DP noise was drawn from the run's seed)."""
 
 
 def result_fields(cfg: dict) -> dict[str, Any]:
-    """The fields of a config dict that can change a run's numbers: all RunConfig fields but
-    :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
-    ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
-    values are one split) and ``dp_reproducible_noise`` without DP. Used to decide whether a
-    checkpoint may be resumed and whether a reproduce cell is already done."""
-    algorithm = cfg.get("algorithm")
-    out = {k: v for k, v in cfg.items() if k in RunConfig.model_fields and k not in RESULT_NEUTRAL
-           and algorithm in RESULT_ONLY_FOR.get(k, (algorithm,))}
+    """The fields of a config dict that can change a run's numbers: all run options but
+    :data:`RESULT_NEUTRAL` and the options of other algorithms than the run's
+    (:func:`fedproto.algorithms.options.owners`), and ``personal_layers`` for ResNet18 (whose only
+    fully connected layer is its head, so both values are one split) and ``dp_reproducible_noise``
+    without DP. Used to decide whether a checkpoint may be resumed and whether a reproduce cell is
+    already done."""
+    from fedproto.algorithms.options import owners
+
+    algorithm = cfg.get("algorithm", CommonConfig.model_fields["algorithm"].default)
+    fields = config_model().model_fields
+    out = {k: v for k, v in cfg.items() if k in fields and k not in RESULT_NEUTRAL
+           and (k in CommonConfig.model_fields or algorithm in owners(k))}
     if all((z := zoo_name(m)) is not None and z.family == "resnet18" for m in str(cfg.get("model", "")).split(",")):
         out.pop("personal_layers", None)
     if out.get("dp", "off") == "off":
@@ -73,8 +71,10 @@ def result_fields(cfg: dict) -> dict[str, Any]:
     return out
 
 
-class RunConfig(BaseModel):
-    """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
+class CommonConfig(BaseModel):
+    """The options every run has, whatever its algorithm (data, partition, model, training, engine,
+    output); :class:`RunConfig` adds every method's own options (:mod:`fedproto.algorithms.options`).
+    Defaults are the paper's MNIST setting (§Experiments, app. A)."""
 
     # strict: TOML `clients = true` or `lr = "0.1"` is an error, not 1 or 0.1; frozen: a config is
     # checked once as a whole (derive a new one with build_config(overrides={**cfg.model_dump(), ...}))
@@ -111,7 +111,8 @@ class RunConfig(BaseModel):
                                     "holds this many training samples")
     augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
-    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem")
+    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem | "
+                           "fedtgp | fd | fedgh | lgfedavg")
     model: str = Field(None, validate_default=False, description=" | ".join(MODEL_NAMES).replace("[,...]", "")
                        + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
@@ -127,84 +128,38 @@ class RunConfig(BaseModel):
                                  "(0, 1] (max(1, round(fraction x clients)) take part) or a whole number of "
                                  "clients; 1: every client, as in the paper")
     batch_size: int = Field(8, ge=1, le=10_000_000, description="Local batch size (app. A)")
-    lr: float = Field(0.01, gt=0.0, le=100.0, description="SGD learning rate")
-    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="SGD weight decay")
+    lr: float = Field(0.01, gt=0.0, le=100.0, description="Learning rate (of round 1 under lr_schedule step or "
+                      "cosine)")
+    momentum: float = Field(0.5, ge=0.0, lt=1.0, description="SGD momentum (optimizer sgd only)")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="Weight decay (L2 added to the gradient for sgd "
+                                "and adam, decoupled for adamw)")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("sgd", description=(
+        "Local optimizer: sgd (paper, app. A), adam or adamw (torch.optim's classes; betas 0.9, 0.999 and eps 1e-8, "
+        "torch's defaults; a fresh optimizer each round)"))
+    lr_schedule: Literal["constant", "step", "cosine"] = Field("constant", description=(
+        "Learning rate over rounds: constant; step (times lr_gamma every lr_step_rounds rounds); cosine (from lr at "
+        "round 1 to lr_min at the last round)"))
+    lr_step_rounds: int = Field(30, ge=1, le=10_000_000, description=(
+        "lr_schedule step: rounds between two lr decays (round r trains at lr x lr_gamma^((r-1) // lr_step_rounds))"))
+    lr_gamma: float = Field(0.1, gt=0.0, le=1e6, description="lr_schedule step: factor of each lr decay")
+    lr_min: float = Field(0.0, ge=0.0, le=100.0, description="lr_schedule cosine: lr of the last round (at most lr)")
+    shared_init: bool = Field(False, description=(
+        "Clients of one architecture start from identical initial weights (those client 0 would get; for your own "
+        "models: the first client's with the same parameter names and shapes); off: each client seeded apart, as "
+        "the official code"))
     drop_last: bool = Field(False, json_schema_extra={"off_flag": "--keep-last"},
                             description="Skip the last partial batch of every epoch (official code)")
-    # FedProto
-    lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6, json_schema_extra={"aliases": ["lambda"]},
-                                          description="λ, the weight of the prototype loss (app. A)")
-    distance: Literal["mse", "squared_l2", "l2"] = Field(
-        "mse", description="Prototype distance: mse (official code), squared_l2 (app. B) or l2 (main text). lambda "
-                           "depends on it: mse = squared_l2 / d (d: embedding size), so lambda L under mse gives the "
-                           "same loss as L / d under squared_l2; l2 (not squared, one term per class) has "
-                           "no fixed conversion. The paper's lambda values (app. A) are tied to mse")
-    proto_source: Literal["last_epoch", "after_training"] = Field(
-        "last_epoch", description="Local prototypes from the last epoch's batches (official code) or from a "
-        "pass after training (eq. 3)")
-    aggregation: Literal["mean", "weighted", "median", "trimmed"] = Field(
-        "mean", description="Global prototypes: mean (official code), weighted (eq. 6, convex), median or "
-        "trimmed (see trim)")
-    proto_classes: Literal["own", "all"] = Field("own", description="Nearest-prototype inference among the "
-                                                 "client's own classes or all classes")
-    # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
-    lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of λ warm-up, linear or "
-                               "cosine (lambda_schedule) (0: constant λ)")
-    proto_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="FedProto: server prototype momentum β "
-                                  "in [0, 1)")
-    proto_normalize: bool = Field(False, description="FedProto: L2-normalize embeddings and prototypes in the "
-                                  "loss and at inference")
-    min_proto_samples: int = Field(1, ge=1, le=10_000_000, description="FedProto: the server ignores local "
-                                   "prototypes from fewer samples")
-    proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6, description="FedProto: warn when a client's prototype "
-                                    "distance exceeds this times the median (0: off)")
-    # robust aggregation, schedules and stages (issue #14; practitioner's guide §4.2-4.3; off by default)
-    trim: float = Field(0.2, ge=0.0, lt=0.5, description=(
-        "FedProto, aggregation 'trimmed': fraction of a class's contributors cut from each end, per coordinate"))
-    min_contributors: int = Field(1, ge=1, le=1_000_000, description=(
-        "FedProto: a class gets (or changes) its global prototype only in rounds where at least this many "
-        "clients send it"))
-    exclude_outliers: float = Field(0.0, ge=0.0, le=1e6, description=(
-        "FedProto: leave out of a round's aggregation the clients whose prototype distance has a robust "
-        "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
-    class_check: float = Field(0.0, ge=0.0, le=1e6, description=(
-        "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
-        "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
-        "value (0: off; e.g. 3)"))
-    lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
-        "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
+    # stages and evaluation (practitioner's guide §4.3; off by default)
     freeze_after: int = Field(0, ge=0, le=10_000_000, description=(
         "Two-stage training: after this round only the head trains, the feature extractor is frozen (0: off)"))
     eval_full_test: bool = Field(False, description=(
         "Also evaluate each client's model, and the ensemble of all client models, on the full test split "
         "(all classes) after the last round"))
-    # differential privacy of what leaves a client (fedproto.privacy)
-    dp: Literal["off", "prototypes", "full"] = Field("off", description=(
-        "Differential privacy: prototypes (clipped, noised prototype release; guarantee for a fixed feature "
-        "extractor) or full (DP-SGD local training + noised release: sample-level guarantee for all uploads)"))
-    dp_noise: float = Field(1.0, ge=0.0, le=1e6, description="DP noise multiplier sigma (noise std / sensitivity)")
-    dp_clip: float = Field(5.0, gt=0.0, le=1e9, description=(
-        "DP: L2 bound C on each sample's embedding in the prototype release (near the typical embedding norm)"))
-    dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
-    dp_delta: float = Field(1e-5, gt=0.0, le=0.1, description=(
-        "DP: the delta at which epsilon is reported (at most 0.1; usually below 1 / a client's samples)"))
-    dp_reproducible_noise: bool = Field(False, description=(
-        "DP: draw the noise (and DP-SGD's sampling) from the run's seed, for bit-for-bit reproducible DP runs in "
-        "the simulator; VOIDS the guarantee against anyone who knows the seed, e.g. a server (refused under Flower)"))
     # misbehaving clients, for experiments (fedproto.attacks)
     attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
     attackers: int = Field(0, ge=0, le=1_000_000, description="Number of misbehaving clients (drawn from the seed)")
     attack_scale: float = Field(100.0, ge=-1e12, le=1e12, description="Factor of attack 'scale'")
-    # baselines (tab. 1)
-    prox_mu: float = Field(0.01, ge=0, le=1e6, description="FedProx proximal weight mu (arXiv 1812.06127)")
-    personal_layers: Literal["fc", "head"] = Field(
-        "fc", description="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's "
-        "Params) or head (the last layer only)")
-    rep_head_epochs: int = Field(9, ge=1, le=100_000, description="FedRep head epochs per round (official code: "
-                                 "9 head + 1 body)")
-    fesem_clusters: int = Field(3, ge=1, le=1_000_000, description="FeSEM clusters K (arXiv 2005.01026)")
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "
@@ -217,6 +172,9 @@ class RunConfig(BaseModel):
                                   "removed when the run finishes (0: none)")
     save_models: bool = Field(False, description=(
         "Write every client's trained model (its state_dict, client order) to models.pt in the run directory"))
+    tensorboard: bool = Field(False, description=(
+        "Also log the per-round metrics as TensorBoard scalars in the run directory's tensorboard/ folder (needs "
+        "pip install \"fedproto[tensorboard]\"; metrics.jsonl is written in any case)"))
     seed: int = Field(1234, ge=0, lt=2**32, description="Random seed (partition, models, sampling)")
     out_dir: str = Field("runs", min_length=1, description="Parent folder of run directories")
     name: Optional[str] = Field(None, description="Run directory name (default: derived from the options)")
@@ -251,16 +209,16 @@ class RunConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> RunConfig:
+    def _check(self) -> CommonConfig:
         # ConfigError is a ValueError: pydantic keeps it (ctx["error"]) and _config_error passes it on whole
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
                               hint=f"choose one of {', '.join(DATASETS)}")
-        from fedproto.algorithms import ALGORITHMS
+        from fedproto.plugins import algorithm_names
 
-        if self.algorithm not in ALGORITHMS:
+        if self.algorithm not in algorithm_names():
             raise ConfigError(f"unknown algorithm {self.algorithm!r}", option="algorithm", value=self.algorithm,
-                              hint=f"choose one of {', '.join(ALGORITHMS)}")
+                              hint=f"choose one of {', '.join(algorithm_names())}")
         from fedproto.errors import ModelError
         from fedproto.models.zoo import check_model_name
 
@@ -308,10 +266,6 @@ class RunConfig(BaseModel):
                               "number of clients", option="participation", value=self.participation,
                               hint=f"give a fraction in (0, 1] or a whole number of clients per round, at most "
                               f"{opt('clients', self.clients)}")
-        if 0 < self.proto_dist_alert < 1:
-            raise ConfigError(f"{opt('proto_dist_alert', self.proto_dist_alert)} would flag clients below the "
-                              "median", option="proto_dist_alert", value=self.proto_dist_alert,
-                              hint="use 0 (no warning) or a factor >= 1 (e.g. 3)")
         if self.attackers > self.clients:
             raise ConfigError(f"{opt('attackers', self.attackers)} is more than {opt('clients', self.clients)}",
                               option="attackers", value=self.attackers, hint=f"use at most {self.clients}")
@@ -323,30 +277,18 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('attackers', self.attackers)} makes every client misbehave, leaving no honest "
                               "client to measure", option="attackers", value=self.attackers,
                               hint=f"use at most {self.clients - 1}")
-        if self.attackers and self.algorithm == "local":
+        from fedproto.algorithms.options import options_of
+
+        sends = options_of(self.algorithm)
+        if self.attackers and sends.sends == "nothing":
             raise ConfigError(f"{opt('attack', self.attack)} alters what a client sends, and "
-                              f"{opt('algorithm', 'local')} sends nothing", option="attack", value=self.attack,
+                              f"{opt('algorithm', self.algorithm)} sends nothing", option="attack", value=self.attack,
                               hint=f"use another algorithm or {opt('attack', 'none')}")
-        if self.attack == "flip" and self.algorithm != "fedproto":
+        if self.attack == "flip" and not getattr(sends, "class_ids", False):
             raise ConfigError(f"{opt('attack', 'flip')} attaches prototypes to other classes; "
                               f"{opt('algorithm', self.algorithm)} sends weights without class ids, so it would "
                               "change nothing", option="attack", value=self.attack,
                               hint="use attack scale, random or nan")
-        if self.dp != "off":
-            if self.algorithm != "fedproto":
-                raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "
-                                  f"{opt('algorithm', self.algorithm)} sends model weights, which it does not cover",
-                                  option="dp", value=self.dp,
-                                  hint=f"use {opt('algorithm', 'fedproto')} or {opt('dp', 'off')}")
-            if self.dp == "full" and self.execution == "batched":
-                raise ConfigError(f"{opt('dp', 'full')} trains with DP-SGD on the sequential path", option="execution",
-                                  value=self.execution,
-                                  hint=f"use {opt('execution', 'auto')} or {opt('execution', 'sequential')}")
-            if self.dp == "full" and self.distance == "l2":
-                raise ConfigError(f"{opt('dp', 'full')} needs a loss that is a mean of per-sample terms; "
-                                  f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
-                                  value=self.distance,
-                                  hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
         if self.workers > 1 and self.threads and self.workers > self.threads:
             raise ConfigError(f"{opt('workers', self.workers)} needs a thread per process, and "
                               f"{opt('threads', self.threads)} is the run's budget in all", option="workers",
@@ -354,22 +296,21 @@ class RunConfig(BaseModel):
                               f"{opt('threads')} to {self.workers} or more")
         if self.workers > 1:
             where = ("sequential execution" if self.execution == "sequential"
-                     else f"{opt('dp', 'full')} (DP-SGD trains one client at a time)" if self.dp == "full"
                      else f"device {self.device}" if self.device not in ("cpu", "auto") else None)
             if where:
                 raise ConfigError(f"{opt('workers', self.workers)}: worker processes train batched client groups on "
                                   f"the CPU, and this run has {where}", option="workers", value=self.workers,
                                   hint=f"use {opt('workers', 1)} (or 0 for auto)")
-        if self.freeze_after and self.algorithm == "fedrep":
-            raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
-                              "the body each round", option="freeze_after", value=self.freeze_after,
-                              hint=f"use {opt('freeze_after', 0)} with fedrep")
         if self.overlap and (self.partition != "fewshot" or self.dataset == "custom"):
             raise ConfigError(f"{opt('overlap', True)} shares training samples between the clients of "
                               f"{opt('partition', 'fewshot')}; " + (
                                   f"{opt('dataset', 'custom')} brings its own clients" if self.dataset == "custom"
                                   else f"{opt('partition', self.partition)} gives every sample to one client"),
                               option="overlap", value=self.overlap, hint=f"leave {opt('overlap')} out")
+        if self.lr_schedule == "cosine" and self.lr_min > self.lr:
+            raise ConfigError(f"{opt('lr_min', self.lr_min)} is above {opt('lr', self.lr)}: the cosine schedule "
+                              "decays from lr to lr_min", option="lr_min", value=self.lr_min,
+                              hint=f"use {opt('lr_min')} in [0, {self.lr}] (0: decay to zero)")
         C = self.num_classes
         if self.dataset != "custom" and self.ways > C:
             raise ConfigError(f"{opt('ways', self.ways)} is more than the {C} classes of {self.dataset}",
@@ -406,24 +347,23 @@ class RunConfig(BaseModel):
                 "fewshot": dirichlet}[self.partition]
 
     def _inactive_fields(self) -> set[str]:
-        """Fields whose value this run's other options leave without effect (``trim`` without
-        ``aggregation trimmed``, the DP options with ``dp off``, ``prox_mu`` outside FedProx...)."""
-        off = set()
-        if self.aggregation != "trimmed":
-            off.add("trim")
-        if self.dp == "off":
-            off |= {"dp_noise", "dp_clip", "dp_grad_clip", "dp_delta"}
-        elif self.dp != "full":
-            off.add("dp_grad_clip")
+        """Fields whose value this run's other options leave without effect: the options of other
+        algorithms, those its own algorithm's options switch off (``Options.inactive``: ``trim``
+        without ``aggregation trimmed``, the DP options with ``dp off``...), ``attack_scale`` without
+        the ``scale`` attack, the schedule's and the optimizer's that do not apply."""
+        from fedproto.algorithms.options import options_of
+
+        mine = options_of(self.algorithm)
+        off = {k for k in type(self).model_fields if k not in CommonConfig.model_fields and k not in mine.model_fields}
+        off |= mine.inactive(self) if hasattr(mine, "inactive") else set()
         if self.attack != "scale":
             off.add("attack_scale")
-        if not self.lambda_warmup:
-            off.add("lambda_schedule")
-        for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem")):
-            if self.algorithm != alg:
-                off.add(k)
-        if self.algorithm != "fedproto":
-            off |= {"lambda_proto", "distance", "proto_source", "proto_classes", "aggregation", "trim"}
+        if self.lr_schedule != "step":
+            off |= {"lr_step_rounds", "lr_gamma"}
+        if self.lr_schedule != "cosine":
+            off.add("lr_min")
+        if self.optimizer != "sgd":
+            off.add("momentum")
         return off
 
     def name_options(self) -> dict[str, Any]:
@@ -440,7 +380,7 @@ class RunConfig(BaseModel):
         for k, v in mine.items():
             if k in skip:
                 continue
-            default = RunConfig.model_fields[k].default
+            default = type(self).model_fields[k].default
             if k in filled:
                 default = filled[k]
             elif k == "lambda_proto":
@@ -488,6 +428,30 @@ class RunConfig(BaseModel):
         return name
 
 
+def _compose(name: str, bases: tuple[type, ...]) -> type:
+    """A pydantic model of the given bases (their fields and validators), as :data:`RunConfig` is."""
+    from pydantic import create_model
+
+    return create_model(name, __base__=bases, __module__=__name__)
+
+
+def _builtin_options() -> tuple[type, ...]:
+    from fedproto.algorithms.options import BUILTIN_OPTIONS
+
+    seen: list[type] = []
+    for o in BUILTIN_OPTIONS.values():  # one base per options class (several methods share one)
+        if o not in seen and not any(issubclass(s_, o) for s_ in seen):
+            seen = [s_ for s_ in seen if not issubclass(o, s_)] + [o]
+    return tuple(seen)
+
+
+RunConfig = _compose("RunConfig", (*_builtin_options(), CommonConfig))
+RunConfig.__doc__ = """One run: the common options (:class:`CommonConfig`) and every method's own
+(:mod:`fedproto.algorithms.options`), validated together. Build it with :func:`build_config`
+(defaults < TOML file < overrides); :func:`config_model` adds the options of algorithm plug-ins.
+Defaults are the paper's MNIST setting (§Experiments, app. A)."""
+
+
 NAME_ABBREV = {"clients": "m", "rounds": "r", "lambda_proto": "lambda", "local_epochs": "E", "batch_size": "B",
                "participation": "frac"}
 """Short spellings of options in default run names (:meth:`RunConfig.run_name`); others keep their field name."""
@@ -503,6 +467,41 @@ def _name_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}" if float(f"{v:g}") == v else repr(v)
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(v))[:40]
+
+
+_MODELS: dict[int, type[RunConfig]] = {}
+
+
+def config_model() -> type[RunConfig]:
+    """The run options in force: :class:`RunConfig`, plus the ``Options`` of every algorithm
+    registered from outside the library (:mod:`fedproto.plugins`) as a subclass of it
+    (so a config is still a RunConfig). Flags, TOML keys, keywords and the options page come from
+    its fields; rebuilt when a registration adds options.
+
+    Raises:
+        ConfigError: a plug-in's option has the name of another option (names both).
+    """
+    from fedproto.plugins import plugin_options, version
+
+    plugins = plugin_options()
+    key = version()
+    if key not in _MODELS:
+        if not plugins:
+            _MODELS[key] = RunConfig
+        else:
+            seen = {k: "fedproto" for k in RunConfig.model_fields}
+            for name, opts in plugins:
+                for k in opts.model_fields:
+                    if k in seen:
+                        other = "is a fedproto option" if seen[k] == "fedproto" else f"algorithm {seen[k]!r} declares"
+                        raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {other}; rename it "
+                                          "(e.g. with the algorithm's name as prefix)")
+                    seen[k] = name
+            from pydantic import create_model
+
+            _MODELS[key] = create_model("RunConfig", __base__=(RunConfig, *(o for _, o in plugins)),
+                                        __module__=__name__)
+    return _MODELS[key]
 
 
 def toml_value(value: Any) -> str:
@@ -655,6 +654,6 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
             data[k] = v
             from_file.pop(k, None)
     try:
-        return RunConfig(**data)
+        return config_model()(**data)
     except ValidationError as e:
         raise _config_error(e, from_file, p) from None

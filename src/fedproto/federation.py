@@ -403,6 +403,40 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     return wrapped
 
 
+def share_initial_weights(models: Sequence[nn.Module]) -> list[list[int]]:
+    """Give clients of one architecture identical initial weights (the ``shared_init`` option for your own models).
+
+    Models whose state dicts hold the same names, shapes and dtypes (parameters and buffers) and that froze the
+    same parameters (:func:`fedproto.training.frozen_params`) form a group; every model of a group gets the
+    first one's (lowest client id's) trainable parameters and buffers, copied in place. What the user froze is
+    left as it is: frozen parameters (``requires_grad=False``, e.g. a pretrained backbone) and the running
+    statistics of BatchNorm layers whose parameters are all frozen (:func:`fedproto.training.frozen_batchnorms`)
+    are not copied, and no ``requires_grad`` flag changes. Models of other architectures keep their weights.
+
+    Args:
+        models: the clients' models, in client order (changed in place).
+    Returns:
+        The groups of client indices (each sorted, in order of their first client), singletons included.
+    """
+    from fedproto.training import frozen_batchnorms, frozen_params
+
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(models):
+        key = (tuple((k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items()), frozen_params(m))
+        groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        src = models[members[0]]
+        frozen = frozen_params(src)
+        fbn = {id(mod) for mod in frozen_batchnorms(src)}
+        frozen_bn = {f"{n}.{b}" if n else b for n, mod in src.named_modules() if id(mod) in fbn
+                     for b, _ in mod.named_buffers(recurse=False)}
+        state = {k: v for k, v in src.state_dict().items() if k not in frozen and k not in frozen_bn}
+        for i in members[1:]:
+            with torch.no_grad():
+                models[i].load_state_dict(state, strict=False)
+    return list(groups.values())
+
+
 def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any = None, *,
              dataset: str | None = None, **options: Any):
     """Build a :class:`~fedproto.simulation.Simulation` of your own clients.
@@ -435,7 +469,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             ``Client(..., embedding_dim=d)``).
     """
     from fedproto.data.registry import DATASETS, LOADABLE
-    from fedproto.simulation import build_setup
+    from fedproto.engine.setup import build_setup
 
     if isinstance(clients, Client) or not isinstance(clients, Iterable):
         raise DataError(f"clients is a {type(clients).__name__}; pass a list of fedproto.federation.Client")
@@ -506,22 +540,16 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
                          "need one size: give every client Client(..., embedding_dim=d) with one d (e.g. "
                          f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
                          "differs")
+    if cfg.shared_init:  # clients of one architecture start from the first one's weights
+        share_initial_weights([st.model for st in states])
     setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
-    return FederationSimulation(cfg, setup=setup, out=out)
+    return Simulation(cfg, setup=setup, out=out)
 
 
-class FederationSimulation(Simulation):
-    """A Simulation that also writes ``embeddings.npz`` (test embeddings, for ``fedproto plot``'s
-    t-SNE) into its run directory when it finishes, as ``fedproto run`` does."""
-
-    def run(self, resume: bool = False) -> dict:
-        summary = super().run(resume)
-        if self.run_dir:
-            from fedproto.plots import save_embeddings
-
-            save_embeddings(self, self.run_dir.path)
-        return summary
+FederationSimulation = Simulation
+"""The run :func:`federate` builds: a :class:`~fedproto.simulation.Simulation` (which writes
+``embeddings.npz`` for ``fedproto plot`` into its run directory, as every front end does)."""
 
 
 __all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
-           "dataset_labels", "federate", "with_projection"]
+           "dataset_labels", "federate", "share_initial_weights", "with_projection"]

@@ -38,11 +38,13 @@ from fedproto.algorithms.fedproto import FedProto
 from fedproto.config import RunConfig
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
+from fedproto.engine.executors.local import client_step
+from fedproto.engine.setup import build_setup, client_views
+from fedproto.engine.summary import summarize
 from fedproto.errors import ConfigError, DataError, ModelError, PartitionError, TrainingError, first_line, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.results import PREVIOUS, atomic_write_bytes, atomic_write_json
-from fedproto.simulation import build_setup, client_step, client_views, summarize
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ def onboard(run_dir: str | Path, clients: int = 5, epochs: int | None = None, se
                               f"onboard other clients ({opt('seed')}) or onboard a run without drop_last")
     C, H, _ = ds.input_shape
     models = build_client_models(cfg.model, clients, C, ds.num_classes, H, cfg.embedding_dim, cfg.dropout, pseed,
-                                 pretrained=cfg.pretrained)
+                                 pretrained=cfg.pretrained, shared_init=cfg.shared_init)
     d = check_embedding_dims(models)
     if d != message["protos"].shape[1]:
         raise ModelError(f"model {cfg.model!r} gives {d}-d embeddings but the run's prototypes are "

@@ -37,9 +37,9 @@ else:  # pragma: no cover
 
 
 def _fields() -> dict[str, FieldInfo]:
-    from fedproto.config import RunConfig
+    from fedproto.config import config_model
 
-    return RunConfig.model_fields
+    return config_model().model_fields
 
 
 def _extra(info: FieldInfo) -> dict[str, Any]:
@@ -177,9 +177,11 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Data and partition": ("dataset", "classes", "data_dir", "download", "clients", "ways", "shots", "stdev",
                            "test_shots", "overlap", "noise", "partition", "alpha", "min_client_samples", "augment"),
     "Model": ("model", "pretrained", "embedding_dim", "dropout"),
-    "Method and training": ("algorithm", "rounds", "local_epochs", "participation", "batch_size", "lr", "momentum",
-                            "weight_decay", "drop_last", "freeze_after", "seed", "prox_mu", "personal_layers",
-                            "rep_head_epochs", "fesem_clusters"),
+    "Method and training": ("algorithm", "rounds", "local_epochs", "participation", "batch_size", "optimizer", "lr",
+                            "momentum", "weight_decay", "lr_schedule", "lr_step_rounds", "lr_gamma", "lr_min",
+                            "drop_last", "freeze_after", "seed", "shared_init", "prox_mu", "personal_layers",
+                            "rep_head_epochs", "fesem_clusters", "server_epochs", "server_lr", "server_batch_size",
+                            "tgp_margin", "fd_lambda", "fd_temperature"),
     "FedProto": ("lambda_proto", "distance", "proto_source", "aggregation", "proto_classes", "lambda_warmup",
                  "lambda_schedule", "proto_momentum", "proto_normalize", "min_proto_samples"),
     "Robustness and privacy": ("trim", "min_contributors", "exclude_outliers", "proto_dist_alert", "class_check", "dp",
@@ -187,7 +189,7 @@ PANELS: dict[str, tuple[str, ...]] = {
                                "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
                                "attack_scale"),
     "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
-    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models"),
+    "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models", "tensorboard"),
 }
 """The groups of ``fedproto run --help`` (its panels) and of the options page (its sections), in
 order, each with its RunConfig fields in order: every field is listed once (a test checks it); a
@@ -195,12 +197,19 @@ field not listed yet joins the group of the field before it in RunConfig."""
 
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
+PLUGIN_PANEL = "Algorithm plug-ins"
+"""The group of the options that algorithms from outside the library declare (:mod:`fedproto.plugins`)."""
+
 
 def panel(field: str) -> str:
     """The group of a RunConfig field (:data:`PANELS`); a field missing there joins the group of
     the field before it in RunConfig's order (the first group for the first field)."""
     if field in _PANEL_OF:
         return _PANEL_OF[field]
+    from fedproto.config import RunConfig
+
+    if field not in RunConfig.model_fields:  # an algorithm plug-in's own option
+        return PLUGIN_PANEL
     names = list(_fields())
     before = names[: names.index(field)] if field in names else []
     return next((_PANEL_OF[n] for n in reversed(before) if n in _PANEL_OF), next(iter(PANELS)))
@@ -209,7 +218,7 @@ def panel(field: str) -> str:
 def grouped_fields() -> list[str]:
     """Every RunConfig field, grouped as :data:`PANELS` (groups in order, RunConfig's order within
     a group)."""
-    order = {p: i for i, p in enumerate(PANELS)}
+    order = {p: i for i, p in enumerate([*PANELS, PLUGIN_PANEL])}
     names = list(_fields())
     return sorted(names, key=lambda n: (order[panel(n)], names.index(n)))
 
@@ -229,7 +238,7 @@ def run_params() -> list[click.Option]:
 # how each front end names an option (errors carry references, see fedproto.errors.opt)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from")
 """Keys of a Flower run config that are no RunConfig option (:class:`fedproto.flower.common.FlowerOptions`;
 kept equal to ``fedproto.flower.common.FLOWER_KEYS`` by a test)."""
 

@@ -277,6 +277,11 @@ class WorkerPool:
         return spec, X
 
     @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The worker processes (one per worker, in worker order; empty once closed)."""
+        return list(self._procs)
+
+    @property
     def n_workers(self) -> int:
         return len(self._conns)
 

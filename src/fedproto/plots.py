@@ -40,7 +40,16 @@ def _figure(width: float, height: float, ncols: int = 1):
     return fig, axes
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG (120 dpi) to ``path`` atomically (a reader never sees half a file);
+    every figure of this module is saved through it.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     path = Path(path)
@@ -159,7 +168,7 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
         ax.set_xlim(lo - pad, hi + pad)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
-    return _save(fig, path if path is not None else run_dir / "curves.png")
+    return save_figure(fig, path if path is not None else run_dir / "curves.png")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -172,12 +181,13 @@ def collect_embeddings(sim) -> dict[str, np.ndarray]:
     from fedproto.training import embed_all
 
     hs, ys, cs = [], [], []
-    for i, (state, data) in enumerate(zip(sim.setup.states, sim.setup.data)):
+    setup = getattr(sim, "setup", sim)  # a Simulation or its Setup
+    for i, (state, data) in enumerate(zip(setup.states, setup.data)):
         h = embed_all(state.model, data.test_x)
         hs.append(h.cpu().numpy().astype(np.float32))
         ys.append(data.test_y.cpu().numpy().astype(np.int64))
         cs.append(np.full(len(data.test_y), i, dtype=np.int64))
-    d = sim.setup.embedding_dim
+    d = setup.embedding_dim
     return {
         "h": np.concatenate(hs) if hs else np.zeros((0, d), np.float32),
         "y": np.concatenate(ys) if ys else np.zeros(0, np.int64),
@@ -310,7 +320,7 @@ def plot_tsne_arrays(
                   + ("\nstar: global prototype of the class" if P else ""))
     ax.set_title(title or f"t-SNE of test embeddings: {len(h)} samples, {len(clients)} clients"
                  + (f", {P} global prototypes" if P else ""))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tsne(sim, path: str | Path, max_per_client: int | None = 200, **kw: Any) -> Path:
@@ -421,4 +431,4 @@ def plot_sweep(
                   fontsize=9, frameon=False)
     if title:
         ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)

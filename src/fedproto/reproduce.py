@@ -293,8 +293,13 @@ def _sweep_ref(param: str, value: Any) -> str:
     return f"--sweep {param}={value if isinstance(value, str) else toml_value(value)}"
 
 
-def _comparable(cfg: dict) -> dict:
-    """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
+def comparable(cfg: dict) -> dict:
+    """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump).
+
+    Two configs with equal ``comparable`` dicts give the same numbers: a reproduce cell whose stored
+    run compares equal is skipped. Fields added since a run was stored (``config.ADDED_FIELDS``)
+    take the value that run had.
+    """
     return result_fields({**ADDED_FIELDS, **_clean(cfg)})
 
 
@@ -311,7 +316,7 @@ def finished(cell: Cell) -> dict | None:
         return None
     if not (isinstance(stored, dict) and _valid_summary(summary)):
         return None
-    return summary if _comparable(stored) == _comparable(cell.cfg.model_dump()) else None
+    return summary if comparable(stored) == comparable(cell.cfg.model_dump()) else None
 
 
 def _valid_summary(summary: Any) -> bool:
@@ -331,7 +336,6 @@ def _valid_summary(summary: Any) -> bool:
 
 def run_cell(cell: Cell, progress: bool = False) -> CellResult:
     """Run (or skip) one cell; FedprotoError -> a failed result (other exceptions propagate)."""
-    from fedproto.plots import save_embeddings
     from fedproto.simulation import Simulation
 
     summary = finished(cell)
@@ -352,7 +356,6 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
             (d / CHECKPOINT_FILE).unlink(missing_ok=True)
             sim = Simulation(cell.cfg, out=d, progress=progress)
             summary = sim.run()
-        save_embeddings(sim, d)
     except FedprotoError as e:
         return CellResult(cell, "failed", None, set_message(e), time.perf_counter() - t0)
     return CellResult(cell, "done", summary, "", time.perf_counter() - t0)

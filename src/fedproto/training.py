@@ -2,12 +2,14 @@
 
 Two execution paths share every definition in this module:
 
-* :func:`train_client` — the reference: a plain ``nn.Module`` loop with ``torch.optim.SGD``.
+* :func:`train_client` — the reference: a plain ``nn.Module`` loop with a ``torch.optim`` optimizer
+  (:func:`make_optimizer`: SGD, Adam or AdamW).
 * :func:`train_group` — clients of one CNN architecture trained as one batched computation:
   their weights are stacked along a client axis, convolutions become grouped convolutions over
   clients stacked on the channel axis (channels-last), linear layers become batched matmuls,
-  and SGD with momentum is applied per client; clients whose data has run out leave the stacked
-  computation (compaction), so their weights and momentum stay untouched.
+  and the optimizer is applied per client (SGD with momentum as ``torch.optim.SGD``, Adam/AdamW with
+  ``torch.optim.adam.adam`` on the stacked rows); clients whose data has run out leave the stacked
+  computation (compaction), so their weights and optimizer state stay untouched.
 
 * :func:`train_group_generic` — clients of any one architecture (equal :func:`generic_key`) trained
   as one batched computation with ``torch.func``: ``functional_call`` of one model under ``vmap``
@@ -21,11 +23,14 @@ crop offsets and flips of :func:`augment_batch`) from the same per-client plan
 Loss per step and client (eq. 7): mean cross-entropy over the batch + ``lambda_proto`` x
 :func:`fedproto.prototypes.proto_loss` + ``prox_mu``/2 x ||w - w_ref||² (FedProx).
 The optimizer is created anew at each call (official code: a fresh ``torch.optim.SGD`` per round,
-so momentum does not carry across rounds).
+so momentum, or Adam's moments, do not carry across rounds); its lr is the round's
+(:meth:`OptimConfig.lr_of_round`, the ``lr_schedule`` option).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.adam import adam as torch_adam
 
 from fedproto.grouped import grouped_call, grouped_graph
 from fedproto.models.base import ProtoModel
@@ -75,20 +81,47 @@ def min_batch(model: nn.Module, batch_size: int) -> int:
     a client blew up to norms of 1e6-1e17 and its accuracy fell to chance (issue #10; at B = 4 a
     kept 2-sample batch did the same). With this rule no trailing batch holds fewer than
     min(B, 4) samples nor fewer than half the batch size, and none more than 1.5 B + 3. Batch
-    sizes below 4 leave every step short of values: :func:`fedproto.simulation.prepare` warns.
+    sizes below 4 leave every step short of values: :func:`fedproto.engine.setup.prepare` warns.
     Models without BatchNorm: 1 (every trailing batch is kept as it is).
     """
     B = int(batch_size)
     return max(-(-B // 2), min(B, 4)) if has_batchnorm(model) else 1
 
 
+OPTIMIZERS = ("sgd", "adam", "adamw")
+"""Local optimizers (:attr:`OptimConfig.optimizer`): ``torch.optim.SGD``, ``Adam``, ``AdamW``."""
+
+LR_SCHEDULES = ("constant", "step", "cosine")
+"""Learning-rate schedules over rounds (:meth:`OptimConfig.lr_of_round`)."""
+
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+"""Adam/AdamW β1, β2 and ε: torch's defaults, passed explicitly to ``torch.optim.Adam``/``AdamW`` on the
+sequential path and to ``torch.optim.adam.adam`` on the batched paths, so both run the same update."""
+
+
 @dataclass
 class OptimConfig:
-    """SGD settings (paper, app. A: lr 0.01, momentum 0.5; batch size 8; one local epoch).
+    """Local optimizer settings (paper, app. A: SGD, lr 0.01, momentum 0.5; batch size 8; one local epoch).
+
+    ``optimizer``: ``sgd`` (``torch.optim.SGD`` with ``momentum``), ``adam`` (``torch.optim.Adam``) or
+    ``adamw`` (``torch.optim.AdamW``, decoupled weight decay); Adam's betas and eps are torch's defaults
+    (:data:`ADAM_BETAS`, :data:`ADAM_EPS`), ``momentum`` applies to SGD only, ``weight_decay`` passes
+    through to each (AdamW's is then 0 unless set, not torch's 0.01). A fresh optimizer per round and
+    phase, as the official code's SGD (no moments carry across rounds).
+
+    ``lr_schedule`` over rounds (:meth:`lr_of_round`): ``constant``; ``step`` (``lr`` x ``lr_gamma`` **
+    ((r - 1) // ``lr_step_rounds``)); ``cosine`` (from ``lr`` at round 1 to ``lr_min`` at round
+    ``rounds``). ``round`` is the round being trained (set by the engine with :meth:`at_round`; None: round
+    1's lr); :attr:`round_lr` is the lr the training paths use.
 
     ``augment``: random crop of the input size from the :data:`AUGMENT_PAD`-padded image plus a
     random horizontal flip on every training batch (official code for CIFAR-10; the paper does
     not state augmentation). See :func:`augment_batch`.
+
+    Raises:
+        ValueError: an unknown optimizer or schedule, ``lr_gamma`` <= 0, ``lr_step_rounds`` < 1,
+            ``lr_min`` < 0 or above ``lr``, ``rounds`` < 1 (the message names the value and the fix).
     """
 
     lr: float = 0.01
@@ -97,6 +130,93 @@ class OptimConfig:
     batch_size: int = 8
     drop_last: bool = False
     augment: bool = False
+    optimizer: str = "sgd"
+    lr_schedule: str = "constant"
+    lr_step_rounds: int = 30
+    lr_gamma: float = 0.1
+    lr_min: float = 0.0
+    rounds: int = 1
+    round: int | None = None
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}")
+        if not self.lr_gamma > 0:
+            raise ValueError(f"lr_gamma={self.lr_gamma!r}: the step schedule multiplies the lr by it; use a factor "
+                             "> 0 (e.g. 0.1)")
+        if int(self.lr_step_rounds) < 1:
+            raise ValueError(f"lr_step_rounds={self.lr_step_rounds!r}: use a whole number of rounds >= 1")
+        if not 0 <= self.lr_min <= self.lr:
+            raise ValueError(f"lr_min={self.lr_min!r}: the cosine floor lies in [0, lr={self.lr}]; use a value in "
+                             "that range (0: decay to zero)")
+        if int(self.rounds) < 1:
+            raise ValueError(f"rounds={self.rounds!r}: use the run's number of rounds (>= 1)")
+
+    def lr_of_round(self, r: int) -> float:
+        """The learning rate of round ``r`` (1-based), a pure function of these settings and ``r``:
+
+        * ``constant``: ``lr``;
+        * ``step``: ``lr * lr_gamma ** ((r - 1) // lr_step_rounds)`` (``lr_step_rounds`` rounds per step);
+        * ``cosine``: ``lr_min + (lr - lr_min) * (1 + cos(pi * (r - 1) / (rounds - 1))) / 2``: ``lr`` at
+          round 1, ``lr_min`` at round ``rounds`` (``lr`` throughout when ``rounds`` is 1); rounds past
+          ``rounds`` keep ``lr_min``.
+
+        Raises:
+            ValueError: ``r`` < 1.
+        """
+        if int(r) < 1:
+            raise ValueError(f"round {r!r}: rounds count from 1")
+        if self.lr_schedule == "step":
+            return self.lr * self.lr_gamma ** ((int(r) - 1) // int(self.lr_step_rounds))
+        if self.lr_schedule == "cosine":
+            if self.rounds <= 1:
+                return self.lr
+            t = min(int(r) - 1, self.rounds - 1) / (self.rounds - 1)
+            return self.lr_min + (self.lr - self.lr_min) * (1.0 + math.cos(math.pi * t)) / 2.0
+        return self.lr
+
+    @property
+    def round_lr(self) -> float:
+        """The lr the training paths use: :meth:`lr_of_round` of ``round`` (``lr`` when ``round`` is None)."""
+        return self.lr if self.round is None else self.lr_of_round(self.round)
+
+    def at_round(self, r: int) -> OptimConfig:
+        """These settings for round ``r`` (``round`` set; the same object when it already is ``r``)."""
+        return self if self.round == r else replace(self, round=int(r))
+
+
+def make_optimizer(params: list[torch.Tensor], opt: OptimConfig) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer of ``opt`` over ``params`` at the round's lr (:attr:`OptimConfig.round_lr`):
+    ``SGD(lr, momentum, weight_decay)``, ``Adam(lr, betas, eps, weight_decay)`` or ``AdamW(...)``."""
+    lr = opt.round_lr
+    if opt.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=opt.weight_decay)
+    if opt.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=opt.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+
+
+def stacked_state(opt: OptimConfig, P: dict[str, torch.Tensor],
+                  names: Sequence[str]) -> dict[tuple[str, str], torch.Tensor]:
+    """Zero optimizer state for stacked parameters ``P`` (name -> (G, *shape)) of the batched paths, keyed
+    ``(slot, name)``: SGD ``("m", k)`` (momentum buffer); Adam/AdamW ``("m", k)`` and ``("v", k)``
+    (first and second moments). Rows are clients, so the engines compact and write them back as the weights."""
+    slots = ("m",) if opt.optimizer == "sgd" else ("m", "v")
+    return {(s, k): torch.zeros_like(P[k]) for s in slots for k in names}
+
+
+def adam_step_stacked(opt: OptimConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
+                      exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                      steps: list[torch.Tensor]) -> None:
+    """One Adam/AdamW step of stacked parameters (G, *shape) in place, with ``torch.optim.adam.adam`` (the
+    function ``torch.optim.Adam.step`` calls): the update is elementwise, so each client's rows get the update
+    their own ``torch.optim.Adam`` would give. ``steps``: one scalar tensor per parameter (its step count,
+    shared by the stepping clients: they all took every step of the phase so far)."""
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+               decoupled_weight_decay=opt.optimizer == "adamw", amsgrad=False, beta1=ADAM_BETAS[0],
+               beta2=ADAM_BETAS[1], lr=opt.round_lr, weight_decay=opt.weight_decay, eps=ADAM_EPS, maximize=False)
 
 
 @dataclass
@@ -108,6 +228,52 @@ class Phase:
     epochs: int
     trains: Callable[[str], bool] | None = None
     frozen_eval: bool = False
+
+
+class LossTerm:
+    """A term an algorithm adds to its clients' local loss, beside cross-entropy, FedProto's
+    prototype term and FedProx's proximal term (which are built in): the seam through which a
+    method with its own loss needs no engine change. Every training path calls it, so one term
+    trains alike on the sequential, batched and worker paths.
+
+    Subclasses implement :meth:`__call__` for a batch with any leading dimensions (one client:
+    none; a batched group: (G,)), from the batch's outputs:
+
+        term(logits (..., B, C), h (..., B, d), y (..., B) int64, w (..., B)) -> (...)
+
+    where ``w`` weighs the samples (1, or 0 on padding); return the weighted mean over the batch,
+    ``(value * w).sum(-1) / w.sum(-1).clamp_min(1)``, already multiplied by the term's weight.
+    Tensors the term holds (e.g. global per-class targets) must be moved by :meth:`to`; terms of two
+    clients must compare equal with :meth:`same_as` to train in one batched computation (the
+    default compares the attributes, tensors by value). Terms are pickled to worker processes, so
+    define them at module level. DP-SGD (``dp="full"``) refuses them (its loss must be per sample).
+    """
+
+    def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to(self, device: torch.device) -> LossTerm:
+        """This term with its tensors on ``device`` (a new object where any moved)."""
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor) and v.device != device}
+        if not moved:
+            return self
+        out = copy.copy(self)
+        vars(out).update(moved)
+        return out
+
+    def same_as(self, other: LossTerm) -> bool:
+        """True when ``other`` is the same term (type and attributes; tensors compared by value)."""
+        if type(other) is not type(self) or vars(self).keys() != vars(other).keys():
+            return False
+        for k, a in vars(self).items():
+            b = vars(other)[k]
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                        and bool(torch.equal(a.cpu(), b.cpu()))):
+                    return False
+            elif a != b:
+                return False
+        return True
 
 
 @dataclass
@@ -124,6 +290,7 @@ class Objective:
             (official code's local prototypes).
         normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
         dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
+        terms: the algorithm's own loss terms (:class:`LossTerm`), added to the loss as they are.
     """
 
     phases: list[Phase]
@@ -136,6 +303,7 @@ class Objective:
     collect: bool = False
     normalize: bool = False
     dp_sgd: DPSGD | None = None
+    terms: tuple[LossTerm, ...] = ()
 
 
 @dataclass
@@ -331,18 +499,21 @@ def on_device(obj: Objective, device: torch.device) -> Objective:
         return obj
     ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
     return replace(obj, table=None if obj.table is None else obj.table.to(device),
-                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref)
+                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref,
+                   terms=tuple(t.to(device) for t in obj.terms))
 
 
 def _step_terms(logits, h, y, w, obj: Objective):
-    """Cross-entropy (weighted mean) and prototype loss for (..., B) batches."""
+    """Cross-entropy (weighted mean), prototype loss and the sum of the algorithm's own terms
+    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...)."""
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
     if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
         lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
     else:
         lp = torch.zeros_like(ce)
-    return ce, lp
+    extra = sum((t(logits, h, y, w) for t in obj.terms), torch.zeros_like(ce))
+    return ce, lp, extra
 
 
 def frozen_params(model: nn.Module) -> frozenset[str]:
@@ -398,7 +569,7 @@ def train_client(
 
     Args:
         model: the client's model (trained in place). x: (n, C, H, W) local inputs; y: (n,) labels.
-        plan: from :func:`make_plan`. obj: the round's objective. opt: SGD settings.
+        plan: from :func:`make_plan`. obj: the round's objective. opt: optimizer settings.
     Returns:
         :class:`TrainResult`.
     """
@@ -433,9 +604,9 @@ def _train_client(
     if obj.dp_sgd is not None:
         from opacus import GradSampleModule
 
-        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2"):
-            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term "
-                             "or the 'l2' distance (a batch prototype)")
+        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2") or obj.terms:
+            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term, "
+                             "the 'l2' distance (a batch prototype) or an algorithm's own loss terms")
         net = gsm = GradSampleModule(model, loss_reduction="mean")
         # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -451,8 +622,7 @@ def _train_client(
                 mod.train(not frozen)
         # a phase may have nothing to train (all its parameters frozen): it still runs its passes (the
         # embeddings it collects), without steps
-        optim = (torch.optim.SGD(params, lr=opt.lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-                 if params else None)
+        optim = make_optimizer(params, opt) if params else None
         if obj.dp_sgd is not None and optim is not None:
             from opacus.optimizers import DPOptimizer
 
@@ -473,8 +643,8 @@ def _train_client(
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
             with torch.set_grad_enabled(optim is not None):
                 logits, h = (net if optim is not None else model)(xb, nb)
-                ce, lp = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-                loss = ce + obj.lambda_proto * lp
+                ce, lp, extra = _step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
+                loss = ce + obj.lambda_proto * lp + extra
                 if obj.prox_mu > 0 and obj.prox_ref is not None:
                     loss = loss + 0.5 * obj.prox_mu * sum(
                         ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
@@ -540,12 +710,13 @@ def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
     return (phases(a) == phases(b)
             and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
             and a.collect == b.collect and a.normalize == b.normalize
-            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask))
+            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask)
+            and len(a.terms) == len(b.terms) and all(t.same_as(u) for t, u in zip(a.terms, b.terms)))
 
 
 @torch.no_grad()
 def _write_back(P, bufs, Pc, bufc, ids) -> None:
-    """Copy the compacted parameters and momentum of clients ``ids`` back into the full stacks."""
+    """Copy the compacted parameters and optimizer state of clients ``ids`` back into the full stacks."""
     for k in P:
         P[k][ids] = Pc[k].detach()
     for k in bufs:
@@ -644,7 +815,7 @@ def train_group(
         ys: per client local labels (n_g,).
         plans: per client plans with the same phase structure.
         obj: the shared objective (global prototypes are the same for all clients of a round).
-        opt: SGD settings.
+        opt: optimizer settings (:class:`OptimConfig`).
         objs: optional per-client objectives, used only for their ``prox_ref`` (FeSEM/FedProx
             reference weights may differ per client); everything else must equal ``obj``'s.
     Returns:
@@ -734,7 +905,8 @@ def train_stacked(
         train_names = [k for k in names if ph.trains is None or ph.trains(k)]
         for k in names:
             P[k].requires_grad_(k in train_names)
-        bufs = {k: torch.zeros_like(P[k]) for k in train_names}
+        bufs = stacked_state(opt, P, train_names)  # (slot, name) -> (G, *shape): momentum, or Adam's moments
+        adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count (shared by stepping clients)
         Smax, B = sp.order.shape[0], sp.order.shape[1]
         order, weight, last = sp.order.to(dev), sp.weight.to(dev), sp.last.to(dev)
         noise = {k: v.to(dev) for k, v in sp.noise.items()}
@@ -753,7 +925,7 @@ def train_stacked(
                     _write_back(P, bufs, Pc, bufc, cur)
                 cur, Gc = act, len(act)
                 Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in names}
-                bufc = {k: bufs[k][cur].clone() for k in train_names}
+                bufc = {k: v[cur].clone() for k, v in bufs.items()}
                 refc = {k: ref[k][cur] for k in train_names} if ref is not None else None
                 ids_C = (cur * C).unsqueeze(1)
             idx = order[s][:, cur].reshape(-1)
@@ -763,24 +935,27 @@ def train_stacked(
             w = weight[s][cur]
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
             logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
-            ce, lp = _step_terms(logits, h, yb, w, obj)
-            loss_g = ce + obj.lambda_proto * lp
+            ce, lp, extra = _step_terms(logits, h, yb, w, obj)
+            loss_g = ce + obj.lambda_proto * lp + extra
             if refc is not None:
                 for k in train_names:
                     loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
             plist = [Pc[k] for k in train_names]
             grads = list(torch.autograd.grad(loss_g.sum(), plist)) if plist else []  # [] : all frozen
             with torch.no_grad():
-                blist = [bufc[k] for k in train_names]
-                if opt.weight_decay and plist:
-                    torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
-                if opt.momentum and plist:
-                    torch._foreach_mul_(blist, opt.momentum)
-                    torch._foreach_add_(blist, grads)
-                elif plist:
-                    torch._foreach_copy_(blist, grads)
-                if plist:
-                    torch._foreach_add_(plist, blist, alpha=-opt.lr)
+                blist = [bufc["m", k] for k in train_names]
+                if opt.optimizer != "sgd" and plist:  # Adam/AdamW: torch's own update on the stacked rows
+                    adam_step_stacked(opt, plist, grads, blist, [bufc["v", k] for k in train_names],
+                                      [adam_steps[k] for k in train_names])
+                elif plist:  # SGD as torch.optim.SGD (weight decay, momentum, step)
+                    if opt.weight_decay:
+                        torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
+                    if opt.momentum:
+                        torch._foreach_mul_(blist, opt.momentum)
+                        torch._foreach_add_(blist, grads)
+                    else:
+                        torch._foreach_copy_(blist, grads)
+                    torch._foreach_add_(plist, blist, alpha=-opt.round_lr)
                 ce_tot.index_add_(0, cur, ce.detach().double())
                 lp_tot.index_add_(0, cur, lp.detach().double())
                 nsteps[cur] += 1
@@ -936,7 +1111,7 @@ def _dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[_DropCall]:
 def _replay_masks(calls: Sequence[_DropCall], counts: Sequence[torch.Tensor], seed: int) -> list[list[dict]]:
     """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
     CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
-    :func:`fedproto.simulation.client_step`): torch's CPU dropout draws
+    :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
     ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
     ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -1060,8 +1235,9 @@ def train_group_generic(
       torch's CPU generator seeded with the client's ``seeds[g]`` (:func:`_replay_masks`), the masks
       the sequential path draws after ``torch.manual_seed(seeds[g])``; explicit masks
       (:meth:`ProtoModel.noise_widths`) come from the plans as on every path;
-    * SGD with momentum and weight decay as ``torch.optim.SGD`` (a fresh optimizer per phase;
-      parameters that get no gradient are skipped, as SGD skips a ``None`` gradient).
+    * SGD with momentum and weight decay as ``torch.optim.SGD``, Adam/AdamW with ``torch.optim.adam.adam``
+      (a fresh optimizer per phase; parameters that get no gradient are skipped, as torch.optim skips a
+      ``None`` gradient).
 
     Clients whose plan has run out of steps leave the stacked computation (compaction), as in
     :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
@@ -1075,9 +1251,9 @@ def train_group_generic(
         xs: per client local inputs (n_g, ...); ys: per client labels (n_g,).
         plans: per client plans with the same phase structure (:func:`make_plan`).
         obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
-        opt: SGD settings.
+        opt: optimizer settings (:class:`OptimConfig`).
         seeds: per client seed of torch's generator on the sequential path
-            (:func:`fedproto.simulation.client_seed`); needed when the models hold active dropout
+            (:func:`fedproto.engine.seeding.client_seed`); needed when the models hold active dropout
             modules. On CUDA the sequential path's dropout draws from the fused CUDA kernel's
             generator instead, so there the two paths draw other (equally distributed) masks.
     Returns:
@@ -1128,7 +1304,8 @@ def train_group_generic(
                 _set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
             _set_train_modes(m0, ph, user_frozen_bn)
             train_names = [k for k in names if ph.trains is None or ph.trains(k)]
-            mom = {k: torch.zeros_like(P[k]) for k in train_names}
+            mom = stacked_state(opt, P, train_names)  # (slot, name): momentum, or Adam's moments
+            adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count per parameter
             sp = stack_plans(plans, pi, offsets, opt.batch_size)
             order, valid_n = sp.order.to(dev), (sp.weight > 0).sum(-1)  # (Smax, B, G), (Smax, G)
             noise = {k: v.to(dev) for k, v in sp.noise.items()}
@@ -1137,7 +1314,7 @@ def train_group_generic(
             cur: torch.Tensor | None = None
             Pc: dict[str, torch.Tensor] = {}  # the stepping clients' parameters, buffers and momentum, compacted
             Bc: dict[str, torch.Tensor] = {}
-            momc: dict[str, torch.Tensor] = {}
+            momc: dict[tuple[str, str], torch.Tensor] = {}
             for s in range(order.shape[0]):
                 act = torch.nonzero(sp.steps > s).flatten()
                 if cur is None or len(act) != len(cur):
@@ -1146,7 +1323,7 @@ def train_group_generic(
                     cur = act
                     Pc = {k: P[k][cur.to(dev)].clone().requires_grad_(k in train_names) for k in names}
                     Bc = {k: Bf[k][cur.to(dev)].clone() for k in bnames}
-                    momc = {k: mom[k][cur.to(dev)].clone() for k in train_names}
+                    momc = {k: v[cur.to(dev)].clone() for k, v in mom.items()}
                 cnt = valid_n[s][cur]
                 grads: dict[str, torch.Tensor | None] = {}
                 for c in torch.unique(cnt).tolist():
@@ -1175,8 +1352,8 @@ def train_group_generic(
                             for k in bnames:
                                 Bc[k][pos_d] = bin_[k]
                     w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
-                    ce, lp = _step_terms(logits, h, yb, w, obj)
-                    loss_g = ce + obj.lambda_proto * lp
+                    ce, lp, extra = _step_terms(logits, h, yb, w, obj)
+                    loss_g = ce + obj.lambda_proto * lp + extra
                     if ref is not None:
                         for k in train_names:
                             if k in ref:
@@ -1201,17 +1378,20 @@ def train_group_generic(
                             sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
                             counts.index_add_(0, flat, sel.reshape(-1).long())
                 with torch.no_grad():
-                    for k in train_names:
-                        gr, p = grads.get(k), Pc[k]
-                        if gr is None:  # as torch.optim.SGD skips a parameter without gradient
-                            continue
+                    stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
+                    if opt.optimizer != "sgd" and stepped:
+                        adam_step_stacked(opt, [Pc[k] for k in stepped], [grads[k] for k in stepped],
+                                          [momc["m", k] for k in stepped], [momc["v", k] for k in stepped],
+                                          [adam_steps[k] for k in stepped])
+                    for k in stepped if opt.optimizer == "sgd" else ():
+                        gr, p = grads[k], Pc[k]
                         if opt.weight_decay:
                             gr = gr.add(p, alpha=opt.weight_decay)
                         if opt.momentum:
-                            momc[k].mul_(opt.momentum).add_(gr)
-                            p.add_(momc[k], alpha=-opt.lr)
+                            momc["m", k].mul_(opt.momentum).add_(gr)
+                            p.add_(momc["m", k], alpha=-opt.round_lr)
                         else:
-                            p.add_(gr, alpha=-opt.lr)
+                            p.add_(gr, alpha=-opt.round_lr)
             if cur is not None:
                 _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
     with torch.no_grad():
@@ -1232,7 +1412,7 @@ def train_group_generic(
 
 @torch.no_grad()
 def _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur) -> None:
-    """Copy the compacted parameters, buffers and momentum of clients ``cur`` back into the full stacks."""
+    """Copy the compacted parameters, buffers and optimizer state of clients ``cur`` back into the full stacks."""
     ids = cur.to(next(iter(P.values())).device)
     for k in P:
         P[k][ids] = Pc[k].detach()

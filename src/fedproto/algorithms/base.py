@@ -43,8 +43,11 @@ accuracy summary."""
 
 def optim_config(cfg: Any) -> OptimConfig:
     """The :class:`OptimConfig` of a run configuration."""
+    # issue #24: optimizer and lr schedule fields (the round is set per round with OptimConfig.at_round)
     return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last,
-                       augment=bool(getattr(cfg, "augment", False)))
+                       augment=bool(getattr(cfg, "augment", False)), optimizer=cfg.optimizer,
+                       lr_schedule=cfg.lr_schedule, lr_step_rounds=cfg.lr_step_rounds, lr_gamma=cfg.lr_gamma,
+                       lr_min=cfg.lr_min, rounds=cfg.rounds)
 
 
 def message_size(msg: Message) -> tuple[int, int]:
@@ -57,7 +60,7 @@ def message_size(msg: Message) -> tuple[int, int]:
 class SharedInputs:
     """One inputs tensor (N, C, H, W) that many clients' :class:`ClientData` views index into.
 
-    :meth:`fedproto.simulation.Setup.to_device` moves it once for all clients (``tensor`` is
+    :meth:`fedproto.engine.setup.Setup.to_device` moves it once for all clients (``tensor`` is
     replaced); the views read it whenever they gather their rows.
     """
 
@@ -155,7 +158,7 @@ class ClientData:
     def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> ClientData:
         """Move the held tensors to ``device`` (labels always; inputs held as tensors) and/or cast
         the inputs to the float ``dtype``, in place; returns self. A view's shared inputs are not
-        moved here (:meth:`fedproto.simulation.Setup.to_device` moves each once); its gathered rows
+        moved here (:meth:`fedproto.engine.setup.Setup.to_device` moves each once); its gathered rows
         are cast to ``dtype`` on every read."""
         if device is not None:
             self.y, self.test_y = self.y.to(device), self.test_y.to(device)
@@ -197,6 +200,9 @@ class Algorithm:
     """
 
     name = "base"
+    Options: Any = None
+    """Plug-ins: the algorithm's own options (:class:`fedproto.plugins.AlgorithmOptions`),
+    which become run options (flags, TOML keys, keywords); :meth:`from_config` fills ``self.options``."""
     shares_weights = False
     sequential_only = False
     """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
@@ -212,8 +218,16 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
-        """Build from a :class:`fedproto.config.RunConfig` (subclasses read their own fields)."""
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        """Build from a :class:`fedproto.config.RunConfig`: ``cls(num_classes, opt, local_epochs)``,
+        then, for an algorithm with ``Options`` (its own typed options,
+        :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
+        values from the run config and ``self.embedding_dim``."""
+        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        options = getattr(cls, "Options", None)
+        if options is not None:
+            alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
+        alg.embedding_dim = embedding_dim
+        return alg
 
     # -- checks the engine asks for (it knows no algorithm by name) ---------------------------
     def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
@@ -301,6 +315,16 @@ class Algorithm:
         """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
         for k in self.server_state_keys:
             setattr(self, k, state[k])
+
+    def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
+        """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
+        the run's options and the final per-client metrics (default: none)."""
+        return {}
+
+    def write_results(self, run_dir: Any, message: Message) -> None:
+        """Write this algorithm's own result files into the finished run's folder
+        (:class:`fedproto.results.RunDir`; FedProto: ``prototypes.npz``) from the final server
+        message (default: none)."""
 
     def round_metrics(self) -> dict[str, float]:
         """Extra numbers of the last aggregation for the round's metrics row (default: none)."""

@@ -10,6 +10,7 @@ cross-entropy only.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -517,6 +518,35 @@ class FedProto(Algorithm):
         """Restore :meth:`server_state`; a checkpoint written before client sampling has no
         ``last_cids`` (its messages came from clients 0..m-1 in order)."""
         super().load_server_state({"last_cids": None, **state})
+
+    def summary_entries(self, cfg, per_client: list[dict]) -> dict:
+        """``privacy`` under DP: the mode, noise, clips, delta, the clients' largest and mean ε (from
+        their reports; under Flower NaN for a node that did not answer, none under ``dp=full``:
+        each node keeps its own), the accountant and the neighbouring relation."""
+        if self.dp == "off":
+            return {}
+        eps = [m["dp_epsilon"] for m in per_client if m.get("dp_epsilon", math.nan) == m.get("dp_epsilon")]
+        privacy = {
+            "mode": self.dp, "noise_multiplier": self.dp_noise, "embedding_clip": self.dp_clip,
+            "grad_clip": self.dp_grad_clip if self.dp == "full" else None, "delta": self.dp_delta,
+            "epsilon_max": float(max(eps)) if eps else None, "epsilon_mean": float(np.mean(eps)) if eps else None,
+            "accountant": "Opacus RDP (subsampled Gaussian per DP-SGD step, Gaussian per prototype release)",
+            "neighbouring": "one training sample of a client added or removed, its label set unchanged (the label set "
+                            "is public)" + ("; for a fixed feature extractor (the extractor's training is not covered)"
+                                            if self.dp == "prototypes" else ""),
+            "noise": "seeded by the run's seed (dp_reproducible_noise: no guarantee against whoever knows the seed)"
+                     if self.dp_reproducible_noise else "the operating system's secure randomness",
+        }
+        if not eps:
+            privacy["epsilon_note"] = ("each node logs its own epsilon: under dp=full it depends on the node's sample "
+                                       "count, which the node does not send")
+        return {"privacy": privacy}
+
+    def write_results(self, run_dir, message: Message) -> None:
+        """``prototypes.npz``: the final global prototypes (classes, protos) and, per class, how many
+        clients contributed in the last aggregation."""
+        if "protos" in message:
+            run_dir.write_prototypes(message["classes"], message["protos"], self.last_contributors)
 
     def round_metrics(self) -> dict[str, float]:
         """Prototype-distance monitoring of the last aggregation: mean and max over clients of

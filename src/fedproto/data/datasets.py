@@ -254,7 +254,7 @@ def load_femnist_unpaired(root: str | Path | None = None) -> Dataset:
     Raises:
         DataError: FEMNIST not found, has no ``test_unpaired/`` folder, or is malformed.
     """
-    folder = _find_femnist(root)
+    folder = find_femnist(root)
     unpaired = folder / "test_unpaired"
     files = sorted(unpaired.glob("*.json")) if unpaired.is_dir() else []
     if not files:
@@ -550,8 +550,23 @@ def _leaf_dir(folder: Path) -> Path | None:
     return folder
 
 
-def _find_femnist(root: str | Path | None) -> Path:
-    """Return the folder holding FEMNIST's ``train/`` and ``test/`` JSON folders."""
+def find_femnist(root: str | Path | None) -> Path:
+    """Return the folder holding FEMNIST's ``train/`` and ``test/`` JSON folders (LEAF's layout).
+
+    Looks in ``root`` (else ``FEDPROTO_DATA``, else the cache folder) for ``femnist/`` or
+    ``femnist/femnist/``, else for LEAF's archive in ``femnist/``, which it extracts once: next to
+    the archive, or into the cache folder (:func:`fedproto.data.download.default_cache_dir`) when
+    that folder is read-only.
+
+    Args:
+        root: the data folder, or None for the default places.
+
+    Returns:
+        The folder whose ``train/`` and ``test/`` hold the JSON files.
+
+    Raises:
+        DataError: no FEMNIST folder nor archive in any place searched (names each, and how to make it).
+    """
     searched: list[Path] = []
     for r in _candidate_roots(root):
         base = r / "femnist"
@@ -707,7 +722,7 @@ def _pixel_stats(x: np.ndarray) -> tuple[float, float]:
 
 
 def _load_femnist(root: str | Path | None) -> Dataset:
-    folder = _find_femnist(root)
+    folder = find_femnist(root)
     files = sorted(folder.glob("train/*.json")) + sorted(folder.glob("test/*.json"))
 
     def build() -> Dataset:

@@ -11,12 +11,14 @@ A node is one of two kinds, by its node config:
   dataset and models from the run config and keeps only client ``partition-id``.
 
 The client's model and extras live in ``context.state`` between rounds (they never leave the
-node); the data set-up is cached per process.
+node); the data set-up is cached per process. An own-data node also keeps them in its state file
+and reloads them after a restart, and every reply carries the node's ``instance``, ``restored`` and
+``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`, issue #23).
 
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
 e.g. initial weights for weight-sharing methods), ``train`` (one client step:
-:func:`fedproto.simulation.client_step`, reply: the algorithm message plus losses) and
+:func:`fedproto.engine.executors.local.client_step`, reply: the algorithm message plus losses) and
 ``evaluate`` (reply: the algorithm's per-client metrics).
 
 Under DP (``dp`` ``prototypes`` or ``full``) a node sends only what is public or covered by the
@@ -38,12 +40,14 @@ from flwr.clientapp import ClientApp
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
+from fedproto.engine.executors.local import client_step
+from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
+from fedproto.flower import node_state
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.models.base import count_parameters
 from fedproto.privacy import deployment_fields
-from fedproto.simulation import Setup, client_step, prepare
 
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"
@@ -67,7 +71,14 @@ class Node:
 _CACHE: dict[str, Any] = {}
 
 
-def node(context: Context) -> Node:
+def _run_key(msg: Message) -> str | None:
+    """The server's run key in a message's config record (:data:`fedproto.flower.node_state.RUN_KEY`), if any."""
+    if CONFIG in msg.content and node_state.RUN_KEY in msg.content[CONFIG]:
+        return str(msg.content[CONFIG][node_state.RUN_KEY])
+    return None
+
+
+def node(context: Context, run_key: str | None = None) -> Node:
     """This node's client, its model restored from ``context.state`` (built on first use).
 
     Raises:
@@ -95,6 +106,11 @@ def node(context: Context) -> Node:
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
     else:
         n = _benchmark_node(cfg, nc)
+    # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
+    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
+    if saved is not None:
+        context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=saved["model"])
+        context.state[STATE_EXTRA] = ConfigRecord(saved["extra"])
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
@@ -150,13 +166,15 @@ def query(msg: Message, context: Context) -> Message:
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
     DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
     info = deployment_fields(n.cfg.dp, "query", info)
     join = n.algorithm.join_message(n.state)
-    return Message(RecordDict({CONFIG: ConfigRecord(info), MESSAGE: to_record(join)}), reply_to=msg)
+    content = {CONFIG: ConfigRecord(info), MESSAGE: to_record(join),
+               METRICS: MetricRecord(node_state.reply_metrics(context))}
+    return Message(RecordDict(content), reply_to=msg)
 
 
 @app.train()
@@ -166,17 +184,18 @@ def train(msg: Message, context: Context) -> Message:
     and, without DP, the losses, step count, largest embedding norm and ``num-examples``; under DP
     the message alone. A node with ``misbehave`` in its node config corrupts its message (tests of
     the server's checks)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     r = _checked_round(n, msg)
     out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
     _save(n, context)
+    node_state.after_train(context, n.cid, n.cfg, r, n.state.model, n.state.extra)
     if n.misbehave:
         rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "num-examples": len(n.data.y)}
-    metrics = deployment_fields(n.cfg.dp, "train", metrics)
-    content = {MESSAGE: to_record(out), **({METRICS: MetricRecord(metrics)} if metrics else {})}
+    metrics = {**deployment_fields(n.cfg.dp, "train", metrics), **node_state.reply_metrics(context)}
+    content = {MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}
     return Message(RecordDict(content), reply_to=msg)
 
 
@@ -186,7 +205,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     adds ``acc_proto``, eq. 4), plus ``num-examples``. Under DP only ``dp_epsilon`` under
     ``prototypes``, nothing under ``full`` (:func:`fedproto.privacy.deployment_fields`); the node
     logs the metrics it keeps."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     _checked_round(n, msg)
     metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
     metrics.update(n.algorithm.client_report(n.state))  # e.g. the privacy this client spent (dp)
@@ -196,4 +215,5 @@ def evaluate(msg: Message, context: Context) -> Message:
     if len(sent) < len(metrics):
         log.warning("fedproto client %d (dp=%s) keeps on this node: %s", n.cid, n.cfg.dp,
                     ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))
+    sent.update(node_state.reply_metrics(context))
     return Message(RecordDict({METRICS: MetricRecord(sent)}), reply_to=msg)

@@ -59,6 +59,8 @@ class FlowerOptions:
             60); the run starts with fewer if at least ``min_replies`` have joined.
         class_names: names of classes 0..C-1 for image folders named by class (``class-names``,
             comma-separated; default none: folders are named by class id).
+        resume_from: the run folder of an interrupted run to continue from its checkpoint (its last
+            completed round), e.g. on a new SuperLink (``resume-from``; default none: a new run).
     """
 
     round_timeout: float = 120.0
@@ -66,6 +68,7 @@ class FlowerOptions:
     round_retries: int = 2
     wait_nodes: float = 60.0
     class_names: tuple[str, ...] = ()
+    resume_from: str = ""
 
     @classmethod
     def from_user_config(cls, user_config: Mapping[str, Any]) -> FlowerOptions:
@@ -92,10 +95,16 @@ class FlowerOptions:
                 raise ConfigError(f"Flower run config: class-names={names!r}; give the names comma-separated, e.g. "
                                   "\"cat,dog,bird\"")
             out["class_names"] = tuple(n.strip() for n in names.split(","))
+        if "resume_from" in data:
+            v = data["resume_from"]
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(f"Flower run config: resume-from={v!r}; give the run folder of the interrupted run, "
+                                  "e.g. resume-from=\"runs/fedproto-custom-m3-s1234-run42\"")
+            out["resume_from"] = v.strip()
         return cls(**out)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from")
 """Run config keys read by :class:`FlowerOptions` rather than :class:`RunConfig`."""
 
 

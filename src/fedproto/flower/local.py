@@ -245,14 +245,18 @@ class LocalFederation:
 
     def start_supernode(self, node_config: Mapping[str, Any], name: str | None = None,
                         key: Path | None = None, max_wait: float | None = None,
+                        restart: tuple[float, float] | None = None,
                         executor: str | None = None) -> subprocess.Popen:
         """Start a SuperNode with ``node_config`` (its ``--node-config``); with ``auth``, ``key`` is
         its private key (default: a new registered one). ``max_wait``: seconds it keeps trying to
-        connect (default: forever). ``executor``: None (default: the SuperNode starts a
-        ``flwr-clientapp`` process per message), ``"fedproto"`` (``--isolation process`` and
-        ``python -m fedproto.flower.prefork`` as process ``<name>-executor``: one warm process
-        that forks per message) or ``"flower"`` (``--isolation process`` and Flower's
-        ``flower-superexec``). Raises ConfigError for another ``executor``."""
+        connect (default: forever). ``restart``: (backoff, max backoff) in seconds: run it under
+        :mod:`fedproto.flower.supervise`, which starts it again when it fails (the returned process
+        is the supervisor's; the SuperNode's pid is in its log: ``started flower-supernode (pid N)``).
+        ``executor``: None (default: the SuperNode starts a ``flwr-clientapp`` process per
+        message), ``"fedproto"`` (``--isolation process`` and ``python -m fedproto.flower.prefork``
+        as process ``<name>-executor``: one warm process that forks per message) or ``"flower"``
+        (``--isolation process`` and Flower's ``flower-superexec``). Raises ConfigError for another
+        ``executor``."""
         if executor not in (None, "fedproto", "flower"):
             raise ConfigError(f"executor={executor!r}: choose None (Flower's default), 'fedproto' or 'flower'")
         name = name or f"node{sum(n.startswith('node') and not n.endswith('-executor') for n in self.procs)}"
@@ -276,7 +280,17 @@ class LocalFederation:
             args += ["--auth-supernode-private-key", str(key or self.node_key()[0])]
         if max_wait is not None:
             args += ["--max-wait-time", str(max_wait)]
+        if restart is not None:
+            args = [sys.executable, "-m", "fedproto.flower.supervise", "--backoff", str(restart[0]),
+                    "--max-backoff", str(restart[1]), "--", *args]
         return self._start(name, args)
+
+    def supernode_pids(self, name: str) -> list[int]:
+        """The pids of the SuperNodes a supervisor (``start_supernode(..., restart=...)``) started
+        for ``name``, oldest first (from its log)."""
+        import re
+
+        return [int(m) for m in re.findall(r"started \S*flower-supernode \(pid (\d+)\)", self.log(name))]
 
     def kill(self, name: str) -> None:
         """Kill process ``name`` and its children at once (SIGKILL: a node that drops off); a

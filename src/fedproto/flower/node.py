@@ -5,7 +5,7 @@ Node config keys (``flower-supernode --node-config '...'``):
 ``client-id``
     This client's id, a whole number >= 0, unique in the federation. It names the client in the
     server's logs and metrics and seeds its training exactly as client ``client-id`` of an
-    in-process run (:func:`fedproto.simulation.client_step`).
+    in-process run (:func:`fedproto.engine.executors.local.client_step`).
 ``data``
     The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``), or ``train/`` and
     ``test/`` folders of class sub-folders of images (:func:`fedproto.data.folder.load_client_folder`).
@@ -14,10 +14,15 @@ Node config keys (``flower-supernode --node-config '...'``):
     ending in the run's ``embedding-dim``), or an import path ``package.module:factory`` of a
     function returning an ``nn.Module`` (called with those of ``num_classes``, ``in_channels``
     and ``embedding_dim`` it accepts). The model is built after ``torch.manual_seed(
-    fedproto.models.zoo.model_seed(seed, client-id))``.
+    fedproto.models.zoo.model_seed(seed, client-id))`` (with ``shared-init``: client-id 0's seed on every
+    node, :func:`fedproto.models.zoo.init_seed`).
 ``head`` (optional)
     The final layer of a plain classifier from a factory (its input is the embedding); leave it
     out when the module returns ``(logits, embedding)`` itself.
+``state-dir`` (optional)
+    The folder of the node's state file, which keeps the client's model across a restart of the
+    SuperNode (:mod:`fedproto.flower.node_state`); default ``~/.cache/fedproto/node-state``
+    (``$XDG_CACHE_HOME/fedproto/node-state``); ``state-dir=""``: no state file.
 ``misbehave`` (optional, for tests of the server's checks only)
     ``nan``, ``scale``, ``random`` or ``flip``: the node corrupts every message it sends up
     (:func:`fedproto.attacks.corrupt_message`).
@@ -44,7 +49,7 @@ from fedproto.errors import ConfigError, FedprotoError
 from fedproto.models.names import MODEL_NAMES, ZOO
 
 MISBEHAVIOURS = ("nan", "scale", "random", "flip")
-NODE_KEYS = ("client-id", "data", "model", "head", "misbehave", "data-dir")
+NODE_KEYS = ("client-id", "data", "model", "head", "state-dir", "misbehave", "data-dir")
 """The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
 FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
 """Node config keys Flower's simulation runtime sets itself (ignored on an own-data node)."""
@@ -91,16 +96,16 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     """
     from fedproto.data.folder import load_client_folder
     from fedproto.data.partition import Partition
+    from fedproto.engine.setup import build_setup
     from fedproto.federation import adapt
-    from fedproto.models.zoo import build_model, model_seed
-    from fedproto.simulation import build_setup
+    from fedproto.models.zoo import build_model, init_seed
 
     unknown = sorted(str(k) for k in node_config if k not in NODE_KEYS + FLOWER_NODE_KEYS)
     if unknown:
         cid = node_config.get("client-id")
         where = f"node client-id={cid}" if cid is not None else "this SuperNode"
         raise ConfigError(f"{where}: unknown node config key(s) {', '.join(repr(k) for k in unknown)}; the known keys "
-                          f"are {', '.join(NODE_KEYS[:5])}; check the spelling (e.g. client-id, not clientid)")
+                          f"are {', '.join(NODE_KEYS[:6])}; check the spelling (e.g. client-id, not clientid)")
     cid = node_client_id(node_config)
     who = f"node client-id={cid}"
     for key in ("data", "model"):
@@ -116,7 +121,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
     try:
         (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
         if _is_import_path(spec):
-            torch.manual_seed(model_seed(cfg.seed, cid))
+            torch.manual_seed(init_seed(cfg.seed, cid, cfg.shared_init))  # shared_init: one seed for all nodes
             factory_model = _factory(spec, C, int(x.shape[1]), d)
             try:
                 model = adapt(factory_model, head, C, x[0:1], cid)
@@ -133,7 +138,8 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                 raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are {tuple(x.shape)}; give "
                                   "a model factory (package.module:factory) for flat features")
             try:
-                model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed)
+                model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed,
+                                    shared_init=cfg.shared_init)
             except FedprotoError:
                 raise
             except Exception as e:  # noqa: BLE001 - e.g. images too small for the architecture
@@ -147,7 +153,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                           f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
     state = ClientState(cid, model, np.unique(y.numpy()))
     data = ClientData(x, y, tx, ty)
-    try:  # the set-up of every front end (fedproto.simulation.build_setup), for this node's one client
+    try:  # the set-up of every front end (fedproto.engine.setup.build_setup), for this node's one client
         setup = build_setup(cfg, [state], [data], Partition([np.arange(len(y))], [np.arange(len(ty))],
                                                             [state.classes]), place=False,
                             whole=False)

@@ -68,10 +68,17 @@ def model_seed(seed: int, cid: int) -> int:
     return seed * 1_000_003 + cid
 
 
+def init_seed(seed: int, cid: int, shared_init: bool = False) -> int:
+    """The torch seed of client ``cid``'s initial weights: :func:`model_seed` of the client, or with
+    ``shared_init`` that of client 0 for every client (one architecture built after one seed gives the same
+    weights, so clients of one architecture start identical wherever they are built)."""
+    return model_seed(seed, 0 if shared_init else cid)
+
+
 def build_model(spec: str, cid: int, in_channels: int, num_classes: int, input_size: int,
-                embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0) -> ProtoModel:
+                embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0, shared_init: bool = False) -> ProtoModel:
     """One client's model from a single zoo spec (``cnn``, ``projcnn:16-32``, ``resnet18``), seeded
-    with :func:`model_seed` as :func:`build_client_models` seeds client ``cid`` (the ``-mh`` specs
+    with :func:`init_seed` as :func:`build_client_models` seeds client ``cid`` (the ``-mh`` specs
     depend on the number of clients: use :func:`build_client_models` for them).
 
     Raises:
@@ -81,20 +88,23 @@ def build_model(spec: str, cid: int, in_channels: int, num_classes: int, input_s
         raise ModelError(f"model {spec!r} assigns architectures by client position among all clients; give one "
                          "architecture per node (cnn, projcnn:<c1>-<c2>, resnet18)")
     check_model_name(spec)
-    torch.manual_seed(model_seed(seed, cid))
+    torch.manual_seed(init_seed(seed, cid, shared_init))
     return _one(spec, cid, cid + 1, in_channels, num_classes, input_size, embedding_dim, dropout)
 
 
 def build_client_models(
     name: str, num_clients: int, in_channels: int, num_classes: int, input_size: int,
     embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0,
-    pretrained: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+    pretrained: str | os.PathLike | Mapping[str, torch.Tensor] | None = None, shared_init: bool = False,
 ) -> list[ProtoModel]:
     """Build one model per client, each initialised from its own seed (seed, client id).
 
     Args:
         name: see module docstring; a comma-separated list assigns specs round-robin.
         pretrained: resnet18 state dict (file path or mapping) for the ResNet18 clients; read once.
+        shared_init: seed every client's model with client 0's seed (:func:`init_seed`), so clients of one
+            architecture start from identical weights (the ``shared_init`` option; PFLlib, HtFLlib and
+            FL-bench start clients this way), clients of different architectures from their own.
     Raises:
         ModelError: an unknown model name; ``pretrained`` given but no client is a ResNet18; a
             state dict that does not fit resnet18 (names the key).
@@ -105,7 +115,7 @@ def build_client_models(
         raise ModelError("empty model name")
     models = []
     for cid in range(num_clients):
-        torch.manual_seed(model_seed(seed, cid))
+        torch.manual_seed(init_seed(seed, cid, shared_init))
         models.append(_one(specs[cid % len(specs)], cid, num_clients, in_channels, num_classes,
                            input_size, embedding_dim, dropout))
     if pretrained is not None:

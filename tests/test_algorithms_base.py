@@ -8,7 +8,8 @@ from conftest import flat_weights, needs_mnist
 
 from fedproto.algorithms.base import ClientData, SharedInputs
 from fedproto.config import build_config
-from fedproto.simulation import Simulation, prepare
+from fedproto.engine.setup import prepare
+from fedproto.simulation import Simulation
 
 DIGITS = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=2, eval_every=1, threads=1)
 

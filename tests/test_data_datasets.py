@@ -6,28 +6,31 @@ tests use a throw-away HTTP server on 127.0.0.1; nothing here touches the intern
 
 from __future__ import annotations
 
-import functools
 import gzip
-import hashlib
 import os
 import shutil
-import socket
 import stat
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import leftovers
 
 from fedproto.data import Dataset, load_dataset
 from fedproto.data import datasets as ds
 from fedproto.data import download as dl
 from fedproto.errors import DataError
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
+
 _ENV_DATA = os.environ.get("FEDPROTO_DATA", "").strip()
+
+
 SHARED = Path(_ENV_DATA) if _ENV_DATA else None
+
+
 MNIST_NAMES = [
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -54,52 +57,6 @@ def _shared_mnist_dir() -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Keep every test's cache writes (downloads, extractions) out of the user's home."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
-        mp.delenv(ds.MNIST_MIRRORS_ENV, raising=False)
-        yield
-
-
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No FEDPROTO_DATA and an empty cache folder: only an explicit root can hold data."""
-    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return tmp_path
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass
-
-
-@pytest.fixture
-def http_root(tmp_path: Path):
-    """Serve tmp_path/www on 127.0.0.1; yields (folder, base URL)."""
-    www = tmp_path / "www"
-    www.mkdir()
-    handler = functools.partial(_QuietHandler, directory=str(www))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield www, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/nothing-listens-here"
-
-
 def _regzip_corrupted(src_gz: Path, dest_gz: Path) -> None:
     """Write a valid gzip whose decompressed content differs from src's in a few bytes."""
     data = bytearray(gzip.decompress(src_gz.read_bytes()))
@@ -113,95 +70,6 @@ def _flip_raw_bytes(src: Path, dest: Path) -> None:
     for i in range(len(data) // 3, len(data) // 3 + 64):
         data[i] ^= 0xFF
     dest.write_bytes(bytes(data))
-
-
-def _leftovers(folder: Path, expected: set[str]) -> list[str]:
-    if not folder.exists():
-        return []
-    return sorted(p.name for p in folder.iterdir() if p.name not in expected)
-
-
-# --- download_file ------------------------------------------------------------------------
-
-
-def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert dl.default_cache_dir() == tmp_path / "fedproto"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert dl.default_cache_dir() == Path.home() / ".cache" / "fedproto"
-
-
-def test_download_file_falls_back_to_next_mirror(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    payload = os.urandom(50_000)
-    (www / "good").mkdir()
-    (www / "good" / "blob.bin").write_bytes(payload)
-    dest = tmp_path / "out" / "blob.bin"
-
-    got = dl.download_file(
-        [_closed_port_url(), f"{base}/missing/blob.bin", f"{base}/good/blob.bin"],
-        dest,
-        md5=hashlib.md5(payload).hexdigest(),
-        progress=False,
-        timeout=5,
-    )
-    assert got == dest
-    assert dest.read_bytes() == payload
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(dest.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
-    assert _leftovers(dest.parent, {"blob.bin"}) == []
-    assert dl.md5_of(dest, decompress_gz=False) == hashlib.md5(payload).hexdigest()
-
-
-def test_download_file_md5_of_decompressed_or_raw(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    content = b"fedproto " * 1000
-    (www / "f.gz").write_bytes(gzip.compress(content))
-    raw_md5 = hashlib.md5((www / "f.gz").read_bytes()).hexdigest()
-
-    url = [f"{base}/f.gz"]
-    a = dl.download_file(url, tmp_path / "a" / "f.gz", hashlib.md5(content).hexdigest(), progress=False)
-    b = dl.download_file(url, tmp_path / "b" / "f.gz", raw_md5, decompressed_md5=False, progress=False)
-    assert gzip.decompress(a.read_bytes()) == content
-    assert b.read_bytes() == (www / "f.gz").read_bytes()
-    assert dl.md5_of(a, decompress_gz=True) == hashlib.md5(content).hexdigest()
-
-
-def test_download_file_all_mirrors_fail(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    (www / "blob.bin").write_bytes(b"not what was expected")
-    dest = tmp_path / "out" / "blob.bin"
-    urls = [f"{base}/missing/blob.bin", f"{base}/blob.bin"]
-
-    with pytest.raises(DataError) as info:
-        dl.download_file(urls, dest, md5="0" * 32, progress=False)
-    msg = str(info.value)
-    assert all(u in msg for u in urls)
-    assert "404" in msg and "checksum mismatch" in msg
-    assert str(dest) in msg  # where to put the file by hand
-    assert not dest.exists()
-    assert _leftovers(dest.parent, set()) == []
-
-
-def test_download_file_cleans_up_on_keyboard_interrupt(
-    http_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    www, base = http_root
-    (www / "blob.bin").write_bytes(b"x" * 1000)
-
-    def interrupted(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(dl, "_verify", interrupted)
-    dest = tmp_path / "out" / "blob.bin"
-    with pytest.raises(KeyboardInterrupt):
-        dl.download_file([f"{base}/blob.bin"], dest, md5="0" * 32, progress=False)
-    assert not dest.exists()
-    assert _leftovers(dest.parent, set()) == []
-
-
-# --- MNIST: download ---------------------------------------------------------------------
 
 
 def _serve_mnist(www: Path, folder: str) -> Path:
@@ -220,7 +88,7 @@ def test_mnist_download_with_mirror_fallback(isolated: Path, http_root, monkeypa
 
     data = load_dataset("mnist", root=root, progress=False)
     assert (len(data.train_y), len(data.test_y)) == (60000, 10000)
-    assert _leftovers(root / "mnist", {f"{n}.gz" for n in MNIST_NAMES}) == []
+    assert leftovers(root / "mnist", {f"{n}.gz" for n in MNIST_NAMES}) == []
     assert all((root / "mnist" / f"{n}.gz").is_file() for n in MNIST_NAMES)
 
 
@@ -246,7 +114,7 @@ def test_mnist_download_corrupt_file(
     target = root / "mnist"
     assert not (target / "train-labels-idx1-ubyte.gz").exists()
     # Files verified before the failure may stay; nothing else (no temporary files).
-    assert _leftovers(target, {"train-images-idx3-ubyte.gz"}) == []
+    assert leftovers(target, {"train-images-idx3-ubyte.gz"}) == []
 
 
 def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> None:
@@ -263,7 +131,7 @@ def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> 
     target = root / "mnist"
     assert not (target / "t10k-labels-idx1-ubyte.gz").exists()
     expected = {f"{n}.gz" for n in MNIST_NAMES if n != "t10k-labels-idx1-ubyte"}
-    assert _leftovers(target, expected) == []
+    assert leftovers(target, expected) == []
 
 
 def test_mnist_offline_without_files(isolated: Path) -> None:
@@ -277,9 +145,6 @@ def test_mnist_offline_without_files(isolated: Path) -> None:
     for folder in (root / "mnist", root, dl.default_cache_dir() / "mnist", dl.default_cache_dir()):
         assert str(folder) in msg
     assert list(root.iterdir()) == []  # nothing created when not downloading
-
-
-# --- MNIST: local files ------------------------------------------------------------------
 
 
 def _local_mnist_copy(root: Path) -> Path:
@@ -336,9 +201,6 @@ def test_mnist_from_shared_data() -> None:
     assert load_dataset("mnist", download=False) is data  # in-process cache
 
 
-# --- digits, unknown names ---------------------------------------------------------------
-
-
 def test_digits_shapes_and_determinism() -> None:
     data = load_dataset("digits")
     assert data.train_x.shape == (1257, 1, 8, 8) and data.test_x.shape == (540, 1, 8, 8)
@@ -357,9 +219,6 @@ def test_unknown_dataset_lists_known_names() -> None:
         load_dataset("imagenet")
     for name in ("mnist", "digits", "femnist", "cifar10"):
         assert name in str(info.value)
-
-
-# --- FEMNIST -----------------------------------------------------------------------------
 
 
 def test_femnist_from_shared_data() -> None:
@@ -387,16 +246,16 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     writable = isolated / "w" / "femnist"
     writable.mkdir(parents=True)
     shutil.copyfile(archive, writable / archive.name)
-    folder = ds._find_femnist(isolated / "w")
+    folder = ds.find_femnist(isolated / "w")
     assert folder.is_relative_to(writable) and (folder / "train").is_dir()
-    assert _leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
+    assert leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
 
     readonly = isolated / "r" / "femnist"
     readonly.mkdir(parents=True)
     shutil.copyfile(archive, readonly / archive.name)
     readonly.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
     try:
-        folder = ds._find_femnist(isolated / "r")
+        folder = ds.find_femnist(isolated / "r")
         assert folder.is_relative_to(dl.default_cache_dir())
         assert sorted(os.listdir(readonly)) == [archive.name]
     finally:
@@ -410,9 +269,6 @@ def test_femnist_missing_explains_leaf(isolated: Path) -> None:
     msg = str(info.value)
     assert "./preprocess.sh -s niid --sf 0.05 -k 0 -t sample" in msg
     assert str(isolated / "nothing" / "femnist") in msg
-
-
-# --- CIFAR-10 ----------------------------------------------------------------------------
 
 
 def test_cifar10_from_shared_data() -> None:

@@ -1,0 +1,117 @@
+"""FedGH (Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header",
+ACM MM 2023, arXiv 2303.13137), draft on today's algorithm interface (issue #24 item 2).
+
+Client: replace its head by the global head, train the whole model with cross-entropy for
+``local_epochs`` epochs, then send its local prototypes (per-class mean embeddings, computed in an
+eval-mode pass over its training data after training, as PFLlib/HtFLlib ``collect_protos``) with
+their counts. Server: train the global head, a (C, d) linear layer, with cross-entropy on the
+uploaded (prototype, class) pairs (:func:`fedproto.htmath.fedgh_train_head`) and send it back.
+
+Paper vs. reference code: the paper's server takes one SGD step per uploaded pair, once per round
+(``server_epochs`` 1, ``server_batch_size`` 1, the defaults here, in upload order); PFLlib/HtFLlib
+run ``server_epochs`` passes over shuffled mini-batches (draft: the order is never shuffled).
+
+Messages: down ``head/weight`` (C, d), ``head/bias`` (C,); up ``classes`` (K,) int64, ``protos``
+(K, d) float32, ``counts`` (K,) int64. The server's head starts as the initial head of the client
+with the lowest id (sent once when the clients join).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.lgfedavg import check_heads, head_message, load_head
+from fedproto.htmath import fedgh_train_head
+from fedproto.prototypes import class_sums, local_prototypes
+from fedproto.training import OptimConfig, TrainResult, embed_all
+
+
+def protos_problem(reply: Message, num_classes: int, embedding_dim: int) -> str:
+    """'' if ``reply`` is exactly (K,) int ``classes`` within 0..C-1 without repeats, (K, d) finite
+    ``protos`` and (K,) ``counts`` >= 1; else what is wrong."""
+    if set(reply) != {"classes", "protos", "counts"}:
+        return f"entries {sorted(reply)[:6]}, expected ['classes', 'counts', 'protos']"
+    c, p, n = reply["classes"], reply["protos"], reply["counts"]
+    if c.ndim != 1 or c.dtype.kind not in "iu" or p.shape != (len(c), embedding_dim) or n.shape != c.shape:
+        return (f"arrays that do not fit: classes {c.shape} {c.dtype}, protos {p.shape}, counts {n.shape} "
+                f"(expected (K,) int, (K, {embedding_dim}), (K,))")
+    if len(c) and (c.min() < 0 or c.max() >= num_classes):
+        return f"names classes outside 0..{num_classes - 1}"
+    if len(np.unique(c)) != len(c):
+        return "repeats a class id"
+    if not np.isfinite(p).all() or (len(n) and n.min() < 1):
+        return "has values that are not finite or a count below 1"
+    return ""
+
+
+class FedGH(Algorithm):
+    """FedGH: a global head trained by the server on the clients' prototypes (module docstring).
+
+    Args:
+        num_classes, opt, local_epochs: as :class:`Algorithm`.
+        server_epochs: passes of the server's head training per round (>= 0).
+        server_lr: its SGD step size (> 0). server_batch_size: pairs per SGD step (>= 1).
+        seed: the run's seed.
+    """
+
+    name = "fedgh"
+    server_state_keys = ("head_w", "head_b")
+
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, server_epochs: int = 1,
+                 server_lr: float = 0.01, server_batch_size: int = 1, seed: int = 0):
+        super().__init__(num_classes, opt, local_epochs)
+        self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
+        self.seed = seed
+        self.head_w: np.ndarray | None = None
+        self.head_b: np.ndarray | None = None
+        self.last_loss = float("nan")
+
+    @classmethod
+    def from_config(cls, cfg, embedding_dim: int) -> FedGH:
+        def given(value, default):
+            return default if value is None else value
+
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, given(cfg.server_epochs, 1),
+                   given(cfg.server_lr, 0.01), given(cfg.server_batch_size, 1), cfg.seed)
+
+    # -- server ---------------------------------------------------------------------------------
+    def join_message(self, state: ClientState) -> Message:
+        """The client's initial head (to start the server's head)."""
+        return head_message(state.model)
+
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """The lowest id's initial head, after :func:`~fedproto.algorithms.lgfedavg.check_heads`."""
+        check_heads(joins, self.name)
+        first = joins[min(joins)]
+        self.head_w = np.asarray(first["head/weight"], np.float32)
+        self.head_b = np.asarray(first["head/bias"], np.float32)
+        return dict(first)
+
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """See :func:`protos_problem`."""
+        return protos_problem(reply, self.num_classes, embedding_dim)
+
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
+        """Train the global head on the round's prototypes (:func:`fedproto.htmath.fedgh_train_head`)."""
+        msgs = list(messages.values())
+        w, b, info = fedgh_train_head([m["classes"] for m in msgs], [m["protos"] for m in msgs], self.head_w,
+                                      self.head_b, self.server_epochs, self.server_lr, self.server_batch_size,
+                                      shuffle=False, seed=self.seed * 100_003 + round)
+        self.head_w, self.head_b, self.last_loss = w, b, info["loss"]
+        return {"head/weight": w.astype(np.float32), "head/bias": b.astype(np.float32)}
+
+    def round_metrics(self) -> dict[str, float]:
+        """``server_loss``: the head training's mean loss in its last epoch."""
+        return {"server_loss": self.last_loss}
+
+    # -- client ---------------------------------------------------------------------------------
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Replace the client's head by the global head."""
+        load_head(state.model, message)
+
+    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        """Local prototypes from an eval-mode pass over the training data after training."""
+        sums, counts = class_sums(embed_all(state.model, data.x), data.y, self.num_classes)
+        classes, protos, cnt = local_prototypes(sums, counts)
+        return {"classes": classes, "protos": protos, "counts": cnt}

@@ -1,0 +1,124 @@
+"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), draft on today's
+algorithm interface (issue #24 item 2; the client/server split of issue #22 will move it).
+
+The global part (here: the model's head g, its final linear layer) is averaged by the server,
+weighted by the clients' numbers of training samples (FedAvg's n_i / n;
+:func:`fedproto.htmath.lg_aggregate`); the local representation (the body) never leaves the client.
+Works with heterogeneous bodies whose embedding size d is equal: every head is a (C, d) linear
+layer. Local training: cross-entropy on the whole model for ``local_epochs`` epochs.
+
+Paper vs. this draft: the paper shares the top layers (for MNIST/CIFAR-10 several fully connected
+layers) and first trains a FedAvg global model before switching to LG; PFLlib's ``serverlg`` shares
+``model.head`` from round 1, as here.
+
+Messages: the head's tensors under model-independent names ``head/<tensor>`` (``head/weight``
+(C, d), ``head/bias`` (C,)), so clients of different architectures (their head layers named
+differently) share one head; up also ``n`` (1,) int64, the sample count. The first broadcast is
+the initial head of the client with the lowest id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.errors import ConfigError
+from fedproto.htmath import lg_aggregate
+from fedproto.models.base import ProtoModel
+from fedproto.training import TrainResult
+
+HEAD_PREFIX = "head/"
+COUNT_KEY = "n"
+
+
+def head_tensors(model: ProtoModel) -> dict[str, torch.Tensor]:
+    """The model's head parameters under model-independent names ``head/<tensor>`` (the name
+    after the head layer's prefix, e.g. ``fc2.weight`` -> ``head/weight``).
+
+    Raises:
+        ConfigError: a model without a known head (:meth:`ProtoModel.is_head_param`).
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        if model.is_head_param(name):
+            prefix = next(pre for pre in model.head_prefixes if name.startswith(pre))
+            out[HEAD_PREFIX + name[len(prefix):].lstrip(".")] = p
+    if not out:
+        raise ConfigError("the model names no head layer; give Client(..., head='<name of its final layer>')")
+    return out
+
+
+def head_message(model: ProtoModel) -> Message:
+    """``head/<tensor>`` -> float32 array of the model's head."""
+    return {k: v.detach().cpu().numpy().astype(np.float32) for k, v in head_tensors(model).items()}
+
+
+@torch.no_grad()
+def load_head(model: ProtoModel, message: Message) -> None:
+    """Copy the ``head/`` entries of ``message`` into the model's head (shapes checked by the engine)."""
+    for k, p in head_tensors(model).items():
+        p.copy_(torch.as_tensor(message[k], dtype=p.dtype, device=p.device))
+
+
+def check_heads(joins: dict[int, Message], method: str) -> None:
+    """Every joining client's head has the same tensors and shapes (raises :class:`ConfigError`
+    naming the clients that differ from the lowest id's)."""
+    ref_id = min(joins)
+    ref = {k: np.asarray(v).shape for k, v in joins[ref_id].items()}
+    bad = [cid for cid, m in sorted(joins.items()) if {k: np.asarray(v).shape for k, v in m.items()} != ref]
+    if bad:
+        raise ConfigError(f"{method} shares the head, but the heads of clients {bad[:10]} differ from client "
+                          f"{ref_id}'s {ref}: use one embedding size and one linear head layer for all clients")
+
+
+def head_reply_problem(reply: Message, sent: Message) -> str:
+    """'' if ``reply`` holds exactly the ``head/`` tensors of ``sent`` (same shapes, finite) and a
+    positive whole count ``n``; else what is wrong."""
+    want = {k for k in sent if k.startswith(HEAD_PREFIX)} | {COUNT_KEY}
+    if set(reply) != want:
+        return f"entries {sorted(reply)[:6]}, expected {sorted(want)}"
+    for k in want - {COUNT_KEY}:
+        if reply[k].shape != sent[k].shape:
+            return f"{k} has shape {reply[k].shape}, expected {sent[k].shape}"
+        if not np.isfinite(reply[k]).all():
+            return f"{k} has values that are not finite"
+    n = reply[COUNT_KEY]
+    if n.shape != (1,) or not n[0] >= 1 or float(n[0]) != int(n[0]):
+        return f"count {n.tolist()} is not one whole number >= 1"
+    return ""
+
+
+class LGFedAvg(Algorithm):
+    """LG-FedAvg: average the heads, keep the bodies (module docstring)."""
+
+    name = "lgfedavg"
+    shares_weights = True  # the head's weights; heterogeneous bodies are fine
+
+    def join_message(self, state: ClientState) -> Message:
+        """The client's initial head (``head/<tensor>``)."""
+        return head_message(state.model)
+
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """The initial head of the client with the lowest id, after :func:`check_heads`."""
+        check_heads(joins, self.name)
+        return dict(joins[min(joins)])
+
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """See :func:`head_reply_problem`."""
+        return head_reply_problem(reply, sent)
+
+    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
+        """The sample-weighted mean of the heads (:func:`fedproto.htmath.lg_aggregate`)."""
+        msgs = list(messages.values())
+        heads = [{k: v for k, v in m.items() if k.startswith(HEAD_PREFIX)} for m in msgs]
+        out = lg_aggregate(heads, [float(m[COUNT_KEY][0]) for m in msgs])
+        return {k: v.astype(np.float32) for k, v in out.items()}
+
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Load the global head into the client model."""
+        load_head(state.model, message)
+
+    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        """The trained head and the client's sample count."""
+        return {**head_message(state.model), COUNT_KEY: np.array([len(data.y)], np.int64)}

@@ -1,0 +1,97 @@
+"""In-process executors: the clients' models and data live in this process (:class:`~fedproto.engine.setup.Setup`).
+
+:class:`SequentialExecutor` trains one client after another with :func:`client_step`, the
+reference every other executor is checked against (float64 equivalence tests).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.engine.executors.base import Executor, RoundReplies
+from fedproto.engine.seeding import client_rng, client_seed
+from fedproto.engine.setup import Setup
+from fedproto.models.base import count_parameters
+from fedproto.training import TrainResult
+
+
+def client_step(alg: Algorithm, state: ClientState, message: Message, data: ClientData, seed: int,
+                round: int) -> tuple[Message, TrainResult]:
+    """One client's step in ``round``, as every executor runs it (the sequential executor, the
+    Flower ClientApp, onboarding): torch's generator seeded by :func:`~fedproto.engine.seeding.client_seed`
+    and the client's numpy generator :func:`~fedproto.engine.seeding.client_rng`, then
+    :meth:`Algorithm.client_update`. Returns the client's message and its
+    :class:`~fedproto.training.TrainResult`."""
+    torch.manual_seed(client_seed(seed, round, state.cid))
+    alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), on every executor
+    return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
+
+
+class LocalExecutor(Executor):
+    """An executor over a :class:`Setup` held in this process (base of the sequential and batched
+    executors): evaluation, join messages, client rows and checkpoint state come from the set-up.
+
+    Args:
+        setup: the run's set-up (clients' states and data, the algorithm).
+        seed: the run's seed (each client's randomness derives from it, :mod:`fedproto.engine.seeding`).
+    """
+
+    def __init__(self, setup: Setup, seed: int):
+        self.setup, self.seed = setup, seed
+        self.num_clients = len(setup.states)
+
+    def available(self, round: int) -> list[int]:
+        return list(range(self.num_clients))
+
+    def join_messages(self) -> dict[int, Message]:
+        alg = self.setup.algorithm
+        return {s.cid: alg.join_message(s) for s in self.setup.states}
+
+    def initial_message(self, algorithm: Algorithm) -> Message:
+        """:meth:`Algorithm.initial_message` of the clients' states (what the join messages would give; a
+        weight-sharing method's architecture check then names the clients by their models)."""
+        return algorithm.initial_message(self.setup.states)
+
+    def train(self, round: int, sent: dict[int, Message], downlink=None) -> RoundReplies:
+        return RoundReplies(self.train_clients(round, sent), sent)
+
+    def train_clients(self, round: int, sent: dict[int, Message]) -> dict[int, tuple[Message, TrainResult]]:
+        """Client id -> (message, TrainResult) of one round (the sequential reference)."""
+        alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        return {i: client_step(alg, S[i], sent[i], D[i], self.seed, round) for i in sent}
+
+    def evaluate(self, messages: dict[int, Message]) -> list[dict[str, float]]:
+        alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
+        return [alg.evaluate(S[i], messages[i], D[i]) for i in range(self.num_clients)]
+
+    def client_report(self, cid: int) -> dict[str, float]:
+        return self.setup.algorithm.client_report(self.setup.states[cid])
+
+    def client_rows(self) -> list[dict[str, Any]]:
+        return [{"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
+                 "train_samples": len(self.setup.data[i].y), "test_samples": len(self.setup.data[i].test_y),
+                 "params": count_parameters(s.model)} for i, s in enumerate(self.setup.states)]
+
+    def config_record(self) -> dict[str, Any]:
+        return {"batch_size_in_force": int(self.setup.algorithm.opt.batch_size),
+                "device_in_use": str(self.setup.device), "partition_summary": self.setup.partition.summary()}
+
+    def client_states(self) -> list[dict]:
+        return [{"model": s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states]
+
+    def restore_clients(self, states: list[dict]) -> None:
+        for s, c in zip(self.setup.states, states):
+            s.model.load_state_dict(c["model"])
+            s.extra = dict(c["extra"])
+
+    def data_fingerprint(self) -> list[list[int]]:
+        return [[len(d.y), len(d.test_y), int(d.y.sum()), int(d.test_y.sum())] for d in self.setup.data]
+
+
+class SequentialExecutor(LocalExecutor):
+    """One client after another (:func:`client_step`): the reference executor."""
+
+    execution = "sequential"

@@ -1,0 +1,127 @@
+"""Health checks of a run (issue #10): a diverged loss stops the run with what to change; exploding
+or non-finite embeddings and far-off prototypes are warned about, naming the client and round."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from fedproto.config import RunConfig
+from fedproto.engine.executors.base import RoundReplies
+from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.errors import TrainingError, opt
+from fedproto.training import EMBED_NORM_LIMIT, EVAL_TRAIN_NORM_RATIO
+
+log = logging.getLogger(__name__)
+
+ALERTS_PER_CLIENT = 3
+"""Prototype-distance warnings (``proto_dist_alert``) logged per client in a run; later rounds are
+only in the metrics."""
+
+
+class Health(Observer):
+    """Divergence, embedding-norm and prototype-distance checks.
+
+    Args:
+        cfg: the run's options (named in the hints).
+        attackers: simulated misbehaving clients (their divergence does not stop the run: their
+            messages go through the server's checks; the run stops when an honest client diverges).
+        data: the clients' data where the server holds it (in-process), to say whether a diverged
+            client's inputs hold NaN; None otherwise.
+    Attributes:
+        train_norm: client -> largest training embedding norm of its last round.
+    """
+
+    def __init__(self, cfg: RunConfig, attackers: frozenset[int] = frozenset(), data: list | None = None):
+        self.cfg, self.attackers, self.data = cfg, frozenset(attackers), data
+        self.train_norm: dict[int, float] = {}
+        self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
+
+    def replies(self, loop: RoundLoop, round: int, replies: RoundReplies) -> None:
+        r = round
+        seen = [(i, replies.replies[i][1]) for i in sorted(replies.replies)
+                if replies.replies[i][1].loss_ce is not None]  # a node under DP sends no losses
+        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
+        if bad:
+            dirty = [i for i in bad if self.data is not None and self.data[i].in_memory
+                     and not bool(torch.isfinite(self.data[i].x).all())]
+            if dirty:
+                raise TrainingError(f"training diverged in round {r}: the training inputs of clients {dirty[:10]} "
+                                    "hold NaN or infinite values; clean or drop those samples")
+            raise TrainingError(f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
+                                f"lower {opt('lr')} (now {self.cfg.lr}){loop.algorithm.divergence_hint(self.cfg)}"
+                                f"{self.attack_hint()}")
+        for i, x in seen:
+            self.train_norm[i] = x.emb_norm_max
+            if not x.emb_norm_max <= EMBED_NORM_LIMIT:
+                log.warning("round %d: client %d's training embeddings reached norm %.3g (limit %.0e)%s; its numbers "
+                            "may be meaningless: %s", r, i, x.emb_norm_max, EMBED_NORM_LIMIT,
+                            "" if np.isfinite(x.emb_norm_max) else " (not finite)", self.blowup_causes())
+
+    def aggregated(self, loop: RoundLoop, round: int) -> None:
+        for cid, dist, med in loop.algorithm.outliers():
+            seen = self._alerts[cid] = self._alerts.get(cid, 0) + 1
+            if seen <= ALERTS_PER_CLIENT:
+                log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median %.3g "
+                            "over clients; check its data (proto_dist_alert=%s)%s", round, cid, dist, dist / med, med,
+                            self.cfg.proto_dist_alert, "; not repeated for this client (proto_dist_max in "
+                            "metrics.jsonl)" if seen == ALERTS_PER_CLIENT else "")
+
+    def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
+        """Warn, naming the client and round, where evaluation embeddings or scores were not finite,
+        the median embedding norm exceeded :data:`EMBED_NORM_LIMIT`, or it exceeded
+        :data:`EVAL_TRAIN_NORM_RATIO` times the client's largest training embedding norm (issue #10:
+        a silent chance-level accuracy otherwise)."""
+        r = round
+        for i, m in enumerate(per_client):
+            seen = self.train_norm.get(i, 0.0)
+            if (not m.get("nonfinite") and m.get("emb_norm", 0.0) <= EMBED_NORM_LIMIT
+                    and 0 < seen < m.get("emb_norm", 0.0) / EVAL_TRAIN_NORM_RATIO):
+                log.warning("round %d: client %d's test embeddings (median norm %.3g) are %.0fx larger than any of "
+                            "its training embeddings (%.3g): evaluation mode changes its model, as BatchNorm "
+                            "running statistics from too few values do; check its batch sizes", r, i,
+                            m["emb_norm"], m["emb_norm"] / seen, seen)
+            if m.get("nonfinite"):
+                log.warning("round %d: client %d's test embeddings or scores are not finite (NaN or inf); its "
+                            "accuracy is not meaningful (flagged in clients.csv: nonfinite = 1)", r, i)
+            elif m.get("emb_norm", 0.0) > EMBED_NORM_LIMIT:
+                log.warning("round %d: client %d's test embeddings have median norm %.3g (limit %.0e): the model "
+                            "blew up; %s", r, i, m["emb_norm"], EMBED_NORM_LIMIT, self.blowup_causes())
+
+    def attack_hint(self) -> str:
+        """The simulated attack's part of a divergence error ('' without one): the options through
+        which misbehaving clients reach the honest ones."""
+        cfg = self.cfg
+        if not self.attackers:
+            return ""
+        what = f"{opt('attack', cfg.attack)}" + (f" x{cfg.attack_scale:g}" if cfg.attack == "scale" else "")
+        if cfg.algorithm != "fedproto":
+            fix = f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with " \
+                  f"{opt('aggregation', 'median')}"
+        elif cfg.aggregation in ("mean", "weighted") and not cfg.exclude_outliers:
+            fix = ""  # the algorithm's hint already names the robust aggregation rules
+        else:
+            rule = opt("aggregation", cfg.aggregation) + (f" with {opt('trim', cfg.trim)}" if cfg.aggregation ==
+                                                           "trimmed" else "")
+            fix = (f"{rule}" + (f" and {opt('exclude_outliers', cfg.exclude_outliers)}" if cfg.exclude_outliers
+                                else "") + f" did not hold them off: raise {opt('trim')} (trimmed), add "
+                   f"{opt('exclude_outliers')}, or lower {opt('attackers')}")
+        n = len(self.attackers)
+        return f"; {n} simulated misbehaving client{'s' if n > 1 else ''} ({what}) reach the others through " \
+               f"aggregation" + (f": {fix}" if fix else "")
+
+    def blowup_causes(self) -> str:
+        """What a warning about exploding embeddings asks to check, given this run's options: DP
+        noise and the simulated attack where they are on, then the data, lr and BatchNorm batches."""
+        cfg = self.cfg
+        causes = []
+        if cfg.dp != "off":
+            causes.append(f"the DP noise (dp_noise={cfg.dp_noise:g}, dp_clip={cfg.dp_clip:g}: the noise added to "
+                          "prototypes grows with both)")
+        if self.attackers:
+            causes.append(f"the simulated attack (attack={cfg.attack}, attackers={cfg.attackers}; a robust "
+                          "aggregation holds it off)")
+        causes.append(f"its data and lr (now {cfg.lr:g}), or for BatchNorm models its batch sizes")
+        return "check " + "; ".join(causes)

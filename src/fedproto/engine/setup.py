@@ -1,0 +1,252 @@
+"""The one set-up every front end builds a run with (``fedproto run``, :func:`fedproto.federation.federate`,
+the Flower nodes, onboarding, ``reproduce``): data, partition, client models, the algorithm, and
+every check of the clients against the options, before round 1 (DESIGN.md: config errors are
+caught before any training starts).
+
+:func:`prepare` builds a run of a named dataset from a :class:`~fedproto.config.RunConfig`;
+:func:`build_setup` finishes any set-up (your own clients included) and is where a check added
+once holds everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from fedproto.algorithms import get_algorithm
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
+from fedproto.algorithms.options import owners
+from fedproto.config import CommonConfig, RunConfig
+from fedproto.data.datasets import Dataset, load_dataset
+from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
+from fedproto.devices import resolve_device
+from fedproto.errors import ConfigError, PartitionError, opt
+from fedproto.models.base import check_embedding_dims
+from fedproto.models.zoo import build_client_models
+from fedproto.training import has_batchnorm
+
+log = logging.getLogger(__name__)
+
+
+def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
+    """The configured algorithm (:func:`fedproto.algorithms.get_algorithm`; raises
+    :class:`ConfigError` for an unknown name)."""
+    cls = get_algorithm(cfg.algorithm)
+    alg = cls.from_config(cfg, embedding_dim)
+    alg.freeze_after = cfg.freeze_after
+    if getattr(cls, "Options", None) is not None and getattr(alg, "options", None) is None:
+        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): its own options too
+        alg.options = cls.Options(**{k: getattr(cfg, k) for k in cls.Options.model_fields})
+    return alg
+
+
+def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
+    """Checks of the batch size against the clients, shared by :func:`prepare` and
+    :func:`fedproto.federation.federate`: a warning for BatchNorm models with batch size < 4
+    (see :func:`fedproto.training.min_batch`); ConfigError when ``drop_last`` leaves a client with
+    no batch (names the clients)."""
+    if cfg.batch_size < 4 and any(has_batchnorm(m) for m in models):
+        log.warning("batch_size=%d with BatchNorm models (%s): each step normalises with the statistics of %d "
+                    "sample(s), too few where maps are 1x1 (ResNet18's layer4); use batch_size 4 or more",
+                    cfg.batch_size, cfg.model, cfg.batch_size)
+    if cfg.drop_last:
+        small = [i for i, n in enumerate(train_sizes) if n < cfg.batch_size]
+        if small:
+            raise ConfigError(
+                f"{opt('batch_size', cfg.batch_size)} with {opt('drop_last', True)} leaves clients {small[:10]} with "
+                f"no batch (client {small[0]} holds {train_sizes[small[0]]} samples)", option="batch_size",
+                value=cfg.batch_size, hint=f"lower {opt('batch_size')} or use {opt('drop_last', False)}")
+
+
+@dataclass
+class Setup:
+    """Everything built before round 1 (all config errors surface while building it)."""
+
+    dataset: Dataset
+    partition: Partition
+    states: list[ClientState]
+    data: list[ClientData]
+    algorithm: Algorithm
+    embedding_dim: int
+    device: torch.device = torch.device("cpu")
+
+    def to_device(self, device: torch.device) -> Setup:
+        """Move every client model and every client's in-memory data (labels always) to ``device``
+        in place; returns self. Inputs that clients' index views share (:class:`SharedInputs`) move
+        once for all of them. Data read from a ``Dataset`` stays where it is read, batch by batch."""
+        self.device = torch.device(device)
+        for s in self.states:
+            s.model.to(self.device)
+        shared = {}
+        for d in self.data:
+            d.to(self.device)
+            shared.update((id(src), src) for src in d.shared_inputs())
+        for src in shared.values():
+            src.tensor = src.tensor.to(self.device)
+        return self
+
+    def to_dtype(self, dtype: torch.dtype) -> Setup:
+        """Cast every client model and every client's data to ``dtype`` in place; returns self.
+
+        ``torch.float64`` is for checks: rounding then sits near 1e-15, so two execution paths that
+        agree there agree in logic. In float32 they may not agree on this machine or across CPUs:
+        a rounding difference of ~1e-7 can flip a ReLU or max-pool decision whose input is within
+        that distance of a tie, and SGD then carries the difference on (issue #10). Messages stay
+        float32 (prototypes) or take the models' dtype (weights).
+        """
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype {dtype}: use torch.float32 (training) or torch.float64 (checks)")
+        for s in self.states:
+            s.model.to(dtype)
+        for d in self.data:
+            d.to(dtype=dtype)  # an index view casts the rows it gathers, not the whole shared split
+        return self
+
+
+def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
+    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+
+    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
+    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
+    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
+    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    """
+    if cfg.dataset == "custom":
+        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
+                          "digits")
+    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
+    if cfg.partition == "natural":
+        if ds.train_groups is None or ds.test_groups is None:
+            raise ConfigError(
+                f"partition='natural' needs a dataset with writer ids (femnist); {cfg.dataset!r} has "
+                "none: use partition='fewshot'"
+            )
+        part = natural_partition(ds.train_groups, ds.test_groups, ds.train_y.numpy(), ds.test_y.numpy(),
+                                 cfg.clients, cfg.seed)
+    elif cfg.partition == "dirichlet":
+        part = dirichlet_partition(ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.alpha,
+                                   cfg.min_client_samples, cfg.test_shots, cfg.seed)
+    else:
+        part = fewshot_partition(
+            ds.train_y.numpy(), ds.test_y.numpy(), ds.num_classes, cfg.clients, cfg.ways, cfg.shots,
+            cfg.stdev, cfg.test_shots, cfg.noise, cfg.seed, cfg.dataset, overlap=cfg.overlap,
+        )
+    empty = [i for i, (tr, te) in enumerate(zip(part.train_idx, part.test_idx)) if len(tr) == 0 or len(te) == 0]
+    if empty:
+        raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
+                             f"(for {opt('partition', 'dirichlet')}: raise {opt('min_client_samples')} or "
+                             f"{opt('alpha')}, or use fewer {opt('clients')})")
+    if cfg.augment and ds.input_shape[0] != 3:
+        log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
+                    "digits or letters", cfg.dataset)
+    C, H, _ = ds.input_shape
+    models = build_client_models(cfg.model, part.num_clients, C, ds.num_classes, H, cfg.embedding_dim,
+                                 cfg.dropout, cfg.seed, pretrained=cfg.pretrained, shared_init=cfg.shared_init)
+    states = [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
+    return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
+
+
+def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientData]:
+    """Each client's data as an index view into ``ds`` (:meth:`ClientData.view`): one copy of each
+    split's inputs for all clients, each client's rows gathered when read (issue #25: at 10,000
+    clients the per-client copies of the test images were 3.8 GB).
+
+    Args:
+        ds: the dataset. train_idx, test_idx: per client, its (n_i,) rows of the train and the test split.
+    Returns:
+        One :class:`ClientData` per client, with its labels gathered (int64) and its inputs a view.
+    """
+    train, test = SharedInputs(ds.train_x), SharedInputs(ds.test_x)
+    out = []
+    for tr, te in zip(train_idx, test_idx):
+        tr, te = torch.as_tensor(tr, dtype=torch.long), torch.as_tensor(te, dtype=torch.long)
+        out.append(ClientData.view(train, tr, ds.train_y[tr], test, te, ds.test_y[te]))
+    return out
+
+
+def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
+                dataset: Dataset | None = None, place: bool = True, whole: bool = True) -> Setup:
+    """The one set-up every front end finishes with (``fedproto run`` through :func:`prepare`,
+    :func:`fedproto.federation.federate`, the Flower nodes, onboarding): the checks of the clients
+    against the options, the algorithm, and the options resolved against the data, so a check
+    added here holds everywhere.
+
+    In order: the embedding sizes agree (:func:`~fedproto.models.base.check_embedding_dims`), the
+    batch size suits the clients (:func:`check_batches`), a warning for options the algorithm
+    ignores, the algorithm built and its own checks (``check_setup``, ``check_models``), a
+    warning naming the clients whose test sets hold classes absent from their training sets,
+    and ``batch_size`` capped at the largest client's training samples (a wider batch only adds
+    padding; the cap is ``Setup.algorithm.opt.batch_size``, and ``config.json``'s
+    ``batch_size_in_force``).
+
+    Args:
+        cfg: the validated run configuration.
+        states: one per client, in client order (``states[i].cid`` names the client in messages).
+        data: one per client, in the order of ``states``; ``data[i].y`` and ``data[i].test_y`` are
+            (n,) int64 label tensors.
+        partition: the clients' sample indices and classes (``config.json``'s
+            ``partition_summary``).
+        dataset: the loaded dataset (None for your own clients).
+        place: move the models and in-memory data to ``cfg.device`` (False: leave them where they are).
+        whole: the clients are the whole federation; False for some clients of one (a Flower
+            node's own client, onboarding's new clients): the algorithm's federation-wide checks
+            (``check_setup``: enough holders of a class for ``min_contributors``...) are skipped.
+    Returns:
+        The :class:`Setup`.
+    Raises:
+        ModelError: embedding sizes differ (names the clients). ConfigError: the batch size leaves a
+            client without a batch, or the algorithm refuses the clients' models or labels.
+    """
+    models = [s.model for s in states]
+    d = check_embedding_dims(models)
+    check_batches(cfg, models, [len(x.y) for x in data])
+    fields = type(cfg).model_fields
+    users = {k: owners(k) for k in fields if k not in CommonConfig.model_fields}  # the algorithms' own options
+    unused = [k for k, algs in users.items() if cfg.algorithm not in algs and getattr(cfg, k) != fields[k].default]
+    if unused:
+        log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
+            f"{k} acts on {', '.join(users[k])} only" for k in unused))
+    if cfg.dp_reproducible_noise:
+        log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
+                    else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "
+                         "anyone who knows the seed (use it for reproducible experiments only)")
+    alg = build_algorithm(cfg, d)
+    if whole:
+        alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
+    alg.check_models(models)
+    warn_unseen_test_classes(states, data)
+    # a batch wider than the largest client only adds padding (and memory for its dropout masks);
+    # every step would hold the same samples, so cap it there
+    largest = max((len(x.y) for x in data), default=1)
+    if alg.opt.batch_size > largest > 0:
+        alg.opt = replace(alg.opt, batch_size=largest)
+    setup = Setup(dataset, partition, states, data, alg, d)
+    return setup.to_device(resolve_device(cfg.device)) if place else setup
+
+
+def warn_unseen_test_classes(states: list[ClientState], data: list[ClientData]) -> dict[int, list[int]]:
+    """Warn, naming the clients and the classes, where a client's test set holds classes its
+    training set lacks: the client never learns them, so its accuracy counts every such test
+    sample as an error (and nearest-prototype inference among its own classes cannot name them).
+
+    Returns:
+        client id -> the sorted classes seen in its test set only (clients without any left out).
+    """
+    unseen = {}
+    for s, x in zip(states, data):
+        extra = np.setdiff1d(np.unique(x.test_y.cpu().numpy()), np.unique(x.y.cpu().numpy()))
+        if len(extra):
+            unseen[int(s.cid)] = [int(c) for c in extra]
+    if unseen:
+        shown = "; ".join(f"client {i}: {v[:10]}" for i, v in list(unseen.items())[:10])
+        more = f" (and {len(unseen) - 10} more clients)" if len(unseen) > 10 else ""
+        log.warning("%d client(s) have test classes absent from their training data (%s%s): they cannot learn "
+                    "them, so those test samples count as errors; give them training samples of those classes or "
+                    "drop those test samples", len(unseen), shown, more)
+    return unseen
+
+

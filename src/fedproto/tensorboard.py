@@ -1,0 +1,108 @@
+"""TensorBoard logging of the per-round metrics (the ``tensorboard`` option; the ``tensorboard`` extra).
+
+:class:`TensorBoardObserver` receives each row that ``metrics.jsonl`` gets (one dict per round) and
+writes every numeric entry as a TensorBoard scalar at step ``row["round"]``, with
+``torch.utils.tensorboard.SummaryWriter`` into ``<run dir>/tensorboard/``. It changes no number of a run
+(the option is result-neutral); ``metrics.jsonl`` stays the record. View with
+``tensorboard --logdir <run dir>/tensorboard`` (or the parent folder of several run directories).
+
+Needs the ``tensorboard`` package: ``pip install "fedproto[tensorboard]"``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from pathlib import Path
+from typing import Any
+
+from fedproto.engine.loop import Observer
+from fedproto.errors import ConfigError
+
+TENSORBOARD_DIR = "tensorboard"
+"""Folder of the event files inside a run directory."""
+
+INSTALL = 'pip install "fedproto[tensorboard]"'
+
+
+def _summary_writer():
+    """``torch.utils.tensorboard.SummaryWriter``; ConfigError naming the extra when tensorboard is missing."""
+    try:
+        import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it; checked here for a clear message
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(f"tensorboard logging needs the tensorboard package, which is not installed ({e})",
+                          option="tensorboard", value=True,
+                          hint=f"install the extra: {INSTALL}, or leave the tensorboard option off") from None
+    return SummaryWriter
+
+
+class TensorBoardObserver(Observer):
+    """Writes the per-round metrics rows of a run as TensorBoard scalars.
+
+    Args:
+        run_dir_path: the run directory; the event files go to ``run_dir_path/tensorboard/`` (created).
+
+    Each numeric entry of a row (int or float, not bool; ``None`` and non-finite values are skipped, as
+    are lists and texts such as ``sampled`` or ``dropped_why``) becomes the scalar of the same name at step
+    ``row["round"]`` (``acc_mean``, ``loss_ce``, ``lr``, ``up_bytes``...). Nested dicts of numbers are
+    written as ``<key>/<subkey>``.
+
+    Raises:
+        ConfigError: the ``tensorboard`` package is not installed (the message names
+            ``pip install "fedproto[tensorboard]"``).
+    """
+
+    def __init__(self, run_dir_path: str | Path):
+        self._writer_cls = _summary_writer()  # a missing extra is an error before round 1
+        self.log_dir = Path(run_dir_path) / TENSORBOARD_DIR
+        self._writer = None  # opened with the first row, once the run folder is set up (RunDir.begin)
+
+    def _open(self):
+        if self._writer is None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._writer = self._writer_cls(log_dir=str(self.log_dir))
+        return self._writer
+
+    @staticmethod
+    def scalars(row: dict[str, Any]) -> dict[str, float]:
+        """The entries of ``row`` that :meth:`on_round` writes: name -> value (see the class docstring)."""
+        out: dict[str, float] = {}
+
+        def add(name: str, v: Any) -> None:
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    add(f"{name}/{k}", x)
+            elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v)):
+                out[name] = float(v)
+
+        for k, v in row.items():
+            if k != "round":
+                add(k, v)
+        return out
+
+    def on_round(self, row: dict[str, Any]) -> None:
+        """Write the numeric entries of one metrics row at step ``row["round"]``.
+
+        Raises:
+            ValueError: ``row`` has no whole-number ``round``.
+        """
+        r = row.get("round")
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+            raise ValueError(f"a metrics row needs its round (a whole number) as row['round'], got {r!r}")
+        writer = self._open()
+        for name, v in self.scalars(row).items():
+            writer.add_scalar(name, v, global_step=int(r))
+        writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file (if a row was written)."""
+        if self._writer is not None:
+            self._writer.close()
+
+    # the round loop's hooks (fedproto.engine.loop.Observer)
+    def round_done(self, loop, row: dict[str, Any]) -> None:
+        self.on_round(row)
+
+    def finish(self, loop, summary: dict, per_client: list[dict]) -> None:
+        self.close()

@@ -1,0 +1,169 @@
+"""Algorithm plug-ins (issue #22): a prototype method defined here, with its own option and its own
+loss term, registered without any library file changed for it, runs through ``fedproto run``
+(flag and TOML key), ``federate``, the batched executor and the Flower app."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import flat_weights, float64_sim, run_cli
+from pydantic import Field
+
+from fedproto import plugins
+from fedproto.algorithms import FedProto, get_algorithm, register_algorithm
+from fedproto.config import build_config, config_model
+from fedproto.errors import ConfigError
+from fedproto.training import LossTerm
+
+SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, eval_every=0,
+             lr=0.05, threads=1)
+
+
+class CenterOptions(plugins.AlgorithmOptions):
+    center_weight: float = Field(0.5, ge=0.0, le=100.0, description="Weight of the pull toward the global prototype")
+
+
+class CenterTerm(LossTerm):
+    """weight x squared L2 distance of each embedding to its class's global prototype (no mean over d:
+    not FedProto's mse), for samples whose class has one."""
+
+    def __init__(self, weight: float, table: torch.Tensor, mask: torch.Tensor):
+        self.weight, self.table, self.mask = weight, table, mask
+
+    def __call__(self, logits, h, y, w):
+        per = ((h - self.table.to(h.dtype)[y]) ** 2).sum(-1) * self.mask[y].to(h.dtype)
+        return self.weight * (per * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+class CenterProto(FedProto):
+    """FedProto's messages and server, plus :class:`CenterTerm` in the client's loss."""
+
+    name = "centerproto"
+    Options = CenterOptions
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        table, mask = self._table(message)
+        if table is not None and self.options.center_weight > 0:
+            obj.terms = (CenterTerm(self.options.center_weight, table, mask),)
+        return obj
+
+
+@pytest.fixture
+def centerproto():
+    register_algorithm(CenterProto)
+    yield CenterProto
+    plugins.unregister("centerproto")
+
+
+def test_a_registered_algorithm_gets_its_option_and_leaves_again(centerproto):
+    cfg = build_config(overrides={**SMALL, "algorithm": "centerproto", "center_weight": 0.25})
+    assert cfg.center_weight == 0.25 and isinstance(cfg, config_model())
+    assert get_algorithm("centerproto") is CenterProto
+    with pytest.raises(ConfigError, match=r"center_weight.*less than or equal to 100"):
+        build_config(overrides={**SMALL, "algorithm": "centerproto", "center_weight": 1000.0})
+    # another algorithm's run ignores it, and says so only when it is set
+    assert "center_weight" not in build_config(overrides=SMALL).result_fields()
+    assert "center_weight" in cfg.result_fields() and "center_weight0.25" in cfg.run_name()
+    plugins.unregister("centerproto")
+    with pytest.raises(ConfigError, match="unknown algorithm 'centerproto'"):
+        build_config(overrides={**SMALL, "algorithm": "centerproto"})
+    with pytest.raises(ConfigError, match="unknown option 'center_weight'"):
+        build_config(overrides={**SMALL, "center_weight": 0.25})
+
+
+def test_plugins_cannot_take_a_builtin_name_or_an_existing_option():
+    class Clash(FedProto):
+        name = "clash"
+
+        class Options(plugins.AlgorithmOptions):
+            lr: float = 0.1
+
+    class Builtin(FedProto):
+        name = "fedavg"
+
+    with pytest.raises(ConfigError, match="one of fedproto's own methods"):
+        register_algorithm(Builtin)
+    register_algorithm(Clash)
+    try:
+        with pytest.raises(ConfigError, match="algorithm 'clash' declares the option 'lr', which is a fedproto option"):
+            config_model()
+    finally:
+        plugins.unregister("clash")
+
+
+def test_its_loss_term_trains_alike_sequential_and_batched_float64(centerproto):
+    """The batched executor (PaperCNN's grouped path) runs the plug-in's own term: float64 weights
+    equal to the sequential reference's; the term acts (weight 0 gives other weights)."""
+    runs = {}
+    for mode, weight in (("sequential", 0.5), ("batched", 0.5), ("sequential", 0.0)):
+        cfg = build_config(overrides={**SMALL, "algorithm": "centerproto", "center_weight": weight, "execution": mode})
+        sim = float64_sim(cfg)
+        sim.run()
+        runs[mode, weight] = (flat_weights(sim), sim.history)
+    (seq, hs), (bat, hb), (off, _) = runs["sequential", 0.5], runs["batched", 0.5], runs["sequential", 0.0]
+    assert max(float((a - b).abs().max()) for a, b in zip(seq, bat)) < 1e-9
+    assert min(float((a - b).abs().max()) for a, b in zip(seq, off)) > 1e-4
+    assert [r["loss_ce"] for r in hs] == pytest.approx([r["loss_ce"] for r in hb], rel=1e-9)
+
+
+def test_it_runs_from_the_command_line_by_flag_and_by_toml_key(centerproto, tmp_path, capsys, monkeypatch):
+    code, out = run_cli(["run", "--help"], capsys, monkeypatch)
+    assert code == 0 and "--center-weight" in out and "Algorithm plug-ins" in out
+    flags = ["--dataset", "digits", "--clients", "4", "--ways", "3", "--shots", "20", "--stdev", "1",
+             "--test-shots", "10", "--rounds", "2", "--threads", "1", "--algorithm", "centerproto", "-q"]
+    code, out = run_cli(["run", *flags, "--center-weight", "0.3", "--out-dir", str(tmp_path / "a"), "--name", "a"],
+                        capsys, monkeypatch)
+    assert code == 0, out
+    assert json.loads((tmp_path / "a" / "a" / "config.json").read_text())["center_weight"] == 0.3
+    toml = tmp_path / "run.toml"
+    toml.write_text('algorithm = "centerproto"\ncenter_weight = 0.3\n')
+    flags = [f for f in flags if f not in ("--algorithm", "centerproto")]
+    code, out = run_cli(["run", "--config", str(toml), *flags, "--out-dir", str(tmp_path / "b"), "--name", "b"],
+                        capsys, monkeypatch)
+    assert code == 0, out
+    a = json.loads((tmp_path / "a" / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "b" / "summary.json").read_text())
+    assert a["algorithm"] == b["algorithm"] == "centerproto" and a["accuracy"] == b["accuracy"]
+    toml.write_text('algorithm = "centerproto"\ncenter_weight = -1.0\n')
+    code, out = run_cli(["run", "--config", str(toml), *flags], capsys, monkeypatch)
+    assert code == 2 and "center_weight = -1.0 in" in out and "greater than or equal to 0" in out
+
+
+def test_it_runs_with_your_own_clients_through_federate(centerproto):
+    from conftest import client_splits, digits_fewshot
+
+    from fedproto.federation import Client, federate
+    from fedproto.models.cnn import PaperCNN
+
+    clients = [Client(model=PaperCNN(1, 10, input_size=8), train=train, test=test)
+               for train, test in client_splits(*digits_fewshot(stdev=1))]
+    runs = [federate(clients, 10, out=False, algorithm="centerproto", rounds=2, center_weight=w, threads=1).run()
+            for w in (0.0, 2.0)]
+    assert all(r["algorithm"] == "centerproto" for r in runs)
+    assert runs[0]["accuracy"] != runs[1]["accuracy"]  # the option reached the clients' loss
+
+
+@pytest.mark.flower
+def test_it_runs_on_the_flower_app_with_the_simulators_numbers(centerproto, monkeypatch, tmp_path):
+    pytest.importorskip("flwr")
+    from flwr.supercore.task_identity import TaskIdentity
+    from test_flower import LocalGrid, _user_config
+
+    for k, v in {"_run_id": 1, "_node_id": 0, "_task_id": 0}.items():  # as tests/test_flower.py's ServerApp
+        monkeypatch.setattr(TaskIdentity, k, v)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    from fedproto.flower.common import run_config
+    from fedproto.flower.server_app import FlowerEngine
+    from fedproto.simulation import Simulation
+
+    opts = {"algorithm": "centerproto", "center_weight": 0.5}
+    want = Simulation(build_config(overrides={**SMALL, **opts, "execution": "sequential", "model": "cnn"}),
+                      out=False).run()
+    uc = {**_user_config(**opts), "rounds": SMALL["rounds"]}
+    got = FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False).run()
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
