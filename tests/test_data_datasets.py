@@ -301,3 +301,52 @@ def test_explicit_data_folder_that_is_missing_or_a_file(isolated: Path, monkeypa
     afile.write_text("x")
     with pytest.raises(DataError, match=r"is a file, not a folder"):
         load_dataset("cifar10", root=afile)
+
+
+def test_kept_client_folders_are_decoded_once_and_again_when_a_file_changes(tmp_path):
+    """fedproto.data.folder.keep_decoded (the Flower executor's data cache, issue #23): off by
+    default (every call reads the files); on, a folder is decoded once and the same tensors come
+    back until a file changes (size or mtime), labels are still checked against each call's class
+    count, and a folder decoded before the class count is known (preload) is checked on use."""
+    import numpy as np
+    import pytest
+    import torch
+    from PIL import Image
+
+    from fedproto.data import folder as fo
+    from fedproto.errors import DataError
+
+    rng = np.random.default_rng(0)
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    for split, n in (("train", 6), ("test", 3)):
+        np.savez(npz / f"{split}.npz", x=rng.random((n, 1, 4, 4), dtype=np.float32), y=np.arange(n) % 3)
+    img = tmp_path / "img"
+    for split in ("train", "test"):
+        for c in ("0", "2"):
+            (img / split / c).mkdir(parents=True)
+            Image.fromarray(np.full((4, 4), 40 * int(c), np.uint8)).save(img / split / c / "a.png")
+    try:
+        (a, _), _ = fo.load_client_folder(npz, 3)
+        (b, _), _ = fo.load_client_folder(npz, 3)
+        assert a is not b and torch.equal(a, b)  # off: read again
+        fo.keep_decoded()
+        assert fo.preload_client_folder(img) == 4
+        (a, _), _ = fo.load_client_folder(npz, 3)
+        (b, _), (tx, ty) = fo.load_client_folder(npz, 3)
+        assert a is b and tx.shape == (3, 1, 4, 4) and ty.tolist() == [0, 1, 2]
+        (xi, yi), _ = fo.load_client_folder(img, 3)
+        assert sorted(yi.tolist()) == [0, 2] and float(xi.max()) == pytest.approx(80 / 255)
+        with pytest.raises(DataError, match="label 2 is outside the run's classes 0..1"):
+            fo.load_client_folder(img, 2)  # the preloaded arrays are still checked
+        np.savez(npz / "train.npz", x=np.zeros((2, 1, 4, 4), np.float32), y=np.array([0, 1]))
+        (c, _), _ = fo.load_client_folder(npz, 3)
+        assert c is not a and c.shape == (2, 1, 4, 4) and float(c.abs().sum()) == 0.0
+        with pytest.raises(ValueError, match="size=0: keep at least 1 folder"):
+            fo.keep_decoded(size=0)
+        fo.keep_decoded(size=1)
+        fo.load_client_folder(img, 3)
+        assert len(fo._KEPT) == 1  # the least recently used folder went
+    finally:
+        fo.keep_decoded(False)
+    assert fo._KEPT is None

@@ -1076,3 +1076,68 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
                for r in rows[2:3])
     for key in want["accuracy"]:
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+
+
+def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
+    """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
+    ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
+    that forks per message) give the in-process numbers, as the default path does in the test
+    above; every executor decoded its node's data and warmed up before the first task, ran one
+    forked ClientApp per message (query, 2 x train, evaluate) and is stopped at the end."""
+    from pathlib import Path
+
+    from fedproto.flower.common import FLOWER_KEYS
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    app_cfg = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    folders = write_node_folders(tmp_path / "data")
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "fed", env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for nc in node_configs(folders):
+            fed.start_supernode(nc, executor="fedproto")
+        res = fed.flwr_run(app, {"rounds": 2, "out-dir": str(out), "seed": 7}, timeout=300)
+        procs = list(fed.procs.values())
+        logs = {name: fed.log(name) for name in fed.procs}
+    assert sorted(logs) == ["node0", "node0-executor", "node1", "node1-executor", "node2", "node2-executor",
+                            "superlink"]
+    assert all(p.poll() is not None for p in procs)  # all stopped
+    text = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in text, text[-3000:] + logs["node0-executor"][-3000:]
+    for i in range(3):
+        ex = logs[f"node{i}-executor"]
+        assert "ready in" in ex and "64 samples decoded, warm-up done" in ex, ex[-2000:]  # 4 classes x (12 + 4)
+        assert ex.count("ClientApp in process") == 4, ex[-3000:]  # query, train x 2, evaluate: one fork each
+        assert "exited with" not in ex, ex[-3000:]
+    run = next(out.glob("*/summary.json")).parent
+    got = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replied"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
+    opts = {k.replace("-", "_"): v for k, v in app_cfg.items()
+            if k.replace("-", "_") not in (*FLOWER_KEYS, "dataset", "classes", "clients", "embedding_dim", "out_dir")}
+    want = in_process_reference(folders, **{**opts, "rounds": 2, "seed": 7}).run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+        assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
+
+
+def test_executor_options_are_checked_with_the_fix(tmp_path):
+    from fedproto.flower.local import LocalFederation
+    from fedproto.flower.prefork import parse_node_config, preload, serve
+
+    assert parse_node_config('client-id=0 data="/d" model="cnn"') == {"client-id": 0, "data": "/d", "model": "cnn"}
+    assert parse_node_config(None) == {} == parse_node_config("  ")
+    with pytest.raises(ConfigError, match=r"--node-config 'client-id=0 data=/d' cannot be parsed"):
+        parse_node_config("client-id=0 data=/d")
+    with pytest.raises(ConfigError, match=r"give --insecure .* or --root-certificates CA.pem"):
+        serve("127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"poll_interval=0.0: give seconds between 0.01 and 60"):
+        serve("127.0.0.1:1", insecure=True, poll_interval=0.0)
+    with pytest.raises(ConfigError, match=r"executor='warm': choose None \(Flower's default\), 'fedproto' or 'flower'"):
+        LocalFederation(tmp_path / "fed").start_supernode({"client-id": 0}, executor="warm")
+    # what cannot be preloaded is said, not fatal: the ClientApp then reads the data per message
+    info = preload({"client-id": 0, "data": str(tmp_path / "missing"), "model": "cnn"})
+    assert info["samples"] is None and info["warm"] is False
+    assert "does not exist" in info["skipped"][0] and "each message decodes it" in info["skipped"][0]
