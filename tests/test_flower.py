@@ -1141,3 +1141,46 @@ def test_executor_options_are_checked_with_the_fix(tmp_path):
     info = preload({"client-id": 0, "data": str(tmp_path / "missing"), "model": "cnn"})
     assert info["samples"] is None and info["warm"] is False
     assert "does not exist" in info["skipped"][0] and "each message decodes it" in info["skipped"][0]
+
+
+class PushPullGrid(LocalGrid):
+    """A grid with push/pull (as a SuperLink's): each reply is ready only at the second pull."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.pulls, self._ready = 0, {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        replies = LocalGrid.send_and_receive(self, messages)
+        for m in messages:
+            self._ready[m.metadata.message_id] = [r for r in replies if r.metadata.reply_to_message_id ==
+                                                  m.metadata.message_id]
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        out = []
+        for i in list(message_ids):
+            if self._ready.get(i) is not None and self.pulls % 2 == 0:
+                out += self._ready.pop(i)
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("the server pushes and pulls itself")
+
+
+def test_the_server_pulls_replies_at_its_own_poll_interval():
+    """Flower's Grid.send_and_receive sleeps 3 s between pulls; the server pushes and pulls itself
+    every ``poll-interval`` seconds, with the numbers of the default exchange."""
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    want = FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False).run()
+    grid = PushPullGrid(uc, [0, 1, 2, 3])
+    t0 = time.perf_counter()
+    got = FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(poll_interval=0.01)).run()
+    assert time.perf_counter() - t0 < 20 and grid.pulls >= 2 * (1 + BASE["rounds"] + 1)
+    assert got["accuracy"] == want["accuracy"]
+    with pytest.raises(ConfigError, match=r"poll-interval=0; give a number of seconds > 0"):
+        FlowerOptions.from_user_config({"poll-interval": 0})

@@ -69,6 +69,8 @@ class Node:
 
 
 _CACHE: dict[str, Any] = {}
+_INITIAL: dict[int, tuple[dict, dict]] = {}
+"""id(model) -> its weights and extras when its node first built it (:func:`node`)."""
 
 
 def _run_key(msg: Message) -> str | None:
@@ -100,12 +102,21 @@ def node(context: Context, run_key: str | None = None) -> Node:
         key = cfg.model_dump_json() + repr(sorted(nc.items()))
         if key not in _CACHE:
             _CACHE.clear()  # one run at a time per process
+            _INITIAL.clear()
             names = list(FlowerOptions.from_user_config(context.run_config).class_names)
             _CACHE[key] = load_local_client(nc, cfg, names)
         lc = _CACHE[key]
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
     else:
         n = _benchmark_node(cfg, nc)
+    # the cached client's model is trained in place: a context without the client's state (a new run, a
+    # restarted node, a new SuperLink) starts from the initial weights, not from another run's
+    model = n.state.model
+    init = _INITIAL.setdefault(id(model), ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                           dict(n.state.extra)))
+    if STATE_MODEL not in context.state:
+        n.state.model.load_state_dict(init[0])
+        n.state.extra = dict(init[1])
     # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
     saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
     if saved is not None:
@@ -139,6 +150,7 @@ def _benchmark_node(cfg: RunConfig, nc) -> Node:
     key = cfg.model_dump_json()
     if key not in _CACHE:
         _CACHE.clear()  # one run at a time per process
+        _INITIAL.clear()
         _CACHE[key] = prepare(cfg, progress=False)
     setup: Setup = _CACHE[key]
     if not 0 <= cid < len(setup.states):

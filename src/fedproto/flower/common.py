@@ -59,6 +59,8 @@ class FlowerOptions:
             60); the run starts with fewer if at least ``min_replies`` have joined.
         class_names: names of classes 0..C-1 for image folders named by class (``class-names``,
             comma-separated; default none: folders are named by class id).
+        poll_interval: seconds between the server's pulls of replies (``poll-interval``, default
+            0.2; Flower's own ``send_and_receive`` waits 3 s).
         resume_from: the run folder of an interrupted run to continue from its checkpoint (its last
             completed round), e.g. on a new SuperLink (``resume-from``; default none: a new run).
     """
@@ -68,6 +70,7 @@ class FlowerOptions:
     round_retries: int = 2
     wait_nodes: float = 60.0
     class_names: tuple[str, ...] = ()
+    poll_interval: float = 0.2
     resume_from: str = ""
 
     @classmethod
@@ -76,14 +79,15 @@ class FlowerOptions:
         data = {normal_key(str(k)): v for k, v in user_config.items()}
         out = {}
         for k, lo, kind in (("round_timeout", 0.0, float), ("min_replies", 1, int), ("round_retries", 0, int),
-                            ("wait_nodes", 0.0, float)):
+                            ("wait_nodes", 0.0, float), ("poll_interval", 0.0, float)):
             if k not in data:
                 continue
             v = data[k]
             ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
                   and (kind is float or float(v).is_integer()))
-            if not ok or v < lo or (k == "round_timeout" and v <= 0):
-                need = "a number of seconds > 0" if k == "round_timeout" else f"a {'whole ' if kind is int else ''}" \
+            positive = k in ("round_timeout", "poll_interval")
+            if not ok or v < lo or (positive and v <= 0):
+                need = "a number of seconds > 0" if positive else f"a {'whole ' if kind is int else ''}" \
                        f"number >= {lo}"
                 if isinstance(v, float) and not math.isfinite(v):
                     need += " (not NaN or infinity)"
@@ -104,7 +108,8 @@ class FlowerOptions:
         return cls(**out)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from")
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from",
+               "poll_interval")
 """Run config keys read by :class:`FlowerOptions` rather than :class:`RunConfig`."""
 
 
