@@ -13,7 +13,9 @@ hand-written :meth:`fedproto.models.cnn.PaperCNN.grouped_forward` does):
 * flattening to 2-d gives (G, B, F); ``Linear`` -> ``baddbmm`` with the stacked weights.
 
 The model's forward is traced once with ``torch.fx`` (:func:`grouped_graph`); a model whose graph
-holds anything outside the few supported operations (:data:`SUPPORTED`) is left to ``vmap``.
+holds anything outside the few supported operations (:data:`SUPPORTED`) is left to ``vmap``. The
+traced graph drops layers no result reads and pools before ReLU where a ReLU feeds a max-pool
+(the same numbers on a quarter of the map).
 """
 
 from __future__ import annotations

@@ -1245,8 +1245,10 @@ def train_group_generic(
     Clients whose plan has run out of steps leave the stacked computation (compaction), as in
     :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
     accepts (no BatchNorm, no active dropout) run their forward as G-grouped operations on one
-    channels-last layout (:func:`fedproto.grouped.grouped_call`) instead of under ``vmap``: the same
-    computation, faster on CPU.
+    channels-last layout (:func:`fedproto.grouped.grouped_forward`) instead of under ``vmap``; on image
+    inputs they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
+    trailing batch padded with samples of weight 0 (their samples do not interact without BatchNorm),
+    one ``torch._foreach`` optimizer step for all parameters. The same computation, faster on CPU.
 
     Args:
         models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;
