@@ -162,3 +162,37 @@ def test_grouped_graph_pools_before_relu_and_drops_dead_layers():
     logits, h = grouped_call(gm, P, X)
     for g, m in enumerate(models):
         torch.testing.assert_close((logits[g], h[g]), m(X[g]), rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_first_block_stays_frozen_on_the_grouped_path(monkeypatch):
+    """A projected CNN with a frozen first convolution, FedProx (proximal term on the trained part), momentum,
+    trailing batches: the default (auto) run trains it grouped, keeps the frozen weights bit for bit and gives
+    the sequential run's float64 weights."""
+    calls = []
+    orig = training.grouped_forward
+    monkeypatch.setattr(training, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
+    digits = digits_fewshot(stdev=1)
+    runs, frozen = {}, None
+    for mode in ("sequential", "auto"):
+        clients = []
+        for i, (train, test) in enumerate(client_splits(*digits)):
+            torch.manual_seed(i)
+            m = ProjectedCNN(1, 10, (4, 6), 12)
+            m.features[0].requires_grad_(False)
+            clients.append(Client(m, train, test))
+        frozen = [c.model.features[0].weight.detach().clone() for c in clients]
+        sim = federate(clients, 10, out=False, eval_every=0, threads=1, execution=mode, rounds=2, lr=0.05,
+                       momentum=0.9, batch_size=16, algorithm="fedprox", prox_mu=0.1)
+        sim.setup.to_dtype(torch.float64)
+        sim.run()
+        runs[mode] = sim
+        for c, w in zip(clients, frozen):
+            assert torch.equal(c.model.features[0].weight.float(), w)
+            assert not c.model.features[0].weight.requires_grad
+    assert calls and max(calls) == 4  # one architecture: the 4 clients in one group
+    moved = False
+    for i, (p, q) in enumerate(zip(flat_weights(runs["sequential"]), flat_weights(runs["auto"]))):
+        assert ((p - q).norm() / p.norm()).item() < 1e-9, i
+    for s in runs["auto"].setup.states:
+        moved |= not torch.equal(s.model.proj.weight, runs["auto"].setup.states[0].model.proj.weight)
+    assert moved  # the trained part differs between clients: the bound compares real training
