@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.adam import adam as torch_adam
 
-from fedproto.grouped import grouped_call, grouped_graph
+from fedproto.grouped import grouped_call, grouped_forward, grouped_graph
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import proto_loss
 
@@ -926,7 +926,7 @@ def train_stacked(
                 cur, Gc = act, len(act)
                 Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in names}
                 bufc = {k: v[cur].clone() for k, v in bufs.items()}
-                refc = {k: ref[k][cur] for k in train_names} if ref is not None else None
+                refc = {k: ref[k][cur] for k in train_names if k in ref} if ref is not None else None
                 ids_C = (cur * C).unsqueeze(1)
             idx = order[s][:, cur].reshape(-1)
             xb = X[idx] if aug is None else augment_batch(X[idx], aug[s][:, cur].reshape(-1, 3))
@@ -938,15 +938,18 @@ def train_stacked(
             ce, lp, extra = _step_terms(logits, h, yb, w, obj)
             loss_g = ce + obj.lambda_proto * lp + extra
             if refc is not None:
-                for k in train_names:
+                for k in refc:
                     loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
-            plist = [Pc[k] for k in train_names]
-            grads = list(torch.autograd.grad(loss_g.sum(), plist)) if plist else []  # [] : all frozen
+            gs = torch.autograd.grad(loss_g.sum(), [Pc[k] for k in train_names], allow_unused=True) if train_names \
+                else ()  # () : all frozen
+            stepped = [k for k, g in zip(train_names, gs) if g is not None]  # torch.optim skips a None gradient
+            plist = [Pc[k] for k in stepped]
+            grads = [g for g in gs if g is not None]
             with torch.no_grad():
-                blist = [bufc["m", k] for k in train_names]
+                blist = [bufc["m", k] for k in stepped]
                 if opt.optimizer != "sgd" and plist:  # Adam/AdamW: torch's own update on the stacked rows
-                    adam_step_stacked(opt, plist, grads, blist, [bufc["v", k] for k in train_names],
-                                      [adam_steps[k] for k in train_names])
+                    adam_step_stacked(opt, plist, grads, blist, [bufc["v", k] for k in stepped],
+                                      [adam_steps[k] for k in stepped])
                 elif plist:  # SGD as torch.optim.SGD (weight decay, momentum, step)
                     if opt.weight_decay:
                         torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
@@ -1242,8 +1245,10 @@ def train_group_generic(
     Clients whose plan has run out of steps leave the stacked computation (compaction), as in
     :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
     accepts (no BatchNorm, no active dropout) run their forward as G-grouped operations on one
-    channels-last layout (:func:`fedproto.grouped.grouped_call`) instead of under ``vmap``: the same
-    computation, faster on CPU.
+    channels-last layout (:func:`fedproto.grouped.grouped_forward`) instead of under ``vmap``; on image
+    inputs they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
+    trailing batch padded with samples of weight 0 (their samples do not interact without BatchNorm),
+    one ``torch._foreach`` optimizer step for all parameters. The same computation, faster on CPU.
 
     Args:
         models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;
@@ -1298,6 +1303,16 @@ def train_group_generic(
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
     gm = None if calls or bnames else grouped_graph(m0)[0]  # standard layers only: grouped ops, faster than vmap
+    if gm is not None and X.dim() == 4:  # images: the hand-written batched path's loop (train_stacked)
+        for m in models:
+            m.train()
+        phases = [stack_plans(plans, pi, offsets, opt.batch_size) for pi in range(len(obj.phases))]
+        out = train_stacked(_Traced(gm, m0, names), P, X.contiguous(), Y, phases, obj, opt, ref)
+        with torch.no_grad():
+            for g, m in enumerate(models):
+                for k, p in m.named_parameters():
+                    p.copy_(P[k][g])
+        return out
     with _Functional(m0) as fn:
         for pi, ph in enumerate(obj.phases):
             for m in models:  # the modes the sequential path leaves each model in
@@ -1408,6 +1423,18 @@ def train_group_generic(
             counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
             float(ce_tot[g]) / n, float(lp_tot[g]) / n, int(nsteps[g]), float(norm_max[g])))
     return out
+
+
+class _Traced:
+    """A model traced for the grouped forward (:func:`fedproto.grouped.grouped_graph`) in the role
+    :func:`train_stacked` gives a model with a hand-written batched forward."""
+
+    def __init__(self, gm, m0: ProtoModel, names: Sequence[str]):
+        self.gm, self.batch_params = gm, tuple(names)
+        self.num_classes, self.embedding_dim = m0.num_classes, m0.embedding_dim
+
+    def grouped_forward(self, P, xb, G, noise=None):
+        return grouped_forward(self.gm, P, xb, G)
 
 
 @torch.no_grad()
