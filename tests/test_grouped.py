@@ -100,8 +100,8 @@ def test_batched_engine_runs_standard_layer_models_grouped(monkeypatch):
     """Two projcnn widths on digits, batch 16 (trailing batches), momentum: the batched run calls the
     grouped forward (not vmap) and gives the sequential run's float64 weights."""
     calls = []
-    orig = training.grouped_forward
-    monkeypatch.setattr(training, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
+    orig = training.generic.grouped_forward
+    monkeypatch.setattr(training.generic, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
     digits = digits_fewshot(stdev=1)
     runs = {}
     for mode in ("sequential", "batched"):
@@ -169,8 +169,8 @@ def test_frozen_first_block_stays_frozen_on_the_grouped_path(monkeypatch):
     trailing batches: the default (auto) run trains it grouped, keeps the frozen weights bit for bit and gives
     the sequential run's float64 weights."""
     calls = []
-    orig = training.grouped_forward
-    monkeypatch.setattr(training, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
+    orig = training.generic.grouped_forward
+    monkeypatch.setattr(training.generic, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
     digits = digits_fewshot(stdev=1)
     runs, frozen = {}, None
     for mode in ("sequential", "auto"):

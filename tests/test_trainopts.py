@@ -135,13 +135,13 @@ def test_workers_adam_match_one_process_float64(monkeypatch):
 def test_sequential_path_uses_the_round_lr(monkeypatch):
     """Each round's optimizer is built with lr_of_round(round) (sequential engine, FedAvg on 3 digits clients)."""
     seen = []
-    orig = training.make_optimizer
+    orig = training.sequential.make_optimizer
 
     def record(params, opt):
         seen.append((opt.round, opt.round_lr))
         return orig(params, opt)
 
-    monkeypatch.setattr(training, "make_optimizer", record)
+    monkeypatch.setattr(training.sequential, "make_optimizer", record)
     cfg = build_config(overrides=dict(dataset="digits", clients=3, ways=3, shots=10, test_shots=5, rounds=3,
                                       eval_every=0, threads=1, execution="sequential", algorithm="fedavg",
                                       lr=0.04, lr_schedule="step", lr_step_rounds=2, lr_gamma=0.25))
