@@ -60,12 +60,15 @@ class Simulation:
         out: run directory path (None: ``cfg.out_dir / cfg.run_name()``; False: write nothing).
         on_round: optional callback(row) after each round (used for the progress bar).
         progress: show download progress while building the set-up.
+        executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.base.Executor`
+            over this set-up; default :func:`make_executor` of ``cfg.execution``).
     Raises:
         ConfigError: ``cfg`` is not a RunConfig, or ``out`` is neither a path, None nor False.
     """
 
     def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
-                 on_round: Callable[[dict], None] | None = None, progress: bool = False):
+                 on_round: Callable[[dict], None] | None = None, progress: bool = False,
+                 executor: Executor | None = None):
         if not isinstance(cfg, RunConfig):
             raise ConfigError(f"Simulation needs a RunConfig (from fedproto.build_config), not a {type(cfg).__name__}")
         if out is True or not (out is None or out is False or isinstance(out, (str, Path, RunDir))) or out == "":
@@ -81,7 +84,7 @@ class Simulation:
             self.run_dir = out
         else:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
-        self.executor = make_executor(cfg, self.setup)
+        self.executor = executor if executor is not None else make_executor(cfg, self.setup)
         self.attack = SimulatedAttack(cfg, len(self.setup.states))
         self.health = Health(cfg, self.attack.attackers, self.setup.data)
         self.loop = RoundLoop(cfg, self.setup.algorithm, self.executor, self.setup.embedding_dim,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.options import FDOptions
 from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
 from fedproto.training import LossTerm, Objective, OptimConfig, Phase, TrainResult, predict
 
@@ -54,6 +55,7 @@ class FD(Algorithm):
     """
 
     name = "fd"
+    Options = FDOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, fd_lambda: float = 1.0,
                  fd_temperature: float = 1.0):

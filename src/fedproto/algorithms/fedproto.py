@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.options import FedProtoOptions
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
@@ -99,6 +100,7 @@ class FedProto(Algorithm):
     """
 
     name = "fedproto"
+    Options = FedProtoOptions
     server_state_keys = ("last_contributors", "last_distances", "last_cids", "global_classes", "global_protos")
 
     def __init__(
