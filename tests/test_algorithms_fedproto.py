@@ -276,11 +276,15 @@ def test_bad_replies_are_dropped_and_named(caplog):
     bad = {"classes": np.array([1, 2, 11]), "protos": np.array([[np.nan, 0], [5, 5], [1, 1]], np.float32),
            "counts": np.array([3, 0, 3])}
     wrong = {"classes": np.array([1]), "protos": np.ones((1, 3), np.float32), "counts": np.array([1])}
-    out = alg.aggregate(1, {0: good, 4: bad, 7: wrong})
+    from fedproto.engine.checks import check_replies
+
+    replies = {0: (good, None), 4: (bad, None), 7: (wrong, None)}
+    reasons, whole = check_replies(alg, 2, 1, {}, replies)  # the one reply check, as the round loop runs it
+    assert sorted(reasons) == [4, 7] and whole == {4, 7}  # no row of client 4's is usable
+    out = alg.aggregate(1, {i: m for i, (m, _) in replies.items() if i not in whole})
     assert out["classes"].tolist() == [1, 2] and out["protos"].tolist() == [[1, 1], [1, 1]]
-    assert alg.round_metrics()["dropped"] == [4, 7]
     text = caplog.text
-    assert "client 4's reply" in text and "class 1: values that are not finite" in text
+    assert "dropped the reply of client 4" in text and "class 1: values that are not finite" in text
     assert "count 0 below 1" in text and "class 11 outside 0..9" in text and "(K, 2)" in text
 
 
