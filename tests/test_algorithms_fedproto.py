@@ -285,7 +285,8 @@ def test_bad_replies_are_dropped_and_named(caplog):
     assert out["classes"].tolist() == [1, 2] and out["protos"].tolist() == [[1, 1], [1, 1]]
     text = caplog.text
     assert "dropped the reply of client 4" in text and "class 1: values that are not finite" in text
-    assert "count 0 below 1" in text and "class 11 outside 0..9" in text and "(K, 2)" in text
+    assert "count 0 below 1" in text and "class 11 outside 0..9" in text
+    assert "client 7: prototypes have shape (1, 3)" in text and "(embedding size 2)" in text
 
 
 def test_class_check_keeps_flipped_prototypes_out_of_the_aggregate():
