@@ -2,6 +2,9 @@
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch) and
 written as PNG with :func:`fedproto.results.atomic_write_bytes`.
+
+Size: about 430 lines: the figures of the paper (curves, t-SNE, sweeps), each a short function on
+one canvas helper.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Client: cross-entropy + λ · L_R(embeddings, global prototypes) (eq. 7), then l
 hold the class (eq. 6, see :func:`fedproto.prototypes.aggregate_prototypes`), broadcast as
 (classes, protos). Round 1 starts with no global prototypes (official code), so it trains with
 cross-entropy only.
+
+Size: about 620 lines: FedProto with every documented variant as an option (the paper-vs-code
+choices, the practitioner's options, robust aggregation, DP), each a few lines inside the same
+hooks.
 """
 
 from __future__ import annotations
