@@ -346,7 +346,7 @@ def test_kept_client_folders_are_decoded_once_and_again_when_a_file_changes(tmp_
             fo.keep_decoded(size=0)
         fo.keep_decoded(size=1)
         fo.load_client_folder(img, 3)
-        assert len(fo._KEPT) == 1  # the least recently used folder went
+        assert fo.kept_folders() == 1  # the least recently used folder went
     finally:
         fo.keep_decoded(False)
-    assert fo._KEPT is None
+    assert fo.kept_folders() is None

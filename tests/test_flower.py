@@ -590,7 +590,7 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
               for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
 
     old = {nid: grid.contexts[nid] for nid in (1000, 1001)}
-    client_app._CACHE.clear()  # a new SuperNode process: the model is built afresh from the seed
+    client_app.forget_clients()  # a new SuperNode process: the model is built afresh from the seed
     for nid in (1000, 1001):
         grid.add_node(nid, ncs[nid - 1000])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
@@ -609,14 +609,14 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     got = _evaluate_on(other_run, eng, 0, 1000, run_key="another-run")
     assert got["instance"] != inst[1000] and got["restored"] == 0
     files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
-    client_app._CACHE.clear()
+    client_app.forget_clients()
     grid.add_node(1000, ncs[0])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
     assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
     key = node_state.state_key(eng.run_key, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
     node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
-    client_app._CACHE.clear()
+    client_app.forget_clients()
     grid.add_node(1000, ncs[0])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
@@ -1013,7 +1013,7 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
 
     def restart(grid, kind, group):
         if kind == "train" and group == "4":
-            client_app._CACHE.clear()  # a new SuperNode process: nothing of the old one in memory
+            client_app.forget_clients()  # a new SuperNode process: nothing of the old one in memory
             grid.add_node(1001, ncs[1])
 
     grid.on_send = restart
@@ -1048,7 +1048,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
     folders = write_node_folders(tmp_path)
     uc = _own_config(rounds=4)
     want = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
-    client_app._CACHE.clear()
+    client_app.forget_clients()
 
     def superlink_dies(grid, kind, group):
         if kind == "train" and group == "3":
@@ -1065,7 +1065,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
     assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert not (run / "summary.json").exists()
 
-    client_app._CACHE.clear()  # new SuperNode processes
+    client_app.forget_clients()  # new SuperNode processes
     grid = LocalGrid(uc, node_configs=node_configs(folders))
     for nid, c in grid.contexts.items():  # a new SuperLink: a new Flower run id
         grid.contexts[nid] = Context(run_id=2, node_id=nid, node_config=c.node_config, state=RecordDict(),

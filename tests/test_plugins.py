@@ -15,6 +15,7 @@ from fedproto import plugins
 from fedproto.algorithms import FedProto, get_algorithm, register_algorithm
 from fedproto.config import build_config, config_model
 from fedproto.errors import ConfigError
+from fedproto.prototypes import prototype_table
 from fedproto.training import LossTerm
 
 SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, eval_every=0,
@@ -45,9 +46,11 @@ class CenterProto(FedProto):
 
     def objective(self, state, message):
         obj = super().objective(state, message)
-        table, mask = self._table(message)
-        if table is not None and self.options.center_weight > 0:
-            obj.terms = (CenterTerm(self.options.center_weight, table, mask),)
+        if "protos" not in message or not len(message["classes"]) or self.options.center_weight == 0:
+            return obj
+        table, mask = prototype_table(message["classes"], message["protos"], self.num_classes,
+                                      message["protos"].shape[1])
+        obj.terms = (CenterTerm(self.options.center_weight, table, mask),)
         return obj
 
 

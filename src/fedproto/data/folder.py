@@ -274,3 +274,8 @@ def _stack_images(entries: list, gray: bool) -> tuple[torch.Tensor, torch.Tensor
 
 
 __all__ = ["keep_decoded", "load_client_folder", "preload_client_folder"]
+
+
+def kept_folders() -> int | None:
+    """How many client folders are kept decoded now (None: keeping is off, :func:`keep_decoded`)."""
+    return None if _KEPT is None else len(_KEPT)

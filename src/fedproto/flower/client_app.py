@@ -69,6 +69,13 @@ class Node:
 
 
 _CACHE: dict[str, Any] = {}
+
+
+def forget_clients() -> None:
+    """Forget the clients this process has built (their data, models and initial weights): what a
+    new SuperNode process starts without."""
+    _CACHE.clear()
+    _INITIAL.clear()
 _INITIAL: dict[int, tuple[dict, dict]] = {}
 """id(model) -> its weights and extras when its node first built it (:func:`node`)."""
 
