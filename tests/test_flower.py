@@ -1141,7 +1141,12 @@ def test_executor_options_are_checked_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"executor='warm': choose None \(Flower's default\), 'fedproto' or 'flower'"):
         LocalFederation(tmp_path / "fed").start_supernode({"client-id": 0}, executor="warm")
     # what cannot be preloaded is said, not fatal: the ClientApp then reads the data per message
-    info = preload({"client-id": 0, "data": str(tmp_path / "missing"), "model": "cnn"})
+    from fedproto.data.folder import keep_decoded
+
+    try:
+        info = preload({"client-id": 0, "data": str(tmp_path / "missing"), "model": "cnn"})
+    finally:
+        keep_decoded(False)  # preload keeps decoded folders for the whole process: not for the tests after this
     assert info["samples"] is None and info["warm"] is False
     assert "does not exist" in info["skipped"][0] and "each message decodes it" in info["skipped"][0]
 
