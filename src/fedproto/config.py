@@ -121,8 +121,8 @@ class CommonConfig(BaseModel):
                        + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
                                       "into all but conv1, bn1 and fc")
-    embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of cnn and "
-                               "projcnn models")
+    embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of the zoo models "
+                               "that take one (cnn, projcnn; resnet18's is 512)")
     dropout: float = Field(0.5, ge=0.0, lt=1.0, description="Dropout p of the CNN")
     # training
     rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False,
