@@ -265,3 +265,42 @@ def test_it_runs_on_the_flower_app_with_the_simulators_numbers(centerproto, monk
     got = FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False).run()
     for key in want["accuracy"]:
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+
+
+class PerSampleTerm(LossTerm):
+    """Forgets the batch mean: one value per sample."""
+
+    def __call__(self, logits, h, y, w):
+        return 1e-3 * (h ** 2).sum(-1)
+
+
+class AllMeanTerm(LossTerm):
+    """One mean over everything: right for one client, mixes a batched group's clients."""
+
+    def __call__(self, logits, h, y, w):
+        return 1e-3 * (h ** 2).sum(-1).mean()
+
+
+@pytest.mark.parametrize("term, mode, want", [
+    (PerSampleTerm, "sequential", r"PerSampleTerm returned shape \(8,\) .*must return shape \(\)"),
+    (PerSampleTerm, "batched", r"PerSampleTerm returned shape \(4, 8\) .*must return shape \(4,\)"),
+    (AllMeanTerm, "batched", r"AllMeanTerm returned shape \(\) .*must return shape \(4,\)"),
+])
+def test_a_loss_term_of_the_wrong_shape_is_named(term, mode, want):
+    """Was a bare torch error (sequential: 'grad can be implicitly created only for scalar outputs')
+    or, for a scalar on the batched path, silently accepted."""
+    class WrongTerm(FedProto):
+        name = "wrongterm"
+
+        def objective(self, state, message):
+            obj = super().objective(state, message)
+            obj.terms = (term(),)
+            return obj
+
+    register_algorithm(WrongTerm)
+    try:
+        cfg = build_config(overrides={**SMALL, "rounds": 1, "algorithm": "wrongterm", "execution": mode})
+        with pytest.raises(ValueError, match=want):
+            Simulation(cfg, out=False).run()
+    finally:
+        plugins.unregister("wrongterm")
