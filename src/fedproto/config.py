@@ -145,7 +145,8 @@ class CommonConfig(BaseModel):
         "round 1 to lr_min at the last round)"))
     lr_step_rounds: int = Field(30, ge=1, le=10_000_000, description=(
         "lr_schedule step: rounds between two lr decays (round r trains at lr x lr_gamma^((r-1) // lr_step_rounds))"))
-    lr_gamma: float = Field(0.1, gt=0.0, le=1e6, description="lr_schedule step: factor of each lr decay")
+    lr_gamma: float = Field(0.1, gt=0.0, le=1.0, description="lr_schedule step: factor of each lr decay (at most 1; "
+                            "above 1 the lr would grow without bound)")
     lr_min: float = Field(0.0, ge=0.0, le=100.0, description="lr_schedule cosine: lr of the last round (at most lr)")
     shared_init: bool = Field(False, description=(
         "Clients of one architecture start from identical initial weights (those client 0 would get; for your own "

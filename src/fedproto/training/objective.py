@@ -92,7 +92,7 @@ class OptimConfig:
     not state augmentation). See :func:`augment_batch`.
 
     Raises:
-        ValueError: an unknown optimizer or schedule, ``lr_gamma`` <= 0, ``lr_step_rounds`` < 1,
+        ValueError: an unknown optimizer or schedule, ``lr_gamma`` outside (0, 1], ``lr_step_rounds`` < 1,
             ``lr_min`` < 0 or above ``lr``, ``rounds`` < 1 (the message names the value and the fix).
     """
 
@@ -115,9 +115,9 @@ class OptimConfig:
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}")
-        if not self.lr_gamma > 0:
+        if not 0 < self.lr_gamma <= 1:
             raise ValueError(f"lr_gamma={self.lr_gamma!r}: the step schedule multiplies the lr by it; use a factor "
-                             "> 0 (e.g. 0.1)")
+                             "in (0, 1] (e.g. 0.1)")
         if int(self.lr_step_rounds) < 1:
             raise ValueError(f"lr_step_rounds={self.lr_step_rounds!r}: use a whole number of rounds >= 1")
         if not 0 <= self.lr_min <= self.lr:
