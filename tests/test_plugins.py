@@ -118,8 +118,22 @@ class _ProxClash(plugins.AlgorithmOptions):
     prox_mu: float = Field(0.1, description="x")
 
 
+def _named_option(name: str) -> type:
+    return type("NamedOptions", (plugins.AlgorithmOptions,),
+                {"__annotations__": {name: float}, name: Field(0.5, description="x")})
+
+
 @pytest.mark.parametrize("cls, match", [
     (_plugin("nodef", _NoDefault), "option 'need_x' of algorithm 'nodef' has no default"),
+    # these were accepted and then: --config took the TOML file's place, lambda set lambda_proto, round-timeout
+    # was the Flower server's, --quiet / --resume stopped `fedproto run` with a usage error
+    (_plugin("pconfig", _named_option("config")), r"option 'config', which is a flag of fedproto run \(--config\)"),
+    (_plugin("presume", _named_option("resume")), r"option 'resume', which is a flag of fedproto run"),
+    (_plugin("plambda", _named_option("lambda")), "option 'lambda', which is another spelling of fedproto's option "
+                                                  "'lambda_proto'"),
+    (_plugin("ptimeout", _named_option("round_timeout")), "option 'round_timeout', which is a key of the Flower run"),
+    (_plugin("pnoaug", _named_option("no_augment")), "option 'no_augment', which is the off switch of fedproto's "
+                                                     r"option 'augment' \(--no-augment\)"),
     (_plugin("proxclash", _ProxClash), "algorithm 'proxclash' declares the option 'prox_mu', which is a fedproto"),
     (_plugin("loose", _Loose), r"loose.Options sets model_config extra='allow'.*extra='forbid'"),
     (_plugin("plain", _Plain), "plain.Options is .*_Plain.*must be a fedproto.plugins.AlgorithmOptions subclass"),
@@ -304,3 +318,11 @@ def test_a_loss_term_of_the_wrong_shape_is_named(term, mode, want):
             Simulation(cfg, out=False).run()
     finally:
         plugins.unregister("wrongterm")
+
+
+def test_the_run_commands_own_parameters_are_the_reserved_names():
+    """plugins.CLI_NAMES must list every `fedproto run` parameter that is no run option."""
+    from fedproto.cli import run_command
+
+    own = {p.name for p in run_command().params} - set(RunConfig.model_fields)
+    assert own | {"help"} == set(plugins.CLI_NAMES)  # --help: click adds it to every command

@@ -44,6 +44,9 @@ _loaded = False
 _version = 0
 """Bumped on every registration that adds options (the option set is rebuilt then)."""
 
+CLI_NAMES = ("config", "resume", "quiet", "help")
+"""Parameters of ``fedproto run`` that are no run option (no plug-in option may take their names)."""
+
 PLUGINS: dict[str, Any] = {}
 """Algorithm classes registered from outside the library, by name (:func:`register`)."""
 
@@ -64,7 +67,8 @@ def register(cls: Any) -> None:
         ConfigError: ``cls`` has no ``name``, the name is one of the library's methods or not
             lowercase letters, digits, ``-`` and ``_``, or its
             ``Options`` is not an :class:`AlgorithmOptions` subclass, changes its ``model_config``,
-            has a field without a default or a field another option already has (fields inherited
+            has a field without a default or a field another option (or its alias, its off switch, a
+            Flower run-config key, a flag of ``fedproto run``) already has (fields inherited
             from a library method's options, e.g. by subclassing ``FedProto``, are shared, not a clash).
     """
     from fedproto.errors import ConfigError
@@ -115,11 +119,20 @@ def _check_options(name: str, options: Any) -> None:
             raise ConfigError(f"option {k!r} of algorithm {name!r} has no default; give it one "
                               f"({k}: ... = Field(<default>, description=...)): every run has all options")
     from fedproto.config import RunConfig
+    from fedproto.options import FLOWER_KEYS, aliases
 
+    taken = {a: f"is another spelling of fedproto's option {f!r}" for f in RunConfig.model_fields for a in aliases(f)}
+    taken.update({f"no_{f}": f"is the off switch of fedproto's option {f!r} (--no-{f.replace('_', '-')})"
+                  for f, info in RunConfig.model_fields.items() if info.annotation is bool})
+    taken.update({k: "is a key of the Flower run config (FlowerOptions)" for k in FLOWER_KEYS})
+    taken.update({k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES})
     for k in sorted(mine):
         if k in RunConfig.model_fields:
             raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which is a fedproto option; rename it "
                               "(e.g. with the algorithm's name as prefix)")
+        if k in taken:
+            raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {taken[k]}; rename it (e.g. with "
+                              "the algorithm's name as prefix)")
         for other, ocls in PLUGINS.items():
             oopts = getattr(ocls, "Options", None)
             if other != name and oopts is not None and k in own_fields(oopts):
