@@ -1192,3 +1192,20 @@ def test_the_server_pulls_replies_at_its_own_poll_interval():
     assert got["accuracy"] == want["accuracy"]
     with pytest.raises(ConfigError, match=r"poll-interval=0; give a number of seconds > 0"):
         FlowerOptions.from_user_config({"poll-interval": 0})
+
+
+def test_a_poll_interval_that_floods_the_superlink_or_outlasts_the_round_is_refused():
+    """poll-interval=1e-6 (a million pulls a second) and 1e9 were accepted; one not below
+    round-timeout made every round last the whole round-timeout."""
+    from fedproto.flower.common import FlowerOptions
+
+    for bad in (1e-6, 0.001, 61, 1e9):
+        with pytest.raises(ConfigError, match=rf"poll-interval={bad!r}; give seconds between 0.01 and 60"):
+            FlowerOptions.from_user_config({"poll-interval": bad})
+    with pytest.raises(ConfigError, match=r"poll-interval=5 is not below round-timeout=2; every round would last"):
+        FlowerOptions.from_user_config({"poll-interval": 5, "round-timeout": 2})
+    with pytest.raises(ConfigError, match=r"poll-interval=0.2 is not below round-timeout=0.1.*longer round-timeout"):
+        FlowerOptions.from_user_config({"round-timeout": 0.1})
+    o = FlowerOptions.from_user_config({"poll-interval": 0.01, "round-timeout": 0.5})
+    assert (o.poll_interval, o.round_timeout) == (0.01, 0.5)
+    assert FlowerOptions.from_user_config({"poll-interval": 60}).poll_interval == 60.0

@@ -145,7 +145,8 @@ class CommonConfig(BaseModel):
         "round 1 to lr_min at the last round)"))
     lr_step_rounds: int = Field(30, ge=1, le=10_000_000, description=(
         "lr_schedule step: rounds between two lr decays (round r trains at lr x lr_gamma^((r-1) // lr_step_rounds))"))
-    lr_gamma: float = Field(0.1, gt=0.0, le=1e6, description="lr_schedule step: factor of each lr decay")
+    lr_gamma: float = Field(0.1, gt=0.0, le=1.0, description="lr_schedule step: factor of each lr decay (at most 1; "
+                            "above 1 the lr would grow without bound)")
     lr_min: float = Field(0.0, ge=0.0, le=100.0, description="lr_schedule cosine: lr of the last round (at most lr)")
     shared_init: bool = Field(False, description=(
         "Clients of one architecture start from identical initial weights (those client 0 would get; for your own "
@@ -485,17 +486,19 @@ def config_model() -> type[RunConfig]:
     Raises:
         ConfigError: a plug-in's option has the name of another option (names both).
     """
-    from fedproto.plugins import plugin_options, version
+    from fedproto.plugins import own_fields, plugin_options, version
 
     plugins = plugin_options()
     key = version()
     if key not in _MODELS:
+        # a plug-in that subclasses a library method shares its options (already RunConfig's)
+        plugins = [(n, o) for n, o in plugins if not issubclass(RunConfig, o)]
         if not plugins:
             _MODELS[key] = RunConfig
         else:
             seen = {k: "fedproto" for k in RunConfig.model_fields}
             for name, opts in plugins:
-                for k in opts.model_fields:
+                for k in sorted(own_fields(opts)):
                     if k in seen:
                         other = "is a fedproto option" if seen[k] == "fedproto" else f"algorithm {seen[k]!r} declares"
                         raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {other}; rename it "
@@ -503,8 +506,11 @@ def config_model() -> type[RunConfig]:
                     seen[k] = name
             from pydantic import create_model
 
-            _MODELS[key] = create_model("RunConfig", __base__=(RunConfig, *(o for _, o in plugins)),
-                                        __module__=__name__)
+            bases = [RunConfig]
+            for _, o in plugins:  # once each (plug-ins may share an options class)
+                if not any(issubclass(b, o) for b in bases):
+                    bases.append(o)
+            _MODELS[key] = create_model("RunConfig", __base__=tuple(bases), __module__=__name__)
     return _MODELS[key]
 
 

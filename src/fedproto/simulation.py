@@ -63,7 +63,9 @@ class Simulation:
         executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.base.Executor`
             over this set-up; default :func:`make_executor` of ``cfg.execution``).
     Raises:
-        ConfigError: ``cfg`` is not a RunConfig, or ``out`` is neither a path, None nor False.
+        ConfigError: ``cfg`` is not a RunConfig, ``out`` is neither a path, None nor False, or
+            ``cfg.tensorboard`` is on for a run folder without the ``tensorboard`` package (before
+            the run folder is made; with ``out=False`` it is only a warning: nothing is written).
     """
 
     def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
@@ -74,6 +76,12 @@ class Simulation:
         if out is True or not (out is None or out is False or isinstance(out, (str, Path, RunDir))) or out == "":
             raise ConfigError(f"out={out!r}: give a run directory path, None (out_dir/name) or False (write nothing)")
         self.cfg = cfg
+        if cfg.tensorboard and out is False:
+            log.warning("tensorboard is on but this run writes no run folder (out=False): no TensorBoard events")
+        elif cfg.tensorboard:  # a missing extra is an error before the set-up and the run folder exist
+            from fedproto.tensorboard import require_tensorboard
+
+            require_tensorboard()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.setup = setup or prepare(cfg, progress=progress)

@@ -60,7 +60,7 @@ class FlowerOptions:
         class_names: names of classes 0..C-1 for image folders named by class (``class-names``,
             comma-separated; default none: folders are named by class id).
         poll_interval: seconds between the server's pulls of replies (``poll-interval``, default
-            0.2; Flower's own ``send_and_receive`` waits 3 s).
+            0.2; Flower's own ``send_and_receive`` waits 3 s): 0.01 to 60, and below ``round_timeout``.
         resume_from: the run folder of an interrupted run to continue from its checkpoint (its last
             completed round), e.g. on a new SuperLink (``resume-from``; default none: a new run).
     """
@@ -75,7 +75,8 @@ class FlowerOptions:
 
     @classmethod
     def from_user_config(cls, user_config: Mapping[str, Any]) -> FlowerOptions:
-        """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value."""
+        """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value
+        (also a ``poll-interval`` outside 0.01..60 s or not below ``round-timeout``)."""
         data = {normal_key(str(k)): v for k, v in user_config.items()}
         out = {}
         for k, lo, kind in (("round_timeout", 0.0, float), ("min_replies", 1, int), ("round_retries", 0, int),
@@ -93,6 +94,15 @@ class FlowerOptions:
                     need += " (not NaN or infinity)"
                 raise ConfigError(f"Flower run config: {k.replace('_', '-')}={v!r}; give {need}")
             out[k] = kind(v)
+        poll, timeout = out.get("poll_interval", cls.poll_interval), out.get("round_timeout", cls.round_timeout)
+        if "poll_interval" in out and not 0.01 <= poll <= 60:
+            raise ConfigError(f"Flower run config: poll-interval={data['poll_interval']!r}; give seconds between "
+                              "0.01 and 60 (default 0.2): shorter floods the SuperLink with pulls, longer delays every "
+                              "round")
+        if poll >= timeout:
+            raise ConfigError(f"Flower run config: poll-interval={poll:g} is not below round-timeout={timeout:g}; "
+                              "every round would last the whole round-timeout: the replies are pulled only at its end; "
+                              f"give a poll-interval below {timeout:g} (default 0.2) or a longer round-timeout")
         if "class_names" in data:
             names = data["class_names"]
             if not isinstance(names, str) or not names.strip():

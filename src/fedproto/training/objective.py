@@ -92,7 +92,7 @@ class OptimConfig:
     not state augmentation). See :func:`augment_batch`.
 
     Raises:
-        ValueError: an unknown optimizer or schedule, ``lr_gamma`` <= 0, ``lr_step_rounds`` < 1,
+        ValueError: an unknown optimizer or schedule, ``lr_gamma`` outside (0, 1], ``lr_step_rounds`` < 1,
             ``lr_min`` < 0 or above ``lr``, ``rounds`` < 1 (the message names the value and the fix).
     """
 
@@ -115,9 +115,9 @@ class OptimConfig:
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule={self.lr_schedule!r} is unknown; use one of {', '.join(LR_SCHEDULES)}")
-        if not self.lr_gamma > 0:
+        if not 0 < self.lr_gamma <= 1:
             raise ValueError(f"lr_gamma={self.lr_gamma!r}: the step schedule multiplies the lr by it; use a factor "
-                             "> 0 (e.g. 0.1)")
+                             "in (0, 1] (e.g. 0.1)")
         if int(self.lr_step_rounds) < 1:
             raise ValueError(f"lr_step_rounds={self.lr_step_rounds!r}: use a whole number of rounds >= 1")
         if not 0 <= self.lr_min <= self.lr:
@@ -219,6 +219,8 @@ class LossTerm:
     clients must compare equal with :meth:`same_as` to train in one batched computation (the
     default compares the attributes, tensors by value). Terms are pickled to worker processes, so
     define them at module level. DP-SGD (``dp="full"``) refuses them (its loss must be per sample).
+    A term that returns another shape (one value per sample, or one scalar for a batched group)
+    raises ``ValueError`` naming it (:func:`step_terms`); a plain number is added as it is.
     """
 
     def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -303,14 +305,27 @@ def on_device(obj: Objective, device: torch.device) -> Objective:
 
 def step_terms(logits, h, y, w, obj: Objective):
     """Cross-entropy (weighted mean), prototype loss and the sum of the algorithm's own terms
-    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...)."""
+    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...).
+
+    Raises:
+        ValueError: a term returned something else than a number or a tensor of shape (...) (e.g.
+            one value per sample, or one mean over a batched group's clients), naming the term.
+    """
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
     if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
         lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
     else:
         lp = torch.zeros_like(ce)
-    extra = sum((t(logits, h, y, w) for t in obj.terms), torch.zeros_like(ce))
+    extra = torch.zeros_like(ce)
+    for t in obj.terms:
+        value = t(logits, h, y, w)
+        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.shape == ce.shape):
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"loss term {type(t).__name__} returned {got} for a batch of labels of shape "
+                             f"{tuple(y.shape)}: it must return shape {tuple(ce.shape)}, the weighted batch mean per "
+                             "leading index ((value * w).sum(-1) / w.sum(-1).clamp_min(1); see LossTerm)")
+        extra = extra + value
     return ce, lp, extra
 
 
