@@ -197,6 +197,13 @@ def test_resume_needs_the_folder_of_an_interrupted_run(tmp_path):
     for where, why in ((tmp_path / "none", "is not a folder"), (tmp_path, "is not the config.json of a Flower run")):
         with pytest.raises(ConfigError, match=why):
             FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), options=FlowerOptions(resume_from=str(where)))
+    # a finished run (no checkpoint left): refused before any node is asked
+    done = tmp_path / "done"
+    FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=done).run()
+    grid = LocalGrid(uc, [0, 1, 2, 3])
+    with pytest.raises(ConfigError, match="holds no checkpoint.pt: nothing to resume"):
+        FlowerEngine(run_config(uc), grid, options=FlowerOptions(resume_from=str(done)))
+    assert grid.sent == []
 
 
 def _benchmark_run_matches_the_simulation(tmp_path, simulation: bool):

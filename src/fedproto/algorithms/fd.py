@@ -65,6 +65,11 @@ class FD(Algorithm):
                              "one is out of range")
         self.fd_lambda, self.fd_temperature = float(fd_lambda), float(fd_temperature)
 
+    def divergence_hint(self, cfg) -> str:
+        from fedproto.errors import opt
+
+        return f" or {opt('fd_lambda')} (now {self.fd_lambda:g})" if self.fd_lambda > 0 else ""
+
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FD:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fd_lambda, cfg.fd_temperature)

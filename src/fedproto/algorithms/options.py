@@ -194,7 +194,7 @@ class FedProtoOptions(ProtoClientOptions):
 class ServerTrainingOptions(AlgorithmOptions):
     """Methods whose server trains something each round (FedTGP's prototype generator, FedGH's head)."""
 
-    server_epochs: Optional[int] = Field(None, ge=0, le=1_000_000, description="FedTGP/FedGH server training "
+    server_epochs: Optional[int] = Field(None, ge=1, le=1_000_000, description="FedTGP/FedGH server training "
                                          "passes per round (default: FedTGP 100, FedGH 1 as the FedGH paper)")
     server_lr: Optional[float] = Field(None, gt=0, le=1e6, description="FedTGP/FedGH server SGD step size "
                                        "(default: FedTGP 0.1, FedGH 0.01)")

@@ -75,6 +75,10 @@ class FlowerEngine:
         opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
                        wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
         self.cfg, self.opts = cfg, opts
+        if cfg.tensorboard and out is not False:  # a missing extra stops the run before its folder exists
+            from fedproto.tensorboard import require_tensorboard
+
+            require_tensorboard()
         if opts.resume_from:
             out = Path(opts.resume_from).expanduser()
             if not out.is_dir():
@@ -82,6 +86,7 @@ class FlowerEngine:
                                   "interrupted run (it holds config.json and checkpoint.pt)")
         self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.run_key = self._run_key()
+        self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
         self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
         self.executor.bind(self.algorithm)
@@ -110,6 +115,30 @@ class FlowerEngine:
             if isinstance(key, str) and key:
                 return key
         return secrets.token_hex(8)
+
+    def _resumable(self) -> dict:
+        """The checkpoint ``resume_from`` continues, checked before the nodes are asked anything.
+
+        Raises:
+            ConfigError: the folder holds no checkpoint (a finished run removes it).
+            CheckpointMismatch: it was written under other options (names them).
+        """
+        from fedproto.config import ADDED_FIELDS, result_fields
+        from fedproto.errors import CheckpointMismatch
+
+        ck = self.run_dir.checkpoint
+        if not ck.is_file():
+            raise ConfigError(f"resume-from={str(self.run_dir.path)!r} holds no checkpoint.pt: nothing to resume (a "
+                              "finished run removes it); run without resume-from to start anew")
+        ckpt = load_checkpoint(ck)
+        mine = self.cfg.result_fields()
+        theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
+            raise CheckpointMismatch(f"{ck} was written by a run with other options ({shown}); resume with the same "
+                                     "run config")
+        return ckpt
 
     @property
     def history(self) -> list[dict]:
@@ -144,10 +173,8 @@ class FlowerEngine:
                 raise ConfigError("resume needs the run folder of the interrupted run (resume-from)")
             return self.loop.run()
         if resume:
-            if not rd.checkpoint.is_file():
-                raise ConfigError(f"resume-from={str(rd.path)!r} holds no checkpoint.pt: nothing to resume (a finished "
-                                  "run removes it); run without resume-from to start anew")
-            restore(self.loop, load_checkpoint(rd.checkpoint), str(rd.checkpoint))
+            ckpt = self._checkpoint if self._checkpoint is not None else self._resumable()
+            restore(self.loop, ckpt, str(rd.checkpoint))
             log.warning("fedproto: resuming %s after round %d", rd.path, self.loop.start_round - 1)
         rd.acquire()
         try:
