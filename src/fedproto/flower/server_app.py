@@ -60,7 +60,8 @@ class FlowerEngine:
         grid: the Flower :class:`~flwr.serverapp.Grid` of the run.
         out: run directory (a path; False: write nothing).
         options: the Flower engine's options (timeouts, minimum replies, retries, ``resume_from``).
-        wait_s, timeout_s: override ``options.wait_nodes`` and ``options.round_timeout``.
+        wait_s: overrides ``options.wait_nodes``.
+        timeout_s: overrides ``options.round_timeout``.
         on_round: optional callback(row) after each round.
     Raises:
         ConfigError: ``resume_from`` names no run folder of this run (see :meth:`run`); see

@@ -81,12 +81,14 @@ class BatchedExecutor(LocalExecutor):
     """Clients of one architecture as one batched computation, optionally on worker processes.
 
     Args:
-        setup, seed: as :class:`~fedproto.engine.executors.local.LocalExecutor`.
+        setup: the run's set-up (as :class:`~fedproto.engine.executors.local.LocalExecutor`).
+        seed: the run's seed.
         mode: ``auto`` (the hand-written batched path where a model has one, the generic path's grouped
             operations for CNNs of standard layers, :mod:`fedproto.grouped`) or ``batched`` (the generic
             path for every other model it can batch too: ``torch.func.vmap``).
         group_size: most clients in one batched computation.
-        workers, threads: worker processes and the run's thread budget (:func:`fedproto.parallel.plan_workers`).
+        workers: worker processes (:func:`fedproto.parallel.plan_workers`; 0: auto).
+        threads: the run's thread budget (0: torch's default).
         rounds: the run's rounds (auto mode starts workers only for long runs).
     """
 
