@@ -222,6 +222,9 @@ def test_its_loss_term_trains_alike_sequential_and_batched_float64(centerproto):
     assert max(float((a - b).abs().max()) for a, b in zip(seq, bat)) < 1e-9
     assert min(float((a - b).abs().max()) for a, b in zip(seq, off)) > 1e-4
     assert [r["loss_ce"] for r in hs] == pytest.approx([r["loss_ce"] for r in hb], rel=1e-9)
+    # the term is reported (metrics.jsonl: loss_terms) from round 2 on, once global prototypes exist
+    assert "loss_terms" not in hs[0] and all(r["loss_terms"] > 0 for r in hs[1:])
+    assert [r["loss_terms"] for r in hs[1:]] == pytest.approx([r["loss_terms"] for r in hb[1:]], rel=1e-9)
 
 
 def test_it_runs_from_the_command_line_by_flag_and_by_toml_key(centerproto, tmp_path, capsys, monkeypatch):

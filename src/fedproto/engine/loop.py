@@ -172,6 +172,8 @@ class RoundLoop:
             "loss_ce": float(np.mean([x.loss_ce for x in seen])) if seen else None,
             "loss_proto": float(np.mean([x.loss_proto for x in seen])) if seen else None,
             "lr": alg.opt.lr_of_round(r),  # the round's learning rate (lr_schedule)
+            **({"loss_terms": float(np.mean([x.loss_terms for x in seen]))}  # an algorithm's own loss terms
+               if any(x.loss_terms for x in seen) else {}),
             "up_params": sum(u[0] for u in up),
             "up_bytes": sum(u[1] for u in up),
             "down_params": sum(d[0] for d in down),

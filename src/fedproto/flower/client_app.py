@@ -212,7 +212,8 @@ def train(msg: Message, context: Context) -> Message:
         rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
-               "emb-norm-max": float(res.emb_norm_max), "num-examples": len(n.data.y)}
+               "emb-norm-max": float(res.emb_norm_max), "loss-terms": float(res.loss_terms),
+               "num-examples": len(n.data.y)}
     metrics = {**deployment_fields(n.cfg.dp, "train", metrics), **node_state.reply_metrics(context)}
     content = {MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}
     return Message(RecordDict(content), reply_to=msg)

@@ -360,7 +360,7 @@ class FlowerExecutor(Executor):
                 self._saw(i, m)
                 if "loss_ce" in m:
                     res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
-                                      float(m.get("emb-norm-max", 0.0)))
+                                      float(m.get("emb-norm-max", 0.0)), float(m.get("loss-terms", 0.0)))
                 else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)
                     res = TrainResult(None, None, None, None, 0)
                 if res.loss_ce is not None and not np.isfinite([res.loss_ce, res.loss_proto]).all():

@@ -320,6 +320,7 @@ def train_group_generic(
     counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
     ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
+    ex_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
@@ -406,6 +407,7 @@ def train_group_generic(
                     with torch.no_grad():
                         ce_tot.index_add_(0, idd, ce.detach().double())
                         lp_tot.index_add_(0, idd, lp.detach().double())
+                        ex_tot.index_add_(0, idd, extra.detach().double())
                         nsteps[idd] += 1
                         norm_max[idd] = torch.maximum(norm_max[idd], embedding_norm_max(h.detach(), -1))
                         if obj.collect and is_last_phase:
@@ -442,7 +444,7 @@ def train_group_generic(
         out.append(TrainResult(
             sums[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
             counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
-            float(ce_tot[g]) / n, float(lp_tot[g]) / n, int(nsteps[g]), float(norm_max[g])))
+            float(ce_tot[g]) / n, float(lp_tot[g]) / n, int(nsteps[g]), float(norm_max[g]), float(ex_tot[g]) / n))
     return out
 
 

@@ -36,7 +36,8 @@ class Plan:
 @dataclass
 class TrainResult:
     """Per client: class sums (C, d) and counts (C,) of last-epoch embeddings (None if not
-    collected), mean losses over steps, the number of optimizer steps taken, and the largest L2
+    collected), mean losses over steps (cross-entropy, the prototype term before λ, and the
+    algorithm's own terms as weighted: ``loss_terms``), the number of optimizer steps taken, and the largest L2
     norm of a training embedding in the round (``inf`` if one was not finite; see
     :data:`EMBED_NORM_LIMIT`). The losses are None where a Flower node under DP sends none
     (:func:`fedproto.privacy.deployment_fields`)."""
@@ -47,6 +48,9 @@ class TrainResult:
     loss_proto: float | None
     steps: int
     emb_norm_max: float = 0.0
+    loss_terms: float = 0.0
+    """The mean over steps of the algorithm's own loss terms (:attr:`Objective.terms`), weighted as
+    they enter the loss; 0 without any (``loss_terms`` in the metrics row)."""
 
 
 def make_plan(

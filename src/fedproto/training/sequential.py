@@ -60,7 +60,7 @@ def _train_client(
     if obj.collect:
         sums = torch.zeros(C, model.embedding_dim, dtype=p0.dtype, device=dev)
         counts = torch.zeros(C, dtype=torch.long, device=dev)
-    ce_total = lp_total = 0.0
+    ce_total = lp_total = ex_total = 0.0
     steps = 0
     norm_max = torch.zeros((), dtype=torch.float64, device=dev)
     named = dict(model.named_parameters())
@@ -119,6 +119,7 @@ def _train_client(
                 optim.step()
             ce_total += float(ce.detach())
             lp_total += float(lp.detach())
+            ex_total += float(extra.detach())
             steps += 1
             norm_max = torch.maximum(norm_max, embedding_norm_max(h.detach(), -1))
             if obj.collect and is_last_phase and bool(last[s]):
@@ -129,7 +130,8 @@ def _train_client(
         gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again
     if sums is not None:
         sums, counts = sums.cpu(), counts.cpu()
-    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max))
+    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max),
+                       ex_total / max(steps, 1))
 
 
 def embedding_norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:

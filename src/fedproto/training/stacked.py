@@ -246,6 +246,7 @@ def train_stacked(
     counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
     ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)  # float64 sums: exact for float32 and float64 runs
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
+    ex_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     for pi, ph in enumerate(obj.phases):
@@ -309,6 +310,7 @@ def train_stacked(
                     torch._foreach_add_(plist, blist, alpha=-opt.round_lr)
                 ce_tot.index_add_(0, cur, ce.detach().double())
                 lp_tot.index_add_(0, cur, lp.detach().double())
+                ex_tot.index_add_(0, cur, extra.detach().double())
                 nsteps[cur] += 1
                 norm_max[cur] = torch.maximum(norm_max[cur], embedding_norm_max(h.detach(), -1, w > 0))
                 if obj.collect and is_last_phase:
@@ -331,6 +333,7 @@ def train_stacked(
                 float(lp_tot[g]) / n,
                 int(nsteps[g]),
                 float(norm_max[g]),
+                float(ex_tot[g]) / n,
             )
         )
     return out
