@@ -95,8 +95,8 @@ class CommonConfig(BaseModel):
     clients: int = Field(20, ge=1, le=1_000_000, description="Number of clients m")
     ways: int = Field(3, ge=1, le=100_000, description="Average classes per client n")
     shots: int = Field(None, ge=1, le=10_000_000, validate_default=False,
-                       description="Average training samples per class k (the shared FEMNIST sample needs "
-                       "about 10)")
+                       description="Average training samples per class k (paper: 100; the shared 5% FEMNIST "
+                       "sample holds too few writers' samples for that: use about 10 there)")
     stdev: int = Field(None, ge=0, le=10_000_000, validate_default=False,
                        description="Spread of n and k across clients (tab. 1)")
     test_shots: int = Field(None, ge=1, le=10_000_000, validate_default=False,

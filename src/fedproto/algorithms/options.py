@@ -108,6 +108,8 @@ class FedProtoOptions(ProtoClientOptions):
         "trimmed (see trim)")
     lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of λ warm-up, linear or "
                                "cosine (lambda_schedule) (0: constant λ)")
+    lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
+        "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
     proto_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="FedProto: server prototype momentum β "
                                   "in [0, 1)")
     proto_normalize: bool = Field(False, description="FedProto: L2-normalize embeddings and prototypes in the "
@@ -128,8 +130,6 @@ class FedProtoOptions(ProtoClientOptions):
         "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
         "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
         "value (0: off; e.g. 3)"))
-    lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
-        "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
     dp: Literal["off", "prototypes", "full"] = Field("off", description=(
         "Differential privacy: prototypes (clipped, noised prototype release; guarantee for a fixed feature "
         "extractor) or full (DP-SGD local training + noised release: sample-level guarantee for all uploads)"))
