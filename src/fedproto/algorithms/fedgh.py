@@ -21,7 +21,13 @@ from __future__ import annotations
 import numpy as np
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
-from fedproto.algorithms.lgfedavg import check_heads, head_message, load_head
+from fedproto.algorithms.lgfedavg import (
+    GLOBAL_HEAD_PROTOCOL,
+    check_heads,
+    global_head_accuracy,
+    head_message,
+    load_head,
+)
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
@@ -115,3 +121,14 @@ class FedGH(Algorithm):
         sums, counts = class_sums(embed_all(state.model, data.x), data.y, self.num_classes)
         classes, protos, cnt = local_prototypes(sums, counts)
         return {"classes": classes, "protos": protos, "counts": cnt}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal) and ``acc_global`` (:data:`~fedproto.algorithms.lgfedavg.GLOBAL_HEAD_PROTOCOL`)."""
+        return {**super().eval_protocols(), "acc_global": GLOBAL_HEAD_PROTOCOL}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """:meth:`Algorithm.evaluate` plus ``acc_global``
+        (:func:`~fedproto.algorithms.lgfedavg.global_head_accuracy`: the trained global head on the
+        client's own body, the paper's inference), in [0, 1]."""
+        return {**super().evaluate(state, message, data), "acc_global": global_head_accuracy(state, message, data)}

@@ -26,7 +26,7 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.errors import ConfigError
 from fedproto.htmath import lg_aggregate
 from fedproto.models.base import ProtoModel
-from fedproto.training import TrainResult
+from fedproto.training import TrainResult, predict
 
 HEAD_PREFIX = "head/"
 COUNT_KEY = "n"
@@ -59,6 +59,36 @@ def load_head(model: ProtoModel, message: Message) -> None:
     """Copy the ``head/`` entries of ``message`` into the model's head (shapes checked by the engine)."""
     for k, p in head_tensors(model).items():
         p.copy_(torch.as_tensor(message[k], dtype=p.dtype, device=p.device))
+
+
+GLOBAL_HEAD_PROTOCOL = (
+    "global: the server's head of the last round (after aggregation, before any local training) on the client's "
+    "own body after its local training of the last round, on the client's own test set")
+"""What ``acc_global`` scores for LG-FedAvg and FedGH (:func:`global_head_accuracy`)."""
+
+
+@torch.no_grad()
+def global_head_accuracy(state: ClientState, message: Message, data: ClientData) -> float:
+    """Accuracy in [0, 1] of the client's model with its head replaced by the server's head of
+    ``message`` (``head/<tensor>`` entries), on the client's own test set, in eval mode; NaN with no
+    test samples or no head in ``message``. The client's head is restored exactly afterwards.
+
+    The body is the client's own (it never leaves the client in LG-FedAvg and FedGH), so this is
+    the only "global" model these methods have: the heterogeneous bodies have no global average.
+    HtFLlib and PFLlib report this number (their clients evaluate after receiving the global head).
+    """
+    n = len(data.test_y)
+    head = head_tensors(state.model)
+    if not n or any(k not in message for k in head):
+        return float("nan")
+    saved = {k: t.detach().clone() for k, t in head.items()}
+    try:
+        load_head(state.model, message)
+        logits, _ = predict(state.model, data.test_x)
+    finally:
+        for k, t in head.items():
+            t.copy_(saved[k])
+    return float((logits.argmax(1) == data.test_y.to(logits.device)).float().mean())
 
 
 def check_heads(joins: dict[int, Message], method: str) -> None:
@@ -122,3 +152,12 @@ class LGFedAvg(Algorithm):
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         """The trained head and the client's sample count."""
         return {**head_message(state.model), COUNT_KEY: np.array([len(data.y)], np.int64)}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal) and ``acc_global`` (:data:`GLOBAL_HEAD_PROTOCOL`)."""
+        return {**super().eval_protocols(), "acc_global": GLOBAL_HEAD_PROTOCOL}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """:meth:`Algorithm.evaluate` plus ``acc_global`` (:func:`global_head_accuracy`), in [0, 1]."""
+        return {**super().evaluate(state, message, data), "acc_global": global_head_accuracy(state, message, data)}
