@@ -193,3 +193,26 @@ def test_fedtgp_resumed_run_equals_the_uninterrupted_one(tmp_path):
     # the generator trained away from its initial state, so a resume that lost it would differ
     init = tgp_init(C, D, seed=cfg.seed)
     assert not np.allclose(a["w1"], init["w1"])
+
+
+def test_fedgh_keeps_the_upload_order_in_the_papers_regime_and_shuffles_as_the_reference_otherwise():
+    """FedGH's server: one pass, one pair per step in upload order (paper) by default; with more
+    epochs or a larger batch it shuffles every epoch (PFLlib/HtFLlib), seeded from seed and round."""
+    from fedproto.htmath import fedgh_train_head
+    from fedproto.training import OptimConfig
+
+    rng = np.random.default_rng(0)
+    msgs = {i: {"classes": np.array([i, i + 1], np.int64), "protos": rng.normal(size=(2, 4)).astype(np.float32),
+                "counts": np.array([3, 4], np.int64)} for i in range(3)}
+    w0, b0 = rng.normal(size=(5, 4)).astype(np.float32), np.zeros(5, np.float32)
+    for epochs, batch, shuffle in ((1, 1, False), (3, 2, True), (1, 2, True)):
+        gh = FedGH(5, OptimConfig(), server_epochs=epochs, server_batch_size=batch, server_lr=0.5, seed=7)
+        gh.head_w, gh.head_b = w0.copy(), b0.copy()
+        got = gh.aggregate(2, msgs)
+        want_w, _, _ = fedgh_train_head([m["classes"] for m in msgs.values()], [m["protos"] for m in msgs.values()],
+                                        w0, b0, epochs, 0.5, batch, shuffle=shuffle, seed=7 * 100_003 + 2)
+        other_w, _, _ = fedgh_train_head([m["classes"] for m in msgs.values()], [m["protos"] for m in msgs.values()],
+                                         w0, b0, epochs, 0.5, batch, shuffle=not shuffle, seed=7 * 100_003 + 2)
+        np.testing.assert_allclose(got["head/weight"], want_w.astype(np.float32), rtol=1e-6)
+        if batch == 1 or epochs > 1:  # one full batch of 6 pairs in one epoch is order-free
+            assert not np.allclose(got["head/weight"], other_w.astype(np.float32), rtol=1e-6), (epochs, batch)

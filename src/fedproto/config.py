@@ -231,7 +231,7 @@ class RunConfig(BaseModel):
     rep_head_epochs: int = Field(9, ge=1, le=100_000, description="FedRep head epochs per round (official code: "
                                  "9 head + 1 body)")
     fesem_clusters: int = Field(3, ge=1, le=1_000_000, description="FeSEM clusters K (arXiv 2005.01026)")
-    # model-heterogeneous methods (issue #24 item 2; drafts)
+    # model-heterogeneous methods (issue #24 item 2)
     server_epochs: Optional[int] = Field(None, ge=0, le=1_000_000, description="FedTGP/FedGH server training "
                                          "passes per round (default: FedTGP 100, FedGH 1 as the FedGH paper)")
     server_lr: Optional[float] = Field(None, gt=0, le=1e6, description="FedTGP/FedGH server SGD step size "

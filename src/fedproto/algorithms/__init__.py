@@ -23,7 +23,7 @@ from fedproto.algorithms.local import Local
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls for cls in (FedProto, Local, FedAvg, FedProx, FedPer, FedRep, FeSEM,
-                              FedTGP, FD, FedGH, LGFedAvg)  # issue #24: drafts of the model-heterogeneous methods
+                              FedTGP, FD, FedGH, LGFedAvg)  # issue #24: the model-heterogeneous methods
 }
 
 

@@ -1,5 +1,4 @@
-"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), draft on today's
-algorithm interface (issue #24 item 2; the client/server split of issue #22 will move it).
+"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), issue #24 item 2.
 
 The global part (here: the model's head g, its final linear layer) is averaged by the server,
 weighted by the clients' numbers of training samples (FedAvg's n_i / n;
@@ -7,9 +6,17 @@ weighted by the clients' numbers of training samples (FedAvg's n_i / n;
 Works with heterogeneous bodies whose embedding size d is equal: every head is a (C, d) linear
 layer. Local training: cross-entropy on the whole model for ``local_epochs`` epochs.
 
-Paper vs. this draft: the paper shares the top layers (for MNIST/CIFAR-10 several fully connected
-layers) and first trains a FedAvg global model before switching to LG; PFLlib's ``serverlg`` shares
-``model.head`` from round 1, as here.
+Where we follow the paper: the global layers averaged with FedAvg's weights, the local
+representation never sent. Where we differ, as the reference implementations (PFLlib ``serverlg``,
+HtFLlib ``serverLG``) do: the paper shares the top layers (for MNIST/CIFAR-10 several fully
+connected layers) and first trains a FedAvg global model before switching to LG; we share the
+model's head (its final linear layer) from round 1, the only part heterogeneous bodies have in
+common.
+
+Evaluation: ``acc``, each client's model after its local training of the last round (body and
+locally trained head); ``acc_global``, the averaged head of the last round on the client's own body
+(the paper's "local test" model: local representation, global layers; the number PFLlib/HtFLlib
+report; :func:`global_head_accuracy`).
 
 Messages: the head's tensors under model-independent names ``head/<tensor>`` (``head/weight``
 (C, d), ``head/bias`` (C,)), so clients of different architectures (their head layers named
