@@ -14,6 +14,13 @@ dataset ("Local" lists 0 rounds, i.e. no communication: it trains for the datase
 rounds of local epochs). ``--rounds`` overrides the rounds of every cell, ``--set key=value``
 any other :class:`RunConfig` field.
 
+The model-heterogeneous grid (``--grid hetero``, issue #24 item 3) is dataset × model set × ways ×
+method × seed over :data:`HETERO_METHODS` (Local, FedProto, FedTGP, FD, FedGH, LG-FedAvg) on the
+heterogeneous model sets of :data:`HETERO_MODELS`, :data:`HETERO_ROUNDS` rounds for every method;
+cells ``OUT/runs/<dataset>-n<ways>-<method>-s<seed>-<models>/``, resumable as the paper grid, and
+its own table (:func:`render_hetero_markdown`: both inference rules, parameters up and down, and
+which method leads beyond the spread over seeds).
+
 A sweep (``--sweep lambda=0,0.5,1,2,4``) varies one field for one dataset and ways value, for each
 method and seed, and writes ``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig. 3: accuracy vs
 shots k for FedProto and FedAvg on MNIST; fig. 4: accuracy and prototype loss vs λ for FedProto
