@@ -1,6 +1,6 @@
 """Sequential against batched training for models without a hand-written batched forward (issue #25
-item 1): the generic path (``torch.func`` ``functional_call`` + ``vmap`` over the clients' stacked
-weights, :func:`fedproto.training.train_group_generic`) in one run, s/round per mode.
+item 1): the generic path (:func:`fedproto.training.train_group_generic`: grouped operations for CNNs of
+standard layers, ``torch.func`` ``functional_call`` + ``vmap`` for the others) in one run, s/round per mode.
 
 Cases:
 
@@ -12,8 +12,10 @@ Cases:
 * ``resnet18``: ResNet18 (BatchNorm) on CIFAR-10, 20 clients, ways 3, ``--resnet-shots`` shots, one
   round (the round is the timed one: no warm-up round).
 
-Each case runs its modes alternating in this process, fresh models each time (same seeds); a mode's
-figure is the median of the rounds' ``train_time_s`` after the first (a warm-up). Needs
+Each case runs its modes one after the other in this process, fresh models each time (same seeds); a mode's
+figure is the median CPU time (``time.process_time``, all the process's threads) of a round's training
+after the first round (a warm-up); the wall-clock ``train_time_s`` is printed beside it, and the load
+average: on a shared machine CPU time is the steadier measure. Needs
 ``FEDPROTO_DATA`` with mnist/ and cifar10/.
 
     python benchmarks/bench_models.py --threads 1
@@ -23,6 +25,7 @@ figure is the median of the rounds' ``train_time_s`` after the first (a warm-up)
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -86,43 +89,72 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per run; the first is a warm-up (not resnet18)")
     ap.add_argument("--cases", default="two-cnn,projcnn,resnet18")
     ap.add_argument("--resnet-shots", type=int, default=25, help="training samples per class of a ResNet18 client")
+    ap.add_argument("--profile", action="store_true", help="also print each mode's top operations (torch profiler, "
+                    "self CPU) in a run of one more round")
     a = ap.parse_args()
     import torch
 
-    import fedproto.simulation as simulation
+    import fedproto.engine.executors.batched as batched
+    from fedproto.engine.executors.local import LocalExecutor
 
     groups: list[int] = []
-    orig = simulation.train_group_generic
+    orig = batched.train_group_generic
 
     def counting(models, *args, **kw):
         groups.append(len(models))
         return orig(models, *args, **kw)
 
-    simulation.train_group_generic = counting
-    print(f"torch {torch.__version__}, {a.threads} thread(s) per run")
+    batched.train_group_generic = counting
+    cpu: list[float] = []  # CPU seconds of each round's training (all the process's threads)
+    for cls in (LocalExecutor, batched.BatchedExecutor):
+        def timed(self, *args, _f=cls.train_clients, **kw):
+            t = time.process_time()
+            out = _f(self, *args, **kw)
+            cpu.append(time.process_time() - t)
+            return out
+        cls.train_clients = timed
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {a.threads} thread(s) per run; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f} (1/5/15 min) on {os.cpu_count()} cores")
     rows = []
     for name in a.cases.split(","):
         title, build, rounds = cases(a.resnet_shots)[name]
         rounds = rounds or a.rounds
-        times = {}
+        times, walls = {}, {}
         for mode in MODES:
             groups.clear()
+            cpu.clear()
             t = time.perf_counter()
             sim = build(mode, rounds, a.threads)
             summary = sim.run()
             wall = time.perf_counter() - t
             per_round = [r["train_time_s"] for r in sim.history]
-            timed = per_round[1:] or per_round
-            times[mode] = statistics.median(timed)
+            timed_cpu = cpu[1:] or cpu
+            times[mode] = statistics.median(timed_cpu)
+            walls[mode] = statistics.median(per_round[1:] or per_round)
             acc = summary["accuracy"]["acc"]["mean"] if summary.get("accuracy") else float("nan")
-            print(f"  {name} {mode}: rounds {[round(x, 2) for x in per_round]} s, wall {wall:.1f} s, "
-                  f"generic groups {sorted(groups)[:8]}{'...' if len(groups) > 8 else ''}, acc {100 * acc:.2f} %",
-                  flush=True)
-        rows.append((title, times["sequential"], times["batched"], len(timed)))
-    print("\n| case | sequential s/round | batched s/round | speed-up | timed rounds |")
-    print("|---|---|---|---|---|")
-    for title, s, b, n in rows:
-        print(f"| {title} | {s:.3f} | {b:.3f} | {s / b:.2f}x | {n} |")
+            print(f"  {name} {mode}: CPU {[round(x, 2) for x in cpu]} s, wall {[round(x, 2) for x in per_round]} s "
+                  f"(all: {wall:.1f} s), generic groups {sorted(groups)[:8]}{'...' if len(groups) > 8 else ''}, "
+                  f"acc {100 * acc:.2f} %", flush=True)
+            if a.profile:
+                profile_round(build(mode, 1, a.threads))
+        load = os.getloadavg()
+        rows.append((title, times["sequential"], times["batched"], walls["sequential"], walls["batched"],
+                     len(timed_cpu), f"{load[0]:.1f}"))
+    print("\n| case | sequential CPU s/round | batched CPU s/round | speed-up | wall s/round (seq / batched) "
+          "| timed rounds | load average |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for title, s, b, ws, wb, n, ld in rows:
+        print(f"| {title} | {s:.3f} | {b:.3f} | {s / b:.2f}x | {ws:.2f} / {wb:.2f} | {n} | {ld} |")
+
+
+def profile_round(sim) -> None:
+    """The top operations (self CPU) of the one-round run ``sim``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        sim.run()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,24 @@
+from __future__ import annotations
+
+import csv
+import functools
 import os
 import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from torch import nn
+
+from fedproto.config import build_config
+from fedproto.data.partition import fewshot_partition
+from fedproto.engine.setup import prepare
+from fedproto.federation import Client
+from fedproto.models.resnet import ResNet18
+from fedproto.simulation import Simulation
 
 DATA = os.environ.get("FEDPROTO_DATA")
 
@@ -70,8 +86,6 @@ def float64_sim(cfg, **kw):
     """
     import torch
 
-    from fedproto.engine.setup import prepare
-    from fedproto.simulation import Simulation
 
     return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), out=False, **kw)
 
@@ -100,7 +114,6 @@ def run_cli(args, capsys, monkeypatch):
 def digits_fewshot(stdev: int, seed: int = 5):
     """scikit-learn's digits with 4 few-shot clients (3 ways, 25 shots, 10 test shots): (dataset, partition)."""
     from fedproto.data.datasets import load_dataset
-    from fedproto.data.partition import fewshot_partition
 
     ds = load_dataset("digits")
     return ds, fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, stdev, 10, seed=seed)
@@ -113,3 +126,164 @@ def client_splits(ds, part):
     for tr, te in zip(part.train_idx, part.test_idx):
         tr, te = torch.as_tensor(tr), torch.as_tensor(te)
         yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])
+
+
+# -- helpers shared by the tests of several modules -----------------------------------------------
+class DigitsTwoOut(nn.Module):
+    """A user's module returning (logits, 64-d embedding) for 8x8 digits."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, d), nn.ReLU())
+        self.out = nn.Linear(d, 10)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.out(h), h
+
+
+def own_digits_clients(n=3, seed=0):
+    """``n`` clients of your own (digits, Dirichlet-like skew by hand), 64-d models."""
+    from fedproto.data.datasets import load_dataset
+
+    ds = load_dataset("digits")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        classes = np.sort(rng.choice(10, size=4, replace=False))
+        tr = np.flatnonzero(np.isin(ds.train_y.numpy(), classes))[i::n][:40]
+        te = np.flatnonzero(np.isin(ds.test_y.numpy(), classes))[:20]
+        torch.manual_seed(i)
+        out.append(Client(DigitsTwoOut(), (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])))
+    return out
+
+
+# a small digits run: the options the tests of several modules start from
+SMALL = {"dataset": "digits", "threads": 1, "eval_every": 0}
+
+
+def csv_rows(path):
+    """The rows of a CSV file (a run's clients.csv) as dicts of strings."""
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def digits_config(**kw):
+    """A RunConfig of 6 digits clients (3 ways, 25 shots), 4 rounds, no evaluation, one thread; ``kw`` overrides."""
+    base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=4, eval_every=0,
+                threads=1)
+    return build_config(overrides={**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one intra-op thread is as fast, and immune to the 10-50x slowdown of
+    oversubscribed OpenMP threads when other processes share the CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def digits_eval_config(**kw):
+    """A RunConfig of 6 digits clients (3 ways, 25 shots), 3 rounds evaluated every round; ``kw`` overrides."""
+    base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=3, eval_every=1)
+    base.update(kw)
+    return build_config(overrides=base)
+
+
+def honest_replies(rng, refs, clients):
+    """Honest replies near the references: per client (classes, protos (K, 2), counts)."""
+    out = []
+    for cls in clients:
+        cls = np.array(cls)
+        out.append((cls, refs[cls] + rng.normal(0, 0.3, (len(cls), 2)), np.full(len(cls), 5)))
+    return out
+
+
+REFS = np.array([[0.0, 4.0], [4.0, 0.0], [0.0, -4.0], [-4.0, 0.0]])  # global prototypes of 4 classes
+
+
+def has_data(*parts: str) -> bool:
+    """Whether FEDPROTO_DATA holds the path ``parts`` (for example ``"cifar10"``)."""
+    return bool(DATA) and Path(DATA, *parts).exists()
+
+
+needs_cifar = pytest.mark.skipif(not has_data("cifar10"), reason="set FEDPROTO_DATA to a folder with cifar10/")
+
+
+def saved_resnet18_weights(tmp_path) -> tuple[Path, dict]:
+    """A perturbed ResNet18 (1000 classes) state dict saved under ``tmp_path``: (its path, the state dict)."""
+    torch.manual_seed(1)
+    sd = ResNet18(num_classes=1000).state_dict()
+    sd = {k: (v + 1.0 if v.is_floating_point() else v + 7) for k, v in sd.items()}  # perturbed
+    path = tmp_path / "resnet18.pth"
+    torch.save(sd, path)
+    return path, sd
+
+
+needs_femnist = pytest.mark.skipif(not has_data("femnist"), reason="set FEDPROTO_DATA to a folder with femnist/")
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path):
+    """``path`` is a PNG file of more than 1 KiB."""
+    data = path.read_bytes()
+    assert data[:8] == PNG, path
+    assert len(data) > 1024, path
+
+
+@pytest.fixture(scope="session")
+def private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Keep every test's cache writes (downloads, extractions) out of the user's home."""
+    from fedproto.data import mnist
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        mp.delenv(mnist.MNIST_MIRRORS_ENV, raising=False)
+        yield
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    """The test HTTP server's handler, without a log line per request."""
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path: Path):
+    """Serve tmp_path/www on 127.0.0.1; yields (folder, base URL)."""
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(QuietHandler, directory=str(www))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield www, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def leftovers(folder: Path, expected: set[str]) -> list[str]:
+    """The names in ``folder`` other than ``expected`` (temporary files a download left behind)."""
+    if not folder.exists():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name not in expected)
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No FEDPROTO_DATA and an empty cache folder: only an explicit root can hold data."""
+    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+# the documentation folder of this checkout
+DOCS = Path(__file__).resolve().parents[1] / "docs"

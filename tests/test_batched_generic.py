@@ -84,10 +84,10 @@ class BNNet(nn.Module):
         return self.fc(self.hidden(self.body(x)))
 
 
-def _federate_both(make_clients, **options):
+def _federate_both(make_clients, modes=("sequential", "batched"), **options):
     """Run the same clients on both paths in float64; the two runs' clients and simulations."""
     out = {}
-    for mode in ("sequential", "batched"):
+    for mode in modes:
         clients = make_clients()
         sim = federate(clients, 10, out=False, eval_every=0, threads=1, execution=mode, **options)
         sim.setup.to_dtype(torch.float64)
@@ -234,11 +234,24 @@ def test_models_vmap_cannot_batch_train_sequentially(digits, generic_calls, capl
     assert not torch.equal(clients[0].model.fc1.weight, w0)
 
 
-def test_auto_keeps_models_without_a_hand_written_batched_forward_sequential(digits, generic_calls):
-    """execution="auto" (the default) does not take the generic path: it was measured slower or no faster."""
+def test_auto_batches_standard_layer_cnns_and_keeps_vmap_models_sequential(digits, generic_calls):
+    """execution="auto" (the default) takes the generic path for CNNs of standard layers (grouped operations,
+    measured faster than the sequential path) and gives the sequential run's weights; models that only vmap can
+    batch (dropout, BatchNorm: measured slower) train one by one."""
+    def tuple_cnns():
+        out = []
+        for i, (train, test) in enumerate(_splits(digits)):
+            torch.manual_seed(i)
+            out.append(Client(TupleCNN(4), train, test))
+        return out
+
+    runs = _federate_both(tuple_cnns, rounds=1, lr=0.05, momentum=0.9, batch_size=16, modes=("sequential", "auto"))
+    assert generic_calls == [4]  # the auto run: one group of the 4 clients
+    _assert_same_weights(runs["sequential"][1], runs["auto"][1])
+    generic_calls.clear()
     clients = []
     for i, (train, test) in enumerate(_splits(digits)):
         torch.manual_seed(i)
-        clients.append(Client(TupleCNN(4), train, test))
+        clients.append(Client(DropNet(), train, test, head="fc"))
     federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, execution="auto").run()
     assert generic_calls == []

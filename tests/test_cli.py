@@ -1,5 +1,7 @@
 """The command line: bad input exits with code 2 and one clear message, no traceback."""
 
+from __future__ import annotations
+
 import gzip
 import json
 import shutil
@@ -382,27 +384,32 @@ def test_progress_off_a_terminal_is_one_line_per_evaluated_round(capsys, monkeyp
     assert code == 0 and not [line for line in text.splitlines() if line.startswith("round ")], text
 
 
-def test_python_runs_log_one_line_per_evaluated_round_at_info(caplog):
-    """A Python run prints nothing while it trains; at INFO logging (``logging.basicConfig(level=
-    logging.INFO)``) each evaluated round is the line the CLI prints off a terminal."""
-    import logging
+@pytest.mark.parametrize("args, named", [
+    (["--dataset", "custom"], "--dataset custom"),  # was: "--dataset custom needs --classes", a hidden flag
+    (["--dataset", "digits", "--classes", "3"], "--classes"),  # was: "applies to --dataset custom only"
+    (["--dataset", "custom", "--classes", "3"], "--dataset custom"),
+])
+def test_cli_refuses_python_only_custom_and_classes_at_once(args, named, capsys, monkeypatch, tmp_path):
+    from conftest import run_cli
 
-    from fedproto.config import build_config
-    from fedproto.simulation import Simulation
-
-    cfg = build_config(overrides=dict(dataset="digits", clients=3, rounds=3, eval_every=2, threads=1))
-    with caplog.at_level(logging.INFO, logger="fedproto"):
-        sim = Simulation(cfg, out=False)
-        sim.run()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
-    assert [line.split(":")[0] for line in lines] == ["round 2/3", "round 3/3"]
-    assert f"classifier {100 * sim.history[1]['acc_mean']:.2f}" in lines[0]
+    code, out = run_cli(["run", *args, "--threads", "1", "--out-dir", str(tmp_path)], capsys, monkeypatch)
+    assert code == 2, out
+    assert f"error: {named} is for your own clients, built from Python with fedproto.federation.federate(" in out
+    assert "needs --classes" not in out and not any(tmp_path.iterdir())
 
 
-def test_progress_line_names_the_global_model_accuracy():
-    """A weight-sharing run's progress line gives the global model's accuracy beside the personal one."""
-    from fedproto.results import round_line
+@pytest.mark.parametrize("toml, named", [
+    ('dataset = "custom"\nclasses = 3\n', 'dataset = "custom" in'),
+    ('[run]\ndataset = "digits"\nclasses = 3\n', "classes in"),
+])
+def test_cli_refuses_python_only_options_from_the_config_file(toml, named, capsys, monkeypatch, tmp_path):
+    """The breaker's note: a TOML file with dataset = "custom" still got "needs --classes"."""
+    from conftest import run_cli
 
-    row = {"round": 3, "loss_ce": 0.5, "loss_proto": 0.0, "acc_mean": 0.9846, "acc_global_mean": 0.9739}
-    assert round_line(row, 150, 1.0) == ("round 3/150: loss ce 0.5000; accuracy % classifier 98.46, global model "
-                                         "97.39; elapsed 1.0 s")
+    f = tmp_path / "run.toml"
+    f.write_text(toml)
+    code, out = run_cli(["run", "--config", str(f), "--threads", "1", "--out-dir", str(tmp_path / "runs")], capsys,
+                        monkeypatch)
+    assert code == 2, out
+    assert f"error: {named} '{f}' is for your own clients, built from Python with fedproto.federation.federate(" in out
+    assert "needs --classes" not in out and not (tmp_path / "runs").exists()

@@ -22,11 +22,24 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+
+
+
+
+
+
+
+from conftest import DOCS
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
 SRC = ROOT / "src" / "fedproto"
+
 
 # import name -> distribution name, where the two differ
 DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yaml": "pyyaml"}
+
 
 # which installs a module belongs to: the base install, or the base install plus an extra
 EXTRA_OF = {"flower": "flower", "tensorboard.py": "tensorboard"}
@@ -113,3 +126,22 @@ def test_tensorboard_is_allowed_in_its_module_only(tmp_path):
     assert len(problems) == 1 and "results.py:1 imports tensorboard" in problems[0], problems
     _, extras = _declared()
     assert extras["tensorboard"] == {"tensorboard"}
+
+
+def test_readme_runs_what_ci_runs():
+    """CI proves the README: .ci/run reads the README's CPU install line and its test command from
+    README.md and runs them in a fresh venv (issue #20: the README's install once failed while CI,
+    installing more, passed). The README names no machine path."""
+    import re
+
+    root = DOCS.parent
+    ci = (root / ".ci" / "run").read_text()
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for line in block.splitlines()]
+    install = [line for line in lines if line.startswith("pip install torch")]
+    tests = [line for line in lines if line.startswith("python -m pytest")]
+    assert len(install) == 1 and install[0].endswith('pip install -e ".[dev]"'), install
+    assert tests == ["python -m pytest -q"]
+    assert "readme_line '^pip install torch'" in ci and "readme_line '^python -m pytest'" in ci
+    assert 'bash -c "$ci_install"' in ci and 'bash -c "$test_cmd"' in ci
+    assert "/work/" not in readme and len(readme.splitlines()) <= 200

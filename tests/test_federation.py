@@ -4,17 +4,20 @@ is refused before training, naming the client."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import numpy as np
 import pytest
 import torch
+from conftest import client_splits, own_digits_clients
 from torch import nn
 
 from fedproto.data.datasets import load_dataset
 from fedproto.data.partition import fewshot_partition
 from fedproto.errors import ConfigError, DataError, ModelError
 from fedproto.federation import Client, federate, with_projection
+from fedproto.models.cnn import PaperCNN
 from fedproto.privacy import epsilon
 
 
@@ -267,3 +270,509 @@ def test_the_docs_script_is_the_example_and_runs(tmp_path):
     assert (tmp_path / "run" / "embeddings.npz").is_file()
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["rounds"] == 6 and config["batch_size"] == 32 and config["momentum"] == 0.9
+
+
+class _Net(nn.Module):
+    def __init__(self, d: int = 8, classes: int = 3):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, d), nn.ReLU())
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.fc(h), h
+
+
+def _data(n: int = 12, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    return torch.randn(n, 4, generator=g) + y[:, None].float(), y
+
+
+@pytest.mark.parametrize("labels, shown", [
+    (torch.full((12,), float("inf")), "label inf (item 0)"),
+    (np.full(12, 1e20), "label 1e+20 (item 0)"),
+    ([2**70] * 12, f"label {2**70} (item 0)"),
+    (np.array([1] * 11 + [2**63], dtype=np.uint64), f"label {2**63} (item 11)"),
+    (torch.tensor([0.0] * 5 + [float("nan")] * 7), "label nan (item 5)"),
+])
+def test_labels_int64_cannot_hold_are_named_not_wrapped(labels, shown):
+    # Before: inf/1e20/2**63 were cast to int64 and reported as "label -9223372036854775808 is outside
+    # 0..2", and Python ints over 2**63 raised a bare OverflowError.
+    x, _ = _data()
+    with pytest.raises(DataError) as e:
+        federate([Client(_Net(), (x, labels), _data(6, 1))], 3, out=False, rounds=1, threads=1)
+    assert shown in str(e.value) and "client 0" in str(e.value)
+    assert "-9223372036854775808" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [3.0, 3.5, "3", True])
+def test_num_classes_must_be_a_whole_number(bad):
+    # Before: 3.0 and '3' raised bare TypeErrors, 3.5 reached the model check as "expected (1, 3.5)",
+    # True became classes=1.
+    from fedproto.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"federate\(num_classes={bad!r}\): give the number of classes"):
+        federate([Client(_Net(), _data(), _data(6, 1))], bad, out=False, rounds=1, threads=1)
+
+
+def test_embedding_dim_bool_refused_numpy_integer_accepted():
+    from fedproto.errors import ModelError
+
+    with pytest.raises(ModelError, match="client 0: embedding_dim=True"):  # was silently a projection to size 1
+        federate([Client(_Net(), _data(), _data(6, 1), embedding_dim=True)], 3, out=False, rounds=1, threads=1)
+    sim = federate([Client(_Net(), _data(), _data(6, 1), embedding_dim=np.int64(4))], 3, out=False, rounds=1,
+                   threads=1)  # was refused as "not a whole number"
+    assert sim.models[0].embedding_dim == 4
+
+
+def test_clients_sharing_a_model_or_layer_are_refused():
+    # Before: both clients trained the one module in place, silently, so they were not two clients.
+    from fedproto.errors import ModelError
+
+    net = _Net()
+    with pytest.raises(ModelError, match=r"clients 0 and 1 share parameters \(e.g. 'body.0.weight'"):
+        federate([Client(net, _data(), _data(6, 1)), Client(net, _data(seed=2), _data(6, 3))], 3, out=False,
+                 rounds=1, threads=1)
+    other = _Net()
+    other.fc = net.fc  # one shared layer is enough
+    with pytest.raises(ModelError, match=r"clients 0 and 2 share parameters \(e.g. 'fc.weight'"):
+        federate([Client(net, _data(), _data(6, 1)), Client(_Net(), _data(seed=2), _data(6, 3)),
+                  Client(other, _data(seed=4), _data(6, 5))], 3, out=False, rounds=1, threads=1)
+
+
+def test_head_given_for_a_model_that_returns_logits_and_embedding():
+    # Before: AttributeError: 'tuple' object has no attribute 'ndim'.
+    from fedproto.errors import ModelError
+
+    with pytest.raises(ModelError, match=r"client 0: the model failed on a training input of shape \(1, 4\) \(its "
+                                         r"forward returned a tuple, not the logits tensor head='fc' needs\); if its "
+                                         r"forward returns \(logits, embedding\) itself, leave out head='fc'"):
+        federate([Client(_Net(), _data(), _data(6, 1), head="fc")], 3, out=False, rounds=1, threads=1)
+
+
+def test_clients_may_be_any_iterable():
+    # Before: a generator raised TypeError: object of type 'generator' has no len().
+    sim = federate((Client(_Net(), _data(seed=i), _data(6, 9 + i)) for i in range(2)), 3, out=False, rounds=1,
+                   threads=1)
+    assert len(sim.models) == 2 and sim.cfg.clients == 2
+
+
+def test_model_raising_an_exception_without_message_is_named():
+    # Before: IndexError from the empty message of a bare `raise RuntimeError`.
+    from fedproto.errors import ModelError
+
+    class Broken(_Net):
+        def forward(self, x):
+            raise RuntimeError
+
+    with pytest.raises(ModelError, match=r"client 0: the model failed on a training input of shape \(1, 4\) "
+                                         r"\(RuntimeError: no message\)"):
+        federate([Client(Broken(), _data(), _data(6, 1))], 3, out=False, rounds=1, threads=1)
+
+
+def test_own_clients_config_records_what_the_run_used(tmp_path):
+    sim = federate(own_digits_clients(), num_classes=10, rounds=1, threads=1, out=tmp_path / "run", batch_size=10000)
+    sim.run()
+    conf = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert conf["embedding_dim"] == 64  # the models' size, not the option's default 50
+    for k in ("ways", "shots", "stdev", "partition", "test_shots", "alpha", "dropout"):
+        assert conf[k] is None, k
+    assert conf["batch_size"] == 10000 and conf["batch_size_in_force"] == 40  # capped to the largest client
+
+    from fedproto.plots import plot_curves
+
+    title = {}
+    import matplotlib.figure
+
+    orig = matplotlib.figure.Figure.suptitle
+    matplotlib.figure.Figure.suptitle = lambda self, t, *a, **kw: title.setdefault("t", t)
+    try:
+        plot_curves(tmp_path / "run")
+    finally:
+        matplotlib.figure.Figure.suptitle = orig
+    assert "ways" not in title["t"] and "64-d embeddings" in title["t"]
+
+
+def _splits(digits):
+    return client_splits(*digits)
+
+
+class BNNet(nn.Module):
+    """A pretrained-style classifier: conv + BatchNorm body, a hidden layer, a final ``fc``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten())
+        self.hidden = nn.Sequential(nn.Linear(6 * 64, 16), nn.ReLU())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.fc(self.hidden(self.body(x)))
+
+
+def _freeze(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Freeze ``module`` (parameters and, through the BatchNorm rule, its statistics); its state."""
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _bn_clients(digits, seed=0):
+    out, bodies = [], []
+    for i, (train, test) in enumerate(_splits(digits)):
+        torch.manual_seed(seed + i)
+        m = BNNet()
+        with torch.no_grad():  # "pretrained" statistics, not the init's zeros and ones
+            m.body[1].running_mean.uniform_(-0.5, 0.5)
+            m.body[1].running_var.uniform_(0.5, 2.0)
+        bodies.append(_freeze(m.body))
+        out.append(Client(m, train, test, head="fc"))
+    return out, bodies
+
+
+def _assert_frozen_kept(clients, bodies, attr="body"):
+    for c, before in zip(clients, bodies):
+        body = getattr(c.model, attr)
+        after = body.state_dict()
+        assert after.keys() == before.keys()
+        for k in before:
+            assert torch.equal(after[k], before[k]), k  # bit for bit: weights and BatchNorm statistics
+        assert not any(p.requires_grad for p in body.parameters())  # the user's flags are unchanged
+        assert all(p.requires_grad for n, p in c.model.named_parameters() if not n.startswith(attr))
+
+
+@pytest.mark.parametrize("options", [{}, {"dp": "full", "dp_noise": 0.5}, {"freeze_after": 1}],
+                         ids=["sequential", "dp-full", "two-stage"])
+def test_frozen_body_and_batchnorm_unchanged_sequential(digits, options):
+    clients, bodies = _bn_clients(digits)
+    fc0 = [c.model.fc.weight.detach().clone() for c in clients]
+    hid0 = [c.model.hidden[0].weight.detach().clone() for c in clients]
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, threads=1, **options)
+    sim.run()
+    _assert_frozen_kept(clients, bodies)
+    assert all(not torch.equal(c.model.fc.weight, w) for c, w in zip(clients, fc0))  # the head trained
+    if "freeze_after" not in options:  # (two-stage: round 2 trains the head alone; round 1 everything)
+        assert all(not torch.equal(c.model.hidden[0].weight, w) for c, w in zip(clients, hid0))
+
+
+def _cnn_clients(digits):
+    out, bodies = [], []
+    for i, (train, test) in enumerate(_splits(digits)):
+        torch.manual_seed(i)
+        m = PaperCNN(1, 10, 8, 16, 8, dropout=0.0, conv1_channels=4)
+        bodies.append({k: v.detach().clone() for k, v in m.named_parameters() if k.startswith(("conv1", "conv2"))})
+        for n, p in m.named_parameters():
+            p.requires_grad_(not n.startswith(("conv1", "conv2")))
+        out.append(Client(m, train, test))
+    return out, bodies
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_frozen_convolutions_unchanged_batched_and_in_workers(digits, workers):
+    clients, bodies = _cnn_clients(digits)
+    fc1 = [c.model.fc1.weight.detach().clone() for c in clients]
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, execution="batched", workers=workers,
+                   threads=workers)  # one thread per process
+    summary = sim.run()
+    assert summary["processes"] == workers
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        for k, v in before.items():
+            assert torch.equal(named[k], v), k
+            assert not named[k].requires_grad
+        assert named["fc1.weight"].requires_grad and named["fc2.bias"].requires_grad
+    assert all(not torch.equal(c.model.fc1.weight, w) for c, w in zip(clients, fc1))
+
+
+def test_clients_with_other_frozen_layers_are_not_batched_together(digits):
+    """A group shares one set of frozen parameters; clients that differ train apart, each kept."""
+    clients, bodies = _cnn_clients(digits)
+    for p in clients[1].model.parameters():  # client 1 trains everything
+        p.requires_grad_(True)
+    before1 = clients[1].model.conv1.weight.detach().clone()
+    federate(clients, 10, rounds=1, lr=0.05, out=False, eval_every=0, execution="batched", threads=1).run()
+    assert torch.equal(clients[0].model.conv1.weight, bodies[0]["conv1.weight"])
+    assert not torch.equal(clients[1].model.conv1.weight, before1)
+
+
+# weight sharing (FedAvg and its family) with frozen bodies: the frozen tensors stay each client's own
+SHARING = {"fedavg": {}, "fedprox": {"prox_mu": 0.1}, "fedper": {"personal_layers": "head"},
+           "fedrep": {"personal_layers": "head", "rep_head_epochs": 1}, "fesem": {"fesem_clusters": 2}}
+
+
+@pytest.mark.parametrize("algorithm", list(SHARING))
+def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm, caplog):
+    """Each client's frozen body (its own values: weights and BatchNorm statistics) is neither sent
+    nor overwritten; the trainable part is averaged (sample-weighted) and loaded on download; the
+    cost counts only what is sent."""
+    clients, bodies = _bn_clients(digits)
+    assert not torch.equal(bodies[0]["0.weight"], bodies[1]["0.weight"])  # the frozen values differ per client
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, threads=1, algorithm=algorithm,
+                   **SHARING[algorithm])
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "share no tensor" not in caplog.text
+    _assert_frozen_kept(clients, bodies)
+    alg, states = sim.setup.algorithm, sim.setup.states
+    personal = algorithm in ("fedper", "fedrep")
+    shared = {n: p for n, p in states[0].model.named_parameters() if "body" not in n and not (personal and "fc" in n)}
+    sent = {k.removeprefix("w/") for k in sim.message if k.startswith("w/")}
+    assert sent == set(shared)  # no body tensor, no BatchNorm statistic (nor the personal head)
+    n_shared = sum(p.numel() for p in shared.values())
+    assert [row["up_params"] for row in sim.history] == [len(clients) * (n_shared + 1)] * 2  # weights + count
+    if algorithm != "fesem":
+        assert [row["down_params"] for row in sim.history] == [len(clients) * n_shared] * 2
+        n = np.array([len(c.train[1]) for c in clients], np.float64)
+        for k in shared:  # the server's message: the sample-weighted average of the last local weights
+            local = np.stack([dict(s.model.named_parameters())[k].detach().numpy() for s in states])
+            assert np.allclose(sim.message["w/" + k], np.tensordot(n / n.sum(), local, 1), atol=1e-6), k
+    before = [{k: v.detach().clone() for k, v in s.model.named_parameters()} for s in states]
+    for s in states:  # the next round's download
+        alg.prepare(s, alg.downlink(sim.message, s.cid))
+    _assert_frozen_kept(clients, bodies)
+    for s, old in zip(states, before):
+        for k, v in s.model.named_parameters():
+            centre = alg.downlink(sim.message, s.cid).get("w/" + k)
+            if k in shared:
+                assert np.array_equal(v.detach().numpy(), centre), k  # the global (FeSEM: its cluster's) value
+            else:
+                assert torch.equal(v, old[k]) and centre is None, k  # frozen or personal: the client's own
+    if algorithm == "fedavg":
+        w = [s.model.net.hidden[0].weight for s in states]
+        assert all(torch.equal(w[0], x) for x in w[1:])  # one global trainable part after the download
+    if algorithm == "fedprox":  # the proximal term covers the trained parameters (frozen ones have no reference)
+        obj = alg.local_objective(states[0], alg.downlink(sim.message, 0))
+        assert obj.prox_mu == 0.1 and set(obj.prox_ref) == set(shared)
+
+
+def test_nothing_left_to_share_is_warned(digits, caplog):
+    """FedPer on the paper CNN keeps every fully connected layer; with its convolutions frozen nothing
+    is shared: said so, and only the sample counts go up."""
+    clients, bodies = _cnn_clients(digits)
+    sim = federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, algorithm="fedper")
+    with caplog.at_level("WARNING"):
+        sim.run()
+    assert "fedper: the clients share no tensor" in caplog.text
+    assert sim.history[0]["up_params"] == len(clients)
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        assert all(torch.equal(named[k], v) for k, v in before.items())
+
+
+def test_fedprox_frozen_convolutions_batched(digits):
+    """The batched path's stacked FedProx references leave out the frozen parameters, which stay."""
+    clients, bodies = _cnn_clients(digits)
+    sim = federate(clients, 10, rounds=2, lr=0.05, out=False, eval_every=0, execution="batched", threads=1,
+                   algorithm="fedprox", prox_mu=0.1)
+    sim.run()
+    for c, before in zip(clients, bodies):
+        named = dict(c.model.named_parameters())
+        assert all(torch.equal(named[k], v) and not named[k].requires_grad for k, v in before.items())
+    assert not any("conv" in k for k in sim.message)
+    assert {k.removeprefix("w/") for k in sim.message} == {n for n in dict(sim.setup.states[0].model.named_parameters())
+                                                           if "conv" not in n}
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fesem"])
+def test_weight_sharing_refuses_clients_that_freeze_other_tensors(digits, algorithm):
+    """A tensor some clients freeze and others share has no one global value: refused at the start,
+    naming the clients on each side and the tensor; the Flower server (messages only) says the same."""
+    from fedproto.algorithms import FedAvg
+    from fedproto.errors import ConfigError
+    from fedproto.training import OptimConfig
+
+    clients, bodies = _bn_clients(digits)
+    for p in clients[2].model.body.parameters():  # client 2 trains its body
+        p.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"clients \[0, 1, 3\] froze '[\w.]*body\.0\.weight'.*clients \[2\] train "
+                                          r"and share it.*freeze the same parameters on every client"):
+        federate(clients, 10, rounds=1, out=False, eval_every=0, threads=1, algorithm=algorithm).run()
+    _assert_frozen_kept(clients[:2], bodies[:2])
+    joins = {0: {"w/a": np.zeros(2, np.float32), "w/b": np.zeros(3, np.float32)}, 1: {"w/a": np.zeros(2, np.float32)}}
+    with pytest.raises(ConfigError, match=r"clients \[1\] do not send 'b' \(frozen.*clients \[0\] train and share"):
+        FedAvg(10, OptimConfig(0.1, 0.0, 0.0, 8, False)).initial_message_from(joins)
+
+
+class SmallCNN(nn.Module):
+    """The guide's kind of user model: a classifier ending in ``fc`` on ``d`` features; clients
+    whose d is not 16 are given ``embedding_dim=16``, so fedproto appends a projection and a new head."""
+
+    def __init__(self, width=8, d=16):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                      nn.Linear(width * 16, d), nn.ReLU())
+        self.fc = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+def _acc(model, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(x)[0].argmax(1) == y).double().mean())
+
+
+def test_trained_models_handle_reproduces_the_reported_accuracies(digits, tmp_path):
+
+    from fedproto.federation import HeadSplitModel, Projected
+    from fedproto.results import load_models
+
+    def clients():
+        out = []
+        for i, (train, test) in enumerate(_splits(digits)):
+            torch.manual_seed(i)
+            out.append(Client(SmallCNN(8, 20) if i % 2 else SmallCNN(12), train, test, head="fc",
+                              embedding_dim=16 if i % 2 else None))
+        return out
+
+    cs = clients()
+    sim = federate(cs, 10, rounds=3, lr=0.05, out=tmp_path / "run", eval_every=0, threads=1, save_models=True)
+    summary = sim.run()
+    models = sim.models
+    assert [type(m) for m in models] == [HeadSplitModel, Projected, HeadSplitModel, Projected]
+    assert models[0].net is cs[0].model and models[1].inner.net is cs[1].model  # the user's objects inside
+    with open(tmp_path / "run" / "clients.csv") as f:
+        reported = [float(r["acc"]) for r in csv.DictReader(f)]
+    tests = [test for _, test in _splits(digits)]
+    accs = [_acc(m, x, y) for m, (x, y) in zip(models, tests)]
+    assert accs == pytest.approx(reported, abs=1e-6)  # the same correct counts (reported in float32)
+    assert float(np.mean(accs)) == pytest.approx(summary["accuracy"]["acc"]["mean"], abs=1e-6)
+    assert min(accs) > 0.6  # 3 classes per client: chance 1/3
+    # a projected client's own object: its body trained, its own fc untouched (not used)
+    own = cs[1].model
+    assert _acc(models[1], *tests[1]) == accs[1]
+    own.eval()
+    with torch.no_grad():
+        own_acc = float((own(tests[1][0]).argmax(1) == tests[1][1]).double().mean())
+    assert own_acc < accs[1]
+    # models.pt: loaded into freshly built clients it gives the same numbers
+    fresh = federate(clients(), 10, out=False, threads=1).models
+    saved = load_models(tmp_path / "run")
+    assert len(saved) == 4
+    for m, sd in zip(fresh, saved):
+        m.load_state_dict(sd)
+    assert [_acc(m, x, y) for m, (x, y) in zip(fresh, tests)] == accs
+
+
+class Relabelled(torch.utils.data.Dataset):
+    """A map-style Dataset with a ``targets`` attribute whose items carry other labels: through
+    ``target_transform`` or through its own ``__getitem__`` (``remap``)."""
+
+    def __init__(self, x, y, target_transform=None, remap=None):
+        self.x, self._y = x, y.tolist()
+        self.targets = list(self._y)  # what torchvision's datasets hold: the labels before any transform
+        self.target_transform, self.remap = target_transform, remap
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        y = self._y[i]
+        if self.remap is not None:
+            y = self.remap[y]
+        return self.x[i], self.target_transform(y) if self.target_transform else y
+
+
+class TorchvisionLike(Relabelled):
+    """Stands for torchvision's MNIST/CIFAR10: ``__getitem__`` of a torchvision.datasets module."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i)
+
+
+TorchvisionLike.__getitem__.__module__ = "torchvision.datasets.mnist"
+
+
+def _relabelled_clients(digits, make):
+    out = []
+    for i, ((x, y), (tx, ty)) in enumerate(_splits(digits)):
+        torch.manual_seed(i)
+        out.append(Client(SmallCNN(), make(x, y), make(tx, ty), head="fc"))
+    return out
+
+
+@pytest.mark.parametrize("how", ["target_transform", "getitem"])
+def test_labels_are_what_the_dataset_yields(digits, how):
+    shift = {c: (c + 3) % 10 for c in range(10)}
+    if how == "target_transform":
+        make = lambda x, y: Relabelled(x, y, target_transform=lambda t: (t + 3) % 10)  # noqa: E731
+    else:
+        make = lambda x, y: Relabelled(x, y, remap=shift)  # noqa: E731
+    clients = _relabelled_clients(digits, make)
+    sim = federate(clients, 10, out=False, threads=1)
+    for i, ((_, y), (_, ty)) in enumerate(_splits(digits)):
+        assert torch.equal(sim.setup.data[i].y.cpu(), (y + 3) % 10)  # training labels
+        assert torch.equal(sim.setup.data[i].test_y.cpu(), (ty + 3) % 10)  # scoring labels
+        assert sorted(sim.setup.states[i].classes.tolist()) == sorted(((y + 3) % 10).unique().tolist())
+
+
+def test_torchvision_targets_fast_path_only_when_the_items_agree(digits):
+    from fedproto.federation import LABEL_CHECKS, dataset_labels
+
+    (x, y), _ = next(_splits(digits))
+    ds = TorchvisionLike(x, y)
+    assert np.array_equal(dataset_labels(ds), y.numpy())
+    assert ds.reads <= LABEL_CHECKS < len(ds)  # targets used, checked on a sample of the items
+    ds = TorchvisionLike(x, y, target_transform=lambda t: (t + 1) % 10)  # a transform: every item is read
+    assert np.array_equal(dataset_labels(ds), ((y + 1) % 10).numpy()) and ds.reads == len(ds)
+    ds = TorchvisionLike(x, y)
+    ds.targets[-1] = (ds.targets[-1] + 1) % 10  # targets that disagree with a sampled item (the last): not used
+    labels = dataset_labels(ds)
+    assert np.array_equal(labels, y.numpy()) and not np.array_equal(labels, ds.targets)
+
+
+class PILImages(torch.utils.data.Dataset):
+    def __init__(self, n):
+        from PIL import Image
+
+        self.items = [(Image.new("L", (8, 8), i), i % 3) for i in range(n)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([(torch.zeros(1, 8, 8), 0)])
+
+
+class StrLabels(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], "cat" if i == 4 else int(self.y[i])
+
+
+def test_errors_users_hit_name_the_value_and_the_fix(digits):
+    from fedproto.errors import DataError, ModelError
+
+    (x, y), test = next(_splits(digits))
+
+    def fails(exc, pattern, **change):
+        c = {"model": SmallCNN(), "train": (x, y), "test": test, "head": "fc", **change}
+        with pytest.raises(exc, match=pattern):
+            federate([Client(**c)], 10, out=False)
+
+    fails(DataError, r"client 0: train: item 0's input is a PIL image \(PIL.Image.Image\), not a tensor; give the "
+                     r"Dataset a tensor transform, e.g. transform=torchvision.transforms.ToTensor\(\)",
+          train=PILImages(12))
+    fails(DataError, r"client 0: cannot read train labels as integers: label 'cat' \(item 4\) is a str, not an "
+                     r"integer class id; map each class to an id 0..C-1", train=StrLabels(x, y))
+    fails(DataError, r"label 'dog' \(item 0\) is a str", test=(test[0], ["dog"] * len(test[0])))
+    fails(DataError, r"label 'b' \(item 0\) is a str", train=(x, np.array(["b"] * len(x))))
+    fails(DataError, r"client 0: train is an IterableDataset \(Stream\).*give a map-style Dataset", train=Stream())
+    with torch.device("meta"):
+        meta = SmallCNN()
+    fails(ModelError, r"client 0: the model's weights are on the meta device.*model.to_empty\(device='cpu'\)",
+          model=meta)

@@ -214,10 +214,20 @@ def test_too_few_nodes_and_wrong_num_partitions_fail_clearly():
         FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3], num_partitions=5), out=False)
 
 
-def test_checkpoints_and_resume_are_refused_under_flower():
-    uc = _user_config(checkpoint_every=1)
-    with pytest.raises(ConfigError, match="checkpoint_every=1: under Flower"):
-        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False)
+def test_resume_needs_the_folder_of_an_interrupted_run(tmp_path):
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    for where, why in ((tmp_path / "none", "is not a folder"), (tmp_path, "is not the config.json of a Flower run")):
+        with pytest.raises(ConfigError, match=why):
+            FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), options=FlowerOptions(resume_from=str(where)))
+    # a finished run (no checkpoint left): refused before any node is asked
+    done = tmp_path / "done"
+    FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=done).run()
+    grid = LocalGrid(uc, [0, 1, 2, 3])
+    with pytest.raises(ConfigError, match="holds no checkpoint.pt: nothing to resume"):
+        FlowerEngine(run_config(uc), grid, options=FlowerOptions(resume_from=str(done)))
+    assert grid.sent == []
 
 
 def _benchmark_run_matches_the_simulation(tmp_path, simulation: bool):
@@ -333,10 +343,10 @@ def test_server_app_logs_a_user_mistake_in_one_line(caplog):
     """Reported: every user mistake under Flower printed a ServerApp traceback."""
     from fedproto.flower import server_app
 
-    uc = _user_config(checkpoint_every=1)
+    uc = {**_user_config(), "resume-from": "/no/such/run"}
     ctx = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=uc)
     server_app.main(LocalGrid(uc, [0, 1, 2, 3]), ctx)  # returns instead of raising
-    assert any("fedproto: checkpoint_every=1: under Flower" in r.getMessage() for r in caplog.records)
+    assert any("fedproto: resume-from='/no/such/run' is not a folder" in r.getMessage() for r in caplog.records)
 
 
 def test_a_fractional_partition_id_is_refused():
@@ -565,16 +575,17 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
         FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
 
 
-def _evaluate_on(context, eng, cid: int, nid: int) -> dict:
+def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -> dict:
     """Send the server's evaluate message of client ``cid`` to the ClientApp with ``context`` (node
-    ``nid``); the reply's metrics."""
+    ``nid``), with the server's run key (or ``run_key``); the reply's metrics."""
     from flwr.app import ConfigRecord
 
     from fedproto.flower.common import CONFIG, MESSAGE, METRICS
 
-    msg = Message(RecordDict({MESSAGE: to_record(eng.setup.algorithm.downlink(eng.message, cid)),
-                              CONFIG: ConfigRecord({"round": eng.round, "cid": cid})}),
-                  dst_node_id=nid, message_type="evaluate", group_id=str(eng.round))
+    r = eng.executor.round
+    msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key})}),
+                  dst_node_id=nid, message_type="evaluate", group_id=str(r))
     msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
     return dict(client_app.app(msg, context).content[METRICS])
 
@@ -604,13 +615,13 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     assert sorted(inst) == [1000, 1001, 1002] and len(set(inst.values())) == 3
     files = {0: list((tmp_path / "s0").glob("*.pt")),
              2: list((tmp_path / "cache" / "fedproto" / "node-state").glob("*.pt"))}
-    assert [f.name.startswith(f"run-1-client-{i}-") for i in files for f in files[i]] == [True, True]
+    assert [f.name.startswith(f"run-{eng.run_key}-client-{i}-") for i in files for f in files[i]] == [True, True]
     assert not any(Path(tmp_path).glob("**/run-1-client-1-*.pt"))  # state-dir="": no file
     before = {nid: {k: v for k, v in rep.content["fedproto.metrics"].items()}
               for nid, rep in zip(range(1000, 1003), grid.replies["evaluate"])}
 
     old = {nid: grid.contexts[nid] for nid in (1000, 1001)}
-    client_app._CACHE.clear()  # a new SuperNode process: the model is built afresh from the seed
+    client_app.forget_clients()  # a new SuperNode process: the model is built afresh from the seed
     for nid in (1000, 1001):
         grid.add_node(nid, ncs[nid - 1000])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
@@ -626,17 +637,17 @@ def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path
     assert client_app.STATE_MODEL not in grid.contexts[1001].state
 
     other_run = Context(run_id=2, node_id=1000, node_config=dict(ncs[0]), state=RecordDict(), run_config=dict(uc))
-    got = _evaluate_on(other_run, eng, 0, 1000)
+    got = _evaluate_on(other_run, eng, 0, 1000, run_key="another-run")
     assert got["instance"] != inst[1000] and got["restored"] == 0
     files[0][0].write_bytes(b"not a state file")  # damaged: ignored with a warning naming it
-    client_app._CACHE.clear()
+    client_app.forget_clients()
     grid.add_node(1000, ncs[0])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
     assert f"ignoring the node state file {files[0][0]}: it cannot be read" in caplog.text
-    key = node_state.state_key(1, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
+    key = node_state.state_key(eng.run_key, 0, run_config(uc), ncs[0])  # its key, but another model's tensors
     node_state.save_state(files[0][0], key, inst[1000], 2, {"fc.weight": torch.zeros(2, 2)}, {})
-    client_app._CACHE.clear()
+    client_app.forget_clients()
     grid.add_node(1000, ncs[0])
     got = _evaluate_on(grid.contexts[1000], eng, 0, 1000)
     assert got["restored"] == 0 and got["instance"] != inst[1000]
@@ -800,9 +811,12 @@ def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and
     assert 1 in rows[-1]["replied"], rows  # back, under the same node id
     after = torch.load(next(state.glob("*.pt")), weights_only=True)
     assert after["instance"] == before["instance"] and after["round"] == rows[-1]["round"]
-    clients = {r["client"]: r for r in csv.DictReader(open(run_dir / "clients.csv"))}
-    assert float(clients["1"]["restored"]) == 1 and float(clients["0"]["restored"]) == 0
-    assert float(clients["1"]["instance"]) == before["instance"]
+    # the server saw it come back with its state: recorded, logged, and scored as the others
+    rejoined = [r["rejoined"] for r in rows if "rejoined" in r]
+    assert rejoined == [{"1": "restarted with its state restored from its state file"}], rows
+    assert "restarted and reloaded its state from its state file" in logs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "left_out" not in summary and "state_lost_round" not in open(run_dir / "clients.csv").readline()
 
 
 def test_flower_options_are_read_and_checked():
@@ -1012,3 +1026,217 @@ def test_min_replies_above_clients_is_refused_up_front():
     with pytest.raises(ConfigError, match=r"min-replies=5 is larger than clients=3.*give min-replies <= clients"):
         FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(min_replies=5), wait_s=0)
     assert grid.sent == []
+
+
+@pytest.mark.parametrize("keep_state", [False, True])
+def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_state, tmp_path, caplog):
+    """Issue #23 (1): a node that restarts before round 4 of 4 (same node id, as under node
+    authentication) is detected from its reply's instance id. Without its state file it trains a
+    fresh model in round 4 only: the metrics row says so (``rejoined``), clients.csv marks it
+    (``state_lost_round``), and the headline accuracy leaves it out (``left_out``; all clients in
+    ``accuracy_all_clients``). With its state file it comes back with its model: recorded as restored,
+    scored as the others."""
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    state = {"state-dir": str(tmp_path / "s1")} if keep_state else {"state-dir": ""}
+    ncs = node_configs(folders, extra={1: state})
+    grid = LocalGrid(uc, node_configs=ncs)
+
+    def restart(grid, kind, group):
+        if kind == "train" and group == "4":
+            client_app.forget_clients()  # a new SuperNode process: nothing of the old one in memory
+            grid.add_node(1001, ncs[1])
+
+    grid.on_send = restart
+    with caplog.at_level("WARNING"):
+        summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("rejoined" not in r for r in rows[:3])
+    clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    if keep_state:
+        assert rows[3]["rejoined"] == {"1": "restarted with its state restored from its state file"}
+        assert "left_out" not in summary and "state_lost_round" not in clients[1]
+        assert "client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
+        return
+    assert rows[3]["rejoined"] == {"1": "restarted without its state: a fresh model"}
+    assert [c["state_lost_round"] for c in clients] == ["", "4", ""]
+    assert summary["left_out"] == {"1": "its node lost its state in round 4; it trained in 1 round(s) from then on, "
+                                        "fewer than 2"}
+    accs = [float(c["acc"]) for c in clients]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean([accs[0], accs[2]]), abs=1e-12)
+    assert summary["accuracy_all_clients"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert "client 1 (node 1001) restarted and lost its state" in caplog.text
+
+
+def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
+    """Issue #23 (3): the SuperLink goes away in round 3 of 4. The server has written a checkpoint
+    after every round and writes failure.json (the round, the error, the resume command). A new
+    SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
+    state files, keyed by the server's run key) continues the run with ``resume-from``: rounds 1-2
+    kept, the numbers of a run that was never interrupted."""
+    from fedproto.flower.common import FlowerOptions
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(rounds=4)
+    want = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False).run()
+    client_app.forget_clients()
+
+    def superlink_dies(grid, kind, group):
+        if kind == "train" and group == "3":
+            raise RuntimeError("StatusCode.UNAVAILABLE: the SuperLink went away")
+
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    grid.on_send = superlink_dies
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="SuperLink went away"):
+        FlowerEngine(run_config(uc), grid, out=run).run()
+    failure = json.loads((run / "failure.json").read_text())
+    assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
+    assert failure["checkpoint"] and f"resume-from='{run}'" in failure["resume"]
+    assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
+    assert not (run / "summary.json").exists()
+
+    client_app.forget_clients()  # new SuperNode processes
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    for nid, c in grid.contexts.items():  # a new SuperLink: a new Flower run id
+        grid.contexts[nid] = Context(run_id=2, node_id=nid, node_config=c.node_config, state=RecordDict(),
+                                     run_config=c.run_config)
+    resumed = {**uc, "resume-from": str(run)}
+    got = FlowerEngine(run_config(resumed), grid, options=FlowerOptions.from_user_config(resumed)).run()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert not (run / "failure.json").exists() and not (run / "checkpoint.pt").exists()
+    assert all(r["rejoined"] == {str(i): "restarted with its state restored from its state file" for i in range(3)}
+               for r in rows[2:3])
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+
+
+def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
+    """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
+    ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
+    that forks per message) give the in-process numbers, as the default path does in the test
+    above; every executor decoded its node's data and warmed up before the first task, ran one
+    forked ClientApp per message (query, 2 x train, evaluate) and is stopped at the end."""
+    from pathlib import Path
+
+    from fedproto.flower.common import FLOWER_KEYS
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    app_cfg = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    folders = write_node_folders(tmp_path / "data")
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "fed", env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for nc in node_configs(folders):
+            fed.start_supernode(nc, executor="fedproto")
+        res = fed.flwr_run(app, {"rounds": 2, "out-dir": str(out), "seed": 7}, timeout=300)
+        procs = list(fed.procs.values())
+        logs = {name: fed.log(name) for name in fed.procs}
+    assert sorted(logs) == ["node0", "node0-executor", "node1", "node1-executor", "node2", "node2-executor",
+                            "superlink"]
+    assert all(p.poll() is not None for p in procs)  # all stopped
+    text = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in text, text[-3000:] + logs["node0-executor"][-3000:]
+    for i in range(3):
+        ex = logs[f"node{i}-executor"]
+        assert "ready in" in ex and "64 samples decoded, warm-up done" in ex, ex[-2000:]  # 4 classes x (12 + 4)
+        assert ex.count("ClientApp in process") == 4, ex[-3000:]  # query, train x 2, evaluate: one fork each
+        assert "exited with" not in ex, ex[-3000:]
+    run = next(out.glob("*/summary.json")).parent
+    got = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replied"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
+    opts = {k.replace("-", "_"): v for k, v in app_cfg.items()
+            if k.replace("-", "_") not in (*FLOWER_KEYS, "dataset", "classes", "clients", "embedding_dim", "out_dir")}
+    want = in_process_reference(folders, **{**opts, "rounds": 2, "seed": 7}).run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+        assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
+
+
+def test_executor_options_are_checked_with_the_fix(tmp_path):
+    from fedproto.flower.local import LocalFederation
+    from fedproto.flower.prefork import parse_node_config, preload, serve
+
+    assert parse_node_config('client-id=0 data="/d" model="cnn"') == {"client-id": 0, "data": "/d", "model": "cnn"}
+    assert parse_node_config(None) == {} == parse_node_config("  ")
+    with pytest.raises(ConfigError, match=r"--node-config 'client-id=0 data=/d' cannot be parsed"):
+        parse_node_config("client-id=0 data=/d")
+    with pytest.raises(ConfigError, match=r"give --insecure .* or --root-certificates CA.pem"):
+        serve("127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"poll_interval=0.0: give seconds between 0.01 and 60"):
+        serve("127.0.0.1:1", insecure=True, poll_interval=0.0)
+    with pytest.raises(ConfigError, match=r"executor='warm': choose None \(Flower's default\), 'fedproto' or 'flower'"):
+        LocalFederation(tmp_path / "fed").start_supernode({"client-id": 0}, executor="warm")
+    # what cannot be preloaded is said, not fatal: the ClientApp then reads the data per message
+    from fedproto.data.folder import keep_decoded
+
+    try:
+        info = preload({"client-id": 0, "data": str(tmp_path / "missing"), "model": "cnn"})
+    finally:
+        keep_decoded(False)  # preload keeps decoded folders for the whole process: not for the tests after this
+    assert info["samples"] is None and info["warm"] is False
+    assert "does not exist" in info["skipped"][0] and "each message decodes it" in info["skipped"][0]
+
+
+class PushPullGrid(LocalGrid):
+    """A grid with push/pull (as a SuperLink's): each reply is ready only at the second pull."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.pulls, self._ready = 0, {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        replies = LocalGrid.send_and_receive(self, messages)
+        for m in messages:
+            self._ready[m.metadata.message_id] = [r for r in replies if r.metadata.reply_to_message_id ==
+                                                  m.metadata.message_id]
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        out = []
+        for i in list(message_ids):
+            if self._ready.get(i) is not None and self.pulls % 2 == 0:
+                out += self._ready.pop(i)
+        return out
+
+    def send_and_receive(self, messages, *, timeout=None):
+        raise AssertionError("the server pushes and pulls itself")
+
+
+def test_the_server_pulls_replies_at_its_own_poll_interval():
+    """Flower's Grid.send_and_receive sleeps 3 s between pulls; the server pushes and pulls itself
+    every ``poll-interval`` seconds, with the numbers of the default exchange."""
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    want = FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False).run()
+    grid = PushPullGrid(uc, [0, 1, 2, 3])
+    t0 = time.perf_counter()
+    got = FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(poll_interval=0.01)).run()
+    assert time.perf_counter() - t0 < 20 and grid.pulls >= 2 * (1 + BASE["rounds"] + 1)
+    assert got["accuracy"] == want["accuracy"]
+    with pytest.raises(ConfigError, match=r"poll-interval=0; give a number of seconds > 0"):
+        FlowerOptions.from_user_config({"poll-interval": 0})
+
+
+def test_a_poll_interval_that_floods_the_superlink_or_outlasts_the_round_is_refused():
+    """poll-interval=1e-6 (a million pulls a second) and 1e9 were accepted; one not below
+    round-timeout made every round last the whole round-timeout."""
+    from fedproto.flower.common import FlowerOptions
+
+    for bad in (1e-6, 0.001, 61, 1e9):
+        with pytest.raises(ConfigError, match=rf"poll-interval={bad!r}; give seconds between 0.01 and 60"):
+            FlowerOptions.from_user_config({"poll-interval": bad})
+    with pytest.raises(ConfigError, match=r"poll-interval=5 is not below round-timeout=2; every round would last"):
+        FlowerOptions.from_user_config({"poll-interval": 5, "round-timeout": 2})
+    with pytest.raises(ConfigError, match=r"poll-interval=0.2 is not below round-timeout=0.1.*longer round-timeout"):
+        FlowerOptions.from_user_config({"round-timeout": 0.1})
+    o = FlowerOptions.from_user_config({"poll-interval": 0.01, "round-timeout": 0.5})
+    assert (o.poll_interval, o.round_timeout) == (0.01, 0.5)
+    assert FlowerOptions.from_user_config({"poll-interval": 60}).poll_interval == 60.0

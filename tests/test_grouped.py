@@ -4,6 +4,8 @@ gradients (float64), it refuses what it cannot run, and the batched engine uses 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import client_splits, digits_fewshot, flat_weights
@@ -98,8 +100,8 @@ def test_batched_engine_runs_standard_layer_models_grouped(monkeypatch):
     """Two projcnn widths on digits, batch 16 (trailing batches), momentum: the batched run calls the
     grouped forward (not vmap) and gives the sequential run's float64 weights."""
     calls = []
-    orig = training.grouped_call
-    monkeypatch.setattr(training, "grouped_call", lambda *a: calls.append(a[2].shape[0]) or orig(*a))
+    orig = training.generic.grouped_forward
+    monkeypatch.setattr(training.generic, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
     digits = digits_fewshot(stdev=1)
     runs = {}
     for mode in ("sequential", "batched"):
@@ -113,5 +115,84 @@ def test_batched_engine_runs_standard_layer_models_grouped(monkeypatch):
         sim.run()
         runs[mode] = sim
     assert calls and max(calls) == 2  # two clients per architecture
+    # one grouped forward per step of the group's longest client: trailing batches are padded with weight-0
+    # samples (as the hand-written batched path does), not run as sub-groups of their own
+    sim = runs["batched"]
+    steps = [math.ceil(len(d.y) / 16) for d in sim.setup.data]
+    assert len(set(len(d.y) % 16 for d in sim.setup.data) - {0}) > 1  # trailing batches of different sizes
+    assert len(calls) == 2 * (max(steps[0::2]) + max(steps[1::2]))  # 2 rounds, 2 architectures
     for i, (p, q) in enumerate(zip(flat_weights(runs["sequential"]), flat_weights(runs["batched"]))):
         assert ((p - q).norm() / p.norm()).item() < 1e-9, i
+
+
+def _order(gm):
+    return [n.target if n.op != "call_module" else type(dict(gm.named_modules())[n.target]).__name__
+            for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+class TwoUsers(nn.Module):
+    """A ReLU read by a max-pool and by the embedding: it cannot move behind the pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pool, self.fc = nn.Conv2d(1, 2, 3, padding=1), nn.MaxPool2d(2), nn.Linear(2 * 16, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.conv(x))
+        return self.fc(self.pool(a).flatten(1)), a.flatten(1)
+
+
+def test_grouped_graph_pools_before_relu_and_drops_dead_layers():
+    """ReLU -> max-pool becomes max-pool -> ReLU (the same numbers on a quarter of the map) where the ReLU feeds
+    only the pool; layers whose output no result reads (a wrapped model's own classifier) are not run."""
+    gm, _ = grouped_graph(ProjectedCNN(1, 10, (4, 6), 12))
+    assert _order(gm)[:6] == ["Conv2d", "MaxPool2d", "ReLU", "Conv2d", "MaxPool2d", "ReLU"]
+    gm, _ = grouped_graph(TwoUsers())
+    assert _order(gm)[:3] == ["Conv2d", torch.relu, "MaxPool2d"]
+    wrapped = with_projection(TupleModel(TupleCNN(3), 24, 10), 5)
+    gm, _ = grouped_graph(wrapped)
+    called = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    assert any(k.endswith("features.0") for k in called) and not any(k.endswith("classifier") for k in called), called
+    # the rewritten graphs still compute each model's forward: TwoUsers, with its shared ReLU, too
+    models = _models(TwoUsers, 2)
+    gm, _ = grouped_graph(models[0])
+    names = [k for k, _ in models[0].named_parameters()]
+    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]) for k in names}
+    X = torch.randn(2, 3, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logits, h = grouped_call(gm, P, X)
+    for g, m in enumerate(models):
+        torch.testing.assert_close((logits[g], h[g]), m(X[g]), rtol=1e-12, atol=1e-12)
+
+
+def test_frozen_first_block_stays_frozen_on_the_grouped_path(monkeypatch):
+    """A projected CNN with a frozen first convolution, FedProx (proximal term on the trained part), momentum,
+    trailing batches: the default (auto) run trains it grouped, keeps the frozen weights bit for bit and gives
+    the sequential run's float64 weights."""
+    calls = []
+    orig = training.generic.grouped_forward
+    monkeypatch.setattr(training.generic, "grouped_forward", lambda *a: calls.append(a[3]) or orig(*a))
+    digits = digits_fewshot(stdev=1)
+    runs, frozen = {}, None
+    for mode in ("sequential", "auto"):
+        clients = []
+        for i, (train, test) in enumerate(client_splits(*digits)):
+            torch.manual_seed(i)
+            m = ProjectedCNN(1, 10, (4, 6), 12)
+            m.features[0].requires_grad_(False)
+            clients.append(Client(m, train, test))
+        frozen = [c.model.features[0].weight.detach().clone() for c in clients]
+        sim = federate(clients, 10, out=False, eval_every=0, threads=1, execution=mode, rounds=2, lr=0.05,
+                       momentum=0.9, batch_size=16, algorithm="fedprox", prox_mu=0.1)
+        sim.setup.to_dtype(torch.float64)
+        sim.run()
+        runs[mode] = sim
+        for c, w in zip(clients, frozen):
+            assert torch.equal(c.model.features[0].weight.float(), w)
+            assert not c.model.features[0].weight.requires_grad
+    assert calls and max(calls) == 4  # one architecture: the 4 clients in one group
+    moved = False
+    for i, (p, q) in enumerate(zip(flat_weights(runs["sequential"]), flat_weights(runs["auto"]))):
+        assert ((p - q).norm() / p.norm()).item() < 1e-9, i
+    for s in runs["auto"].setup.states:
+        moved |= not torch.equal(s.model.proj.weight, runs["auto"].setup.states[0].model.proj.weight)
+    assert moved  # the trained part differs between clients: the bound compares real training

@@ -49,7 +49,7 @@ def test_workers_match_one_process_float64(algorithm, shm_blocks):
     for workers in (1, 2):
         sim = float64_sim(build_config(overrides={**BASE, "algorithm": algorithm, "workers": workers}))
         sim.run()
-        assert sim.executor._pool is None  # closed when the run ended
+        assert sim.executor.pool is None  # closed when the run ended
         weights[workers] = flat_weights(sim)
         accs[workers] = [r["acc"] for r in sim.evaluate()]
     assert weights[2][0].dtype == torch.float64
@@ -153,7 +153,7 @@ def test_worker_killed_names_the_signal():
     for step in ("collect", "submit"):
         models, pool = _tiny_pool()
         try:
-            worker = pool._procs[0]
+            worker = pool.processes[0]
             assert os.getsid(worker.pid) != os.getsid(0)  # Ctrl-C in a terminal does not reach it
             worker.send_signal(signal.SIGKILL)
             worker.wait()
@@ -180,7 +180,7 @@ def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch, shm_blocks
     procs = []
 
     def interrupted(*a, **k):
-        procs.extend(sim.executor._pool._procs)
+        procs.extend(sim.executor.pool.processes)
         procs[0].kill()  # e.g. a signal to the whole process group
         procs[0].wait()
         raise KeyboardInterrupt
@@ -189,5 +189,5 @@ def test_interrupt_in_main_part_is_not_masked_by_workers(monkeypatch, shm_blocks
     with pytest.raises(KeyboardInterrupt):
         sim.run()
     assert len(procs) == 1
-    assert sim.executor._pool is None
+    assert sim.executor.pool is None
     assert shm_blocks and not any(os.path.exists(f"/dev/shm/{n}") for n in shm_blocks)

@@ -1,14 +1,25 @@
+"""TODO"""
+
+from __future__ import annotations
+
+import math
+
 import numpy as np
 import pytest
 import torch
+from conftest import REFS, honest_replies
 
 from fedproto.prototypes import (
     aggregate_prototypes,
+    class_check,
     class_sums,
+    lambda_at,
     local_prototypes,
+    momentum_prototypes,
     nearest_prototype,
     proto_loss,
     prototype_table,
+    robust_z,
 )
 
 
@@ -126,3 +137,78 @@ def test_nearest_prototype_never_leaves_the_allowed_classes():
     h[1, 0] = float("nan")
     assert embedding_health(h)["nonfinite"] == 1.0
     assert embedding_health(torch.ones(2, 3), torch.tensor([[float("inf")]]))["nonfinite"] == 1.0
+
+
+def test_lambda_warmup_values():
+    assert [lambda_at(r, 2.0, 4) for r in (1, 2, 3, 5, 9)] == [0.0, 0.5, 1.0, 2.0, 2.0]
+    assert [lambda_at(r, 2.0, 0) for r in (1, 2, 50)] == [2.0, 2.0, 2.0]
+
+
+def test_momentum_prototypes_values():
+    cls, protos = momentum_prototypes(np.array([0, 1]), np.array([[0.0, 0.0], [2.0, 2.0]]),
+                                      np.array([1, 2]), np.array([[4.0, 4.0], [6.0, 6.0]]), 0.5)
+    assert cls.tolist() == [0, 1, 2]
+    assert protos.tolist() == [[0.0, 0.0], [3.0, 3.0], [6.0, 6.0]]  # kept, 0.5*2+0.5*4, new
+    cls0, p0 = momentum_prototypes(np.array([0]), np.array([[1.0]]), np.array([0]), np.array([[3.0]]), 0.0)
+    assert p0.tolist() == [[3.0]]
+    with pytest.raises(ValueError, match="outside"):
+        momentum_prototypes(np.array([0]), np.array([[1.0]]), np.array([0]), np.array([[3.0]]), 1.0)
+
+
+# -- aggregation rules ---------------------------------------------------------------------------
+def test_trimmed_mean_and_min_contributors_values():
+    vals = [1.0, 2.0, 3.0, 4.0, 100.0]
+    classes = [np.array([0]) for _ in vals] + [np.array([1])]
+    protos = [np.array([[v, -v]]) for v in vals] + [np.array([[7.0, 7.0]])]
+    counts = [np.array([1])] * 6
+    cls, p, n = aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.2)
+    assert cls.tolist() == [0, 1] and n.tolist() == [5, 1]
+    assert p.tolist() == [[3.0, -3.0], [7.0, 7.0]]  # 1 cut from each end (int(0.2 * 5)): mean of 2, 3, 4
+    _, p, _ = aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.1)  # int(0.5) = 0: plain mean
+    assert p[0].tolist() == [22.0, -22.0]
+    cls, p, n = aggregate_prototypes(classes, protos, counts, 3, "median", min_contributors=2)
+    assert cls.tolist() == [0] and p.tolist() == [[3.0, -3.0]] and n.tolist() == [5]  # class 1: one client only
+    with pytest.raises(ValueError, match="trim=0.5"):
+        aggregate_prototypes(classes, protos, counts, 3, "trimmed", trim=0.5)
+
+
+def test_robust_z_values():
+    z = robust_z(np.array([1.0, 2.0, 3.0, 4.0, 100.0, np.nan]))
+    mad = 1.482602218505602  # median |x - 3| = 1, scaled to a normal standard deviation
+    assert z[:5] == pytest.approx([-2 / mad, -1 / mad, 0.0, 1 / mad, 97 / mad])
+    assert math.isnan(z[5])
+    assert robust_z(np.array([1.0, 1.0, 1.0, 5.0])).tolist() == [0.0, 0.0, 0.0, math.inf]
+
+
+def test_lambda_schedules():
+    assert [lambda_at(r, 2.0, 4, "cosine") for r in (1, 3, 5, 9)] == pytest.approx([0.0, 1.0, 2.0, 2.0])
+    assert lambda_at(2, 2.0, 4, "cosine") == pytest.approx(2.0 * (1 - math.cos(math.pi / 4)) / 2)  # 0.2929
+    assert lambda_at(2, 2.0, 4, "linear") == 0.5
+    with pytest.raises(ValueError, match="'step'"):
+        lambda_at(2, 1.0, 4, "step")
+
+
+def test_class_check_flags_flipped_and_scaled_prototypes_not_honest_ones():
+    rng = np.random.default_rng(0)
+    honest = honest_replies(rng, REFS, [[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]])
+    flipped = [(c, p, n) for c, p, n in honest_replies(rng, REFS, [[0, 1], [2, 3]])]
+    flipped = [((c + 1) % 4, p, n) for c, p, n in flipped]  # class c's prototype sent as c + 1
+    scaled = [(c, p * 100, n) for c, p, n in honest_replies(rng, REFS, [[1, 2]])]
+    replies = honest + flipped + scaled
+    flags, acted = class_check([r[0] for r in replies], [r[1] for r in replies], np.arange(4), REFS)
+    assert acted
+    assert [f.tolist() for f in flags] == [[False, False]] * 6 + [[True, True]] * 3
+    # a prototype at its own class's reference but 10x as far out as the others: the distance test alone
+    far = [(np.array([0]), REFS[[0]] * 10, np.array([5]))]
+    flags, _ = class_check([r[0] for r in honest + far], [r[1] for r in honest + far], np.arange(4), REFS)
+    assert [f.any() for f in flags] == [False] * 6 + [True]
+    # no reference yet (first round): the norms alone, so the 100x rows are flagged, the flipped ones cannot be
+    flags, acted = class_check([r[0] for r in replies], [r[1] for r in replies], np.zeros(0, np.int64),
+                               np.zeros((0, 2)))
+    assert not acted and [f.any() for f in flags] == [False] * 8 + [True]
+    # embeddings not aligned with the references (most rows nearer another class): the nearer test waits
+    rotated = [(c, p @ np.array([[0.0, 1.0], [-1.0, 0.0]]), n) for c, p, n in honest]  # 90 degrees: class c -> c+1
+    flags, acted = class_check([r[0] for r in rotated], [r[1] for r in rotated], np.arange(4), REFS, z=1e6)
+    assert not acted and not any(f.any() for f in flags)  # (z 1e6: the distance test off)
+    with pytest.raises(ValueError, match="z=0"):
+        class_check([np.array([0])], [REFS[[0]]], np.arange(4), REFS, z=0)

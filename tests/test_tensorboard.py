@@ -50,3 +50,30 @@ def test_missing_tensorboard_names_the_extra(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r'pip install "fedproto\[tensorboard\]"'):
         TensorBoardObserver(tmp_path)
     assert not (tmp_path / "tensorboard").exists()
+
+
+SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=1, eval_every=0, lr=0.05,
+             threads=1, tensorboard=True)
+
+
+def test_a_run_without_the_extra_stops_before_its_run_folder_exists(tmp_path, monkeypatch):
+    """Left an empty run folder behind (the check ran after the folder was made)."""
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ConfigError, match=r'tensorboard package, which is not installed.*fedproto\[tensorboard\]'):
+        Simulation(build_config(overrides=SMALL), out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_without_a_run_folder_says_nothing_is_written(monkeypatch, caplog):
+    """out=False with tensorboard on ran without a word and wrote no events."""
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not needed when nothing is written
+    with caplog.at_level("WARNING", logger="fedproto.simulation"):
+        summary = Simulation(build_config(overrides=SMALL), out=False).run()
+    assert "tensorboard is on but this run writes no run folder (out=False)" in caplog.text
+    assert summary["rounds"] == 1

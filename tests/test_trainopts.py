@@ -135,13 +135,13 @@ def test_workers_adam_match_one_process_float64(monkeypatch):
 def test_sequential_path_uses_the_round_lr(monkeypatch):
     """Each round's optimizer is built with lr_of_round(round) (sequential engine, FedAvg on 3 digits clients)."""
     seen = []
-    orig = training.make_optimizer
+    orig = training.sequential.make_optimizer
 
     def record(params, opt):
         seen.append((opt.round, opt.round_lr))
         return orig(params, opt)
 
-    monkeypatch.setattr(training, "make_optimizer", record)
+    monkeypatch.setattr(training.sequential, "make_optimizer", record)
     cfg = build_config(overrides=dict(dataset="digits", clients=3, ways=3, shots=10, test_shots=5, rounds=3,
                                       eval_every=0, threads=1, execution="sequential", algorithm="fedavg",
                                       lr=0.04, lr_schedule="step", lr_step_rounds=2, lr_gamma=0.25))
@@ -162,8 +162,10 @@ def test_lr_of_round_values_and_errors():
     assert OptimConfig(lr=0.1, lr_schedule="cosine", rounds=1).lr_of_round(1) == 0.1
     assert OptimConfig(lr=0.3).lr_of_round(50) == 0.3
     assert OptimConfig(lr=0.3).round_lr == 0.3 and cos.at_round(3).round_lr == pytest.approx(0.06)
-    with pytest.raises(ValueError, match="lr_gamma=0.*> 0"):
+    with pytest.raises(ValueError, match=r"lr_gamma=0.0: .*in \(0, 1\]"):
         OptimConfig(lr_schedule="step", lr_gamma=0.0)
+    with pytest.raises(ValueError, match=r"lr_gamma=2.0: .*in \(0, 1\]"):
+        OptimConfig(lr_schedule="step", lr_gamma=2.0)
     with pytest.raises(ValueError, match="optimizer='rmsprop'.*sgd, adam, adamw"):
         OptimConfig(optimizer="rmsprop")
     with pytest.raises(ValueError, match="lr_min=0.5"):
@@ -177,6 +179,10 @@ def test_config_checks_and_run_names():
         build_config(overrides={"lr": 0.1, "lr_schedule": "cosine", "lr_min": 0.5})
     with pytest.raises(ConfigError, match="lr.gamma"):
         build_config(overrides={"lr_schedule": "step", "lr_gamma": 0.0})
+    # a growing "decay" was accepted (up to 1e6): lr 0.05 x 1e6 per round, a non-finite loss in round 2
+    with pytest.raises(ConfigError, match=r"lr_gamma=1000000.0.*less than or equal to 1"):
+        build_config(overrides={"lr_schedule": "step", "lr_step_rounds": 1, "lr_gamma": 1e6})
+    assert build_config(overrides={"lr_schedule": "step", "lr_gamma": 1.0}).lr_gamma == 1.0
     with pytest.raises(ConfigError, match="optimizer"):
         build_config(overrides={"optimizer": "rmsprop"})
     assert build_config().run_name() == "fedproto-mnist-n3-k100-s1234"

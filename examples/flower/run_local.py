@@ -12,6 +12,7 @@ SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), 
     python examples/flower/run_local.py --misbehave 1:nan
     python examples/flower/run_local.py --runtime simulation  # Flower's simulation runtime (Ray)
     python examples/flower/run_local.py --compare             # then the same clients in-process, times side by side
+    python examples/flower/run_local.py --executor fedproto   # --isolation process + one warm executor per node
 
 ``--tls`` makes a CA, a SuperLink certificate and (``--auth``) one registered key pair per
 SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registered and prints
@@ -100,6 +101,10 @@ def main() -> None:
     ap.add_argument("--round-timeout", type=float, default=60.0)
     ap.add_argument("--participation", type=float, default=1.0)
     ap.add_argument("--workdir", default="runs/flower-local")
+    ap.add_argument("--executor", choices=("default", "fedproto", "flower"), default="default",
+                    help="default: a flwr-clientapp process per message; fedproto: --isolation process and "
+                         "python -m fedproto.flower.prefork per node (rounds in seconds); flower: --isolation "
+                         "process and Flower's flower-superexec")
     ap.add_argument("--compare", action="store_true",
                     help="then run the same clients in-process and print per-round times side by side")
     args = ap.parse_args()
@@ -124,7 +129,8 @@ def main() -> None:
             nc = {"client-id": i, "data": str(folder), "model": NODE_MODELS[i % len(NODE_MODELS)]}
             if str(i) in bad:
                 nc["misbehave"] = bad[str(i)]
-            fed.start_supernode(nc, name=f"node{i}", restart=(2.0, 10.0) if args.restart else None)
+            fed.start_supernode(nc, name=f"node{i}", restart=(2.0, 10.0) if args.restart else None,
+                                executor=None if args.executor == "default" else args.executor)
         if args.unregistered:
             key, _ = fed.node_key(register=False)
             intruder = fed.start_supernode({"client-id": args.nodes, "data": str(work / "data" / "node0"),

@@ -3,6 +3,9 @@
 Every :class:`~fedproto.config.RunConfig` field is a flag; ``--config FILE`` reads a TOML file
 first, flags override it. Any :class:`~fedproto.errors.FedprotoError` ends the program with one
 message on stderr and exit code 2, before training when the cause is the configuration or data.
+
+Size: about 470 lines: the commands (run, reproduce, plot, onboard, ...) and their output tables;
+each command is short.
 """
 
 from __future__ import annotations
@@ -426,7 +429,7 @@ def _finish(results, wrote: str) -> None:
         raise typer.Exit(1)
 
 
-def _run_command() -> click.Command:
+def run_command() -> click.Command:
     """``fedproto run`` as a click command whose options are generated from RunConfig's fields
     (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
     from fedproto.options import run_params
@@ -449,7 +452,7 @@ def _run_command() -> click.Command:
 def command() -> click.Group:
     """The whole command line as a click group: the typer app's commands and ``run``."""
     group = typer.main.get_command(app)
-    group.add_command(_run_command(), "run")
+    group.add_command(run_command(), "run")
     group.commands = {"run": group.commands.pop("run"), **group.commands}  # `run` first in --help
     return group
 

@@ -2,6 +2,10 @@
 
 Every value is checked before any training starts; errors are :class:`fedproto.errors.ConfigError`
 naming the field, the bad value and what is allowed.
+
+Size: about 660 lines: the common options' fields with their descriptions (the flags' help and the
+options page are generated from them), their checks, run names and the TOML reader, kept together so
+an option's declaration and its checks sit side by side.
 """
 
 from __future__ import annotations
@@ -36,15 +40,6 @@ RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpo
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
-RESULT_ONLY_FOR = {"personal_layers": ("fedper", "fedrep"), "server_epochs": ("fedtgp", "fedgh"),
-                   "server_lr": ("fedtgp", "fedgh"), "server_batch_size": ("fedtgp", "fedgh"),
-                   "tgp_margin": ("fedtgp",), "fd_lambda": ("fd",), "fd_temperature": ("fd",), **{
-    k: ("fedproto",) for k in ("lambda_warmup", "proto_momentum", "proto_normalize", "min_proto_samples", "trim",
-                               "min_contributors", "exclude_outliers", "lambda_schedule",
-                               "class_check")}}
-"""Fields that change the numbers of these algorithms only."""
-
-
 ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum": 0.0, "proto_normalize": False,
                "min_proto_samples": 1, "participation": 1.0, "alpha": 0.5, "min_client_samples": 10, "classes": None,
                "device": "cpu",
@@ -61,20 +56,18 @@ never shared training samples; DP noise was drawn from the run's seed)."""
 
 
 def result_fields(cfg: dict) -> dict[str, Any]:
-    """The fields of a config dict that can change a run's numbers: all RunConfig fields but
-    :data:`RESULT_NEUTRAL`, fields of :data:`RESULT_ONLY_FOR` for other algorithms, and
-    ``personal_layers`` for ResNet18 (whose only fully connected layer is its head, so both
-    values are one split) and ``dp_reproducible_noise`` without DP. Used to decide whether a
-    checkpoint may be resumed and whether a reproduce cell is already done."""
-    from fedproto.plugins import owners
+    """The fields of a config dict that can change a run's numbers: all run options but
+    :data:`RESULT_NEUTRAL` and the options of other algorithms than the run's
+    (:func:`fedproto.algorithms.options.owners`), and ``personal_layers`` for ResNet18 (whose only
+    fully connected layer is its head, so both values are one split) and ``dp_reproducible_noise``
+    without DP. Used to decide whether a checkpoint may be resumed and whether a reproduce cell is
+    already done."""
+    from fedproto.algorithms.options import owners
 
-    algorithm = cfg.get("algorithm")
+    algorithm = cfg.get("algorithm", CommonConfig.model_fields["algorithm"].default)
     fields = config_model().model_fields
-    def acts(k: str) -> bool:  # the option changes this algorithm's numbers
-        users = RESULT_ONLY_FOR.get(k) or (owners(k) if k not in RunConfig.model_fields else (algorithm,))
-        return algorithm in users
-
-    out = {k: v for k, v in cfg.items() if k in fields and k not in RESULT_NEUTRAL and acts(k)}
+    out = {k: v for k, v in cfg.items() if k in fields and k not in RESULT_NEUTRAL
+           and (k in CommonConfig.model_fields or algorithm in owners(k))}
     if all((z := zoo_name(m)) is not None and z.family == "resnet18" for m in str(cfg.get("model", "")).split(",")):
         out.pop("personal_layers", None)
     if out.get("dp", "off") == "off":
@@ -82,8 +75,10 @@ def result_fields(cfg: dict) -> dict[str, Any]:
     return out
 
 
-class RunConfig(BaseModel):
-    """One run. Defaults are the paper's MNIST setting (§Experiments, app. A)."""
+class CommonConfig(BaseModel):
+    """The options every run has, whatever its algorithm (data, partition, model, training, engine,
+    output); :class:`RunConfig` adds every method's own options (:mod:`fedproto.algorithms.options`).
+    Defaults are the paper's MNIST setting (§Experiments, app. A)."""
 
     # strict: TOML `clients = true` or `lr = "0.1"` is an error, not 1 or 0.1; frozen: a config is
     # checked once as a whole (derive a new one with build_config(overrides={**cfg.model_dump(), ...}))
@@ -126,8 +121,8 @@ class RunConfig(BaseModel):
                        + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
                                       "into all but conv1, bn1 and fc")
-    embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of cnn and "
-                               "projcnn models")
+    embedding_dim: int = Field(50, ge=1, le=65_536, description="Embedding (prototype) size d of the zoo models "
+                               "that take one (cnn, projcnn; resnet18's is 512)")
     dropout: float = Field(0.5, ge=0.0, lt=1.0, description="Dropout p of the CNN")
     # training
     rounds: int = Field(None, ge=1, le=10_000_000, validate_default=False,
@@ -150,7 +145,8 @@ class RunConfig(BaseModel):
         "round 1 to lr_min at the last round)"))
     lr_step_rounds: int = Field(30, ge=1, le=10_000_000, description=(
         "lr_schedule step: rounds between two lr decays (round r trains at lr x lr_gamma^((r-1) // lr_step_rounds))"))
-    lr_gamma: float = Field(0.1, gt=0.0, le=1e6, description="lr_schedule step: factor of each lr decay")
+    lr_gamma: float = Field(0.1, gt=0.0, le=1.0, description="lr_schedule step: factor of each lr decay (at most 1; "
+                            "above 1 the lr would grow without bound)")
     lr_min: float = Field(0.0, ge=0.0, le=100.0, description="lr_schedule cosine: lr of the last round (at most lr)")
     shared_init: bool = Field(False, description=(
         "Clients of one architecture start from identical initial weights (those client 0 would get; for your own "
@@ -158,92 +154,17 @@ class RunConfig(BaseModel):
         "the official code"))
     drop_last: bool = Field(False, json_schema_extra={"off_flag": "--keep-last"},
                             description="Skip the last partial batch of every epoch (official code)")
-    # FedProto
-    lambda_proto: Optional[float] = Field(None, ge=0.0, le=1e6, json_schema_extra={"aliases": ["lambda"]},
-                                          description="λ, the weight of the prototype loss (app. A)")
-    distance: Literal["mse", "squared_l2", "l2"] = Field(
-        "mse", description="Prototype distance: mse (official code), squared_l2 (app. B) or l2 (main text). lambda "
-                           "depends on it: mse = squared_l2 / d (d: embedding size), so lambda L under mse gives the "
-                           "same loss as L / d under squared_l2; l2 (not squared, one term per class) has "
-                           "no fixed conversion. The paper's lambda values (app. A) are tied to mse")
-    proto_source: Literal["last_epoch", "after_training"] = Field(
-        "last_epoch", description="Local prototypes from the last epoch's batches (official code) or from a "
-        "pass after training (eq. 3)")
-    aggregation: Literal["mean", "weighted", "median", "trimmed"] = Field(
-        "mean", description="Global prototypes: mean (official code), weighted (eq. 6, convex), median or "
-        "trimmed (see trim)")
-    proto_classes: Literal["own", "all"] = Field("own", description="Nearest-prototype inference among the "
-                                                 "client's own classes or all classes")
-    # FedProto practitioner options (practitioner's guide §4.3; not in the paper; off by default)
-    lambda_warmup: int = Field(0, ge=0, le=10_000_000, description="FedProto: rounds of λ warm-up, linear or "
-                               "cosine (lambda_schedule) (0: constant λ)")
-    proto_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="FedProto: server prototype momentum β "
-                                  "in [0, 1)")
-    proto_normalize: bool = Field(False, description="FedProto: L2-normalize embeddings and prototypes in the "
-                                  "loss and at inference")
-    min_proto_samples: int = Field(1, ge=1, le=10_000_000, description="FedProto: the server ignores local "
-                                   "prototypes from fewer samples")
-    proto_dist_alert: float = Field(3.0, ge=0.0, le=1e6, description="FedProto: warn when a client's prototype "
-                                    "distance exceeds this times the median (0: off)")
-    # robust aggregation, schedules and stages (issue #14; practitioner's guide §4.2-4.3; off by default)
-    trim: float = Field(0.2, ge=0.0, lt=0.5, description=(
-        "FedProto, aggregation 'trimmed': fraction of a class's contributors cut from each end, per coordinate"))
-    min_contributors: int = Field(1, ge=1, le=1_000_000, description=(
-        "FedProto: a class gets (or changes) its global prototype only in rounds where at least this many "
-        "clients send it"))
-    exclude_outliers: float = Field(0.0, ge=0.0, le=1e6, description=(
-        "FedProto: leave out of a round's aggregation the clients whose prototype distance has a robust "
-        "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
-    class_check: float = Field(0.0, ge=0.0, le=1e6, description=(
-        "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
-        "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
-        "value (0: off; e.g. 3)"))
-    lambda_schedule: Literal["linear", "cosine"] = Field("linear", description=(
-        "FedProto: shape of the lambda warm-up over --lambda-warmup rounds"))
+    # stages and evaluation (practitioner's guide §4.3; off by default)
     freeze_after: int = Field(0, ge=0, le=10_000_000, description=(
         "Two-stage training: after this round only the head trains, the feature extractor is frozen (0: off)"))
     eval_full_test: bool = Field(False, description=(
         "Also evaluate each client's model, and the ensemble of all client models, on the full test split "
         "(all classes) after the last round"))
-    # differential privacy of what leaves a client (fedproto.privacy)
-    dp: Literal["off", "prototypes", "full"] = Field("off", description=(
-        "Differential privacy: prototypes (clipped, noised prototype release; guarantee for a fixed feature "
-        "extractor) or full (DP-SGD local training + noised release: sample-level guarantee for all uploads)"))
-    dp_noise: float = Field(1.0, ge=0.0, le=1e6, description="DP noise multiplier sigma (noise std / sensitivity)")
-    dp_clip: float = Field(5.0, gt=0.0, le=1e9, description=(
-        "DP: L2 bound C on each sample's embedding in the prototype release (near the typical embedding norm)"))
-    dp_grad_clip: float = Field(1.0, gt=0.0, le=1e9, description="DP-SGD (dp=full): per-sample gradient L2 bound")
-    dp_delta: float = Field(1e-5, gt=0.0, le=0.1, description=(
-        "DP: the delta at which epsilon is reported (at most 0.1; usually below 1 / a client's samples)"))
-    dp_reproducible_noise: bool = Field(False, description=(
-        "DP: draw the noise (and DP-SGD's sampling) from the run's seed, for bit-for-bit reproducible DP runs in "
-        "the simulator; VOIDS the guarantee against anyone who knows the seed, e.g. a server (refused under Flower)"))
     # misbehaving clients, for experiments (fedproto.attacks)
     attack: Literal["none", "scale", "random", "nan", "flip"] = Field("none", description=(
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
     attackers: int = Field(0, ge=0, le=1_000_000, description="Number of misbehaving clients (drawn from the seed)")
     attack_scale: float = Field(100.0, ge=-1e12, le=1e12, description="Factor of attack 'scale'")
-    # baselines (tab. 1)
-    prox_mu: float = Field(0.01, ge=0, le=1e6, description="FedProx proximal weight mu (arXiv 1812.06127)")
-    personal_layers: Literal["fc", "head"] = Field(
-        "fc", description="FedPer/FedRep layers kept on the client: fc (every fully connected layer, tab. 1's "
-        "Params) or head (the last layer only)")
-    rep_head_epochs: int = Field(9, ge=1, le=100_000, description="FedRep head epochs per round (official code: "
-                                 "9 head + 1 body)")
-    fesem_clusters: int = Field(3, ge=1, le=1_000_000, description="FeSEM clusters K (arXiv 2005.01026)")
-    # model-heterogeneous methods (issue #24 item 2)
-    server_epochs: Optional[int] = Field(None, ge=0, le=1_000_000, description="FedTGP/FedGH server training "
-                                         "passes per round (default: FedTGP 100, FedGH 1 as the FedGH paper)")
-    server_lr: Optional[float] = Field(None, gt=0, le=1e6, description="FedTGP/FedGH server SGD step size "
-                                       "(default: FedTGP 0.1, FedGH 0.01)")
-    server_batch_size: Optional[int] = Field(None, ge=1, le=1_000_000, description="FedTGP/FedGH prototypes per "
-                                             "server SGD step (default: FedTGP 10, FedGH 1 as the FedGH paper)")
-    tgp_margin: float = Field(100.0, gt=0, le=1e12, description="FedTGP margin threshold tau: the adaptive margin "
-                              "is min(largest nearest-class gap, tau) (arXiv 2401.03230)")
-    fd_lambda: float = Field(1.0, ge=0, le=1e6, description="FD weight of the logit distillation term "
-                             "(arXiv 1811.11479; PFLlib 1)")
-    fd_temperature: float = Field(1.0, gt=0, le=1e6, description="FD distillation temperature T (the paper and "
-                                  "PFLlib: 1)")
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "
@@ -293,7 +214,7 @@ class RunConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check(self) -> RunConfig:
+    def _check(self) -> CommonConfig:
         # ConfigError is a ValueError: pydantic keeps it (ctx["error"]) and _config_error passes it on whole
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
@@ -350,10 +271,6 @@ class RunConfig(BaseModel):
                               "number of clients", option="participation", value=self.participation,
                               hint=f"give a fraction in (0, 1] or a whole number of clients per round, at most "
                               f"{opt('clients', self.clients)}")
-        if 0 < self.proto_dist_alert < 1:
-            raise ConfigError(f"{opt('proto_dist_alert', self.proto_dist_alert)} would flag clients below the "
-                              "median", option="proto_dist_alert", value=self.proto_dist_alert,
-                              hint="use 0 (no warning) or a factor >= 1 (e.g. 3)")
         if self.attackers > self.clients:
             raise ConfigError(f"{opt('attackers', self.attackers)} is more than {opt('clients', self.clients)}",
                               option="attackers", value=self.attackers, hint=f"use at most {self.clients}")
@@ -365,30 +282,18 @@ class RunConfig(BaseModel):
             raise ConfigError(f"{opt('attackers', self.attackers)} makes every client misbehave, leaving no honest "
                               "client to measure", option="attackers", value=self.attackers,
                               hint=f"use at most {self.clients - 1}")
-        if self.attackers and self.algorithm == "local":
+        from fedproto.algorithms.options import options_of
+
+        sends = options_of(self.algorithm)
+        if self.attackers and sends.sends == "nothing":
             raise ConfigError(f"{opt('attack', self.attack)} alters what a client sends, and "
-                              f"{opt('algorithm', 'local')} sends nothing", option="attack", value=self.attack,
+                              f"{opt('algorithm', self.algorithm)} sends nothing", option="attack", value=self.attack,
                               hint=f"use another algorithm or {opt('attack', 'none')}")
-        if self.attack == "flip" and self.algorithm != "fedproto":
+        if self.attack == "flip" and not getattr(sends, "class_ids", False):
             raise ConfigError(f"{opt('attack', 'flip')} attaches prototypes to other classes; "
                               f"{opt('algorithm', self.algorithm)} sends weights without class ids, so it would "
                               "change nothing", option="attack", value=self.attack,
                               hint="use attack scale, random or nan")
-        if self.dp != "off":
-            if self.algorithm != "fedproto":
-                raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "
-                                  f"{opt('algorithm', self.algorithm)} sends model weights, which it does not cover",
-                                  option="dp", value=self.dp,
-                                  hint=f"use {opt('algorithm', 'fedproto')} or {opt('dp', 'off')}")
-            if self.dp == "full" and self.execution == "batched":
-                raise ConfigError(f"{opt('dp', 'full')} trains with DP-SGD on the sequential path", option="execution",
-                                  value=self.execution,
-                                  hint=f"use {opt('execution', 'auto')} or {opt('execution', 'sequential')}")
-            if self.dp == "full" and self.distance == "l2":
-                raise ConfigError(f"{opt('dp', 'full')} needs a loss that is a mean of per-sample terms; "
-                                  f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
-                                  value=self.distance,
-                                  hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
         if self.workers > 1 and self.threads and self.workers > self.threads:
             raise ConfigError(f"{opt('workers', self.workers)} needs a thread per process, and "
                               f"{opt('threads', self.threads)} is the run's budget in all", option="workers",
@@ -396,16 +301,11 @@ class RunConfig(BaseModel):
                               f"{opt('threads')} to {self.workers} or more")
         if self.workers > 1:
             where = ("sequential execution" if self.execution == "sequential"
-                     else f"{opt('dp', 'full')} (DP-SGD trains one client at a time)" if self.dp == "full"
                      else f"device {self.device}" if self.device not in ("cpu", "auto") else None)
             if where:
                 raise ConfigError(f"{opt('workers', self.workers)}: worker processes train batched client groups on "
                                   f"the CPU, and this run has {where}", option="workers", value=self.workers,
                                   hint=f"use {opt('workers', 1)} (or 0 for auto)")
-        if self.freeze_after and self.algorithm == "fedrep":
-            raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
-                              "the body each round", option="freeze_after", value=self.freeze_after,
-                              hint=f"use {opt('freeze_after', 0)} with fedrep")
         if self.overlap and (self.partition != "fewshot" or self.dataset == "custom"):
             raise ConfigError(f"{opt('overlap', True)} shares training samples between the clients of "
                               f"{opt('partition', 'fewshot')}; " + (
@@ -452,35 +352,23 @@ class RunConfig(BaseModel):
                 "fewshot": dirichlet}[self.partition]
 
     def _inactive_fields(self) -> set[str]:
-        """Fields whose value this run's other options leave without effect (``trim`` without
-        ``aggregation trimmed``, the DP options with ``dp off``, ``prox_mu`` outside FedProx...)."""
-        off = set()
-        if self.aggregation != "trimmed":
-            off.add("trim")
-        if self.dp == "off":
-            off |= {"dp_noise", "dp_clip", "dp_grad_clip", "dp_delta"}
-        elif self.dp != "full":
-            off.add("dp_grad_clip")
+        """Fields whose value this run's other options leave without effect: the options of other
+        algorithms, those its own algorithm's options switch off (``Options.inactive``: ``trim``
+        without ``aggregation trimmed``, the DP options with ``dp off``...), ``attack_scale`` without
+        the ``scale`` attack, the schedule's and the optimizer's that do not apply."""
+        from fedproto.algorithms.options import options_of
+
+        mine = options_of(self.algorithm)
+        off = {k for k in type(self).model_fields if k not in CommonConfig.model_fields and k not in mine.model_fields}
+        off |= mine.inactive(self) if hasattr(mine, "inactive") else set()
         if self.attack != "scale":
             off.add("attack_scale")
-        if not self.lambda_warmup:
-            off.add("lambda_schedule")
         if self.lr_schedule != "step":
             off |= {"lr_step_rounds", "lr_gamma"}
         if self.lr_schedule != "cosine":
             off.add("lr_min")
         if self.optimizer != "sgd":
             off.add("momentum")
-        for k, alg in (("prox_mu", "fedprox"), ("rep_head_epochs", "fedrep"), ("fesem_clusters", "fesem"),
-                       ("tgp_margin", "fedtgp"), ("fd_lambda", "fd"), ("fd_temperature", "fd")):
-            if self.algorithm != alg:
-                off.add(k)
-        if self.algorithm not in ("fedtgp", "fedgh"):
-            off |= {"server_epochs", "server_lr", "server_batch_size"}
-        if self.algorithm != "fedproto":
-            off |= {"aggregation", "trim"}
-        if self.algorithm not in ("fedproto", "fedtgp"):  # FedTGP's client is FedProto's
-            off |= {"lambda_proto", "distance", "proto_source", "proto_classes"}
         return off
 
     def name_options(self) -> dict[str, Any]:
@@ -545,6 +433,30 @@ class RunConfig(BaseModel):
         return name
 
 
+def _compose(name: str, bases: tuple[type, ...]) -> type:
+    """A pydantic model of the given bases (their fields and validators), as :data:`RunConfig` is."""
+    from pydantic import create_model
+
+    return create_model(name, __base__=bases, __module__=__name__)
+
+
+def _builtin_options() -> tuple[type, ...]:
+    from fedproto.algorithms.options import BUILTIN_OPTIONS
+
+    seen: list[type] = []
+    for o in BUILTIN_OPTIONS.values():  # one base per options class (several methods share one)
+        if o not in seen and not any(issubclass(s_, o) for s_ in seen):
+            seen = [s_ for s_ in seen if not issubclass(o, s_)] + [o]
+    return tuple(seen)
+
+
+RunConfig = _compose("RunConfig", (*_builtin_options(), CommonConfig))
+RunConfig.__doc__ = """One run: the common options (:class:`CommonConfig`) and every method's own
+(:mod:`fedproto.algorithms.options`), validated together. Build it with :func:`build_config`
+(defaults < TOML file < overrides); :func:`config_model` adds the options of algorithm plug-ins.
+Defaults are the paper's MNIST setting (§Experiments, app. A)."""
+
+
 NAME_ABBREV = {"clients": "m", "rounds": "r", "lambda_proto": "lambda", "local_epochs": "E", "batch_size": "B",
                "participation": "frac"}
 """Short spellings of options in default run names (:meth:`RunConfig.run_name`); others keep their field name."""
@@ -574,17 +486,19 @@ def config_model() -> type[RunConfig]:
     Raises:
         ConfigError: a plug-in's option has the name of another option (names both).
     """
-    from fedproto.plugins import plugin_options, version
+    from fedproto.plugins import own_fields, plugin_options, version
 
     plugins = plugin_options()
     key = version()
     if key not in _MODELS:
+        # a plug-in that subclasses a library method shares its options (already RunConfig's)
+        plugins = [(n, o) for n, o in plugins if not issubclass(RunConfig, o)]
         if not plugins:
             _MODELS[key] = RunConfig
         else:
             seen = {k: "fedproto" for k in RunConfig.model_fields}
             for name, opts in plugins:
-                for k in opts.model_fields:
+                for k in sorted(own_fields(opts)):
                     if k in seen:
                         other = "is a fedproto option" if seen[k] == "fedproto" else f"algorithm {seen[k]!r} declares"
                         raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {other}; rename it "
@@ -592,8 +506,11 @@ def config_model() -> type[RunConfig]:
                     seen[k] = name
             from pydantic import create_model
 
-            _MODELS[key] = create_model("RunConfig", __base__=(RunConfig, *(o for _, o in plugins)),
-                                        __module__=__name__)
+            bases = [RunConfig]
+            for _, o in plugins:  # once each (plug-ins may share an options class)
+                if not any(issubclass(b, o) for b in bases):
+                    bases.append(o)
+            _MODELS[key] = create_model("RunConfig", __base__=tuple(bases), __module__=__name__)
     return _MODELS[key]
 
 

@@ -15,6 +15,9 @@ Data are tensors or arrays held in memory (the fast path), or a map-style
 transforms (for data that does not fit in memory). Everything is checked before round 1, and
 each error names the client. The engine, evaluation, metrics, run directory and checkpoints are
 those of :class:`fedproto.simulation.Simulation`.
+
+Size: about 550 lines: the adapters that make a user's module a ProtoModel (tuple, head split,
+projection) and the data adapters, each short; one module is the one place a user reads.
 """
 
 from __future__ import annotations
@@ -493,7 +496,12 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             raise ConfigError(f"federate(num_classes={num_classes}, dataset={dataset!r}): {dataset} has "
                               f"{info.classes} classes; give num_classes={info.classes} or leave it out")
         num_classes = info.classes
-        options = {"rounds": info.rounds, "lambda_proto": info.lambda_proto, **options}
+        from fedproto.algorithms.options import owners
+
+        defaults = {"rounds": info.rounds}
+        if options.get("algorithm", "fedproto") in owners("lambda_proto"):  # λ only where the algorithm has one
+            defaults["lambda_proto"] = info.lambda_proto
+        options = {**defaults, **options}
     if num_classes is None:
         raise ConfigError("federate() needs num_classes (your labels lie in 0..num_classes-1), or dataset='<name>' "
                           "of the dataset your data come from")

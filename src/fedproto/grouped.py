@@ -13,7 +13,9 @@ hand-written :meth:`fedproto.models.cnn.PaperCNN.grouped_forward` does):
 * flattening to 2-d gives (G, B, F); ``Linear`` -> ``baddbmm`` with the stacked weights.
 
 The model's forward is traced once with ``torch.fx`` (:func:`grouped_graph`); a model whose graph
-holds anything outside the few supported operations (:data:`SUPPORTED`) is left to ``vmap``.
+holds anything outside the few supported operations (:data:`SUPPORTED`) is left to ``vmap``. The
+traced graph drops layers no result reads and pools before ReLU where a ReLU feeds a max-pool
+(the same numbers on a quarter of the map).
 """
 
 from __future__ import annotations
@@ -87,29 +89,60 @@ def grouped_graph(model: nn.Module) -> tuple[fx.GraphModule | None, str | None]:
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         return None, "the traced forward does not return a (logits, embedding) pair"
+    gm.graph.eliminate_dead_code()  # e.g. a wrapped model's own classifier that a projection replaces
+    _pool_before_relu(gm)
     return gm, None
 
 
-def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor], x: torch.Tensor):
-    """Run the traced forward of :func:`grouped_graph` for G clients at once.
+def _pool_before_relu(gm: fx.GraphModule) -> None:
+    """Rewrite ``relu -> max-pool`` as ``max-pool -> relu`` in place where the ReLU feeds only the pool.
+
+    Both give the same numbers: ReLU is monotone, so the largest of a window after ReLU is the
+    ReLU of its largest (max-pooling pads with -inf), and the gradient reaches the same input (the
+    window's first largest) or is zero in both orders. Pooling first runs the ReLU and its backward
+    on a map a quarter the size (2x2 pooling); that is how the paper CNN's hand-written
+    :meth:`~fedproto.models.cnn.PaperCNN.grouped_forward` orders them.
+    """
+    mods = dict(gm.named_modules())
+
+    def is_relu(n: fx.Node) -> bool:
+        return ((n.op == "call_module" and type(mods[n.target]) is nn.ReLU)
+                or (n.op == "call_function" and n.target in (F.relu, torch.relu)) or
+                (n.op == "call_method" and n.target == "relu"))
+
+    for pool in list(gm.graph.nodes):
+        if not (pool.op == "call_module" and type(mods[pool.target]) in (nn.MaxPool2d, nn.AdaptiveMaxPool2d)):
+            continue
+        relu = pool.args[0]
+        if not (isinstance(relu, fx.Node) and is_relu(relu) and len(relu.users) == 1):
+            continue
+        src = relu.args[0]
+        pool.replace_all_uses_with(relu)  # the pool's users now read the ReLU ...
+        relu.replace_input_with(src, pool)  # ... which reads the pool ...
+        pool.replace_input_with(relu, src)  # ... which reads the ReLU's input
+        pool.append(relu)  # keep the graph in topological order
+    gm.graph.lint()
+    gm.recompile()
+
+
+def grouped_forward(gm: fx.GraphModule, params: dict[str, torch.Tensor], xg: torch.Tensor, G: int):
+    """The traced forward of :func:`grouped_graph` for G clients whose inputs are already in the grouped layout.
 
     Args:
         gm: the traced model (its modules give the configuration; their weights are not used).
         params: parameter name -> stacked parameter (G, *shape), as ``named_parameters`` names them.
-        x: (G, B, C, H, W) or (G, B, F) inputs, client g's samples at ``x[g]``.
+        xg: (B, G*C, H, W) channels-last images (client g's channels at g*C .. g*C + C - 1), or
+            (G, B, F) feature vectors.
+        G: the number of clients.
     Returns:
         ``(logits (G, B, C), h (G, B, d))``: client g's forward with its own parameters ``params[k][g]``.
     Raises:
         ValueError: an activation of another rank than 2 or 4 reaches an operation, or a 4-d one an
             operation for 2-d ones (``Linear``).
     """
-    G, B = x.shape[:2]
+    B = xg.shape[0] if xg.dim() == 4 else xg.shape[1]
     mods = dict(gm.named_modules())
     env: dict[fx.Node, torch.Tensor] = {}
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # (G, B, C, H, W) -> (B, G*C, H, W) channels-last
-        return t.transpose(0, 1).reshape(B, G * t.shape[2], *t.shape[3:]).contiguous(
-            memory_format=torch.channels_last)
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # grouped 4-d or (G, B, F) -> (G, B, F)
         if t.dim() == 3:
@@ -119,7 +152,7 @@ def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor], x: torch.T
     first = next(iter(gm.graph.nodes))
     for node in gm.graph.nodes:
         if node.op == "placeholder":  # x, then noise (traced as None)
-            env[node] = (grouped(x) if x.dim() == 5 else x if x.dim() == 3 else None) if node is first else None
+            env[node] = (xg if xg.dim() in (3, 4) else None) if node is first else None
             continue
         if _is_noise_check(node):
             continue
@@ -154,4 +187,31 @@ def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor], x: torch.T
     raise AssertionError("graph without output")  # pragma: no cover
 
 
-__all__ = ["SUPPORTED", "grouped_call", "grouped_graph"]
+def grouped_input(x: torch.Tensor) -> torch.Tensor:
+    """(G, B, C, H, W) -> the grouped (B, G*C, H, W) channels-last layout of :func:`grouped_forward`;
+    (G, B, F) is returned as it is."""
+    if x.dim() != 5:
+        return x
+    G, B = x.shape[:2]
+    return x.transpose(0, 1).reshape(B, G * x.shape[2], *x.shape[3:]).contiguous(memory_format=torch.channels_last)
+
+
+def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor], x: torch.Tensor):
+    """Run the traced forward of :func:`grouped_graph` for G clients at once.
+
+    Args:
+        gm: the traced model (its modules give the configuration; their weights are not used).
+        params: parameter name -> stacked parameter (G, *shape), as ``named_parameters`` names them.
+        x: (G, B, C, H, W) or (G, B, F) inputs, client g's samples at ``x[g]``.
+    Returns:
+        ``(logits (G, B, C), h (G, B, d))``: client g's forward with its own parameters ``params[k][g]``.
+    Raises:
+        ValueError: inputs of another rank, an activation of another rank than 2 or 4 reaching an
+            operation, or a 4-d one an operation for 2-d ones (``Linear``).
+    """
+    if x.dim() not in (3, 5):
+        raise ValueError(f"grouped forward: inputs of shape {tuple(x.shape)}; expected (G, B, C, H, W) or (G, B, F)")
+    return grouped_forward(gm, params, grouped_input(x), x.shape[0])
+
+
+__all__ = ["SUPPORTED", "grouped_call", "grouped_forward", "grouped_graph", "grouped_input"]

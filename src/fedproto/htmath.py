@@ -19,6 +19,9 @@ know them; where they differ from the paper the docstring says so):
   Header", ACM MM 2023, arXiv 2303.13137.
 * LG-FedAvg: Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov, Morency, "Think Locally,
   Act Globally: Federated Learning with Local and Global Representations", arXiv 2001.01523.
+
+Size: about 570 lines of pure functions, the math of four methods, most of it docstrings stating
+where the paper and the reference implementations differ.
 """
 
 from __future__ import annotations

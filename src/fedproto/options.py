@@ -238,7 +238,8 @@ def run_params() -> list[click.Option]:
 # how each front end names an option (errors carry references, see fedproto.errors.opt)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from",
+               "poll_interval")
 """Keys of a Flower run config that are no RunConfig option (:class:`fedproto.flower.common.FlowerOptions`;
 kept equal to ``fedproto.flower.common.FLOWER_KEYS`` by a test)."""
 

@@ -21,6 +21,9 @@ Workers are separate interpreters started with ``python -m fedproto.parallel`` (
 ``if __name__ == "__main__"`` guard) and connected over an authenticated local socket
 (:mod:`multiprocessing.connection`). A worker that dies or raises stops the run with its
 traceback. The pool is closed, and its shared memory freed, when the run ends.
+
+Size: about 480 lines: the worker pool and the worker's side of its protocol, which must change
+together.
 """
 
 from __future__ import annotations
@@ -275,6 +278,11 @@ class WorkerPool:
             X[at : at + sizes[k]] = x.detach().cpu()
             at += sizes[k]
         return spec, X
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The worker processes (one per worker, in worker order; empty once closed)."""
+        return list(self._procs)
 
     @property
     def n_workers(self) -> int:

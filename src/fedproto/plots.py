@@ -2,6 +2,9 @@
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch) and
 written as PNG with :func:`fedproto.results.atomic_write_bytes`.
+
+Size: about 430 lines: the figures of the paper (curves, t-SNE, sweeps), each a short function on
+one canvas helper.
 """
 
 from __future__ import annotations
@@ -40,7 +43,16 @@ def _figure(width: float, height: float, ncols: int = 1):
     return fig, axes
 
 
-def _save(fig, path: str | Path) -> Path:
+def save_figure(fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG (120 dpi) to ``path`` atomically (a reader never sees half a file);
+    every figure of this module is saved through it.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     path = Path(path)
@@ -159,7 +171,7 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
         ax.set_xlim(lo - pad, hi + pad)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(title)
-    return _save(fig, path if path is not None else run_dir / "curves.png")
+    return save_figure(fig, path if path is not None else run_dir / "curves.png")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -311,7 +323,7 @@ def plot_tsne_arrays(
                   + ("\nstar: global prototype of the class" if P else ""))
     ax.set_title(title or f"t-SNE of test embeddings: {len(h)} samples, {len(clients)} clients"
                  + (f", {P} global prototypes" if P else ""))
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_tsne(sim, path: str | Path, max_per_client: int | None = 200, **kw: Any) -> Path:
@@ -422,4 +434,4 @@ def plot_sweep(
                   fontsize=9, frameon=False)
     if title:
         ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)

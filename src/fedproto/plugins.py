@@ -14,12 +14,14 @@ options (:func:`fedproto.config.config_model`); ``algorithm = "myproto"`` select
 works at run time with :func:`register` (e.g. in a notebook or a test).
 
 Plug-ins are loaded once, the first time an algorithm or the option set is looked up; a plug-in
-that fails to load is logged and skipped, so it cannot break the built-in methods.
+that fails to load, or whose name or ``Options`` :func:`register` refuses, is logged and skipped,
+so it cannot break the built-in methods.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -42,6 +44,9 @@ _loaded = False
 _version = 0
 """Bumped on every registration that adds options (the option set is rebuilt then)."""
 
+CLI_NAMES = ("config", "resume", "quiet", "help")
+"""Parameters of ``fedproto run`` that are no run option (no plug-in option may take their names)."""
+
 PLUGINS: dict[str, Any] = {}
 """Algorithm classes registered from outside the library, by name (:func:`register`)."""
 
@@ -59,8 +64,12 @@ def register(cls: Any) -> None:
     the first, e.g. a notebook cell run again).
 
     Raises:
-        ConfigError: ``cls`` has no ``name``, the name is one of the library's methods, or its
-            ``Options`` is not a pydantic model.
+        ConfigError: ``cls`` has no ``name``, the name is one of the library's methods or not
+            lowercase letters, digits, ``-`` and ``_``, or its
+            ``Options`` is not an :class:`AlgorithmOptions` subclass, changes its ``model_config``,
+            has a field without a default or a field another option (or its alias, its off switch, a
+            Flower run-config key, a flag of ``fedproto run``) already has (fields inherited
+            from a library method's options, e.g. by subclassing ``FedProto``, are shared, not a clash).
     """
     from fedproto.errors import ConfigError
 
@@ -70,11 +79,72 @@ def register(cls: Any) -> None:
         raise ConfigError(f"{cls!r} has no name: give the algorithm class a name = \"...\" attribute")
     if name in BUILTIN:
         raise ConfigError(f"algorithm name {name!r} is one of fedproto's own methods; give yours another name")
+    if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
+        raise ConfigError(f"algorithm name {name!r} must be lowercase letters, digits, '-' and '_', starting with a "
+                          "letter (it is typed after --algorithm and starts run folder names), e.g. "
+                          f"{re.sub(r'[^a-z0-9_-]+', '_', name.lower()).strip('_') or 'myalgo'!r}")
     options = getattr(cls, "Options", None)
-    if options is not None and not (isinstance(options, type) and issubclass(options, BaseModel)):
-        raise ConfigError(f"{name}.Options must be a fedproto.plugins.AlgorithmOptions subclass")
+    if options is not None:
+        _check_options(name, options)
     PLUGINS[name] = cls
     _version += 1
+
+
+def own_fields(options: type[BaseModel]) -> set[str]:
+    """The fields of a plug-in's ``options`` that are its own: all but those it inherits from the
+    library's option classes (:mod:`fedproto.algorithms.options`; a subclass of ``FedProto``
+    inherits ``FedProtoOptions``), which the run options already have."""
+    shared: set[str] = set()
+    for base in options.__mro__:
+        if isinstance(base, type) and issubclass(base, BaseModel) and base.__module__ == "fedproto.algorithms.options":
+            shared |= set(base.model_fields)
+    return set(options.model_fields) - shared
+
+
+def _check_options(name: str, options: Any) -> None:
+    """Refuse ``options`` that would break every run once they join the run options (a plug-in
+    loaded from an entry point is then skipped with a warning instead)."""
+    from fedproto.errors import ConfigError
+
+    if not (isinstance(options, type) and issubclass(options, AlgorithmOptions)):
+        raise ConfigError(f"{name}.Options is {options!r}: it must be a fedproto.plugins.AlgorithmOptions subclass "
+                          "(class Options(AlgorithmOptions): ...)")
+    for key, want in AlgorithmOptions.model_config.items():
+        if options.model_config.get(key) != want:
+            raise ConfigError(f"{name}.Options sets model_config {key}={options.model_config.get(key)!r}; the run "
+                              f"options need {key}={want!r} (remove it from the Options' model_config)")
+    mine = own_fields(options)
+    for k, field in options.model_fields.items():
+        if k in mine and field.is_required():
+            raise ConfigError(f"option {k!r} of algorithm {name!r} has no default; give it one "
+                              f"({k}: ... = Field(<default>, description=...)): every run has all options")
+    from fedproto.config import RunConfig
+    from fedproto.options import FLOWER_KEYS, aliases
+
+    taken = {a: f"is another spelling of fedproto's option {f!r}" for f in RunConfig.model_fields for a in aliases(f)}
+    taken.update({f"no_{f}": f"is the off switch of fedproto's option {f!r} (--no-{f.replace('_', '-')})"
+                  for f, info in RunConfig.model_fields.items() if info.annotation is bool})
+    taken.update({k: "is a key of the Flower run config (FlowerOptions)" for k in FLOWER_KEYS})
+    taken.update({k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES})
+    for k in sorted(mine):
+        if k in RunConfig.model_fields:
+            raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which is a fedproto option; rename it "
+                              "(e.g. with the algorithm's name as prefix)")
+        if k in taken:
+            raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {taken[k]}; rename it (e.g. with "
+                              "the algorithm's name as prefix)")
+        for other, ocls in PLUGINS.items():
+            oopts = getattr(ocls, "Options", None)
+            if other != name and oopts is not None and k in own_fields(oopts):
+                raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which algorithm {other!r} declares; "
+                                  "rename it (e.g. with the algorithm's name as prefix)")
+
+
+def unregister(name: str) -> None:
+    """Remove the plug-in registered as ``name`` (and its options); nothing if there is none."""
+    global _version
+    if PLUGINS.pop(name, None) is not None:
+        _version += 1
 
 
 def load_plugins() -> None:
@@ -103,8 +173,3 @@ def plugin_options() -> list[tuple[str, type[BaseModel]]]:
     """(name, ``Options``) of the plug-ins that have options, in registration order."""
     load_plugins()
     return [(n, cls.Options) for n, cls in PLUGINS.items() if getattr(cls, "Options", None) is not None]
-
-
-def owners(field: str) -> tuple[str, ...]:
-    """The plug-ins whose ``Options`` declare ``field``."""
-    return tuple(n for n, o in plugin_options() if field in o.model_fields)

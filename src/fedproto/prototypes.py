@@ -4,6 +4,9 @@ nearest-prototype inference (eq. 4). Pure tensor/array functions, no state.
 Conventions: ``d`` is the embedding size, ``C`` the number of classes of the dataset, a
 prototype table is ``(C, d)`` float with a boolean ``(C,)`` mask of which rows exist. Absent
 classes are never filled with zeros and averaged in: they are masked out everywhere.
+
+Size: about 420 lines of pure functions, the FedProto math (DESIGN.md: prototypes.py as pure
+functions), most of it docstrings with the equations.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ A sweep (``--sweep lambda=0,0.5,1,2,4``) varies one field for one dataset and wa
 method and seed, and writes ``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig. 3: accuracy vs
 shots k for FedProto and FedAvg on MNIST; fig. 4: accuracy and prototype loss vs λ for FedProto
 on FEMNIST, n=3).
+
+Size: about 780 lines: the paper's grids (tab. 1-3, fig. 3-4), cells that resume and the tables they
+write; declarations mostly.
 """
 
 from __future__ import annotations
@@ -367,8 +370,13 @@ def _sweep_ref(param: str, value: Any) -> str:
     return f"--sweep {param}={value if isinstance(value, str) else toml_value(value)}"
 
 
-def _comparable(cfg: dict) -> dict:
-    """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump)."""
+def comparable(cfg: dict) -> dict:
+    """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump).
+
+    Two configs with equal ``comparable`` dicts give the same numbers: a reproduce cell whose stored
+    run compares equal is skipped. Fields added since a run was stored (``config.ADDED_FIELDS``)
+    take the value that run had.
+    """
     return result_fields({**ADDED_FIELDS, **_clean(cfg)})
 
 
@@ -385,7 +393,7 @@ def finished(cell: Cell) -> dict | None:
         return None
     if not (isinstance(stored, dict) and _valid_summary(summary)):
         return None
-    return summary if _comparable(stored) == _comparable(cell.cfg.model_dump()) else None
+    return summary if comparable(stored) == comparable(cell.cfg.model_dump()) else None
 
 
 def _valid_summary(summary: Any) -> bool:

@@ -84,7 +84,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 """The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt")
+                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json")
 """Files a run writes. A new run in the same folder never mixes its files with an older run's (no
 summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
 one finishes, an unfinished one is removed."""

@@ -60,17 +60,28 @@ class Simulation:
         out: run directory path (None: ``cfg.out_dir / cfg.run_name()``; False: write nothing).
         on_round: optional callback(row) after each round (used for the progress bar).
         progress: show download progress while building the set-up.
+        executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.base.Executor`
+            over this set-up; default :func:`make_executor` of ``cfg.execution``).
     Raises:
-        ConfigError: ``cfg`` is not a RunConfig, or ``out`` is neither a path, None nor False.
+        ConfigError: ``cfg`` is not a RunConfig, ``out`` is neither a path, None nor False, or
+            ``cfg.tensorboard`` is on for a run folder without the ``tensorboard`` package (before
+            the run folder is made; with ``out=False`` it is only a warning: nothing is written).
     """
 
     def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
-                 on_round: Callable[[dict], None] | None = None, progress: bool = False):
+                 on_round: Callable[[dict], None] | None = None, progress: bool = False,
+                 executor: Executor | None = None):
         if not isinstance(cfg, RunConfig):
             raise ConfigError(f"Simulation needs a RunConfig (from fedproto.build_config), not a {type(cfg).__name__}")
         if out is True or not (out is None or out is False or isinstance(out, (str, Path, RunDir))) or out == "":
             raise ConfigError(f"out={out!r}: give a run directory path, None (out_dir/name) or False (write nothing)")
         self.cfg = cfg
+        if cfg.tensorboard and out is False:
+            log.warning("tensorboard is on but this run writes no run folder (out=False): no TensorBoard events")
+        elif cfg.tensorboard:  # a missing extra is an error before the set-up and the run folder exist
+            from fedproto.tensorboard import require_tensorboard
+
+            require_tensorboard()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.setup = setup or prepare(cfg, progress=progress)
@@ -81,7 +92,7 @@ class Simulation:
             self.run_dir = out
         else:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
-        self.executor = make_executor(cfg, self.setup)
+        self.executor = executor if executor is not None else make_executor(cfg, self.setup)
         self.attack = SimulatedAttack(cfg, len(self.setup.states))
         self.health = Health(cfg, self.attack.attackers, self.setup.data)
         self.loop = RoundLoop(cfg, self.setup.algorithm, self.executor, self.setup.embedding_dim,

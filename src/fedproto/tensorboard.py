@@ -37,6 +37,15 @@ def _summary_writer():
     return SummaryWriter
 
 
+def require_tensorboard() -> None:
+    """Check that TensorBoard logging can work, before a run starts.
+
+    Raises:
+        ConfigError: the ``tensorboard`` package is not installed (names the extra to install).
+    """
+    _summary_writer()
+
+
 class TensorBoardObserver(Observer):
     """Writes the per-round metrics rows of a run as TensorBoard scalars.
 

@@ -8,26 +8,31 @@ the engine finds any of them.
 
 from __future__ import annotations
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, message_size
-from fedproto.algorithms.fd import FD
-from fedproto.algorithms.fedavg import FedAvg
-from fedproto.algorithms.fedgh import FedGH
-from fedproto.algorithms.fedper import FedPer
-from fedproto.algorithms.fedproto import FedProto
-from fedproto.algorithms.fedprox import FedProx
-from fedproto.algorithms.fedrep import FedRep
-from fedproto.algorithms.fedtgp import FedTGP
-from fedproto.algorithms.fesem import FeSEM
-from fedproto.algorithms.lgfedavg import LGFedAvg
-from fedproto.algorithms.local import Local
+import importlib
+from typing import Any
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (FedProto, Local, FedAvg, FedProx, FedPer, FedRep, FeSEM,
-                              FedTGP, FD, FedGH, LGFedAvg)  # issue #24: the model-heterogeneous methods
+_CLASSES = {  # name -> (module, class); imported on first use: this package's import stays torch-free
+    "FedProto": "fedproto", "Local": "local", "FedAvg": "fedavg", "FedProx": "fedprox", "FedPer": "fedper",
+    "FedRep": "fedrep", "FeSEM": "fesem", "FedTGP": "fedtgp", "FD": "fd", "FedGH": "fedgh", "LGFedAvg": "lgfedavg",
 }
+_BASE = ("Algorithm", "ClientData", "ClientState", "Message", "message_size")
 
 
-def get_algorithm(name: str) -> type[Algorithm]:
+def __getattr__(name: str) -> Any:
+    """The method classes, the base names and ``ALGORITHMS``, imported when first asked for (the
+    options of :mod:`fedproto.algorithms.options` are read by ``fedproto run --help`` without torch)."""
+    if name in _CLASSES:
+        return getattr(importlib.import_module(f"fedproto.algorithms.{_CLASSES[name]}"), name)
+    if name in _BASE:
+        return getattr(importlib.import_module("fedproto.algorithms.base"), name)
+    if name == "ALGORITHMS":
+        table = {cls.name: cls for cls in (__getattr__(n) for n in _CLASSES)}
+        globals()["ALGORITHMS"] = table
+        return table
+    raise AttributeError(f"module 'fedproto.algorithms' has no attribute {name!r}")
+
+
+def get_algorithm(name: str) -> Any:
     """The algorithm class registered as ``name`` (:func:`fedproto.plugins.algorithm_names`
     lists them, plug-ins included).
 
@@ -42,10 +47,10 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
         raise ConfigError(f"unknown algorithm {name!r}", option="algorithm", value=name,
                           hint=f"choose one of {', '.join(names)}")
-    return ALGORITHMS.get(name) or PLUGINS[name]
+    return __getattr__("ALGORITHMS").get(name) or PLUGINS[name]
 
 
-def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+def register_algorithm(cls: Any) -> Any:
     """Register an algorithm class under its ``name`` (usable as a class decorator); its ``Options``
     (a :class:`fedproto.plugins.AlgorithmOptions` subclass) add flags, TOML keys and
     Python options (:func:`fedproto.plugins.register`)."""

@@ -8,6 +8,9 @@ leaves the client.
 (``prepare`` -> ``objective`` -> local training -> ``finish``); the simulation engine may run the
 training part of many clients at once (:func:`fedproto.training.train_group`) between the same
 ``prepare``/``finish`` calls, so both paths share every algorithm-specific line.
+
+Size: about 440 lines, most of them the docstrings of the hooks a method overrides; the seam reads
+in one place.
 """
 
 from __future__ import annotations
@@ -35,13 +38,10 @@ from fedproto.training import (
 
 Message = dict[str, np.ndarray]
 
-HEALTH_KEYS = ("emb_norm", "nonfinite", "instance", "restored", "state-round")
+HEALTH_KEYS = ("emb_norm", "nonfinite")
 """Per-client evaluation entries that describe the outputs, not a test accuracy
 (:func:`fedproto.prototypes.embedding_health`): kept in ``clients.csv``, left out of the
-accuracy summary. The last three (issue #23) are a Flower node's instance keys
-(:data:`fedproto.flower.node_state.INSTANCE_KEYS`), which ride in its evaluate reply: listed here
-only so that the current Flower server keeps them out of the accuracy mean (the server rewrite,
-issue #22, reads them itself)."""
+accuracy summary."""
 
 
 def optim_config(cfg: Any) -> OptimConfig:
@@ -63,7 +63,7 @@ def message_size(msg: Message) -> tuple[int, int]:
 class SharedInputs:
     """One inputs tensor (N, C, H, W) that many clients' :class:`ClientData` views index into.
 
-    :meth:`fedproto.simulation.Setup.to_device` moves it once for all clients (``tensor`` is
+    :meth:`fedproto.engine.setup.Setup.to_device` moves it once for all clients (``tensor`` is
     replaced); the views read it whenever they gather their rows.
     """
 
@@ -161,7 +161,7 @@ class ClientData:
     def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> ClientData:
         """Move the held tensors to ``device`` (labels always; inputs held as tensors) and/or cast
         the inputs to the float ``dtype``, in place; returns self. A view's shared inputs are not
-        moved here (:meth:`fedproto.simulation.Setup.to_device` moves each once); its gathered rows
+        moved here (:meth:`fedproto.engine.setup.Setup.to_device` moves each once); its gathered rows
         are cast to ``dtype`` on every read."""
         if device is not None:
             self.y, self.test_y = self.y.to(device), self.test_y.to(device)
@@ -193,54 +193,19 @@ class ClientState:
     classes: np.ndarray
     extra: dict[str, Any] = field(default_factory=dict)
 
+class ClientPart:
+    """The client part of an algorithm: what runs where the client's data is (the simulator's
+    executors, a Flower node). It sees one client's state (:class:`ClientState`), the server's
+    message to it and its data; it sends the server messages only.
 
-class Algorithm:
-    """Base class. Subclasses override the hooks; see module docstring.
-
-    Attributes:
-        name: registry name. shares_weights: True if messages carry model weights (such
-            algorithms refuse heterogeneous client models).
+    Hooks, in the order of a round: :meth:`prepare` (apply the server message, e.g. load global
+    weights), :meth:`local_objective` (:meth:`objective` plus the two-stage and frozen-parameter
+    rules), :meth:`plan` (the client's batches), training (an executor's), :meth:`finish` (the
+    client's message); :meth:`client_update` composes them for one client. :meth:`evaluate` and
+    :meth:`full_test_metrics` score the client's model; :meth:`join_message` is what a client sends
+    when it joins; :meth:`client_report` what it reports about itself; :meth:`check_models` refuses
+    models its options cannot train.
     """
-
-    name = "base"
-    Options: Any = None
-    """Plug-ins: the algorithm's own options (:class:`fedproto.plugins.AlgorithmOptions`),
-    which become run options (flags, TOML keys, keywords); :meth:`from_config` fills ``self.options``."""
-    shares_weights = False
-    sequential_only = False
-    """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
-
-    freeze_after = 0
-    """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
-    server's messages carry ``head_only``); 0: off. Set from the config by the engine."""
-
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
-        self.num_classes = num_classes
-        self.opt = opt
-        self.local_epochs = local_epochs
-
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
-        """Build from a :class:`fedproto.config.RunConfig`: ``cls(num_classes, opt, local_epochs)``,
-        then, for an algorithm with ``Options`` (its own typed options,
-        :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
-        values from the run config and ``self.embedding_dim``."""
-        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
-        options = getattr(cls, "Options", None)
-        if options is not None:
-            alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
-        alg.embedding_dim = embedding_dim
-        return alg
-
-    # -- checks the engine asks for (it knows no algorithm by name) ---------------------------
-    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
-        """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
-        config and each client's (n_i,) training labels; called before round 1. Default: none."""
-
-    def divergence_hint(self, cfg: Any) -> str:
-        """Options of this algorithm that can make training diverge, worded for the error the
-        engine raises on a non-finite loss (default: none)."""
-        return ""
 
     def check_models(self, models: list[ProtoModel]) -> None:
         """Refuse client models this algorithm's options cannot train (raise ``ConfigError`` naming
@@ -255,16 +220,96 @@ class Algorithm:
                                   f"{headless[:10]} name no head layer; give their head (fedproto.federation.Client"
                                   "(head=...)) or use freeze_after=0")
 
+    def client_report(self, state: ClientState) -> dict[str, float]:
+        """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent);
+        default: none."""
+        return {}
+
+    def join_message(self, state: ClientState) -> Message:
+        """What a client contributes to the server's first broadcast, sent once when it joins
+        (default: nothing; weight-sharing methods: its initial weights)."""
+        return {}
+
+    def prepare(self, state: ClientState, message: Message) -> None:
+        """Apply the server message to the client before training (e.g. load global weights)."""
+
+    def objective(self, state: ClientState, message: Message) -> Objective:
+        """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
+        return Objective(phases=[Phase(self.local_epochs)])
+
+    def local_objective(self, state: ClientState, message: Message) -> Objective:
+        """:meth:`objective` as every engine uses it: in the second stage (``head_only`` in the
+        message, :meth:`broadcast`) each phase trains the head's parameters only; parameters the
+        user froze (``requires_grad=False``, :func:`fedproto.training.frozen_params`) never train."""
+        obj = self.objective(state, message)
+        if "head_only" in message:
+            head = state.model.is_head_param
+            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)
+                          for p in obj.phases]
+        return respect_frozen(obj, frozen_params(state.model))
+
+    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
+        """Build the client's message after local training."""
+        return {}
+
+    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator):
+        """The client's batch plan for this round (:func:`fedproto.training.make_plan` with its
+        model's dropout masks and trailing-batch rule); both execution paths take it from here."""
+        m = state.model
+        return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
+
+    def client_update(
+        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
+    ) -> tuple[Message, TrainResult]:
+        """Reference client step: prepare, train (sequential path), finish."""
+        self.prepare(state, message)
+        obj = self.local_objective(state, message)
+        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, self.opt)
+        return self.finish(state, message, data, res), res
+
+    def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,
+                          y: torch.Tensor) -> dict[str, float]:
+        """Scores of a client's model on a test set of all classes (the full test split) from its
+        outputs: logits (N, C), embeddings h (N, d), labels y (N,). Default: classifier accuracy
+        (argmax over all C classes), in [0, 1]."""
+        return {"acc": float((logits.argmax(1) == y).to(torch.float64).mean()) if len(y) else float("nan")}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
+        the outputs' health (:data:`HEALTH_KEYS`)."""
+        logits, h = predict(state.model, data.test_x)
+        n = len(data.test_y)
+        acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
+        return {"acc": acc, **embedding_health(h, logits)}
+
+
+class ServerPart:
+    """The server part of an algorithm: what runs on the server, which sees messages only, never a
+    client's state, model or data (DESIGN.md).
+
+    Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
+    :meth:`aggregate` (the round's checked replies into the next message), :meth:`broadcast` and
+    :meth:`downlink` (what each client receives), the reply checks the engine runs before
+    aggregating (:meth:`reply_problem`, :meth:`reply_problems`), its state for checkpoints
+    (:meth:`server_state`), monitoring (:meth:`round_metrics`, :meth:`outliers`), what the summary
+    says (:meth:`eval_protocols`, :meth:`summary_entries`, :meth:`write_results`) and the checks of
+    a whole federation before round 1 (:meth:`check_setup`, :meth:`divergence_hint`).
+    """
+
+    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
+        """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
+        config and each client's (n_i,) training labels; called before round 1. Default: none."""
+
+    def divergence_hint(self, cfg: Any) -> str:
+        """Options of this algorithm that can make training diverge, worded for the error the
+        engine raises on a non-finite loss (default: none)."""
+        return ""
+
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
         """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
         dropped (``{}``: nothing usable) and one reason per dropped part; the engine logs them.
         Default: everything kept."""
         return message, []
-
-    def client_report(self, state: ClientState) -> dict[str, float]:
-        """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent);
-        default: none."""
-        return {}
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
         """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
@@ -284,12 +329,6 @@ class Algorithm:
         Default: a reply must be empty (the algorithm sends nothing up).
         """
         return f"unexpected entries {sorted(reply)[:5]} (this algorithm sends nothing)" if reply else ""
-
-    # -- server side ------------------------------------------------------------------------
-    def join_message(self, state: ClientState) -> Message:
-        """What a client contributes to the server's first broadcast, sent once when it joins
-        (default: nothing; weight-sharing methods: its initial weights)."""
-        return {}
 
     def initial_message_from(self, joins: dict[int, Message]) -> Message:
         """The server's first broadcast from the clients' :meth:`join_message` replies, keyed by
@@ -350,62 +389,53 @@ class Algorithm:
         counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
         return message
 
-    # -- client side ------------------------------------------------------------------------
-    def prepare(self, state: ClientState, message: Message) -> None:
-        """Apply the server message to the client before training (e.g. load global weights)."""
-
-    def objective(self, state: ClientState, message: Message) -> Objective:
-        """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
-        return Objective(phases=[Phase(self.local_epochs)])
-
-    def local_objective(self, state: ClientState, message: Message) -> Objective:
-        """:meth:`objective` as every engine uses it: in the second stage (``head_only`` in the
-        message, :meth:`broadcast`) each phase trains the head's parameters only; parameters the
-        user froze (``requires_grad=False``, :func:`fedproto.training.frozen_params`) never train."""
-        obj = self.objective(state, message)
-        if "head_only" in message:
-            head = state.model.is_head_param
-            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)
-                          for p in obj.phases]
-        return respect_frozen(obj, frozen_params(state.model))
-
-    def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
-        """Build the client's message after local training."""
-        return {}
-
-    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator):
-        """The client's batch plan for this round (:func:`fedproto.training.make_plan` with its
-        model's dropout masks and trailing-batch rule); both execution paths take it from here."""
-        m = state.model
-        return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
-
-    def client_update(
-        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
-    ) -> tuple[Message, TrainResult]:
-        """Reference client step: prepare, train (sequential path), finish."""
-        self.prepare(state, message)
-        obj = self.local_objective(state, message)
-        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, self.opt)
-        return self.finish(state, message, data, res), res
-
-    # -- evaluation -------------------------------------------------------------------------
-    def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,
-                          y: torch.Tensor) -> dict[str, float]:
-        """Scores of a client's model on a test set of all classes (the full test split) from its
-        outputs: logits (N, C), embeddings h (N, d), labels y (N,). Default: classifier accuracy
-        (argmax over all C classes), in [0, 1]."""
-        return {"acc": float((logits.argmax(1) == y).to(torch.float64).mean()) if len(y) else float("nan")}
-
     def eval_protocols(self) -> dict[str, str]:
         """What each accuracy key of :meth:`evaluate` scores (``summary.json``'s ``evaluation``):
         key -> one sentence. Default: ``acc``, the personal protocol."""
         return {"acc": "personal: each client's own model after its local training of the last round, on the "
                        "client's own test set"}
 
-    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
-        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
-        the outputs' health (:data:`HEALTH_KEYS`)."""
-        logits, h = predict(state.model, data.test_x)
-        n = len(data.test_y)
-        acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
-        return {"acc": acc, **embedding_health(h, logits)}
+
+class Algorithm(ClientPart, ServerPart):
+    """A method: its name, its options and its two parts (:class:`ClientPart`, :class:`ServerPart`).
+    A method's module subclasses this and overrides the hooks of either part; the executors call
+    the client part only, the round loop the server part only.
+
+    Attributes:
+        name: registry name. shares_weights: True if messages carry model weights (such
+            algorithms refuse heterogeneous client models).
+    """
+
+    name = "base"
+
+    Options: Any = None
+    """The algorithm's own options (:class:`fedproto.plugins.AlgorithmOptions`; the library's methods:
+    :mod:`fedproto.algorithms.options`), which become run options (flags, TOML keys, keywords);
+    :meth:`from_config` fills ``self.options``."""
+
+    shares_weights = False
+
+    sequential_only = False
+    """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
+
+    freeze_after = 0
+    """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
+    server's messages carry ``head_only``); 0: off. Set from the config by the engine."""
+
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
+        self.num_classes = num_classes
+        self.opt = opt
+        self.local_epochs = local_epochs
+
+    @classmethod
+    def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
+        """Build from a :class:`fedproto.config.RunConfig`: ``cls(num_classes, opt, local_epochs)``,
+        then, for an algorithm with ``Options`` (its own typed options,
+        :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
+        values from the run config and ``self.embedding_dim``."""
+        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        options = getattr(cls, "Options", None)
+        if options is not None:
+            alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
+        alg.embedding_dim = embedding_dim
+        return alg

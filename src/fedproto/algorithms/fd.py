@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.options import FDOptions
 from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
 from fedproto.training import LossTerm, Objective, OptimConfig, Phase, TrainResult, predict
 
@@ -57,6 +58,7 @@ class FD(Algorithm):
     """
 
     name = "fd"
+    Options = FDOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, fd_lambda: float = 1.0,
                  fd_temperature: float = 1.0):
@@ -65,6 +67,11 @@ class FD(Algorithm):
             raise ValueError(f"fd_lambda={fd_lambda} (>= 0), fd_temperature={fd_temperature} (> 0): "
                              "one is out of range")
         self.fd_lambda, self.fd_temperature = float(fd_lambda), float(fd_temperature)
+
+    def divergence_hint(self, cfg) -> str:
+        from fedproto.errors import opt
+
+        return f" or {opt('fd_lambda')} (now {self.fd_lambda:g})" if self.fd_lambda > 0 else ""
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FD:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.options import WeightsOptions
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
@@ -236,6 +237,7 @@ class FedAvg(Algorithm):
     """FedAvg: share all weights, sample-weighted average on the server (see module docstring)."""
 
     name = "fedavg"
+    Options = WeightsOptions
     shares_weights = True
 
     def include(self, model: ProtoModel):

@@ -37,6 +37,7 @@ from fedproto.algorithms.lgfedavg import (
     head_message,
     load_head,
 )
+from fedproto.algorithms.options import FedGHOptions
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
@@ -71,6 +72,7 @@ class FedGH(Algorithm):
     """
 
     name = "fedgh"
+    Options = FedGHOptions
     server_state_keys = ("head_w", "head_b")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, server_epochs: int = 1,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from fedproto.algorithms.base import optim_config
 from fedproto.algorithms.fedavg import FedAvg
+from fedproto.algorithms.options import FedPerOptions
 from fedproto.models.base import ProtoModel
 from fedproto.training import OptimConfig
 
@@ -43,6 +44,7 @@ class FedPer(FedAvg):
     """
 
     name = "fedper"
+    Options = FedPerOptions
     global_protocol = ("global: the server's aggregated body (shared layers) after the last round's aggregation, "
                        "with the client's own personal layers as its last local training left them, on the client's "
                        "own test set")

@@ -5,6 +5,10 @@ Client: cross-entropy + λ · L_R(embeddings, global prototypes) (eq. 7), then l
 hold the class (eq. 6, see :func:`fedproto.prototypes.aggregate_prototypes`), broadcast as
 (classes, protos). Round 1 starts with no global prototypes (official code), so it trains with
 cross-entropy only.
+
+Size: about 620 lines: FedProto with every documented variant as an option (the paper-vs-code
+choices, the practitioner's options, robust aggregation, DP), each a few lines inside the same
+hooks.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.options import FedProtoOptions
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
@@ -99,6 +104,7 @@ class FedProto(Algorithm):
     """
 
     name = "fedproto"
+    Options = FedProtoOptions
     server_state_keys = ("last_contributors", "last_distances", "last_cids", "global_classes", "global_protos")
 
     def __init__(
@@ -154,7 +160,6 @@ class FedProto(Algorithm):
         self.last_excluded: list[int] = []
         self._warned_exclusion = False  # exclude_outliers could not act (logged once)
         self._had_protos = False  # the clients of the last aggregated round had global prototypes
-        self.last_dropped: list[int] = []
         self.last_round = 0
         if lambda_warmup < 0 or not 0.0 <= proto_momentum < 1.0 or min_proto_samples < 1 or proto_dist_alert < 0:
             raise ValueError(f"lambda_warmup={lambda_warmup} (>= 0), proto_momentum={proto_momentum} (in [0, 1)), "
@@ -349,15 +354,8 @@ class FedProto(Algorithm):
         contributors this round."""
         self.last_round = round
         self._had_protos = self.global_classes is not None and len(self.global_classes) > 0
-        checked, dropped = {}, []
-        for cid, m in messages.items():
-            checked[cid], why = self.reply_problems(cid, m)
-            if why:
-                dropped.append(int(cid))
-                log.warning("round %d: client %d's reply: dropped %s", round, cid, "; ".join(why[:3])
-                            + (f" (and {len(why) - 3} more)" if len(why) > 3 else ""))
-        self.last_dropped = dropped
-        messages = {cid: m for cid, m in checked.items() if m}
+        # the replies come checked (fedproto.engine.checks.check_replies: reply_problem, then reply_problems)
+        messages = {cid: m for cid, m in messages.items() if m}
         cids = list(messages)
         messages = list(messages.values())
         keep = [np.asarray(m["counts"]) >= self.min_proto_samples for m in messages]
@@ -561,8 +559,6 @@ class FedProto(Algorithm):
         if self.class_check > 0:
             out["flagged"] = list(self.last_flagged)
             out["flagged_rows"] = self.last_flagged_rows
-        if self.last_dropped:
-            out["dropped"] = list(self.last_dropped)
         if d is None or not np.isfinite(d).any():
             return out
         i = int(np.nanargmax(d))

@@ -22,6 +22,7 @@ import torch
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg
+from fedproto.algorithms.options import FedProxOptions
 from fedproto.training import Objective, OptimConfig, Phase
 
 
@@ -33,6 +34,7 @@ class FedProx(FedAvg):
     """
 
     name = "fedprox"
+    Options = FedProxOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, prox_mu: float = 0.01):
         super().__init__(num_classes, opt, local_epochs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedper import FedPer
+from fedproto.algorithms.options import FedRepOptions
 from fedproto.training import Objective, OptimConfig, Phase
 
 
@@ -41,6 +42,7 @@ class FedRep(FedPer):
     """
 
     name = "fedrep"
+    Options = FedRepOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, rep_head_epochs: int = 9,
                  personal_layers: str = "fc"):

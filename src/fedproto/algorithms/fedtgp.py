@@ -38,6 +38,7 @@ import numpy as np
 
 from fedproto.algorithms.base import Message, optim_config
 from fedproto.algorithms.fedproto import FedProto
+from fedproto.algorithms.options import FedTGPOptions
 from fedproto.htmath import tgp_init, tgp_server_train
 
 
@@ -54,6 +55,7 @@ class FedTGP(FedProto):
     """
 
     name = "fedtgp"
+    Options = FedTGPOptions
     server_state_keys = FedProto.server_state_keys + ("tgp_state",)
 
     def __init__(self, num_classes, opt, local_epochs=1, lambda_proto=1.0, distance="mse",

@@ -31,6 +31,7 @@ import numpy as np
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
+from fedproto.algorithms.options import FeSEMOptions
 from fedproto.errors import ConfigError
 from fedproto.training import OptimConfig
 
@@ -61,6 +62,7 @@ class FeSEM(FedAvg):
     """
 
     name = "fesem"
+    Options = FeSEMOptions
     global_protocol = ("global: the centre of the client's cluster after the last round's aggregation (E- and "
                        "M-step), before any local training, on the client's own test set")
     server_state_keys = ("centres", "assign", "last_distances")

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.options import WeightsOptions
 from fedproto.errors import ConfigError
 from fedproto.htmath import lg_aggregate
 from fedproto.models.base import ProtoModel
@@ -130,6 +131,7 @@ class LGFedAvg(Algorithm):
     """LG-FedAvg: average the heads, keep the bodies (module docstring)."""
 
     name = "lgfedavg"
+    Options = WeightsOptions
     shares_weights = True  # the head's weights; heterogeneous bodies are fine
 
     def join_message(self, state: ClientState) -> Message:

@@ -9,12 +9,14 @@ test set (:meth:`Algorithm.evaluate`). Works with heterogeneous client models.
 from __future__ import annotations
 
 from fedproto.algorithms.base import Algorithm, Message
+from fedproto.algorithms.options import NoOptions
 
 
 class Local(Algorithm):
     """Each client alone (tab. 1 "Local"): cross-entropy only, messages ``{}`` both ways."""
 
     name = "local"
+    Options = NoOptions
     shares_weights = False
 
     def aggregate(self, round: int, messages: dict[int, Message]) -> Message:

@@ -17,6 +17,8 @@ one that does not.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,11 +45,96 @@ def load_client_folder(folder: str | Path, num_classes: int, class_names: Sequen
         DataError: the folder or a split is missing or empty, an array is missing or has the wrong
             shape, a label is not a whole number in 0..C-1, images differ in size or cannot be read
             (each message names the file and the fix).
+
+    Every call reads the files, unless :func:`keep_decoded` was turned on in this process (the
+    Flower executor does): then a folder's decoded arrays are reused while its files are unchanged.
     """
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise DataError(f"client data folder {str(folder)!r} does not exist; give a folder holding train.npz and "
                         "test.npz, or train/ and test/ sub-folders of class folders of images")
+    if _KEPT is None:  # the default: read the files on every call
+        return _checked(folder, _decode(folder, num_classes, class_names), num_classes)
+    entry = _kept_entry(folder, class_names, num_classes)
+    if num_classes not in entry:
+        entry[num_classes] = _checked(folder, entry["decoded"], num_classes)
+    return entry[num_classes]
+
+
+_KEPT: OrderedDict | None = None
+_KEPT_SIZE = 4
+
+
+def keep_decoded(on: bool = True, size: int = 4) -> None:
+    """Keep the decoded arrays of the last ``size`` client folders in this process (off by default).
+
+    With it on, :func:`load_client_folder` decodes a folder once and then returns the same tensors
+    while the folder's files are unchanged (same names, sizes and modification times: a fingerprint
+    taken with one ``stat`` per file on every call). A long-lived process that answers many
+    messages (``python -m fedproto.flower.prefork``, which turns this on and preloads before it
+    forks) so pays the decoding once, not per message. Callers must not modify the returned
+    tensors in place. ``on=False`` turns it off and drops what was kept.
+
+    Raises:
+        ValueError: ``size`` < 1.
+    """
+    global _KEPT, _KEPT_SIZE
+    if size < 1:
+        raise ValueError(f"size={size}: keep at least 1 folder")
+    _KEPT, _KEPT_SIZE = (OrderedDict() if _KEPT is None else _KEPT) if on else None, size
+
+
+def preload_client_folder(folder: str | Path, class_names: Sequence[str] | None = None) -> int:
+    """Decode a client folder into the store of :func:`keep_decoded` (turned on here if it is off),
+    before the run's class count is known; :func:`load_client_folder` later checks the labels
+    against the run's classes. Returns the number of samples (train + test).
+
+    Raises:
+        DataError: as :func:`load_client_folder` (a missing folder or split, unreadable files).
+    """
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise DataError(f"client data folder {str(folder)!r} does not exist; give a folder holding train.npz and "
+                        "test.npz, or train/ and test/ sub-folders of class folders of images")
+    if _KEPT is None:
+        keep_decoded()
+    entry = _kept_entry(folder, class_names, None)
+    return sum(len(y) for _, y, _ in entry["decoded"])
+
+
+def _kept_entry(folder: Path, class_names: Sequence[str] | None, num_classes: int | None) -> dict:
+    """The kept entry of ``folder`` (decoded now when it is new or its files changed)."""
+    key = (str(folder.resolve()), tuple(class_names) if class_names else None)
+    stamp = _fingerprint(folder)
+    entry = _KEPT.get(key)
+    if entry is None or entry["stamp"] != stamp:
+        entry = {"stamp": stamp, "decoded": _decode(folder, num_classes, class_names)}
+        _KEPT[key] = entry
+    _KEPT.move_to_end(key)
+    while len(_KEPT) > _KEPT_SIZE:
+        _KEPT.popitem(last=False)
+    return entry
+
+
+def _fingerprint(folder: Path) -> tuple:
+    """(relative path, size, mtime_ns) of every file a load reads: the npz files or the images."""
+    out = []
+    for split in SPLITS:
+        npz = folder / f"{split}.npz"
+        if npz.is_file():
+            st = npz.stat()
+            out.append((npz.name, st.st_size, st.st_mtime_ns))
+        elif (folder / split).is_dir():
+            for sub in sorted(os.scandir(folder / split), key=lambda e: e.name):
+                if sub.is_dir():
+                    for f in sorted(os.scandir(sub.path), key=lambda e: e.name):
+                        st = f.stat()
+                        out.append((f"{split}/{sub.name}/{f.name}", st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _decode(folder: Path, num_classes: int | None, class_names: Sequence[str] | None) -> list:
+    """``[(x, y, where)]`` of the train and test splits, read from disk, labels not yet checked."""
     read: dict[str, list] = {}
     for split in SPLITS:
         images = folder / split
@@ -65,7 +152,15 @@ def load_client_folder(folder: str | Path, num_classes: int, class_names: Sequen
         else:
             raise DataError(f"client data folder {str(folder)!r} has neither {split}.npz nor a {split}/ folder of "
                             "class folders; put the client's " + split + " split there")
-        where = str(npz if npz.is_file() else images)
+        out.append((x, y, str(npz if npz.is_file() else images)))
+    return out
+
+
+def _checked(folder: Path, decoded: list, num_classes: int
+             ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The decoded splits after the checks of :func:`load_client_folder` (labels, finite inputs, one shape)."""
+    out = []
+    for x, y, where in decoded:
         if len(y) == 0:
             raise DataError(f"{where!r} holds no samples; give every client train and test samples")
         bad = (y < 0) | (y >= num_classes)
@@ -108,13 +203,14 @@ def _read_npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
 
 
-def _class_id(name: str, num_classes: int, class_names: Sequence[str] | None, where: Path) -> int:
+def _class_id(name: str, num_classes: int | None, class_names: Sequence[str] | None, where: Path) -> int:
     if class_names and name in class_names:
         return list(class_names).index(name)
     if name.isdigit():
         return int(name)
     known = f" or one of the class names {list(class_names)[:10]}" if class_names else ""
-    raise DataError(f"{str(where)!r}: sub-folder {name!r} is not a class id 0..{num_classes - 1}{known}; name each "
+    ids = f"0..{num_classes - 1}" if num_classes is not None else "(0, 1, ...)"
+    raise DataError(f"{str(where)!r}: sub-folder {name!r} is not a class id {ids}{known}; name each "
                     "class folder by its class id (or declare class-names in the run config)")
 
 
@@ -125,7 +221,7 @@ def _is_gray(im) -> bool:
     return im.mode in GRAY_MODES
 
 
-def _list_images(root: Path, num_classes: int, class_names: Sequence[str] | None) -> list:
+def _list_images(root: Path, num_classes: int | None, class_names: Sequence[str] | None) -> list:
     """``(file, class id, image)`` of every image under ``root``'s class folders, all one size."""
     from PIL import Image, UnidentifiedImageError
 
@@ -177,4 +273,9 @@ def _stack_images(entries: list, gray: bool) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
-__all__ = ["load_client_folder"]
+__all__ = ["keep_decoded", "load_client_folder", "preload_client_folder"]
+
+
+def kept_folders() -> int | None:
+    """How many client folders are kept decoded now (None: keeping is off, :func:`keep_decoded`)."""
+    return None if _KEPT is None else len(_KEPT)

@@ -22,6 +22,9 @@ Noise models (:func:`noise_ranges` gives each range; s = 0 always means exactly 
 FEMNIST (62 classes) is pooled over writers for the few-shot protocol; the official shots range
 for it is [k - s + 1, k + s] (as for CIFAR-10). :func:`natural_partition` is the alternative that
 keeps LEAF's writer structure: one client per writer.
+
+Size: about 470 lines: the three partitions (few-shot with both noise forms and overlap, natural,
+Dirichlet) and their shared checks.
 """
 
 from __future__ import annotations

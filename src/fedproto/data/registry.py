@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 Loader = Callable[[Optional[str | Path], bool, bool], Any]
-"""``loader(root, download, progress) -> Dataset``: the function of :mod:`fedproto.data.datasets`
-that :attr:`DatasetInfo.loader` names (by name, so the registry imports no loading code and the
-two modules form no import cycle)."""
+"""``loader(root, download, progress) -> Dataset``: the function that :attr:`DatasetInfo.loader`
+names as ``"module:function"`` (by name, so the registry imports no loading code and the modules
+form no import cycle)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class DatasetInfo:
         shots: default training samples per class k.
         test_shots: default test samples per own class.
         in_paper: whether the paper reports results on it (tab. 1-4).
-        loader: the name of its :data:`Loader` in :mod:`fedproto.data.datasets`; None for ``custom``.
+        loader: its :data:`Loader` as ``"module:function"`` (one module per dataset, e.g.
+            ``"fedproto.data.mnist:load_mnist_files"``); None for ``custom``.
     """
 
     name: str
@@ -68,13 +69,17 @@ class DatasetInfo:
 
 DATASETS: dict[str, DatasetInfo] = {d.name: d for d in (
     DatasetInfo("mnist", "MNIST", 10, (1, 28, 28), rounds=100, model="cnn", mh_model="cnn-mh", stdev=2,
-                lambda_proto=1.0, shots=100, test_shots=40, in_paper=True, loader="load_mnist_files"),
+                lambda_proto=1.0, shots=100, test_shots=40, in_paper=True,
+                loader="fedproto.data.mnist:load_mnist_files"),
     DatasetInfo("femnist", "FEMNIST", 62, (1, 28, 28), rounds=120, model="cnn", mh_model="cnn-mh", stdev=1,
-                lambda_proto=1.0, shots=100, test_shots=3, in_paper=True, loader="load_femnist_files"),
+                lambda_proto=1.0, shots=100, test_shots=3, in_paper=True,
+                loader="fedproto.data.femnist:load_femnist_files"),
     DatasetInfo("cifar10", "CIFAR-10", 10, (3, 32, 32), rounds=110, model="resnet18", mh_model="resnet18-mh",
-                stdev=1, lambda_proto=0.1, shots=100, test_shots=40, in_paper=True, loader="load_cifar10_files"),
+                stdev=1, lambda_proto=0.1, shots=100, test_shots=40, in_paper=True,
+                loader="fedproto.data.cifar10:load_cifar10_files"),
     DatasetInfo("digits", "digits (8x8, scikit-learn)", 10, (1, 8, 8), rounds=20, model="cnn", mh_model="cnn-mh",
-                stdev=1, lambda_proto=1.0, shots=10, test_shots=10, in_paper=False, loader="load_digits_bundled"),
+                stdev=1, lambda_proto=1.0, shots=10, test_shots=10, in_paper=False,
+                loader="fedproto.data.digits:load_digits_bundled"),
     # your own clients (fedproto.federation.federate): classes given by the `classes` option
     DatasetInfo("custom", "your own federation", 0, None, rounds=20, model="custom", mh_model="custom", stdev=0,
                 lambda_proto=1.0, shots=1, test_shots=1, in_paper=False),

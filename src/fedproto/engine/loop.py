@@ -78,7 +78,8 @@ class RoundLoop:
         algorithm: the server side of the algorithm (aggregate, downlink, broadcast).
         executor: runs the client side (:class:`~fedproto.engine.executors.base.Executor`).
         embedding_dim: d (reply checks).
-        observers, stages: see :class:`Observer`, :class:`Stage`.
+        observers: what hangs on the loop (:class:`Observer`), called in this order.
+        stages: what may change the replies before the check (:class:`Stage`).
     Attributes:
         message: the server message of the next round. history: the metrics rows so far.
         totals: communication summed over rounds. train_time: seconds in rounds (without evaluation).

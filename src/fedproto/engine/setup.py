@@ -18,7 +18,8 @@ import torch
 
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
-from fedproto.config import RESULT_ONLY_FOR, RunConfig
+from fedproto.algorithms.options import owners
+from fedproto.config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
@@ -33,8 +34,12 @@ log = logging.getLogger(__name__)
 def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (:func:`fedproto.algorithms.get_algorithm`; raises
     :class:`ConfigError` for an unknown name)."""
-    alg = get_algorithm(cfg.algorithm).from_config(cfg, embedding_dim)
+    cls = get_algorithm(cfg.algorithm)
+    alg = cls.from_config(cfg, embedding_dim)
     alg.freeze_after = cfg.freeze_after
+    if getattr(cls, "Options", None) is not None and getattr(alg, "options", None) is None:
+        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): its own options too
+        alg.options = cls.Options(**{k: getattr(cfg, k) for k in cls.Options.model_fields})
     return alg
 
 
@@ -199,11 +204,12 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     models = [s.model for s in states]
     d = check_embedding_dims(models)
     check_batches(cfg, models, [len(x.y) for x in data])
-    unused = [k for k, algs in RESULT_ONLY_FOR.items() if cfg.algorithm not in algs
-              and getattr(cfg, k) != RunConfig.model_fields[k].default]
+    fields = type(cfg).model_fields
+    users = {k: owners(k) for k in fields if k not in CommonConfig.model_fields}  # the algorithms' own options
+    unused = [k for k, algs in users.items() if cfg.algorithm not in algs and getattr(cfg, k) != fields[k].default]
     if unused:
         log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
-            f"{k} acts on {', '.join(RESULT_ONLY_FOR[k])} only" for k in unused))
+            f"{k} acts on {', '.join(users[k])} only" for k in unused))
     if cfg.dp_reproducible_noise:
         log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
                     else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "

@@ -93,5 +93,15 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
     scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
     if scored < len(per_client) and any("acc" in m for m in per_client):  # a node did not answer (Flower)
         summary["clients_evaluated"] = scored
+    left = executor.left_out(history, cfg.rounds) if hasattr(executor, "left_out") else {}
+    if left:
+        # the headline is over the clients that kept (or rebuilt) their state; all clients stand beside it
+        kept = [m for i, m in enumerate(per_client) if i not in left]
+        summary["accuracy_all_clients"] = summary["accuracy"]
+        summary["accuracy"] = {k: dict(zip(("mean", "std"), summarize([m[k] for m in kept])))
+                               for k in summary["accuracy"] if k in per_client[0]}
+        summary["left_out"] = {str(i): why for i, why in left.items()}
+        log.warning("the accuracy leaves out clients %s (their node lost their state and they trained too little "
+                    "since); accuracy_all_clients in summary.json counts them", sorted(left))
     summary.update(alg.summary_entries(cfg, per_client))
     return summary

@@ -18,7 +18,7 @@ and reloads them after a restart, and every reply carries the node's ``instance`
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
 e.g. initial weights for weight-sharing methods), ``train`` (one client step:
-:func:`fedproto.simulation.client_step`, reply: the algorithm message plus losses) and
+:func:`fedproto.engine.executors.local.client_step`, reply: the algorithm message plus losses) and
 ``evaluate`` (reply: the algorithm's per-client metrics).
 
 Under DP (``dp`` ``prototypes`` or ``full``) a node sends only what is public or covered by the
@@ -71,7 +71,23 @@ class Node:
 _CACHE: dict[str, Any] = {}
 
 
-def node(context: Context) -> Node:
+def forget_clients() -> None:
+    """Forget the clients this process has built (their data, models and initial weights): what a
+    new SuperNode process starts without."""
+    _CACHE.clear()
+    _INITIAL.clear()
+_INITIAL: dict[int, tuple[dict, dict]] = {}
+"""id(model) -> its weights and extras when its node first built it (:func:`node`)."""
+
+
+def _run_key(msg: Message) -> str | None:
+    """The server's run key in a message's config record (:data:`fedproto.flower.node_state.RUN_KEY`), if any."""
+    if CONFIG in msg.content and node_state.RUN_KEY in msg.content[CONFIG]:
+        return str(msg.content[CONFIG][node_state.RUN_KEY])
+    return None
+
+
+def node(context: Context, run_key: str | None = None) -> Node:
     """This node's client, its model restored from ``context.state`` (built on first use).
 
     Raises:
@@ -93,14 +109,23 @@ def node(context: Context) -> Node:
         key = cfg.model_dump_json() + repr(sorted(nc.items()))
         if key not in _CACHE:
             _CACHE.clear()  # one run at a time per process
+            _INITIAL.clear()
             names = list(FlowerOptions.from_user_config(context.run_config).class_names)
             _CACHE[key] = load_local_client(nc, cfg, names)
         lc = _CACHE[key]
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
     else:
         n = _benchmark_node(cfg, nc)
+    # the cached client's model is trained in place: a context without the client's state (a new run, a
+    # restarted node, a new SuperLink) starts from the initial weights, not from another run's
+    model = n.state.model
+    init = _INITIAL.setdefault(id(model), ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                           dict(n.state.extra)))
+    if STATE_MODEL not in context.state:
+        n.state.model.load_state_dict(init[0])
+        n.state.extra = dict(init[1])
     # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
-    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra)
+    saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
     if saved is not None:
         context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=saved["model"])
         context.state[STATE_EXTRA] = ConfigRecord(saved["extra"])
@@ -132,6 +157,7 @@ def _benchmark_node(cfg: RunConfig, nc) -> Node:
     key = cfg.model_dump_json()
     if key not in _CACHE:
         _CACHE.clear()  # one run at a time per process
+        _INITIAL.clear()
         _CACHE[key] = prepare(cfg, progress=False)
     setup: Setup = _CACHE[key]
     if not 0 <= cid < len(setup.states):
@@ -159,7 +185,7 @@ def query(msg: Message, context: Context) -> Message:
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
     DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
@@ -177,7 +203,7 @@ def train(msg: Message, context: Context) -> Message:
     and, without DP, the losses, step count, largest embedding norm and ``num-examples``; under DP
     the message alone. A node with ``misbehave`` in its node config corrupts its message (tests of
     the server's checks)."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     r = _checked_round(n, msg)
     out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
     _save(n, context)
@@ -198,7 +224,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     adds ``acc_proto``, eq. 4), plus ``num-examples``. Under DP only ``dp_epsilon`` under
     ``prototypes``, nothing under ``full`` (:func:`fedproto.privacy.deployment_fields`); the node
     logs the metrics it keeps."""
-    n = node(context)
+    n = node(context, _run_key(msg))
     _checked_round(n, msg)
     metrics: dict[str, Any] = n.algorithm.evaluate(n.state, from_record(msg.content[MESSAGE]), n.data)
     metrics.update(n.algorithm.client_report(n.state))  # e.g. the privacy this client spent (dp)

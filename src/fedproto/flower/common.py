@@ -59,6 +59,10 @@ class FlowerOptions:
             60); the run starts with fewer if at least ``min_replies`` have joined.
         class_names: names of classes 0..C-1 for image folders named by class (``class-names``,
             comma-separated; default none: folders are named by class id).
+        poll_interval: seconds between the server's pulls of replies (``poll-interval``, default
+            0.2; Flower's own ``send_and_receive`` waits 3 s): 0.01 to 60, and below ``round_timeout``.
+        resume_from: the run folder of an interrupted run to continue from its checkpoint (its last
+            completed round), e.g. on a new SuperLink (``resume-from``; default none: a new run).
     """
 
     round_timeout: float = 120.0
@@ -66,36 +70,56 @@ class FlowerOptions:
     round_retries: int = 2
     wait_nodes: float = 60.0
     class_names: tuple[str, ...] = ()
+    poll_interval: float = 0.2
+    resume_from: str = ""
 
     @classmethod
     def from_user_config(cls, user_config: Mapping[str, Any]) -> FlowerOptions:
-        """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value."""
+        """The options in a Flower run config (other keys ignored). Raises ConfigError naming a bad value
+        (also a ``poll-interval`` outside 0.01..60 s or not below ``round-timeout``)."""
         data = {normal_key(str(k)): v for k, v in user_config.items()}
         out = {}
         for k, lo, kind in (("round_timeout", 0.0, float), ("min_replies", 1, int), ("round_retries", 0, int),
-                            ("wait_nodes", 0.0, float)):
+                            ("wait_nodes", 0.0, float), ("poll_interval", 0.0, float)):
             if k not in data:
                 continue
             v = data[k]
             ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
                   and (kind is float or float(v).is_integer()))
-            if not ok or v < lo or (k == "round_timeout" and v <= 0):
-                need = "a number of seconds > 0" if k == "round_timeout" else f"a {'whole ' if kind is int else ''}" \
+            positive = k in ("round_timeout", "poll_interval")
+            if not ok or v < lo or (positive and v <= 0):
+                need = "a number of seconds > 0" if positive else f"a {'whole ' if kind is int else ''}" \
                        f"number >= {lo}"
                 if isinstance(v, float) and not math.isfinite(v):
                     need += " (not NaN or infinity)"
                 raise ConfigError(f"Flower run config: {k.replace('_', '-')}={v!r}; give {need}")
             out[k] = kind(v)
+        poll, timeout = out.get("poll_interval", cls.poll_interval), out.get("round_timeout", cls.round_timeout)
+        if "poll_interval" in out and not 0.01 <= poll <= 60:
+            raise ConfigError(f"Flower run config: poll-interval={data['poll_interval']!r}; give seconds between "
+                              "0.01 and 60 (default 0.2): shorter floods the SuperLink with pulls, longer delays every "
+                              "round")
+        if poll >= timeout:
+            raise ConfigError(f"Flower run config: poll-interval={poll:g} is not below round-timeout={timeout:g}; "
+                              "every round would last the whole round-timeout: the replies are pulled only at its end; "
+                              f"give a poll-interval below {timeout:g} (default 0.2) or a longer round-timeout")
         if "class_names" in data:
             names = data["class_names"]
             if not isinstance(names, str) or not names.strip():
                 raise ConfigError(f"Flower run config: class-names={names!r}; give the names comma-separated, e.g. "
                                   "\"cat,dog,bird\"")
             out["class_names"] = tuple(n.strip() for n in names.split(","))
+        if "resume_from" in data:
+            v = data["resume_from"]
+            if not isinstance(v, str) or not v.strip():
+                raise ConfigError(f"Flower run config: resume-from={v!r}; give the run folder of the interrupted run, "
+                                  "e.g. resume-from=\"runs/fedproto-custom-m3-s1234-run42\"")
+            out["resume_from"] = v.strip()
         return cls(**out)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names")
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from",
+               "poll_interval")
 """Run config keys read by :class:`FlowerOptions` rather than :class:`RunConfig`."""
 
 

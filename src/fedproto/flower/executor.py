@@ -19,6 +19,9 @@ kept. ``metrics.jsonl`` records per round which clients were ``sampled``, ``repl
 (with the node's error), ``unavailable`` (the SuperLink's answer for a node it knows is gone,
 within about its heartbeat interval), ``timed_out`` (no reply within ``round-timeout``) and
 ``dropped`` (with the reason, by the loop's reply check).
+
+Size: about 500 lines: node discovery, the message exchange, retries and failure records of one
+transport, which change together.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ REPLY_UNAVAILABLE = 4
 """Flower's ``ErrorCode.REPLY_MESSAGE_UNAVAILABLE``: the reply expired or was lost at the SuperLink."""
 
 log = logging.getLogger(__name__)
+
+INSTANCE_KEYS = ("instance", "restored", "state-round")
+"""A node's reply keys about its client's state (:data:`fedproto.flower.node_state.INSTANCE_KEYS`):
+read by :meth:`FlowerExecutor._saw`, never averaged as scores."""
 
 REPORT_KEYS = ("dp_epsilon",)
 """Keys of a node's evaluate reply that are its :meth:`~fedproto.algorithms.base.Algorithm.client_report`
@@ -79,8 +86,9 @@ class FlowerExecutor(Executor):
     execution = "flower"
     membership_changes = True
 
-    def __init__(self, cfg: RunConfig, grid: Grid, options: FlowerOptions):
+    def __init__(self, cfg: RunConfig, grid: Grid, options: FlowerOptions, run_key: str = ""):
         self.opts = options
+        self.run_key = run_key  # sent in every message: the nodes' state files belong to it
         if options.min_replies > cfg.clients:
             raise ConfigError(f"Flower run config: min-replies={options.min_replies} is larger than clients="
                               f"{cfg.clients}, so no round could have enough replies; give min-replies <= clients")
@@ -98,12 +106,57 @@ class FlowerExecutor(Executor):
         self.refusals: list[dict] = []  # every refusal: node_id, client_id (None if unknown), reason, round
         self._logged_refusals = 0  # refusals already in a metrics.jsonl row
         self._reports: dict[int, dict] = {}  # client id -> its client_report from its last evaluate reply
+        self.instance: dict[int, int] = {}  # client id -> the instance id its node last replied with
+        self.state_lost: dict[int, int] = {}  # client id -> the round in which it came back without its state
+        self._restored: set[int] = set()  # clients whose node has reloaded their state file (logged once)
+        self._rejoined: dict[str, str] = {}  # this round's rejoins, for the metrics row
         self.own_data = cfg.dataset == "custom"
         self.cfg = cfg
         self.algorithm: Algorithm | None = None  # set by bind(), once the embedding size is known
         self._discover(self.opts.wait_nodes)
         dims = {i: int(self.info[i]["embedding-dim"]) for i in self.info}
         self.embedding_dim = cfg.embedding_dim if self.own_data else dims[min(dims)]
+
+    def _saw(self, cid: int, metrics) -> None:
+        """Note the instance keys of a reply of client ``cid`` (:data:`INSTANCE_KEYS`): a new
+        ``instance`` means its node restarted and lost the client's state (a fresh model), recorded
+        in :attr:`state_lost` and in the round's ``rejoined``; ``restored`` 1 means the node came back
+        with its state file (:mod:`fedproto.flower.node_state`)."""
+        if "instance" not in metrics:
+            return
+        inst, old = int(metrics["instance"]), self.instance.get(cid)
+        self.instance[cid] = inst
+        node = self.nodes.get(cid)
+        if old is not None and inst != old:
+            self.state_lost[cid] = self.round
+            self._restored.discard(cid)
+            self._rejoined[str(cid)] = "restarted without its state: a fresh model"
+            log.warning("round %d: client %d (node %s) restarted and lost its state (a fresh model from here on); "
+                        "clients.csv marks it (state_lost_round) and the headline accuracy leaves it out unless it "
+                        "trains in half the rounds from here", self.round, cid, node)
+        elif int(metrics.get("restored", 0)) and cid not in self._restored:
+            self._restored.add(cid)
+            self._rejoined[str(cid)] = "restarted with its state restored from its state file"
+            log.warning("round %d: client %d (node %s) restarted and reloaded its state from its state file",
+                        self.round, cid, node)
+
+    def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
+        """The clients the headline accuracy leaves out (summary.json ``left_out``), with why: those
+        whose node lost their state (:attr:`state_lost`) and that trained in fewer than
+        ``ceil(rounds / 2)`` rounds from then on (their model is mostly untrained)."""
+        need = -(-rounds // 2)
+        out = {}
+        for cid, r0 in sorted(self.state_lost.items()):
+            since = sum(1 for row in history if row["round"] >= r0 and cid in row.get("replied", ()))
+            if since < need:
+                out[cid] = (f"its node lost its state in round {r0}; it trained in {since} round(s) from then on, "
+                            f"fewer than {need}")
+        return out
+
+    def _config(self, entries: dict) -> dict:
+        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)."""
+        entries = {**entries, "run-key": self.run_key} if self.run_key else entries
+        return {CONFIG: ConfigRecord(entries)} if entries else {}
 
     def bind(self, algorithm: Algorithm) -> None:
         """The server side of the run's algorithm (its reply check decides a round's retries)."""
@@ -122,7 +175,7 @@ class FlowerExecutor(Executor):
         ids (a test double) is matched by source node."""
         if not messages:
             return {}, {}, {}, []
-        replies = list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
+        replies = self._send_and_receive(messages)
         by_message = {rep.metadata.reply_to_message_id: rep for rep in replies if rep.metadata.reply_to_message_id}
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
         ok, failed, unavailable, missing = {}, {}, {}, []
@@ -145,6 +198,26 @@ class FlowerExecutor(Executor):
                 ok[nid] = rep
         return ok, failed, unavailable, missing
 
+    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
+        """Push ``messages`` and pull their replies every ``poll_interval`` seconds until all are in
+        or ``round_timeout`` has passed. Flower's own ``Grid.send_and_receive`` waits a fixed 3 s
+        between pulls (flwr 1.42), which made every round last at least 3 s more than its slowest
+        node; a grid without push/pull (a test double) is asked with ``send_and_receive``."""
+        try:
+            pending = set(self.grid.push_messages(messages))
+        except NotImplementedError:
+            return list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
+        end = time.monotonic() + self.opts.round_timeout
+        out: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(pending))
+            out += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+            if not pending or time.monotonic() >= end:
+                break
+            time.sleep(min(self.opts.poll_interval, max(0.0, end - time.monotonic())))
+        return out
+
     def _query_new(self, strict: bool = False) -> list[int]:
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
         that fails the query (its own data or model refused, e.g. labels outside the classes) is
@@ -161,7 +234,8 @@ class FlowerExecutor(Executor):
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, unavailable, _ = self._exchange([Message(RecordDict({}), dst_node_id=nid, message_type=QUERY)
+        ok, failed, unavailable, _ = self._exchange([Message(RecordDict(self._config({})), dst_node_id=nid,
+                                                             message_type=QUERY)
                                                      for nid in new])
         for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
             log.warning("node %d is unavailable: %s", nid, why)
@@ -198,6 +272,7 @@ class FlowerExecutor(Executor):
             if cid in self.nodes and self.nodes[cid] != nid:
                 log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
             self.nodes[cid], self.info[cid] = nid, info
+            self._saw(cid, rep.content[METRICS] if METRICS in rep.content else {})
             self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
             joined.append(cid)
         return joined
@@ -261,7 +336,9 @@ class FlowerExecutor(Executor):
         refused since the previous row (at the start: during discovery), with client id and reason."""
         new = self.refusals[self._logged_refusals:]
         self._logged_refusals = len(self.refusals)
-        return {**st, **({"refused": [dict(r) for r in new]} if new else {})}
+        rejoined, self._rejoined = self._rejoined, {}
+        return {**st, **({"refused": [dict(r) for r in new]} if new else {}),
+                **({"rejoined": rejoined} if rejoined else {})}
 
     def train(self, round: int, sent: dict[int, FedMessage],
               downlink: Callable[[int], FedMessage] | None = None) -> RoundReplies:
@@ -280,6 +357,7 @@ class FlowerExecutor(Executor):
             st["timed_out"] += [i for i in missing if i not in st["timed_out"]]
             for i, rep in replies.items():
                 m = rep.content[METRICS] if METRICS in rep.content else {}
+                self._saw(i, m)
                 if "loss_ce" in m:
                     res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
                                       float(m.get("emb-norm-max", 0.0)))
@@ -340,7 +418,7 @@ class FlowerExecutor(Executor):
         client ids that timed out). Failures and timeouts are logged."""
         ids = [i for i in ids if i in self.nodes]
         out = [Message(RecordDict({MESSAGE: to_record(msgs[i]),
-                                   CONFIG: ConfigRecord({"round": self.round, "cid": i})}),
+                                   **self._config({"round": self.round, "cid": i})}),
                        dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
                for i in ids]
         ok, failed, unavailable, missing = self._exchange(out)
@@ -357,7 +435,10 @@ class FlowerExecutor(Executor):
                 {cid_of[n]: w for n, w in unavailable.items()}, [cid_of[n] for n in missing])
 
     def client_report(self, cid: int) -> dict:
-        return self._reports.get(cid, {})  # from the node's evaluate reply (Algorithm.client_report runs there)
+        """The node's own report from its evaluate reply (:meth:`Algorithm.client_report` runs there),
+        plus ``state_lost_round`` (the round its node came back without the client's state; empty if never)."""
+        lost = {"state_lost_round": self.state_lost.get(cid)} if self.state_lost else {}
+        return {**self._reports.get(cid, {}), **lost}
 
     def who(self, cid: int) -> str:
         return f"client {cid} (node {self.nodes.get(cid)})"
@@ -371,6 +452,9 @@ class FlowerExecutor(Executor):
         got = {i: {k: float(v) for k, v in rep.content[METRICS].items() if k != "num-examples"}
                for i, rep in replies.items()}
         for i, m in got.items():  # the client's own report (Algorithm.client_report) goes to clients.csv, not accuracy
+            self._saw(i, m)
+            for k in INSTANCE_KEYS:  # the node's state, not a score
+                m.pop(k, None)
             self._reports[i] = {k: m.pop(k) for k in REPORT_KEYS if k in m}
         if not got:
             raise TrainingError("no node replied to the final evaluation; restart the SuperNodes and run again")
@@ -380,7 +464,8 @@ class FlowerExecutor(Executor):
     def config_record(self) -> dict:
         return {"engine": "flower", "embedding_dim_in_force": self.embedding_dim,
                 "flower": {"round_timeout": self.opts.round_timeout, "min_replies": self.opts.min_replies,
-                           "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes},
+                           "round_retries": self.opts.round_retries, "wait_nodes": self.opts.wait_nodes,
+                           "run_key": self.run_key},
                 "nodes": {str(i): {**{k: v for k, v in self.info[i].items() if k != "cid"}, "node_id": self.nodes[i]}
                           for i in sorted(self.info)},
                 "refused": [dict(r) for r in self.refusals]}

@@ -245,15 +245,36 @@ class LocalFederation:
 
     def start_supernode(self, node_config: Mapping[str, Any], name: str | None = None,
                         key: Path | None = None, max_wait: float | None = None,
-                        restart: tuple[float, float] | None = None) -> subprocess.Popen:
+                        restart: tuple[float, float] | None = None,
+                        executor: str | None = None) -> subprocess.Popen:
         """Start a SuperNode with ``node_config`` (its ``--node-config``); with ``auth``, ``key`` is
         its private key (default: a new registered one). ``max_wait``: seconds it keeps trying to
         connect (default: forever). ``restart``: (backoff, max backoff) in seconds: run it under
         :mod:`fedproto.flower.supervise`, which starts it again when it fails (the returned process
-        is the supervisor's; the SuperNode's pid is in its log: ``started flower-supernode (pid N)``)."""
-        name = name or f"node{sum(n.startswith('node') for n in self.procs)}"
-        args = [self.commands["flower-supernode"], "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
+        is the supervisor's; the SuperNode's pid is in its log: ``started flower-supernode (pid N)``).
+        ``executor``: None (default: the SuperNode starts a ``flwr-clientapp`` process per
+        message), ``"fedproto"`` (``--isolation process`` and ``python -m fedproto.flower.prefork``
+        as process ``<name>-executor``: one warm process that forks per message) or ``"flower"``
+        (``--isolation process`` and Flower's ``flower-superexec``). Raises ConfigError for another
+        ``executor``."""
+        if executor not in (None, "fedproto", "flower"):
+            raise ConfigError(f"executor={executor!r}: choose None (Flower's default), 'fedproto' or 'flower'")
+        name = name or f"node{sum(n.startswith('node') and not n.endswith('-executor') for n in self.procs)}"
+        runtime_port = free_port()
+        args = [self.commands["flower-supernode"], "--superlink", f"127.0.0.1:{self.port}", "--port", str(runtime_port),
                 "--node-config", config_arg(node_config)]
+        if executor:
+            args += ["--isolation", "process"]
+            runtime = f"127.0.0.1:{runtime_port}"
+            if executor == "fedproto":
+                cmd = [sys.executable, "-m", "fedproto.flower.prefork", "--supernode", runtime, "--insecure",
+                       "--node-config", config_arg(node_config)]
+            else:
+                superexec = flower_command("flower-superexec")
+                if superexec is None:
+                    raise ConfigError("Flower's command flower-superexec is neither beside this Python nor on PATH")
+                cmd = [superexec, "--runtime-api-address", runtime, "--insecure"]
+            self._start(f"{name}-executor", cmd)
         args += ["--root-certificates", str(self.creds.ca_cert)] if self.tls else ["--insecure"]
         if self.auth:
             args += ["--auth-supernode-private-key", str(key or self.node_key()[0])]
@@ -272,14 +293,15 @@ class LocalFederation:
         return [int(m) for m in re.findall(r"started \S*flower-supernode \(pid (\d+)\)", self.log(name))]
 
     def kill(self, name: str) -> None:
-        """Kill process ``name`` and its children at once (SIGKILL: a node that drops off)."""
-        p = self.procs[name]
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, 9)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+        """Kill process ``name`` and its children at once (SIGKILL: a node that drops off); a
+        SuperNode's executor (``<name>-executor``) with it."""
+        for p in (self.procs[name], self.procs.get(f"{name}-executor")):
+            if p is not None and p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
 
     def flwr_run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 600.0,
                  num_supernodes: int | None = None) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ Node config keys (``flower-supernode --node-config '...'``):
 ``client-id``
     This client's id, a whole number >= 0, unique in the federation. It names the client in the
     server's logs and metrics and seeds its training exactly as client ``client-id`` of an
-    in-process run (:func:`fedproto.simulation.client_step`).
+    in-process run (:func:`fedproto.engine.executors.local.client_step`).
 ``data``
     The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``), or ``train/`` and
     ``test/`` folders of class sub-folders of images (:func:`fedproto.data.folder.load_client_folder`).
@@ -153,7 +153,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                           f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
     state = ClientState(cid, model, np.unique(y.numpy()))
     data = ClientData(x, y, tx, ty)
-    try:  # the set-up of every front end (fedproto.simulation.build_setup), for this node's one client
+    try:  # the set-up of every front end (fedproto.engine.setup.build_setup), for this node's one client
         setup = build_setup(cfg, [state], [data], Partition([np.arange(len(y))], [np.arange(len(ty))],
                                                             [state.classes]), place=False,
                             whole=False)

@@ -56,9 +56,14 @@ from fedproto.config import RunConfig
 from fedproto.errors import ConfigError
 
 STATE_NODE = "fedproto.node"
+STATE_RUN = "fedproto.run"
+"""The ``context.state`` record holding the server's run key (:data:`RUN_KEY`)."""
 """The ``context.state`` record (a ConfigRecord) holding :data:`INSTANCE_KEYS`."""
 INSTANCE_KEYS = ("instance", "restored", "state-round")
 """The keys every ClientApp reply carries in its metrics record (module docstring)."""
+RUN_KEY = "run-key"
+"""The key of the run the server sends in every message's config record: the state file belongs to
+it (not to Flower's run id, which a run resumed on a new SuperLink does not keep)."""
 STATE_DIR_KEY = "state-dir"
 """The node config key of the state folder (:func:`state_dir`)."""
 FORMAT = 1
@@ -100,12 +105,16 @@ def state_dir(node_config: Mapping[str, Any], own_data: bool) -> Path | None:
     return Path(v).expanduser() if v.strip() else None
 
 
-def state_key(run_id: int, cid: int, cfg: RunConfig, node_config: Mapping[str, Any]) -> dict[str, Any]:
-    """What a state file belongs to: ``run_id``, ``client_id`` and ``hash``, the SHA-256 (first 16
+def state_key(run_id: int | str, cid: int, cfg: RunConfig, node_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a state file belongs to: ``run_id`` (the server's run key, :data:`RUN_KEY`, where its
+    messages carry one, else Flower's run id), ``client_id`` and ``hash``, the SHA-256 (first 16
     hex digits) of the run config's result fields and the node config (``state-dir`` left out)."""
     nc = {str(k): v for k, v in node_config.items() if k != STATE_DIR_KEY}
     blob = json.dumps({"config": cfg.result_fields(), "node": nc}, sort_keys=True, default=str)
-    return {"run_id": int(run_id), "client_id": int(cid), "hash": hashlib.sha256(blob.encode()).hexdigest()[:16]}
+    run = run_id if isinstance(run_id, str) else int(run_id)
+    if isinstance(run, str) and not run.replace("-", "").isalnum():
+        raise ConfigError(f"run key {run!r}: letters, digits and '-' only")
+    return {"run_id": run, "client_id": int(cid), "hash": hashlib.sha256(blob.encode()).hexdigest()[:16]}
 
 
 def state_file(folder: Path, key: Mapping[str, Any]) -> Path:
@@ -159,16 +168,21 @@ def load_state(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def begin(context: Context, cid: int, cfg: RunConfig, model: torch.nn.Module,
-          extra: Mapping[str, Any]) -> dict[str, Any] | None:
+          extra: Mapping[str, Any], run_key: str | None = None) -> dict[str, Any] | None:
     """At every message: on the first one of a SuperNode process (no :data:`STATE_NODE` in
     ``context.state``), reload the client's state file if there is one (returned: its ``model``
     state_dict and ``extra``, for the caller to put in ``context.state``; ``restored`` = 1), else
     draw a new instance id and, with a state folder, save ``model`` and ``extra`` as round 0.
     Returns None when nothing was reloaded.
 
+    ``run_key``: the server's run key (:data:`RUN_KEY`), kept in ``context.state`` for the state
+    file's name; None: Flower's run id.
+
     Raises:
         ConfigError: a bad ``state-dir`` (:func:`state_dir`).
     """
+    if run_key:
+        context.state[STATE_RUN] = ConfigRecord({RUN_KEY: str(run_key)})
     if STATE_NODE in context.state:
         return None
     path = _path(context, cid, cfg)
@@ -223,7 +237,8 @@ def _own_data(node_config: Mapping[str, Any]) -> bool:
 
 
 def _key(context: Context, cid: int, cfg: RunConfig) -> dict[str, Any]:
-    return state_key(context.run_id, cid, cfg, context.node_config)
+    run = context.state[STATE_RUN][RUN_KEY] if STATE_RUN in context.state else context.run_id
+    return state_key(run, cid, cfg, context.node_config)
 
 
 def _path(context: Context, cid: int, cfg: RunConfig) -> Path | None:

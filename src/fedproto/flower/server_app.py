@@ -16,15 +16,21 @@ runs: ``out_dir/<run name>-run<Flower run id>``.
 
 from __future__ import annotations
 
+import json
 import logging
+import secrets
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
 from fedproto.engine.loop import RoundLoop
+from fedproto.engine.observers.checkpoints import Checkpoints, restore
 from fedproto.engine.observers.health import Health
 from fedproto.engine.observers.progress import Progress
 from fedproto.engine.observers.rundir import RunFolder
@@ -32,7 +38,7 @@ from fedproto.engine.setup import build_algorithm
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
-from fedproto.results import RunDir
+from fedproto.results import RunDir, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +48,98 @@ app = ServerApp()
 class FlowerEngine:
     """Run a configured experiment with one Flower SuperNode per client.
 
+    The server writes a checkpoint of its own state (server message, algorithm state, metrics rows)
+    into the run folder after every round (``checkpoint_every``, default every round under Flower);
+    the clients keep theirs on their nodes (:mod:`fedproto.flower.node_state`). When the run stops
+    (the SuperLink went away, too few replies), ``failure.json`` in the run folder says when and why,
+    and the run can be continued from its last completed round, also on a new SuperLink, with the
+    Flower run config ``resume-from="<run folder>"`` (:attr:`FlowerOptions.resume_from`).
+
     Args:
-        cfg: the run configuration (``checkpoint_every`` must be 0: client models stay on the
-            nodes, so the server cannot checkpoint them).
+        cfg: the run configuration.
         grid: the Flower :class:`~flwr.serverapp.Grid` of the run.
         out: run directory (a path; False: write nothing).
-        options: the Flower engine's options (timeouts, minimum replies, retries).
-        wait_s, timeout_s: override ``options.wait_nodes`` and ``options.round_timeout``.
+        options: the Flower engine's options (timeouts, minimum replies, retries, ``resume_from``).
+        wait_s: overrides ``options.wait_nodes``.
+        timeout_s: overrides ``options.round_timeout``.
         on_round: optional callback(row) after each round.
     Raises:
-        ConfigError: checkpoints requested; see :class:`~fedproto.flower.executor.FlowerExecutor`.
+        ConfigError: ``resume_from`` names no run folder of this run (see :meth:`run`); see
+            :class:`~fedproto.flower.executor.FlowerExecutor`.
         TrainingError: too few nodes joined (:class:`~fedproto.flower.executor.FlowerExecutor`).
     """
 
     def __init__(self, cfg: RunConfig, grid: Grid, out=None, options: FlowerOptions | None = None,
                  wait_s: float | None = None, timeout_s: float | None = None,
                  on_round: Callable[[dict], None] | None = None):
-        if cfg.checkpoint_every:
-            raise ConfigError(f"checkpoint_every={cfg.checkpoint_every}: under Flower the client models stay on "
-                              "the SuperNodes, so the server cannot checkpoint them; set checkpoint_every=0")
         opts = options or FlowerOptions()
-        opts = FlowerOptions(round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
-                             min_replies=opts.min_replies, round_retries=opts.round_retries,
-                             wait_nodes=opts.wait_nodes if wait_s is None else wait_s, class_names=opts.class_names)
-        self.cfg = cfg
-        self.executor = FlowerExecutor(cfg, grid, opts)
+        opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
+                       wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
+        self.cfg, self.opts = cfg, opts
+        if cfg.tensorboard and out is not False:  # a missing extra stops the run before its folder exists
+            from fedproto.tensorboard import require_tensorboard
+
+            require_tensorboard()
+        if opts.resume_from:
+            out = Path(opts.resume_from).expanduser()
+            if not out.is_dir():
+                raise ConfigError(f"resume-from={opts.resume_from!r} is not a folder; give the run folder of the "
+                                  "interrupted run (it holds config.json and checkpoint.pt)")
+        self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
+        self.run_key = self._run_key()
+        self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
+        self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
         self.executor.bind(self.algorithm)
-        self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         observers = [Health(cfg)]
         if self.run_dir:
-            observers.append(RunFolder(self.run_dir, self.config_record))
+            observers += [RunFolder(self.run_dir, self.config_record),
+                          Checkpoints(self.run_dir, cfg.checkpoint_every or 1)]
             if cfg.tensorboard:  # the optional extra (fedproto[tensorboard])
                 from fedproto.tensorboard import TensorBoardObserver
 
                 observers.append(TensorBoardObserver(self.run_dir.path))
         observers.append(Progress(on_round))
         self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
+
+    def _run_key(self) -> str:
+        """The run's key (the nodes' state files belong to it): a resumed run's own, read from its
+        ``config.json``; else a new random one."""
+        if self.opts.resume_from and self.run_dir:
+            path = self.run_dir.path / "config.json"
+            try:
+                key = json.loads(path.read_text())["flower"]["run_key"]
+            except (OSError, ValueError, KeyError, TypeError):
+                raise ConfigError(f"resume-from={self.opts.resume_from!r}: {str(path)!r} is not the config.json of a "
+                                  "Flower run of fedproto; give the run folder of the interrupted run (it holds "
+                                  "config.json and checkpoint.pt)") from None
+            if isinstance(key, str) and key:
+                return key
+        return secrets.token_hex(8)
+
+    def _resumable(self) -> dict:
+        """The checkpoint ``resume_from`` continues, checked before the nodes are asked anything.
+
+        Raises:
+            ConfigError: the folder holds no checkpoint (a finished run removes it).
+            CheckpointMismatch: it was written under other options (names them).
+        """
+        from fedproto.config import ADDED_FIELDS, result_fields
+        from fedproto.errors import CheckpointMismatch
+
+        ck = self.run_dir.checkpoint
+        if not ck.is_file():
+            raise ConfigError(f"resume-from={str(self.run_dir.path)!r} holds no checkpoint.pt: nothing to resume (a "
+                              "finished run removes it); run without resume-from to start anew")
+        ckpt = load_checkpoint(ck)
+        mine = self.cfg.result_fields()
+        theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if diff:
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
+            raise CheckpointMismatch(f"{ck} was written by a run with other options ({shown}); resume with the same "
+                                     "run config")
+        return ckpt
 
     @property
     def history(self) -> list[dict]:
@@ -97,26 +158,51 @@ class FlowerEngine:
     def run(self, resume: bool = False) -> dict:
         """Run all rounds; returns the summary (also ``summary.json`` in the run folder).
 
+        Args:
+            resume: continue from the run folder's checkpoint (set by ``resume_from``).
         Raises:
-            ConfigError: ``resume`` (not supported under Flower: client models stay on the nodes).
+            ConfigError: resuming without a run folder or without a checkpoint in it.
+            CheckpointMismatch: the checkpoint belongs to other options.
             TrainingError: a round stayed below ``min-replies`` after its retries, or no node
-                replied to the final evaluation.
+                replied to the final evaluation (``failure.json`` records it).
         """
-        if resume:
-            raise ConfigError("resume is not supported under Flower (client models stay on the nodes)")
+        resume = resume or bool(self.opts.resume_from)
         self.loop.message = self.loop.initial_message()
-        if not self.run_dir:
+        rd = self.run_dir
+        if not rd:
+            if resume:
+                raise ConfigError("resume needs the run folder of the interrupted run (resume-from)")
             return self.loop.run()
-        self.run_dir.acquire()
+        if resume:
+            ckpt = self._checkpoint if self._checkpoint is not None else self._resumable()
+            restore(self.loop, ckpt, str(rd.checkpoint))
+            log.warning("fedproto: resuming %s after round %d", rd.path, self.loop.start_round - 1)
+        rd.acquire()
         try:
-            self.run_dir.begin()
+            rd.begin(self.loop.history if resume else None)
             try:
                 return self.loop.run()
-            except BaseException:
-                self.run_dir.abort()
+            except BaseException as e:
+                self._record_failure(e)
+                if not rd.checkpoint.is_file():
+                    rd.abort()
                 raise
         finally:
-            self.run_dir.release()
+            rd.release()
+
+    def _record_failure(self, e: BaseException) -> None:
+        """``failure.json``: the round the run stopped in, why, and how to continue it."""
+        done = len(self.loop.history)
+        record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
+                  "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "checkpoint": self.run_dir.checkpoint.is_file(),
+                  "resume": f'flwr run . --run-config "resume-from=\'{self.run_dir.path}\'"'}
+        try:
+            atomic_write_json(self.run_dir.path / "failure.json", record)
+        except OSError as err:  # never hide the run's own error behind this one
+            log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
+        log.error("fedproto: the run stopped in round %d (%s); rounds 1..%d are in %s%s", done + 1, type(e).__name__,
+                  done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
 
 
 @app.main()
@@ -125,7 +211,7 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = run_config(context.run_config)
         opts = FlowerOptions.from_user_config(context.run_config)
-        out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"
+        out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
         summary = FlowerEngine(cfg, grid, out=out, options=opts).run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
         from fedproto.options import flower_wording

@@ -1,12 +1,14 @@
 """The batched executor: clients of one architecture trained as one batched computation.
 
-Each round's clients are grouped by architecture (:meth:`BatchedExecutor._groups`). A group whose
+Each round's clients are grouped by architecture (:meth:`BatchedExecutor.groups`). A group whose
 models have a hand-written batched forward (:attr:`~fedproto.models.base.ProtoModel.batch_params`,
 the paper's CNN) trains with :func:`~fedproto.training.train_group`, split over worker processes
 (:mod:`fedproto.parallel`) where the run has them; with ``execution="batched"`` other
 architectures train with the generic path (:func:`~fedproto.training.train_group_generic`,
-``torch.func.vmap``). Singletons, data read item by item and models neither path can batch train
-one by one (:func:`~fedproto.engine.executors.local.client_step`). Every path takes the same
+``torch.func.vmap``); with ``execution="auto"`` only those it runs as grouped operations (CNNs of
+standard layers on images, :mod:`fedproto.grouped`), the others one by one. Singletons, data read
+item by item and models neither path can batch train one by one
+(:func:`~fedproto.engine.executors.local.client_step`). Every path takes the same
 ``prepare``/``local_objective``/``plan``/``finish`` calls of the algorithm, so it matches the
 sequential executor in float64 (tests/test_parallel.py, tests/test_batched_generic.py).
 """
@@ -79,11 +81,14 @@ class BatchedExecutor(LocalExecutor):
     """Clients of one architecture as one batched computation, optionally on worker processes.
 
     Args:
-        setup, seed: as :class:`~fedproto.engine.executors.local.LocalExecutor`.
-        mode: ``auto`` (the hand-written batched path where a model has one) or ``batched`` (also
-            the generic ``torch.func`` path for other models).
+        setup: the run's set-up (as :class:`~fedproto.engine.executors.local.LocalExecutor`).
+        seed: the run's seed.
+        mode: ``auto`` (the hand-written batched path where a model has one, the generic path's grouped
+            operations for CNNs of standard layers, :mod:`fedproto.grouped`) or ``batched`` (the generic
+            path for every other model it can batch too: ``torch.func.vmap``).
         group_size: most clients in one batched computation.
-        workers, threads: worker processes and the run's thread budget (:func:`fedproto.parallel.plan_workers`).
+        workers: worker processes (:func:`fedproto.parallel.plan_workers`; 0: auto).
+        threads: the run's thread budget (0: torch's default).
         rounds: the run's rounds (auto mode starts workers only for long runs).
     """
 
@@ -97,8 +102,15 @@ class BatchedExecutor(LocalExecutor):
         self._pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
         self._worker_threads = 1
         self._generic_checked: dict = {}
+        self._grouped_checked: dict = {}
 
-    def _groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
+    @property
+    def pool(self):
+        """The :class:`~fedproto.parallel.WorkerPool` training this run's batched groups; False when
+        they train in this process; None before the first batched round and after :meth:`close`."""
+        return self._pool
+
+    def groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
         process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
         mode = self.mode
@@ -108,9 +120,11 @@ class BatchedExecutor(LocalExecutor):
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             by_arch[self._group_key(i)].append(i)
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
-        # the generic path only when asked for (execution="batched"): on this project's 2-core CPU it was measured
-        # 1.0-1.2x the sequential path's speed for small CNNs and 0.44x for ResNet18 (docs/benchmarks.md)
-        generic = [m for m in by_arch.values() if mode == "batched" and len(m) > 1 and self._generic_ok(m)]
+        # the generic path: with execution="batched" for every model it can batch; with "auto" only for CNNs of standard
+        # layers on images (the grouped operations of fedproto.grouped), measured 1.3-2x faster than the sequential
+        # path on this project's 2-core CPU; vmap (BatchNorm, dropout: ResNet18 0.44x) was slower (docs/benchmarks.md)
+        generic = [m for m in by_arch.values() if len(m) > 1 and (mode == "batched" or self._grouped_ok(m))
+                   and self._generic_ok(m)]
         W = self._executors(max((len(m) for m in batched), default=0))
         groups = []
         for members in by_arch.values():
@@ -161,6 +175,21 @@ class BatchedExecutor(LocalExecutor):
                 log.info("%s models train one client after another: torch.func.vmap cannot batch them (%s)",
                          type(model).__name__, problem)
             cache[key] = problem is None
+        return cache[key]
+
+    def _grouped_ok(self, members: list[int]) -> bool:
+        """True if the clients ``members`` (equal :meth:`_group_key`) would train on the generic path's grouped
+        operations (:func:`fedproto.grouped.grouped_graph` traces their model; image inputs), which
+        ``execution="auto"`` uses; checked once per architecture and run."""
+        from fedproto.grouped import grouped_graph
+
+        model = self.setup.states[members[0]].model
+        key = self._group_key(members[0])
+        if key is None or model.batch_params:
+            return False
+        cache = self._grouped_checked
+        if key not in cache:
+            cache[key] = self.setup.data[members[0]].x.dim() == 4 and grouped_graph(model)[0] is not None
         return cache[key]
 
     def _executors(self, batched_clients: int) -> int:
@@ -215,7 +244,7 @@ class BatchedExecutor(LocalExecutor):
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule) for the batched paths too
         out = {}
-        groups = self._groups(sorted(msgs))
+        groups = self.groups(sorted(msgs))
         pool = self._pool or None
         tasks: dict[int, list] = defaultdict(list)
         for group, w in groups:  # the workers' parts first: they train while the main process trains its own

@@ -15,10 +15,15 @@ from conftest import needs_mnist
 import fedproto
 
 NEVER_AT_START = ["matplotlib", "sklearn", "scipy", "flwr", "opacus", "ray", "PIL"]
+
 """Needed only by plots, the digits data set, robust aggregation, Flower, DP-SGD, image folders."""
+
+
 NOT_FOR_HELP = [*NEVER_AT_START, "torch", "numpy", "rich.progress", "rich.table"]
+
 """``import fedproto``, ``import fedproto.cli`` and ``--help`` train nothing and draw no result table
 (the help of the group and of ``run`` is drawn in panels of rich tables)."""
+
 
 _PROBE = """
 import json, runpy, sys

@@ -24,12 +24,16 @@ from fedproto.simulation import Simulation
 from fedproto.training import Objective, OptimConfig, make_plan, train_client, train_group
 
 BASELINES = ("local", "fedavg", "fedprox", "fedper", "fedrep", "fesem")
+
+
 # lr 0.05 and 20 rounds: enough local steps on ~75 samples per client to be far above chance
 # (clients hold 2-4 classes: chance 1/4 to 1/2) for every method; threads=1 keeps these tiny runs
 # fast on shared CPUs. Measured mean accuracy at seed 1234: local .957, fedavg .911, fedprox .907,
 # fedper .928, fedrep .900, fesem .957; the lowest over seeds 1-5 was .811 (fedprox, seed 3).
 BASE = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=20, model="cnn",
             eval_every=0, lr=0.05, threads=1)
+
+
 MIN_ACC = 0.75
 
 
@@ -90,8 +94,6 @@ def test_up_message_size_matches_method(algorithm):
     expected_down = {"local": 0, "fedper": m * body, "fedrep": m * body}.get(algorithm, m * total)
     assert row["down_params"] == expected_down
 
-
-# -- mechanisms ------------------------------------------------------------------------------------
 
 def _cnn_clients(G, seed=0, n=16, size=16):
     torch.manual_seed(seed)

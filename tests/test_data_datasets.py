@@ -6,28 +6,31 @@ tests use a throw-away HTTP server on 127.0.0.1; nothing here touches the intern
 
 from __future__ import annotations
 
-import functools
 import gzip
-import hashlib
 import os
 import shutil
-import socket
 import stat
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import leftovers
 
-from fedproto.data import Dataset, load_dataset
+from fedproto.data import Dataset, femnist, load_dataset, mnist
 from fedproto.data import datasets as ds
 from fedproto.data import download as dl
 from fedproto.errors import DataError
 
+pytestmark = pytest.mark.usefixtures("private_cache")
+
+
 _ENV_DATA = os.environ.get("FEDPROTO_DATA", "").strip()
+
+
 SHARED = Path(_ENV_DATA) if _ENV_DATA else None
+
+
 MNIST_NAMES = [
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -54,52 +57,6 @@ def _shared_mnist_dir() -> Path:
     return folder
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Keep every test's cache writes (downloads, extractions) out of the user's home."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
-        mp.delenv(ds.MNIST_MIRRORS_ENV, raising=False)
-        yield
-
-
-@pytest.fixture
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No FEDPROTO_DATA and an empty cache folder: only an explicit root can hold data."""
-    monkeypatch.delenv("FEDPROTO_DATA", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    return tmp_path
-
-
-class _QuietHandler(SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        pass
-
-
-@pytest.fixture
-def http_root(tmp_path: Path):
-    """Serve tmp_path/www on 127.0.0.1; yields (folder, base URL)."""
-    www = tmp_path / "www"
-    www.mkdir()
-    handler = functools.partial(_QuietHandler, directory=str(www))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield www, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
-
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/nothing-listens-here"
-
-
 def _regzip_corrupted(src_gz: Path, dest_gz: Path) -> None:
     """Write a valid gzip whose decompressed content differs from src's in a few bytes."""
     data = bytearray(gzip.decompress(src_gz.read_bytes()))
@@ -115,95 +72,6 @@ def _flip_raw_bytes(src: Path, dest: Path) -> None:
     dest.write_bytes(bytes(data))
 
 
-def _leftovers(folder: Path, expected: set[str]) -> list[str]:
-    if not folder.exists():
-        return []
-    return sorted(p.name for p in folder.iterdir() if p.name not in expected)
-
-
-# --- download_file ------------------------------------------------------------------------
-
-
-def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert dl.default_cache_dir() == tmp_path / "fedproto"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert dl.default_cache_dir() == Path.home() / ".cache" / "fedproto"
-
-
-def test_download_file_falls_back_to_next_mirror(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    payload = os.urandom(50_000)
-    (www / "good").mkdir()
-    (www / "good" / "blob.bin").write_bytes(payload)
-    dest = tmp_path / "out" / "blob.bin"
-
-    got = dl.download_file(
-        [_closed_port_url(), f"{base}/missing/blob.bin", f"{base}/good/blob.bin"],
-        dest,
-        md5=hashlib.md5(payload).hexdigest(),
-        progress=False,
-        timeout=5,
-    )
-    assert got == dest
-    assert dest.read_bytes() == payload
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(dest.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
-    assert _leftovers(dest.parent, {"blob.bin"}) == []
-    assert dl.md5_of(dest, decompress_gz=False) == hashlib.md5(payload).hexdigest()
-
-
-def test_download_file_md5_of_decompressed_or_raw(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    content = b"fedproto " * 1000
-    (www / "f.gz").write_bytes(gzip.compress(content))
-    raw_md5 = hashlib.md5((www / "f.gz").read_bytes()).hexdigest()
-
-    url = [f"{base}/f.gz"]
-    a = dl.download_file(url, tmp_path / "a" / "f.gz", hashlib.md5(content).hexdigest(), progress=False)
-    b = dl.download_file(url, tmp_path / "b" / "f.gz", raw_md5, decompressed_md5=False, progress=False)
-    assert gzip.decompress(a.read_bytes()) == content
-    assert b.read_bytes() == (www / "f.gz").read_bytes()
-    assert dl.md5_of(a, decompress_gz=True) == hashlib.md5(content).hexdigest()
-
-
-def test_download_file_all_mirrors_fail(http_root, tmp_path: Path) -> None:
-    www, base = http_root
-    (www / "blob.bin").write_bytes(b"not what was expected")
-    dest = tmp_path / "out" / "blob.bin"
-    urls = [f"{base}/missing/blob.bin", f"{base}/blob.bin"]
-
-    with pytest.raises(DataError) as info:
-        dl.download_file(urls, dest, md5="0" * 32, progress=False)
-    msg = str(info.value)
-    assert all(u in msg for u in urls)
-    assert "404" in msg and "checksum mismatch" in msg
-    assert str(dest) in msg  # where to put the file by hand
-    assert not dest.exists()
-    assert _leftovers(dest.parent, set()) == []
-
-
-def test_download_file_cleans_up_on_keyboard_interrupt(
-    http_root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    www, base = http_root
-    (www / "blob.bin").write_bytes(b"x" * 1000)
-
-    def interrupted(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(dl, "_verify", interrupted)
-    dest = tmp_path / "out" / "blob.bin"
-    with pytest.raises(KeyboardInterrupt):
-        dl.download_file([f"{base}/blob.bin"], dest, md5="0" * 32, progress=False)
-    assert not dest.exists()
-    assert _leftovers(dest.parent, set()) == []
-
-
-# --- MNIST: download ---------------------------------------------------------------------
-
-
 def _serve_mnist(www: Path, folder: str) -> Path:
     target = www / folder
     target.mkdir()
@@ -215,12 +83,12 @@ def _serve_mnist(www: Path, folder: str) -> Path:
 def test_mnist_download_with_mirror_fallback(isolated: Path, http_root, monkeypatch) -> None:
     www, base = http_root
     _serve_mnist(www, "good")
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/missing/,{base}/good")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/missing/,{base}/good")
     root = isolated / "root"
 
     data = load_dataset("mnist", root=root, progress=False)
     assert (len(data.train_y), len(data.test_y)) == (60000, 10000)
-    assert _leftovers(root / "mnist", {f"{n}.gz" for n in MNIST_NAMES}) == []
+    assert leftovers(root / "mnist", {f"{n}.gz" for n in MNIST_NAMES}) == []
     assert all((root / "mnist" / f"{n}.gz").is_file() for n in MNIST_NAMES)
 
 
@@ -235,7 +103,7 @@ def test_mnist_download_corrupt_file(
         _regzip_corrupted(bad, bad)
     else:
         _flip_raw_bytes(bad, bad)
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/bad/")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/bad/")
     root = isolated / "root"
 
     with pytest.raises(DataError) as info:
@@ -246,14 +114,14 @@ def test_mnist_download_corrupt_file(
     target = root / "mnist"
     assert not (target / "train-labels-idx1-ubyte.gz").exists()
     # Files verified before the failure may stay; nothing else (no temporary files).
-    assert _leftovers(target, {"train-images-idx3-ubyte.gz"}) == []
+    assert leftovers(target, {"train-images-idx3-ubyte.gz"}) == []
 
 
 def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> None:
     www, base = http_root
     served = _serve_mnist(www, "partial")
     (served / "t10k-labels-idx1-ubyte.gz").unlink()
-    monkeypatch.setenv(ds.MNIST_MIRRORS_ENV, f"{base}/partial/")
+    monkeypatch.setenv(mnist.MNIST_MIRRORS_ENV, f"{base}/partial/")
     root = isolated / "root"
 
     with pytest.raises(DataError) as info:
@@ -263,7 +131,7 @@ def test_mnist_download_missing_file(isolated: Path, http_root, monkeypatch) -> 
     target = root / "mnist"
     assert not (target / "t10k-labels-idx1-ubyte.gz").exists()
     expected = {f"{n}.gz" for n in MNIST_NAMES if n != "t10k-labels-idx1-ubyte"}
-    assert _leftovers(target, expected) == []
+    assert leftovers(target, expected) == []
 
 
 def test_mnist_offline_without_files(isolated: Path) -> None:
@@ -277,9 +145,6 @@ def test_mnist_offline_without_files(isolated: Path) -> None:
     for folder in (root / "mnist", root, dl.default_cache_dir() / "mnist", dl.default_cache_dir()):
         assert str(folder) in msg
     assert list(root.iterdir()) == []  # nothing created when not downloading
-
-
-# --- MNIST: local files ------------------------------------------------------------------
 
 
 def _local_mnist_copy(root: Path) -> Path:
@@ -336,9 +201,6 @@ def test_mnist_from_shared_data() -> None:
     assert load_dataset("mnist", download=False) is data  # in-process cache
 
 
-# --- digits, unknown names ---------------------------------------------------------------
-
-
 def test_digits_shapes_and_determinism() -> None:
     data = load_dataset("digits")
     assert data.train_x.shape == (1257, 1, 8, 8) and data.test_x.shape == (540, 1, 8, 8)
@@ -359,9 +221,6 @@ def test_unknown_dataset_lists_known_names() -> None:
         assert name in str(info.value)
 
 
-# --- FEMNIST -----------------------------------------------------------------------------
-
-
 def test_femnist_from_shared_data() -> None:
     _shared("femnist")
     data = load_dataset("femnist", download=False)
@@ -376,7 +235,7 @@ def test_femnist_from_shared_data() -> None:
     assert len(np.unique(data.train_groups)) == 105 and len(data.group_names or []) == 105
     assert set(np.unique(data.test_groups)) <= set(np.unique(data.train_groups))
 
-    unpaired = ds.load_femnist_unpaired()
+    unpaired = femnist.load_femnist_unpaired()
     assert len(unpaired.train_y) == 0 and unpaired.test_x.shape == (2493, 1, 28, 28)
     assert len(unpaired.group_names or []) == 85
     assert not set(unpaired.group_names or []) & set(data.group_names or [])
@@ -387,16 +246,16 @@ def test_femnist_archive_extraction_location(isolated: Path) -> None:
     writable = isolated / "w" / "femnist"
     writable.mkdir(parents=True)
     shutil.copyfile(archive, writable / archive.name)
-    folder = ds._find_femnist(isolated / "w")
+    folder = femnist.find_femnist(isolated / "w")
     assert folder.is_relative_to(writable) and (folder / "train").is_dir()
-    assert _leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
+    assert leftovers(writable, {archive.name, "femnist-leaf-niid-sf0.05"}) == []
 
     readonly = isolated / "r" / "femnist"
     readonly.mkdir(parents=True)
     shutil.copyfile(archive, readonly / archive.name)
     readonly.chmod(stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP)
     try:
-        folder = ds._find_femnist(isolated / "r")
+        folder = femnist.find_femnist(isolated / "r")
         assert folder.is_relative_to(dl.default_cache_dir())
         assert sorted(os.listdir(readonly)) == [archive.name]
     finally:
@@ -410,9 +269,6 @@ def test_femnist_missing_explains_leaf(isolated: Path) -> None:
     msg = str(info.value)
     assert "./preprocess.sh -s niid --sf 0.05 -k 0 -t sample" in msg
     assert str(isolated / "nothing" / "femnist") in msg
-
-
-# --- CIFAR-10 ----------------------------------------------------------------------------
 
 
 def test_cifar10_from_shared_data() -> None:
@@ -445,3 +301,52 @@ def test_explicit_data_folder_that_is_missing_or_a_file(isolated: Path, monkeypa
     afile.write_text("x")
     with pytest.raises(DataError, match=r"is a file, not a folder"):
         load_dataset("cifar10", root=afile)
+
+
+def test_kept_client_folders_are_decoded_once_and_again_when_a_file_changes(tmp_path):
+    """fedproto.data.folder.keep_decoded (the Flower executor's data cache, issue #23): off by
+    default (every call reads the files); on, a folder is decoded once and the same tensors come
+    back until a file changes (size or mtime), labels are still checked against each call's class
+    count, and a folder decoded before the class count is known (preload) is checked on use."""
+    import numpy as np
+    import pytest
+    import torch
+    from PIL import Image
+
+    from fedproto.data import folder as fo
+    from fedproto.errors import DataError
+
+    rng = np.random.default_rng(0)
+    npz = tmp_path / "npz"
+    npz.mkdir()
+    for split, n in (("train", 6), ("test", 3)):
+        np.savez(npz / f"{split}.npz", x=rng.random((n, 1, 4, 4), dtype=np.float32), y=np.arange(n) % 3)
+    img = tmp_path / "img"
+    for split in ("train", "test"):
+        for c in ("0", "2"):
+            (img / split / c).mkdir(parents=True)
+            Image.fromarray(np.full((4, 4), 40 * int(c), np.uint8)).save(img / split / c / "a.png")
+    try:
+        (a, _), _ = fo.load_client_folder(npz, 3)
+        (b, _), _ = fo.load_client_folder(npz, 3)
+        assert a is not b and torch.equal(a, b)  # off: read again
+        fo.keep_decoded()
+        assert fo.preload_client_folder(img) == 4
+        (a, _), _ = fo.load_client_folder(npz, 3)
+        (b, _), (tx, ty) = fo.load_client_folder(npz, 3)
+        assert a is b and tx.shape == (3, 1, 4, 4) and ty.tolist() == [0, 1, 2]
+        (xi, yi), _ = fo.load_client_folder(img, 3)
+        assert sorted(yi.tolist()) == [0, 2] and float(xi.max()) == pytest.approx(80 / 255)
+        with pytest.raises(DataError, match="label 2 is outside the run's classes 0..1"):
+            fo.load_client_folder(img, 2)  # the preloaded arrays are still checked
+        np.savez(npz / "train.npz", x=np.zeros((2, 1, 4, 4), np.float32), y=np.array([0, 1]))
+        (c, _), _ = fo.load_client_folder(npz, 3)
+        assert c is not a and c.shape == (2, 1, 4, 4) and float(c.abs().sum()) == 0.0
+        with pytest.raises(ValueError, match="size=0: keep at least 1 folder"):
+            fo.keep_decoded(size=0)
+        fo.keep_decoded(size=1)
+        fo.load_client_folder(img, 3)
+        assert fo.kept_folders() == 1  # the least recently used folder went
+    finally:
+        fo.keep_decoded(False)
+    assert fo.kept_folders() is None

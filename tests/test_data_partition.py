@@ -1,11 +1,19 @@
+"""TODO"""
+
+
 import numpy as np
 import pytest
+from conftest import DATA, needs_femnist
 
-from fedproto.data.partition import draw_ways_shots, fewshot_partition
-from fedproto.errors import PartitionError
+from fedproto.config import build_config
+from fedproto.data.partition import draw_ways_shots, fewshot_partition, natural_partition
+from fedproto.engine.setup import prepare
+from fedproto.errors import ConfigError, PartitionError
+from fedproto.simulation import Simulation
 
-rng = np.random.default_rng(0)
 TRAIN_Y = np.repeat(np.arange(10), 600)
+
+
 TEST_Y = np.repeat(np.arange(10), 100)
 
 
@@ -149,7 +157,6 @@ def test_dirichlet_partition_semantics():
 
 def test_dirichlet_partition_runs_end_to_end(tmp_path):
     from fedproto.config import build_config
-    from fedproto.simulation import Simulation
 
     cfg = build_config(overrides=dict(dataset="digits", partition="dirichlet", alpha=0.3, clients=5, rounds=5,
                                       test_shots=5, min_client_samples=20, out_dir=str(tmp_path)))
@@ -162,9 +169,9 @@ def test_dirichlet_partition_runs_end_to_end(tmp_path):
     assert s["accuracy"]["acc"]["mean"] > chance + 0.25, (s["accuracy"], chance)
 
 
-# ---- overlap: clients may share training samples when a class runs short (issue #15 item 5) ----
-
 MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+
+
 MNIST_TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
@@ -266,7 +273,6 @@ def test_overlap_runs_end_to_end_and_is_recorded(tmp_path):
 
     from fedproto.config import build_config
     from fedproto.engine.setup import prepare
-    from fedproto.simulation import Simulation
 
     base = dict(dataset="digits", clients=60, ways=3, shots=10, stdev=0, test_shots=5, rounds=1, eval_every=0,
                 threads=1, out_dir=str(tmp_path), name="o")
@@ -278,3 +284,85 @@ def test_overlap_runs_end_to_end_and_is_recorded(tmp_path):
     assert part["overlap"] is True and part["train_samples_shared"] is True
     assert part["train_samples_total"] == 1800 > part["train_samples_distinct"]
     assert all(len(np.unique(tr)) == len(tr) == 30 for tr in sim.setup.partition.train_idx)
+
+
+@pytest.fixture(scope="module")
+def femnist():
+    from fedproto.data.datasets import load_dataset
+
+    return load_dataset("femnist", DATA, download=False)
+
+
+@pytest.mark.usefixtures("one_thread")
+@needs_femnist
+def test_natural_partition_one_client_per_writer(femnist):
+    ds = femnist
+    tr_g, te_g, tr_y, te_y = ds.train_groups, ds.test_groups, ds.train_y.numpy(), ds.test_y.numpy()
+    W = len(ds.group_names)
+    p = natural_partition(tr_g, te_g, tr_y, te_y, W, seed=0)
+    assert p.num_clients == W and sorted(p.writers) == list(range(W))
+    all_train = np.concatenate(p.train_idx)
+    assert np.array_equal(np.sort(all_train), np.arange(len(tr_y)))  # disjoint and complete
+    assert np.array_equal(np.sort(np.concatenate(p.test_idx)), np.arange(len(te_y)))
+    unseen = 0
+    for tr, te, cls, k, w in zip(p.train_idx, p.test_idx, p.classes, p.shots, p.writers):
+        assert np.all(tr_g[tr] == w) and np.all(te_g[te] == w)
+        assert len(tr) == (tr_g == w).sum() and len(te) == (te_g == w).sum() >= 1
+        assert np.array_equal(cls, np.unique(tr_y[tr]))
+        assert np.array_equal(k, np.bincount(tr_y[tr], minlength=62)[cls]) and k.sum() == len(tr)
+        unseen += int((~np.isin(te_y[te], cls)).sum())
+    assert unseen > 0  # test samples of classes the writer never trained on are kept
+
+    a = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=3)
+    b = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=3)
+    c = natural_partition(tr_g, te_g, tr_y, te_y, 20, seed=4)
+    assert a.writers == b.writers and a.writers != c.writers and a.writers == sorted(a.writers)
+    assert len(set(a.writers)) == 20
+    with pytest.raises(PartitionError, match=rf"only {W} writers are available.*use clients={W} or fewer"):
+        natural_partition(tr_g, te_g, tr_y, te_y, W + 1, seed=0)
+
+
+@pytest.mark.usefixtures("one_thread")
+@needs_femnist
+def test_natural_partition_through_prepare(femnist):
+    cfg = build_config(overrides=dict(dataset="femnist", partition="natural", clients=5, rounds=1))
+    setup = prepare(cfg, dataset=femnist)
+    assert len(setup.states) == 5 and setup.partition.writers
+    for s, d, w in zip(setup.states, setup.data, setup.partition.writers):
+        assert len(d.x) == (femnist.train_groups == w).sum()
+        assert set(d.y.tolist()) == set(s.classes.tolist())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_natural_partition_needs_writer_ids():
+    cfg = build_config(overrides=dict(dataset="digits", partition="natural", clients=2))
+    with pytest.raises(ConfigError, match="natural.*writer ids"):
+        prepare(cfg)
+
+
+@pytest.mark.usefixtures("one_thread")
+@needs_femnist
+def test_femnist_fewshot_feasible_and_capacity_error(femnist):
+    tr_y, te_y = femnist.train_y.numpy(), femnist.test_y.numpy()
+    # 20 clients, 3 ways: ~10 shots and <= 3 test shots fit the LEAF 5% writer sample
+    p = fewshot_partition(tr_y, te_y, 62, 20, 3, 10, 1, 3, "uniform", 1234, "femnist")
+    assert p.num_clients == 20
+    assert len(np.unique(np.concatenate(p.train_idx))) == sum(len(t) for t in p.train_idx)
+    for tr, cls, k in zip(p.train_idx, p.classes, p.shots):
+        assert 10 <= k[0] <= 11  # official FEMNIST range [k - s + 1, k + s]
+        assert np.all(np.bincount(tr_y[tr], minlength=62)[cls] == k)
+    with pytest.raises(PartitionError, match=r"runs short.*largest that fits.*LEAF writer sample"):
+        fewshot_partition(tr_y, te_y, 62, 20, 3, 100, 1, 3, "uniform", 1234, "femnist")
+    with pytest.raises(PartitionError, match=r"test_shots=40.*LEAF writer sample"):
+        fewshot_partition(tr_y, te_y, 62, 20, 3, 10, 1, 40, "uniform", 1234, "femnist")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_capacity_hint_is_the_largest_shots_that_fits():
+    tr_y, te_y = np.repeat(np.arange(10), 60), np.repeat(np.arange(10), 20)
+    with pytest.raises(PartitionError, match=r"shots=(\d+) is the largest") as e:
+        fewshot_partition(tr_y, te_y, 10, 20, 3, 40, 2, 5, "uniform", 5, "cifar10")
+    fit = int(str(e.value).split("shots=")[-1].split()[0])
+    fewshot_partition(tr_y, te_y, 10, 20, 3, fit, 2, 5, "uniform", 5, "cifar10")
+    with pytest.raises(PartitionError):
+        fewshot_partition(tr_y, te_y, 10, 20, 3, fit + 1, 2, 5, "uniform", 5, "cifar10")

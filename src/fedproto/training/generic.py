@@ -1,0 +1,470 @@
+"""The generic batched path (:func:`train_group_generic`): clients of any one architecture as one
+computation, through the grouped (fx-traced) layers where the model is made of standard layers,
+else ``torch.func`` (``functional_call`` under ``vmap``), with BatchNorm statistics per client and
+dropout masks replayed from each client's seed.
+
+Size: about 430 lines, one path (its keys, its checks, its training loop and write-back), kept in
+one module so the path reads top to bottom."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedproto.grouped import grouped_call, grouped_forward, grouped_graph
+from fedproto.models.base import ProtoModel
+from fedproto.training.objective import (
+    Objective,
+    OptimConfig,
+    Phase,
+    adam_step_stacked,
+    frozen_batchnorms,
+    frozen_params,
+    on_device,
+    respect_frozen,
+    stacked_state,
+    step_terms,
+)
+from fedproto.training.plans import Plan, TrainResult, augment_batch
+from fedproto.training.sequential import embedding_norm_max
+from fedproto.training.stacked import stack_plans, stacked_refs, train_stacked
+
+# ----------------------------------------------------------------------------------------------
+# Client-batched path for any model (torch.func): the same computation as train_client, G clients at once.
+
+_FEATURE_DROPOUT = {nn.Dropout1d: 3, nn.Dropout2d: 4, nn.Dropout3d: 5}
+"""Dropout modules that zero whole channels, with the input rank they are replayed for (torch's
+``make_feature_noise``: a mask of shape (N, C, 1, ...))."""
+
+
+def _plain(v) -> bool:
+    """True for values that describe a module's configuration in :func:`generic_key` (numbers,
+    strings, None, and tuples of them)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    return isinstance(v, tuple) and all(_plain(x) for x in v)
+
+
+def generic_key(model: nn.Module) -> tuple | None:
+    """What clients trained together on the generic batched path (:func:`train_group_generic`) share.
+
+    The key holds, for every submodule in order: its name, type, configuration (its attributes that
+    are numbers, strings or tuples of them: a convolution's stride and padding, a dropout's p, a
+    BatchNorm's momentum, the train/eval flag) and the number of hooks it carries; and every
+    parameter's name, shape, dtype, device and ``requires_grad`` flag (so the frozen set), and every
+    buffer's name, shape and dtype. Models with equal keys compute the same function of their
+    weights, so one of them can serve as the template of the group's ``functional_call``.
+
+    Returns:
+        The key, or None where the model cannot join the generic path: a model with a hand-written
+        batched forward (:attr:`ProtoModel.batch_params`: :func:`train_group` is faster), a module
+        whose ``forward`` was replaced on the instance, or a dropout kind whose masks the batched
+        path cannot draw as the sequential path does (``AlphaDropout``, ``FeatureAlphaDropout``, p > 0).
+    """
+    if getattr(model, "batch_params", ()):
+        return None
+    mods = []
+    for name, m in model.named_modules():
+        if "forward" in vars(m):
+            return None
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) not in (nn.Dropout, *_FEATURE_DROPOUT):
+            return None
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items() if _plain(v)))
+        hooks = tuple(len(getattr(m, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                       "_backward_pre_hooks"))
+        mods.append((name, type(m), attrs, hooks))
+    params = tuple((n, tuple(p.shape), p.dtype, str(p.device), p.requires_grad) for n, p in model.named_parameters())
+    bufs = tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers())
+    return ("generic", tuple(mods), params, bufs)
+
+
+def _dropout_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The torch dropout modules of ``model`` that are active in training (p > 0), by name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+
+
+@dataclass
+class _DropCall:
+    """One dropout module's call in a forward pass: its name, p, the shape of one sample's mask
+    ((*sample_shape) or (C, 1, ...) for channel dropout) and the dtype it draws in."""
+
+    name: str
+    p: float
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[_DropCall]:
+    """The dropout calls of one forward pass of ``model`` on one sample ``x1`` (1, ...), in call order
+    (eval mode, no gradient; the model's flags and state are left as they were).
+
+    Raises:
+        ValueError: a dropout module called more than once per pass, or a channel dropout given an
+            input of another rank than it is meant for (its masks could not be replayed).
+    """
+    calls: list[_DropCall] = []
+    handles = []
+    for name, m in _dropout_modules(model):
+        def hook(mod, args, _name=name):
+            x = args[0]
+            if any(c.name == _name for c in calls):
+                raise ValueError(f"dropout {_name!r} is called more than once per forward pass")
+            rank = _FEATURE_DROPOUT.get(type(mod))
+            if rank is not None and x.dim() != rank:
+                raise ValueError(f"{type(mod).__name__} {_name!r} got a {x.dim()}-d input")
+            shape = tuple(x.shape[1:]) if rank is None else (x.shape[1],) + (1,) * (x.dim() - 2)
+            calls.append(_DropCall(_name, float(mod.p), shape, x.dtype))
+        handles.append(m.register_forward_pre_hook(hook))
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x1)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, f in flags.items():
+            m.training = f
+    return calls
+
+
+def _replay_masks(calls: Sequence[_DropCall], counts: Sequence[torch.Tensor], seed: int) -> list[list[dict]]:
+    """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
+    CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
+    :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
+    ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
+    ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
+    gen = torch.Generator().manual_seed(int(seed))
+    out = []
+    for cnt in counts:
+        steps = []
+        for c in cnt.tolist():
+            masks = {}
+            for call in calls:
+                if call.p >= 1.0:
+                    masks[call.name] = torch.zeros((c, *call.shape), dtype=call.dtype)
+                    continue
+                m = torch.empty((c, *call.shape), dtype=call.dtype).bernoulli_(1.0 - call.p, generator=gen)
+                masks[call.name] = m.div_(1.0 - call.p)
+            steps.append(masks)
+        out.append(steps)
+    return out
+
+
+class _Functional:
+    """``model`` run as a function of stacked weights under ``torch.func.vmap``: ``functional_call``
+    with a client's parameters and buffers, its dropout modules reading the client's masks from
+    :attr:`masks` (set inside the vmapped function) instead of drawing from torch's generator.
+    Use as a context manager: the dropout modules' ``forward`` is replaced on the instance meanwhile."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.masks: dict[str, torch.Tensor] = {}
+        self._drops = _dropout_modules(model)
+
+    def __enter__(self):
+        for name, m in self._drops:
+            m.forward = (lambda x, _n=name: x * self.masks[_n])
+        return self
+
+    def __exit__(self, *exc):
+        for _, m in self._drops:
+            del m.forward
+
+    def forward(self, params, buffers, x, masks, noise):
+        self.masks = masks
+        try:
+            return torch.func.functional_call(self.model, {**params, **buffers}, (x, noise or None))
+        finally:
+            self.masks = {}
+
+    def __call__(self, params, buffers, x, masks, noise):
+        return torch.func.vmap(self.forward, in_dims=(0, 0, 0, 0, 0))(params, buffers, x, masks, noise)
+
+
+def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
+    """Why ``model`` cannot train on the generic batched path, or None if it can.
+
+    Runs the vmapped training computation once on two stacked copies of the model's weights and
+    two samples of ``x`` (n, ...) each (train mode, a backward pass; the model's weights, buffers
+    and flags are left as they were). It fails for forward passes that ``torch.func.vmap`` cannot
+    batch: random ops other than dropout modules (``torch.rand``, ``F.dropout`` called directly),
+    ``.item()`` or data-dependent Python control flow, in-place changes of inputs.
+    """
+    if generic_key(model) is None:
+        return "no generic batched key (see fedproto.training.generic_key)"
+    if len(x) == 0:
+        return "no training samples"
+    flags = {m: m.training for m in model.modules()}
+    try:
+        calls = _dropout_calls(model, x[:1])
+        params = {k: torch.stack([p.detach()] * 2).requires_grad_(True) for k, p in model.named_parameters()}
+        buffers = {k: torch.stack([b.detach()] * 2) for k, b in model.named_buffers()}
+        xb = torch.stack([x[:2]] * 2).to(next(model.parameters()).device)
+        c = xb.shape[1]
+        masks = {d.name: torch.ones((2, c, *d.shape), dtype=d.dtype, device=xb.device) for d in calls}
+        noise = {k: torch.ones(2, c, w, dtype=xb.dtype, device=xb.device) for k, w in model.noise_widths().items()}
+        model.train()
+        with _Functional(model) as f:
+            logits, h = f(params, buffers, xb, masks, noise)
+        loss = logits.sum() + h.sum()
+        torch.autograd.grad(loss, [p for p in params.values()], allow_unused=True)
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means: train this model sequentially
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        for m, f_ in flags.items():
+            m.training = f_
+
+
+def _set_train_modes(model: nn.Module, ph: Phase, user_frozen_bn: set[int]) -> None:
+    """Train mode, with the BatchNorm layers :func:`_train_client` runs in eval mode in phase ``ph``."""
+    model.train()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            frozen = id(mod) in user_frozen_bn or (
+                ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
+                                           for n_, _ in mod.named_parameters()))
+            mod.train(not frozen)
+
+
+def train_group_generic(
+    models: Sequence[ProtoModel],
+    xs: Sequence[torch.Tensor],
+    ys: Sequence[torch.Tensor],
+    plans: Sequence[Plan],
+    obj: Objective,
+    opt: OptimConfig,
+    objs: Sequence[Objective] | None = None,
+    seeds: Sequence[int] | None = None,
+) -> list[TrainResult]:
+    """Train G clients of one architecture (equal :func:`generic_key`) as one batched computation,
+    for any model: ``torch.func.functional_call`` of the first model under ``torch.func.vmap`` over
+    the clients' stacked parameters and buffers (torch.func's model ensembling).
+
+    The same computation as :func:`train_client` per client, so the same weights up to float rounding:
+
+    * each step feeds every client exactly its valid samples of the plan (no padding): clients whose
+      step holds another sample count (a trailing batch) run in a vmapped call of their own in the
+      same step, so BatchNorm normalises each client's batch with that batch's own statistics;
+    * BatchNorm running statistics are stacked buffers updated per client in place; BatchNorm
+      layers whose parameters are all frozen (:func:`frozen_batchnorms`) or that a phase with
+      ``frozen_eval`` does not train run in eval mode; frozen parameters (:func:`frozen_params`)
+      are not updated and keep their flags;
+    * dropout modules (``nn.Dropout``, ``nn.Dropout1d/2d/3d``) take per-client masks replayed from
+      torch's CPU generator seeded with the client's ``seeds[g]`` (:func:`_replay_masks`), the masks
+      the sequential path draws after ``torch.manual_seed(seeds[g])``; explicit masks
+      (:meth:`ProtoModel.noise_widths`) come from the plans as on every path;
+    * SGD with momentum and weight decay as ``torch.optim.SGD``, Adam/AdamW with ``torch.optim.adam.adam``
+      (a fresh optimizer per phase; parameters that get no gradient are skipped, as torch.optim skips a
+      ``None`` gradient).
+
+    Clients whose plan has run out of steps leave the stacked computation (compaction), as in
+    :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
+    accepts (no BatchNorm, no active dropout) run their forward as G-grouped operations on one
+    channels-last layout (:func:`fedproto.grouped.grouped_forward`) instead of under ``vmap``; on image
+    inputs they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
+    trailing batch padded with samples of weight 0 (their samples do not interact without BatchNorm),
+    one ``torch._foreach`` optimizer step for all parameters. The same computation, faster on CPU.
+
+    Args:
+        models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;
+            updated in place (parameters and buffers).
+        xs: per client local inputs (n_g, ...); ys: per client labels (n_g,).
+        plans: per client plans with the same phase structure (:func:`make_plan`).
+        obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
+        opt: optimizer settings (:class:`OptimConfig`).
+        seeds: per client seed of torch's generator on the sequential path
+            (:func:`fedproto.engine.seeding.client_seed`); needed when the models hold active dropout
+            modules. On CUDA the sequential path's dropout draws from the fused CUDA kernel's
+            generator instead, so there the two paths draw other (equally distributed) masks.
+    Returns:
+        One :class:`TrainResult` per client, as :func:`train_client` would give.
+    Raises:
+        ValueError: models with different :func:`generic_key`, per-client objectives that differ in
+            anything but ``prox_ref``, or models with active dropout modules and no ``seeds``.
+    """
+    G = len(models)
+    m0 = models[0]
+    key = generic_key(m0)
+    for g, m in enumerate(models):
+        if key is None or generic_key(m) != key:
+            raise ValueError(f"client {g} of the group has another architecture, frozen set or module configuration "
+                             "than the group's first (fedproto.training.generic_key); train it in another group")
+    frozen = frozen_params(m0)
+    names = [k for k, _ in m0.named_parameters()]
+    bnames = [k for k, _ in m0.named_buffers()]
+    obj = respect_frozen(obj, frozen)
+    objs = [respect_frozen(o, frozen) for o in objs] if objs is not None else None
+    ref = stacked_refs(obj, objs, names, G)
+    dev = next(m0.parameters()).device
+    obj = on_device(obj, dev)
+    ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
+    calls = _dropout_calls(m0, xs[0][:1].to(dev)) if _dropout_modules(m0) else []
+    if calls and seeds is None:
+        raise ValueError("models with dropout modules need the clients' torch seeds (seeds=) to draw the "
+                         "sequential path's masks")
+    masks = [_replay_masks(calls, [(w > 0).sum(1) for w in pl.weight], seeds[g]) if calls else None
+             for g, pl in enumerate(plans)]
+    P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
+    Bf = {k: torch.stack([dict(m.named_buffers())[k] for m in models]).clone() for k in bnames}
+    offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
+    X = torch.cat([x.to(dev) for x in xs])
+    Y = torch.cat([y.to(dev) for y in ys])
+    C, d = m0.num_classes, m0.embedding_dim
+    sums = torch.zeros(G * C, d, dtype=P[names[0]].dtype, device=dev) if obj.collect else None
+    counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
+    ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)
+    lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
+    nsteps = torch.zeros(G, device=dev)
+    norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
+    user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
+    gm = None if calls or bnames else grouped_graph(m0)[0]  # standard layers only: grouped ops, faster than vmap
+    if gm is not None and X.dim() == 4:  # images: the hand-written batched path's loop (train_stacked)
+        for m in models:
+            m.train()
+        phases = [stack_plans(plans, pi, offsets, opt.batch_size) for pi in range(len(obj.phases))]
+        out = train_stacked(_Traced(gm, m0, names), P, X.contiguous(), Y, phases, obj, opt, ref)
+        with torch.no_grad():
+            for g, m in enumerate(models):
+                for k, p in m.named_parameters():
+                    p.copy_(P[k][g])
+        return out
+    with _Functional(m0) as fn:
+        for pi, ph in enumerate(obj.phases):
+            for m in models:  # the modes the sequential path leaves each model in
+                _set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
+            _set_train_modes(m0, ph, user_frozen_bn)
+            train_names = [k for k in names if ph.trains is None or ph.trains(k)]
+            mom = stacked_state(opt, P, train_names)  # (slot, name): momentum, or Adam's moments
+            adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count per parameter
+            sp = stack_plans(plans, pi, offsets, opt.batch_size)
+            order, valid_n = sp.order.to(dev), (sp.weight > 0).sum(-1)  # (Smax, B, G), (Smax, G)
+            noise = {k: v.to(dev) for k, v in sp.noise.items()}
+            aug = sp.aug.to(dev) if sp.aug is not None else None
+            is_last_phase = pi == len(obj.phases) - 1
+            cur: torch.Tensor | None = None
+            Pc: dict[str, torch.Tensor] = {}  # the stepping clients' parameters, buffers and momentum, compacted
+            Bc: dict[str, torch.Tensor] = {}
+            momc: dict[tuple[str, str], torch.Tensor] = {}
+            for s in range(order.shape[0]):
+                act = torch.nonzero(sp.steps > s).flatten()
+                if cur is None or len(act) != len(cur):
+                    if cur is not None:
+                        _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
+                    cur = act
+                    Pc = {k: P[k][cur.to(dev)].clone().requires_grad_(k in train_names) for k in names}
+                    Bc = {k: Bf[k][cur.to(dev)].clone() for k in bnames}
+                    momc = {k: v[cur.to(dev)].clone() for k, v in mom.items()}
+                cnt = valid_n[s][cur]
+                grads: dict[str, torch.Tensor | None] = {}
+                for c in torch.unique(cnt).tolist():
+                    pos = torch.nonzero(cnt == c).flatten()
+                    whole = len(pos) == len(cur)
+                    pos_d = pos.to(dev)
+                    ids = cur[pos]
+                    idd = ids.to(dev)
+                    # another sample count than the rest of the step: the clients' own leaves, their gradients
+                    # copied into the step's (every stepping client is in exactly one sub-group)
+                    pin = Pc if whole else {k: v[pos_d].detach().requires_grad_(k in train_names)
+                                            for k, v in Pc.items()}
+                    bin_ = Bc if whole else {k: v[pos_d].clone() for k, v in Bc.items()}
+                    idx = order[s][:c, idd].t()  # (Gs, c) rows of X
+                    xb = X[idx.reshape(-1)]
+                    if aug is not None:
+                        xb = augment_batch(xb, aug[s][:c, idd].transpose(0, 1).reshape(-1, 3))
+                    xb = xb.reshape(len(ids), c, *X.shape[1:])
+                    yb = Y[idx]
+                    mk = {d_.name: torch.stack([masks[g][pi][s][d_.name] for g in ids.tolist()]).to(dev)
+                          for d_ in calls}
+                    nz = {k: v[s][idd, :c] for k, v in noise.items()}
+                    logits, h = grouped_call(gm, pin, xb) if gm is not None else fn(pin, bin_, xb, mk, nz)
+                    if not whole:
+                        with torch.no_grad():
+                            for k in bnames:
+                                Bc[k][pos_d] = bin_[k]
+                    w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
+                    ce, lp, extra = step_terms(logits, h, yb, w, obj)
+                    loss_g = ce + obj.lambda_proto * lp + extra
+                    if ref is not None:
+                        for k in train_names:
+                            if k in ref:
+                                loss_g = loss_g + 0.5 * obj.prox_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
+                    if train_names:
+                        gs = torch.autograd.grad(loss_g.sum(), [pin[k] for k in train_names], allow_unused=True)
+                        for k, gr in zip(train_names, gs):
+                            if whole or gr is None:
+                                grads[k] = gr
+                            else:
+                                if k not in grads:
+                                    grads[k] = torch.empty_like(Pc[k])
+                                grads[k].index_copy_(0, pos_d, gr)
+                    with torch.no_grad():
+                        ce_tot.index_add_(0, idd, ce.detach().double())
+                        lp_tot.index_add_(0, idd, lp.detach().double())
+                        nsteps[idd] += 1
+                        norm_max[idd] = torch.maximum(norm_max[idd], embedding_norm_max(h.detach(), -1))
+                        if obj.collect and is_last_phase:
+                            sel = sp.last[s][ids].to(dev).to(h.dtype).unsqueeze(1) * w
+                            flat = (yb + (idd * C).unsqueeze(1)).reshape(-1)
+                            sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
+                            counts.index_add_(0, flat, sel.reshape(-1).long())
+                with torch.no_grad():
+                    stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
+                    if opt.optimizer != "sgd" and stepped:
+                        adam_step_stacked(opt, [Pc[k] for k in stepped], [grads[k] for k in stepped],
+                                          [momc["m", k] for k in stepped], [momc["v", k] for k in stepped],
+                                          [adam_steps[k] for k in stepped])
+                    for k in stepped if opt.optimizer == "sgd" else ():
+                        gr, p = grads[k], Pc[k]
+                        if opt.weight_decay:
+                            gr = gr.add(p, alpha=opt.weight_decay)
+                        if opt.momentum:
+                            momc["m", k].mul_(opt.momentum).add_(gr)
+                            p.add_(momc["m", k], alpha=-opt.round_lr)
+                        else:
+                            p.add_(gr, alpha=-opt.round_lr)
+            if cur is not None:
+                _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
+    with torch.no_grad():
+        for g, m in enumerate(models):
+            for k, p in m.named_parameters():
+                p.copy_(P[k][g])
+            for k, b in m.named_buffers():
+                b.copy_(Bf[k][g])
+    out = []
+    for g in range(G):
+        n = max(float(nsteps[g]), 1.0)
+        out.append(TrainResult(
+            sums[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
+            counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
+            float(ce_tot[g]) / n, float(lp_tot[g]) / n, int(nsteps[g]), float(norm_max[g])))
+    return out
+
+
+class _Traced:
+    """A model traced for the grouped forward (:func:`fedproto.grouped.grouped_graph`) in the role
+    :func:`train_stacked` gives a model with a hand-written batched forward."""
+
+    def __init__(self, gm, m0: ProtoModel, names: Sequence[str]):
+        self.gm, self.batch_params = gm, tuple(names)
+        self.num_classes, self.embedding_dim = m0.num_classes, m0.embedding_dim
+
+    def grouped_forward(self, P, xb, G, noise=None):
+        return grouped_forward(self.gm, P, xb, G)
+
+
+@torch.no_grad()
+def _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur) -> None:
+    """Copy the compacted parameters, buffers and optimizer state of clients ``cur`` back into the full stacks."""
+    ids = cur.to(next(iter(P.values())).device)
+    for k in P:
+        P[k][ids] = Pc[k].detach()
+    for k in Bf:
+        Bf[k][ids] = Bc[k]
+    for k in mom:
+        mom[k][ids] = momc[k]

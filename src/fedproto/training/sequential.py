@@ -1,0 +1,165 @@
+"""The reference path: one client's local training as a plain ``nn.Module`` loop with a
+``torch.optim`` optimizer (:func:`train_client`), and inference (:func:`embed_all`, :func:`predict`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from fedproto.models.base import ProtoModel
+from fedproto.training.objective import (
+    Objective,
+    OptimConfig,
+    _NotFrozen,  # noqa: F401
+    frozen_batchnorms,
+    frozen_params,
+    make_optimizer,
+    on_device,
+    respect_frozen,
+    step_terms,
+)
+from fedproto.training.plans import Plan, TrainResult, augment_batch
+
+
+def train_client(
+    model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
+) -> TrainResult:
+    """Reference local training of one client (sequential path).
+
+    Parameters with ``requires_grad=False`` (:func:`frozen_params`) are not trained and keep their
+    flag; BatchNorm layers whose parameters are all frozen run in eval mode (:func:`frozen_batchnorms`).
+
+    Args:
+        model: the client's model (trained in place). x: (n, C, H, W) local inputs; y: (n,) labels.
+        plan: from :func:`make_plan`. obj: the round's objective. opt: optimizer settings.
+    Returns:
+        :class:`TrainResult`.
+    """
+    named = dict(model.named_parameters())
+    flags = {n_: p.requires_grad for n_, p in named.items()}
+    try:
+        return _train_client(model, x, y, plan, respect_frozen(obj, frozen_params(model)), opt)
+    finally:
+        for n_, p in named.items():
+            p.requires_grad_(flags[n_])
+
+
+def _train_client(
+    model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
+) -> TrainResult:
+    """The body of :func:`train_client` (``obj`` already leaves the frozen parameters alone)."""
+    model.train()
+    user_frozen_bn = {id(m) for m in frozen_batchnorms(model)}
+    C = model.num_classes
+    p0 = next(model.parameters())
+    dev = p0.device
+    obj = on_device(obj, dev)
+    sums = counts = None
+    if obj.collect:
+        sums = torch.zeros(C, model.embedding_dim, dtype=p0.dtype, device=dev)
+        counts = torch.zeros(C, dtype=torch.long, device=dev)
+    ce_total = lp_total = 0.0
+    steps = 0
+    norm_max = torch.zeros((), dtype=torch.float64, device=dev)
+    named = dict(model.named_parameters())
+    net, gsm = model, None
+    if obj.dp_sgd is not None:
+        from opacus import GradSampleModule
+
+        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2") or obj.terms:
+            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term, "
+                             "the 'l2' distance (a batch prototype) or an algorithm's own loss terms")
+        net = gsm = GradSampleModule(model, loss_reduction="mean")
+        # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+    for pi, ph in enumerate(obj.phases):
+        params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
+        for n_, p in named.items():
+            p.requires_grad_(ph.trains is None or ph.trains(n_))
+        for mod_name, mod in model.named_modules():
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                frozen = id(mod) in user_frozen_bn or (
+                    ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
+                                               for n_, _ in mod.named_parameters()))
+                mod.train(not frozen)
+        # a phase may have nothing to train (all its parameters frozen): it still runs its passes (the
+        # embeddings it collects), without steps
+        optim = make_optimizer(params, opt) if params else None
+        if obj.dp_sgd is not None and optim is not None:
+            from opacus.optimizers import DPOptimizer
+
+            dp = obj.dp_sgd
+            gen = torch.Generator(device=dev).manual_seed(plan.seed + pi)
+            optim = DPOptimizer(optim, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                                expected_batch_size=dp.expected_batch_size, loss_reduction="mean", generator=gen)
+        order, weight, last = plan.order[pi], plan.weight[pi], plan.last_epoch[pi]
+        noise = plan.noise[pi] if plan.noise else {}
+        aug = plan.aug[pi] if plan.aug else None
+        is_last_phase = pi == len(obj.phases) - 1
+        for s in range(order.shape[0]):
+            valid = weight[s] > 0
+            idx = order[s][valid]
+            xb, yb = x[idx].to(dev, non_blocking=True), y[idx].to(dev, non_blocking=True)
+            if aug is not None:
+                xb = augment_batch(xb, aug[s][valid])
+            nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
+            with torch.set_grad_enabled(optim is not None):
+                logits, h = (net if optim is not None else model)(xb, nb)
+                ce, lp, extra = step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
+                loss = ce + obj.lambda_proto * lp + extra
+                if obj.prox_mu > 0 and obj.prox_ref is not None:
+                    loss = loss + 0.5 * obj.prox_mu * sum(
+                        ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
+                    )
+            if optim is not None:
+                optim.zero_grad(set_to_none=True)
+                loss.backward()
+                optim.step()
+            ce_total += float(ce.detach())
+            lp_total += float(lp.detach())
+            steps += 1
+            norm_max = torch.maximum(norm_max, embedding_norm_max(h.detach(), -1))
+            if obj.collect and is_last_phase and bool(last[s]):
+                hd = h.detach()
+                sums.index_add_(0, yb, hd)
+                counts += torch.bincount(yb, minlength=C)
+    if gsm is not None:
+        gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again
+    if sums is not None:
+        sums, counts = sums.cpu(), counts.cpu()
+    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max))
+
+
+def embedding_norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest L2 norm along the sample axis of embeddings ``h`` (..., B, d) -> (...); a non-finite
+    embedding counts as ``inf``. ``valid`` (..., B) masks out padding."""
+    norms = h.detach().double().norm(dim=-1).nan_to_num(nan=float("inf"), posinf=float("inf"))
+    if valid is not None:
+        norms = torch.where(valid, norms, 0.0)
+    return norms.amax(dim) if norms.numel() else norms.new_zeros(norms.shape[:-1])
+
+
+@torch.no_grad()
+def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
+    """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference)."""
+    model.eval()
+    dev = next(model.parameters()).device
+    out = [model.embed(x[i : i + batch].to(dev)) for i in range(0, len(x), batch)]
+    return torch.cat(out) if out else torch.zeros(0, model.embedding_dim, device=next(model.parameters()).device)
+
+
+@torch.no_grad()
+def predict(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (n, C) and embeddings (n, d) in eval mode."""
+    model.eval()
+    dev = next(model.parameters()).device
+    logits, hs = [], []
+    for i in range(0, len(x), batch):
+        lo, h = model(x[i : i + batch].to(dev))
+        logits.append(lo)
+        hs.append(h)
+    if not logits:
+        return torch.zeros(0, model.num_classes, device=dev), torch.zeros(0, model.embedding_dim, device=dev)
+    return torch.cat(logits), torch.cat(hs)
