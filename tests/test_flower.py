@@ -157,6 +157,30 @@ def test_flower_engine_matches_the_simulation(algorithm):
         torch.testing.assert_close(w_node[k], w_ref[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("algorithm", ["fedtgp", "fd", "fedgh", "lgfedavg"])
+def test_heterogeneous_methods_give_the_simulation_numbers_under_flower(algorithm):
+    """The model-heterogeneous methods (issue #24) on nodes of two architectures: the Flower engine
+    gives the sequential simulation's accuracies (classifier, nearest prototype, global head),
+    losses, server message and message sizes for the same clients and seed."""
+    over = dict(algorithm=algorithm, model="projcnn:8-16,cnn", server_epochs=5)
+    uc = _user_config(**over)
+    ref = Simulation(build_config(overrides={**BASE, **over, "execution": "sequential"}), out=False)
+    want = ref.run()
+    eng = FlowerEngine(run_config(uc), LocalGrid(uc, [2, 0, 3, 1]), out=False)
+    got = eng.run()
+    assert set(got["accuracy"]) == set(want["accuracy"]) and len(want["accuracy"]) >= (
+        2 if algorithm in ("fedtgp", "fedgh", "lgfedavg") else 1)
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9), key
+    assert got["params_per_round"] == want["params_per_round"]
+    for a, b in zip(eng.history, ref.history):
+        assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
+        assert (a["up_params"], a["down_params"], a["up_bytes"]) == (b["up_params"], b["down_params"], b["up_bytes"])
+    assert set(eng.loop.message) == set(ref.message)
+    for k in ref.message:
+        np.testing.assert_allclose(eng.loop.message[k], ref.message[k], rtol=1e-5, atol=1e-6)
+
+
 def test_records_round_trip_every_dtype_and_shape():
     msg = {"protos": np.arange(6, dtype=np.float32).reshape(2, 3), "classes": np.array([3, 7]),
            "lambda": np.array(0.5, np.float32), "empty": np.zeros((0, 4), np.float32)}

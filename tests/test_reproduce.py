@@ -201,3 +201,56 @@ def test_sweep_cell_names_are_plain_folder_names(tmp_path):
     assert [c.name for c in cells] == ["digits-n3-fedproto-s1-modelprojcnn_8-8", "digits-n3-fedproto-s1-modelcnn"]
     with pytest.raises(ConfigError, match="would share a run folder"):
         plan_sweep(tmp_path, "pretrained", "pretrained", ["/a/x.pth", "/b/x.pth"], "cifar10", 3, ["fedproto"], [1])
+
+
+# the model-heterogeneous grid (issue #24 item 3)
+
+
+def test_hetero_grid_plans_every_model_set_with_the_methods_algorithms(tmp_path):
+    from fedproto import reproduce as rp
+
+    cells = rp.plan_hetero(tmp_path, ["mnist", "cifar10"], [3], ["fedtgp", "lgfedavg"], [1, 2])
+    assert [(c.dataset, c.cfg.model, c.cfg.algorithm, c.seed) for c in cells[:4]] == [
+        ("mnist", "cnn-mh", "fedtgp", 1), ("mnist", "cnn-mh", "fedtgp", 2),
+        ("mnist", "cnn-mh", "lgfedavg", 1), ("mnist", "cnn-mh", "lgfedavg", 2)]
+    models = [c.cfg.model for c in cells]
+    assert models.count("projcnn:8-16,projcnn:16-32,projcnn:32-64") == 4 and len(cells) == 4 * 2 + 4
+    assert {c.cfg.rounds for c in cells} == {rp.HETERO_ROUNDS}
+    assert cells[0].name == "mnist-n3-fedtgp-s1-cnn-mh"
+    assert cells[4].name == "mnist-n3-fedtgp-s1-projcnn_8-16_projcnn_16-32_projcnn_32-64"
+    assert len({c.name for c in cells}) == len(cells)  # one run folder per cell
+    # --set model=... gives one model set for every dataset, used as given; --rounds every cell's rounds
+    one = rp.plan_hetero(tmp_path, ["mnist"], [3], ["fd"], [1], rounds=4, sets={"model": "projcnn:4-8,cnn"})
+    assert [(c.cfg.model, c.cfg.rounds) for c in one] == [("projcnn:4-8,cnn", 4)]
+
+
+def test_hetero_ranking_compares_the_gap_with_the_spread_over_seeds():
+    from fedproto import reproduce as rp
+
+    def row(m, mean, sd):
+        return {"method": m, "acc_mean": mean, "acc_std_seeds": sd}
+
+    rows = [row("a", 90.0, 0.5), row("b", 89.2, 1.0), row("c", 85.0, 1.0), row("d", float("nan"), float("nan"))]
+    assert rp.ranking(rows) == ("a", ["b"], ["c"])  # 0.8 <= max(0.5, 1.0); 5.0 > 1.0
+    assert rp.ranking([row("a", 90.0, float("nan")), row("b", 80.0, float("nan"))]) == ("a", ["b"], [])  # one seed
+    assert rp.ranking([row("d", float("nan"), float("nan"))]) == (None, [], [])
+
+
+def test_reproduce_hetero_grid_runs_and_writes_its_table(capsys, monkeypatch, tmp_path):
+    out = tmp_path / "het"
+    args = ["reproduce", "--grid", "hetero", "--datasets", "digits", "--methods", "local,fedtgp,lgfedavg",
+            "--seeds", "1,2", "--rounds", "2", "--out", str(out), "--set", "model=projcnn:8-16,cnn",
+            "--set", "server_epochs=2", *sets()]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    assert "6 run, 0 skipped, 0 failed" in text
+    rows = {r["method"]: r for r in csv.DictReader((out / "table.csv").open())}
+    assert list(rows) == ["local", "fedtgp", "lgfedavg"]
+    assert all(r["seeds"] == "2" and r["model"] == "projcnn:8-16,cnn" and r["rounds"] == "2" for r in rows.values())
+    assert rows["local"]["params_up_per_round"] == "0.0" and float(rows["lgfedavg"]["params_down_per_round"]) > 0
+    assert rows["fedtgp"]["acc_proto_mean"] != "" and rows["lgfedavg"]["acc_global_mean"] != ""
+    assert rows["local"]["acc_proto_mean"] == rows["local"]["acc_global_mean"] == ""
+    md = (out / "table.md").read_text()
+    assert "## digits, n=3, models `projcnn:8-16,cnn`" in md and "Classifier accuracy: **" in md
+    code, text = run_cli([*args[:2], "nope", *args[3:]], capsys, monkeypatch)
+    assert code == 2 and "--grid 'nope': unknown grid; choose from paper, hetero" in text

@@ -349,9 +349,14 @@ def reproduce(
                                                       "a sweep: its figure's dataset)"),
     ways: Optional[str] = typer.Option(None, help="Comma list of n (default: 3,4,5; a sweep: 3)"),
     methods: Optional[str] = typer.Option(None, help="Comma list of local, fesem, fedprox, fedper, fedavg, fedrep, "
-                                                     "fedproto, fedproto-mh (default: all; a sweep: its figure's)"),
-    seeds: str = typer.Option("1234", help="Comma list of seeds."),
-    rounds: Optional[int] = typer.Option(None, help="Rounds for every cell (default: the paper's (tab. 1))"),
+                                                     "fedproto, fedproto-mh (default: all; a sweep: its figure's); "
+                                                     "--grid hetero: local, fedproto, fedtgp, fd, fedgh, lgfedavg"),
+    seeds: Optional[str] = typer.Option(None, help="Comma list of seeds (default: 1234; --grid hetero: "
+                                                   "1234,1235,1236)."),
+    rounds: Optional[int] = typer.Option(None, help="Rounds for every cell (default: the paper's (tab. 1); "
+                                                    "--grid hetero: 20)"),
+    grid: str = typer.Option("paper", help="paper: tab. 1-4's grid; hetero: the model-heterogeneous methods on "
+                                           "clients of different architectures (docs/heterogeneous.md)."),
     out: Path = typer.Option(Path("reproduce"), "--out", help="Output folder (run directories under OUT/runs)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="key=value override of any run option "
                                                                 "(repeatable), e.g. --set threads=8"),
@@ -363,7 +368,7 @@ def reproduce(
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     try:
-        _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads)
+        _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid)
     except FedprotoError as e:  # run options worded as reproduce takes them (--set key=value)
         from fedproto.reproduce import set_message
 
@@ -375,16 +380,28 @@ def reproduce(
         raise typer.Exit(130) from None
 
 
-def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads) -> None:
+def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid="paper") -> None:
     from fedproto import reproduce as rp
+
+    if grid not in rp.GRIDS:
+        raise FedprotoError(f"--grid {grid!r}: unknown grid; choose from {', '.join(rp.GRIDS)}")
+    if grid == "hetero" and sweep:
+        raise FedprotoError("--sweep runs on the paper's methods; leave out --grid hetero (or --sweep)")
 
     sets = rp.parse_sets(set_)
     if threads is not None:
         if "threads" in sets and sets["threads"] != threads:
             raise FedprotoError(f"--threads {threads} and --set threads={sets['threads']} disagree; give one of them")
         sets["threads"] = threads
-    seed_list = rp.parse_list(seeds, rp.DEFAULT_SEEDS, "seeds", conv=int)
+    seed_list = rp.parse_list(seeds, rp.HETERO_SEEDS if grid == "hetero" else rp.DEFAULT_SEEDS, "seeds", conv=int)
     known_ds = list(rp.MODELS)
+    if grid == "hetero":
+        ds = rp.parse_list(datasets, rp.HETERO_DATASETS, "datasets", known_ds)
+        ns = rp.parse_list(ways, rp.HETERO_WAYS, "ways", conv=int)
+        ms = rp.parse_list(methods, list(rp.HETERO_METHODS), "methods", list(rp.HETERO_METHODS))
+        results = rp.run_hetero(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console)
+        _finish(results, f"{out / 'table.md'} and {out / 'table.csv'}")
+        return
     if sweep:
         ds = rp.parse_list(datasets, [], "datasets", known_ds)
         ns = rp.parse_list(ways, [], "ways", conv=int)

@@ -14,6 +14,13 @@ dataset ("Local" lists 0 rounds, i.e. no communication: it trains for the datase
 rounds of local epochs). ``--rounds`` overrides the rounds of every cell, ``--set key=value``
 any other :class:`RunConfig` field.
 
+The model-heterogeneous grid (``--grid hetero``, issue #24 item 3) is dataset × model set × ways ×
+method × seed over :data:`HETERO_METHODS` (Local, FedProto, FedTGP, FD, FedGH, LG-FedAvg) on the
+heterogeneous model sets of :data:`HETERO_MODELS`, :data:`HETERO_ROUNDS` rounds for every method;
+cells ``OUT/runs/<dataset>-n<ways>-<method>-s<seed>-<models>/``, resumable as the paper grid, and
+its own table (:func:`render_hetero_markdown`: both inference rules, parameters up and down, and
+which method leads beyond the spread over seeds).
+
 A sweep (``--sweep lambda=0,0.5,1,2,4``) varies one field for one dataset and ways value, for each
 method and seed, and writes ``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig. 3: accuracy vs
 shots k for FedProto and FedAvg on MNIST; fig. 4: accuracy and prototype loss vs λ for FedProto
@@ -71,6 +78,43 @@ MH_MODELS: dict[str, str] = {n: d.mh_model for n, d in DATASETS.items() if d.loa
 CNN, per-client strides for ResNet18; from the dataset registry)."""
 
 HETEROGENEOUS = {"fedproto-mh"}
+
+HETERO_METHODS: dict[str, str] = {
+    # method key -> algorithm name: the model-heterogeneous grid (issue #24 item 3)
+    "local": "local",
+    "fedproto": "fedproto",
+    "fedtgp": "fedtgp",
+    "fd": "fd",
+    "fedgh": "fedgh",
+    "lgfedavg": "lgfedavg",
+}
+"""Method keys of ``--grid hetero``: methods that run with clients of different architectures."""
+
+HETERO_MODELS: dict[str, tuple[str, ...]] = {
+    "mnist": ("cnn-mh", "projcnn:8-16,projcnn:16-32,projcnn:32-64"),
+    "cifar10": ("cnn-mh",),
+    "femnist": ("cnn-mh",),
+    "digits": ("cnn-mh", "projcnn:8-16,projcnn:16-32,projcnn:32-64"),
+}
+"""The heterogeneous model sets of ``--grid hetero`` per dataset (each a grid dimension): the paper
+CNN with per-client conv widths (``cnn-mh``: 18/20/22 channels) and projected CNNs of three widths
+assigned round-robin. Every model has the default embedding size, so LG-FedAvg and FedGH can share
+the head. ResNet18 (``--set model=resnet18-mh``) is left out by default: on a 2-core CPU one
+CIFAR-10 cell takes hours."""
+
+HETERO_DATASETS = ("mnist", "cifar10", "femnist")
+HETERO_WAYS = (3,)
+HETERO_SEEDS = (1234, 1235, 1236)
+HETERO_ROUNDS = 20
+"""Rounds of every ``--grid hetero`` cell unless ``--rounds`` is given (Local: local epochs)."""
+
+GRIDS = ("paper", "hetero")
+"""``fedproto reproduce --grid``: ``paper`` (tab. 1-4) or ``hetero`` (model-heterogeneous methods)."""
+
+
+def algorithm_of(method: str) -> str:
+    """The algorithm a method key runs (:data:`METHODS` or :data:`HETERO_METHODS`)."""
+    return METHODS.get(method) or HETERO_METHODS[method]
 
 DEFAULT_DATASETS = PAPER_DATASETS
 DEFAULT_WAYS = (3, 4, 5)
@@ -213,19 +257,23 @@ def model_for(dataset: str, method: str) -> str:
 
 
 def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path, name: str,
-                rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None) -> RunConfig:
+                rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
+                model: str | None = None) -> RunConfig:
     """The RunConfig of one cell: the dataset's defaults (the paper's stdev, tab. 1) < ``sets`` < the
-    grid's own keys (raises ConfigError)."""
+    grid's own keys (raises ConfigError). ``model``: the hetero grid's model set (used as given)."""
     over: dict[str, Any] = {}
     sets = dict(sets or {})
-    model = model_for(dataset, method)
+    if model is not None:
+        sets.pop("model", None)
+    else:
+        model = model_for(dataset, method)
     if "model" in sets:  # --set model=cnn: that family for every method, its "-mh" variant for fedproto-mh
         base = str(sets.pop("model"))
         # the family's "-mh" variant where one exists (cnn, resnet18); other specs (a projcnn
         # list, already heterogeneous if the user wants it) are used as given
         model = mh_variant(base) if method in HETEROGENEOUS else base
     over.update(sets)
-    over.update(dataset=dataset, ways=ways, algorithm=METHODS[method], model=model, seed=seed,
+    over.update(dataset=dataset, ways=ways, algorithm=algorithm_of(method), model=model, seed=seed,
                 data_dir=data_dir, out_dir=str(runs_dir), name=name)
     if "rounds" not in over:
         over["rounds"] = rounds if rounds is not None else default_rounds(dataset, method)
@@ -235,10 +283,14 @@ def cell_config(dataset: str, ways: int, method: str, seed: int, runs_dir: Path,
         raise e.prefixed(f"cell {name}: ") from None
 
 
-def cell_name(dataset: str, ways: int, method: str, seed: int, param: str | None = None, value: Any = None) -> str:
-    """The cell's run-directory name; a swept value is made a plain folder name (``projcnn:8-8`` ->
-    ``projcnn_8-8``, a path -> its last part), as :meth:`RunConfig.run_name` does for models."""
+def cell_name(dataset: str, ways: int, method: str, seed: int, param: str | None = None, value: Any = None,
+              model: str | None = None) -> str:
+    """The cell's run-directory name; a swept value (and the hetero grid's ``model``, after the
+    seed) is made a plain folder name (``projcnn:8-8`` -> ``projcnn_8-8``, a path -> its last part),
+    as :meth:`RunConfig.run_name` does for models."""
     base = f"{dataset}-n{ways}-{method}-s{seed}"
+    if model is not None:
+        base += "-" + re.sub(r"[^A-Za-z0-9.+=-]+", "_", model)[:80]
     if param is None:
         return base
     v = str(value)
@@ -258,6 +310,28 @@ def plan_grid(out: Path, datasets: Sequence[str], ways: Sequence[int], methods: 
                 for s in seeds:
                     name = cell_name(ds, n, m, s)
                     cells.append(Cell(ds, n, m, s, cell_config(ds, n, m, s, runs, name, rounds, sets, data_dir), name))
+    return cells
+
+
+def plan_hetero(out: Path, datasets: Sequence[str], ways: Sequence[int], methods: Sequence[str],
+                seeds: Sequence[int], rounds: int | None = None, sets: dict | None = None,
+                data_dir: str | None = None) -> list[Cell]:
+    """All cells of the model-heterogeneous grid (dataset × model set × ways × method × seed;
+    :data:`HETERO_MODELS`, or the one ``model`` of ``sets``), validated up front (ConfigError)."""
+    runs = Path(out) / "runs"
+    sets = dict(sets or {})
+    given = sets.pop("model", None)
+    cells = []
+    for ds in datasets:
+        models = (str(given),) if given is not None else HETERO_MODELS.get(ds, ("cnn-mh",))
+        for model in models:
+            for n in ways:
+                for m in methods:
+                    for s in seeds:
+                        name = cell_name(ds, n, m, s, model=model)
+                        cfg = cell_config(ds, n, m, s, runs, name, HETERO_ROUNDS if rounds is None else rounds, sets,
+                                          data_dir, model=model)
+                        cells.append(Cell(ds, n, m, s, cfg, name))
     return cells
 
 
@@ -465,9 +539,9 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
     groups: dict[tuple, list[CellResult]] = {}
     for r in results:
         c = r.cell
-        groups.setdefault((c.dataset, c.cfg.stdev, c.method, c.ways), []).append(r)
+        groups.setdefault((c.dataset, c.cfg.stdev, c.method, c.ways, c.cfg.model), []).append(r)
     rows = []
-    for (ds, sd, method, n), rs in groups.items():
+    for (ds, sd, method, n, _), rs in groups.items():
         ok = [r for r in rs if r.status in ("done", "skipped") and r.summary]
         failed = [r for r in rs if r.status == "failed"]
         acc = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc")) for r in ok])
@@ -475,6 +549,8 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
         accg = seed_stats([tuple(100 * v for v in _acc(r.summary, "acc_global")) for r in ok])
         pp = paper.accuracy(ds, sd, method, n)
         up = [r.summary["params_per_round"]["up"] for r in ok if r.summary.get("params_per_round")]
+        down = [r.summary["params_per_round"].get("down", math.nan) for r in ok if r.summary.get("params_per_round")]
+        wall = [r.summary.get("wall_time_s", r.wall_s) for r in ok]
         rows.append({
             "dataset": ds, "stdev": sd, "method": method, "algorithm": rs[0].cell.cfg.algorithm,
             "model": rs[0].cell.cfg.model, "ways": n, "seeds": acc["n"] if ok else 0, "failed": len(failed),
@@ -486,7 +562,9 @@ def table_rows(results: Sequence[CellResult]) -> list[dict]:
             "paper_mean": pp[0] if pp else float("nan"), "paper_std": pp[1] if pp else float("nan"),
             "rounds": rs[0].cell.cfg.rounds, "paper_rounds": paper.rounds(ds, method),
             "params_up_per_round": float(np.mean(up)) if up else float("nan"),
+            "params_down_per_round": float(np.mean(down)) if down else float("nan"),
             "paper_params_k": paper.params_k(ds, method),
+            "wall_s_per_seed": float(np.mean(wall)) if wall else float("nan"),
             "message": "; ".join(f"{r.cell.name}: {short(r.message)}" for r in failed),
             "failed_cells": [(r.cell.name, r.message) for r in failed],
         })
@@ -597,6 +675,104 @@ def render_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(M
     return "\n".join(out)
 
 
+HETERO_CAPTION = (
+    "Model-heterogeneous grid (`fedproto reproduce --grid hetero`): clients of different architectures, "
+    "each method on the same clients, data and seeds. Accuracy in % on each client's own test classes after "
+    "the last round, mean over seeds of the per-seed client means ± the per-seed std over clients averaged "
+    "over seeds; `[±x]` is the sample std (ddof 1) of the per-seed means (the spread over seeds). "
+    "**classifier**: each client's own model after its local training of the last round (personal, every "
+    "method). **nearest prototype**: the same model, nearest global prototype (FedProto eq. 4; FedProto and "
+    "FedTGP). **global head**: the server's head of the last round on the client's own body (LG-FedAvg: the "
+    "averaged head; FedGH: the head the server trained on the prototypes). Params: parameters sent per round "
+    "summed over clients, ×10³, up / down. Rounds are fewer than tab. 1's (see the rounds column): the grid "
+    "is sized for a CPU; Local trains for the same number of local epochs without communicating."
+)
+"""Caption of the heterogeneous grid's table."""
+
+HETERO_FIELDS = ("dataset", "model", "method", "algorithm", "ways", "seeds", "failed", "acc_mean", "acc_std_clients",
+                 "acc_std_seeds", "acc_proto_mean", "acc_proto_std_clients", "acc_proto_std_seeds", "acc_global_mean",
+                 "acc_global_std_clients", "acc_global_std_seeds", "rounds", "params_up_per_round",
+                 "params_down_per_round", "wall_s_per_seed", "message")
+
+
+def ranking(rows: Sequence[dict], key: str = "acc") -> tuple[str | None, list[str], list[str]]:
+    """The leader of ``rows`` (one dataset, model set and ways) by ``<key>_mean``, the methods whose
+    order against it is undecided and those it leads clearly.
+
+    Rule: a method's gap to the leader (difference of the means over seeds) is compared with the
+    larger of the two methods' std over seeds (``<key>_std_seeds``); a gap at most that large leaves
+    the order undecided. With one seed (no std over seeds) every order is undecided.
+
+    Returns:
+        (leader, undecided, behind); leader None when no row has a value.
+    """
+    ok = [r for r in rows if r.get(f"{key}_mean", math.nan) == r.get(f"{key}_mean", math.nan)]
+    if not ok:
+        return None, [], []
+    ok.sort(key=lambda r: -r[f"{key}_mean"])
+    lead = ok[0]
+    undecided, behind = [], []
+    for r in ok[1:]:
+        spread = max(lead[f"{key}_std_seeds"], r[f"{key}_std_seeds"])
+        gap = lead[f"{key}_mean"] - r[f"{key}_mean"]
+        (undecided if not gap > spread else behind).append(r["method"])  # NaN spread: undecided
+    return lead["method"], undecided, behind
+
+
+def render_hetero_markdown(rows: Sequence[dict], methods_order: Sequence[str] = tuple(HETERO_METHODS)) -> str:
+    """The heterogeneous grid's table: one block per dataset, model set and ways, one row per
+    method, with the leader and the undecided orders (:func:`ranking`) under each block."""
+    out = ["# Model-heterogeneous methods", "", HETERO_CAPTION, ""]
+    blocks: dict[tuple, list[dict]] = {}
+    for r in rows:
+        blocks.setdefault((r["dataset"], r["model"], r["ways"]), []).append(r)
+    failures: dict[str, list[str]] = {}
+
+    def cell(r: dict, key: str) -> str:
+        if r.get(f"{key}_mean", math.nan) != r.get(f"{key}_mean", math.nan):
+            return "–"
+        s = _pm(r[f"{key}_mean"], r[f"{key}_std_clients"])
+        return s + (f" [±{r[f'{key}_std_seeds']:.2f}]" if r[f"{key}_std_seeds"] == r[f"{key}_std_seeds"] else "")
+
+    for (ds, model, n), rs in blocks.items():
+        by = {r["method"]: r for r in rs}
+        out += [f"## {ds}, n={n}, models `{model}`", "",
+                "| method | classifier | nearest prototype | global head | params ×10³ up / down | rounds | seeds |",
+                "|---|--:|--:|--:|--:|--:|--:|"]
+        for m in _ordered(list(by), methods_order):
+            r = by[m]
+            for name, msg in r.get("failed_cells", []):
+                failures.setdefault(short(msg), []).append(name)
+            if r["seeds"] == 0:
+                out.append(f"| {m} | failed | – | – | – | {r['rounds']} | 0 |")
+                continue
+            up, down = r["params_up_per_round"] / 1e3, r["params_down_per_round"] / 1e3
+            fail = f" ({r['failed']} failed)" if r["failed"] else ""
+            out.append(f"| {m} | {cell(r, 'acc')} | {cell(r, 'acc_proto')} | {cell(r, 'acc_global')} | "
+                       f"{up:.1f} / {down:.1f} | {r['rounds']} | {r['seeds']}{fail} |")
+        lead, undecided, behind = ranking(rs)
+        if lead is not None:
+            line = f"Classifier accuracy: **{lead}** leads"
+            line += (f"; its order against {', '.join(undecided)} is undecided (gap to the leader within the larger "
+                     "std over seeds)" if undecided else "")
+            line += f"; it leads {', '.join(behind)} by more than the std over seeds." if behind else "."
+            out += ["", line]
+        out.append("")
+    if failures:
+        out += ["## Failed cells", "", "First line of each error; full messages in status.json.", ""]
+        out += [f"- {', '.join(names)}: {msg}" for msg, names in failures.items()] + [""]
+    return "\n".join(out)
+
+
+def write_hetero_table(out: Path, results: Sequence[CellResult],
+                       methods_order: Sequence[str] = tuple(HETERO_METHODS)) -> list[dict]:
+    """Write the heterogeneous grid's ``table.md`` and ``table.csv`` (atomically); returns the rows."""
+    rows = table_rows(results)
+    atomic_write_bytes(Path(out) / "table.md", render_hetero_markdown(rows, methods_order).encode())
+    atomic_write_bytes(Path(out) / "table.csv", _csv_bytes(rows, HETERO_FIELDS))
+    return rows
+
+
 def _csv_bytes(rows: Sequence[dict], fields: Sequence[str]) -> bytes:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore")
@@ -693,6 +869,18 @@ def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: 
     cells = plan_grid(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
     _make_out(out)
     return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress)
+
+
+def run_hetero(out: str | Path, datasets: Sequence[str] = HETERO_DATASETS, ways: Sequence[int] = HETERO_WAYS,
+               methods: Sequence[str] = tuple(HETERO_METHODS), seeds: Sequence[int] = HETERO_SEEDS,
+               rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
+               console=None, progress: bool = False) -> list[CellResult]:
+    """Run the model-heterogeneous grid (:func:`plan_hetero`) and write its tables
+    (:func:`write_hetero_table`); returns every cell's result."""
+    out = Path(out)
+    cells = plan_hetero(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
+    _make_out(out)
+    return run_cells(cells, out, console, after=lambda rs: write_hetero_table(out, rs, methods), progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------

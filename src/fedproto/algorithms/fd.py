@@ -1,6 +1,6 @@
 """FD, federated distillation (Jeong et al., "Communication-Efficient On-Device Machine Learning:
 Federated Distillation and Augmentation under Non-IID Private Data", arXiv 1811.11479; PFLlib's
-FedDistill), draft on today's algorithm interface (issue #24 item 2).
+FedDistill), issue #24 item 2.
 
 Client: cross-entropy + ``fd_lambda`` x the distillation term between its logits and the global
 per-class logits of each sample's class (:func:`fedproto.htmath.fd_distill_loss`: soft-target
@@ -9,12 +9,15 @@ sends its per-class mean logits (:func:`fedproto.htmath.class_mean_logits`). Ser
 mean over the clients that sent the class (:func:`fedproto.htmath.fd_global_logits`), the same
 table for every client (PFLlib). Round 1 has no global logits (cross-entropy only).
 
-Paper vs. this draft: the paper and PFLlib average the logits produced during local training
-(train mode, every local step); this draft computes them in an eval-mode pass over the training
-data after training (TrainResult collects embeddings only). The paper gives device i the average of
-the *other* devices' logits (``leave_out`` of :func:`fedproto.htmath.fd_global_logits`); PFLlib,
-and this draft, send everyone the mean of all. Needs no equal embedding size: only the label
-space is shared.
+Where we follow the paper: per-class mean logits up, the per-class mean over the clients down
+(unweighted by sample counts), and the distillation term added to the cross-entropy. Where we
+differ: the paper and PFLlib average the logits produced during local training (train mode, every
+local step); we compute them in an eval-mode pass over the training data after training (the same
+numbers on every engine and executor, and the logits of the model the client keeps). The paper
+gives device i the average of the *other* devices' logits (``leave_out`` of
+:func:`fedproto.htmath.fd_global_logits`); PFLlib, and we, send everyone the mean of all (one
+broadcast). Needs no equal embedding size: only the label space is shared. Evaluation: ``acc``, the
+client's own model (FD has no global model).
 
 Messages: up ``classes`` (K,) int64, ``logits`` (K, C) float32, ``counts`` (K,) int64; down
 ``classes`` (K,) int64, ``logits`` (K, C) float32.

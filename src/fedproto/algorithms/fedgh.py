@@ -1,5 +1,5 @@
 """FedGH (Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header",
-ACM MM 2023, arXiv 2303.13137), draft on today's algorithm interface (issue #24 item 2).
+ACM MM 2023, arXiv 2303.13137), issue #24 item 2.
 
 Client: replace its head by the global head, train the whole model with cross-entropy for
 ``local_epochs`` epochs, then send its local prototypes (per-class mean embeddings, computed in an
@@ -7,9 +7,18 @@ eval-mode pass over its training data after training, as PFLlib/HtFLlib ``collec
 their counts. Server: train the global head, a (C, d) linear layer, with cross-entropy on the
 uploaded (prototype, class) pairs (:func:`fedproto.htmath.fedgh_train_head`) and send it back.
 
-Paper vs. reference code: the paper's server takes one SGD step per uploaded pair, once per round
-(``server_epochs`` 1, ``server_batch_size`` 1, the defaults here, in upload order); PFLlib/HtFLlib
-run ``server_epochs`` passes over shuffled mini-batches (draft: the order is never shuffled).
+Where we follow the paper: the server takes one SGD step per uploaded (prototype, class) pair,
+once per round, in upload order (client by client, class by class): ``server_epochs`` 1 and
+``server_batch_size`` 1, the defaults here. The reference implementations (PFLlib/HtFLlib
+``serverGH``) run ``server_epochs`` passes over shuffled mini-batches: any other epochs or batch
+size here shuffles the pairs every epoch as they do (seeded from the run's seed and the round, so a
+run reproduces). Prototypes as the reference's ``collect_protos`` (after training, eval mode).
+
+Evaluation: ``acc``, each client's model after its local training (its head trained locally from
+the global head); ``acc_global``, the server's trained head on the client's own body (the paper's
+inference: the generalised global header on the local feature extractor; HtFLlib's reported number,
+its clients evaluate after receiving the head;
+:func:`~fedproto.algorithms.lgfedavg.global_head_accuracy`).
 
 Messages: down ``head/weight`` (C, d), ``head/bias`` (C,); up ``classes`` (K,) int64, ``protos``
 (K, d) float32, ``counts`` (K,) int64. The server's head starts as the initial head of the client
@@ -21,7 +30,13 @@ from __future__ import annotations
 import numpy as np
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
-from fedproto.algorithms.lgfedavg import check_heads, head_message, load_head
+from fedproto.algorithms.lgfedavg import (
+    GLOBAL_HEAD_PROTOCOL,
+    check_heads,
+    global_head_accuracy,
+    head_message,
+    load_head,
+)
 from fedproto.algorithms.options import FedGHOptions
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
@@ -65,6 +80,8 @@ class FedGH(Algorithm):
         super().__init__(num_classes, opt, local_epochs)
         self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
         self.seed = seed
+        # the paper's regime (one pass, one pair per step) keeps the upload order; any other shuffles as the reference
+        self.shuffles = server_epochs > 1 or server_batch_size > 1
         self.head_w: np.ndarray | None = None
         self.head_b: np.ndarray | None = None
         self.last_loss = float("nan")
@@ -99,7 +116,7 @@ class FedGH(Algorithm):
         msgs = list(messages.values())
         w, b, info = fedgh_train_head([m["classes"] for m in msgs], [m["protos"] for m in msgs], self.head_w,
                                       self.head_b, self.server_epochs, self.server_lr, self.server_batch_size,
-                                      shuffle=False, seed=self.seed * 100_003 + round)
+                                      shuffle=self.shuffles, seed=self.seed * 100_003 + round)
         self.head_w, self.head_b, self.last_loss = w, b, info["loss"]
         return {"head/weight": w.astype(np.float32), "head/bias": b.astype(np.float32)}
 
@@ -117,3 +134,14 @@ class FedGH(Algorithm):
         sums, counts = class_sums(embed_all(state.model, data.x), data.y, self.num_classes)
         classes, protos, cnt = local_prototypes(sums, counts)
         return {"classes": classes, "protos": protos, "counts": cnt}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal) and ``acc_global`` (:data:`~fedproto.algorithms.lgfedavg.GLOBAL_HEAD_PROTOCOL`)."""
+        return {**super().eval_protocols(), "acc_global": GLOBAL_HEAD_PROTOCOL}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """:meth:`Algorithm.evaluate` plus ``acc_global``
+        (:func:`~fedproto.algorithms.lgfedavg.global_head_accuracy`: the trained global head on the
+        client's own body, the paper's inference), in [0, 1]."""
+        return {**super().evaluate(state, message, data), "acc_global": global_head_accuracy(state, message, data)}

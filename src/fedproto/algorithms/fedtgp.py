@@ -1,6 +1,6 @@
 """FedTGP (Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced
 Contrastive Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024,
-arXiv 2401.03230), draft on today's algorithm interface (issue #24 item 2).
+arXiv 2401.03230), issue #24 item 2.
 
 Client: as FedProto (cross-entropy + λ · distance to the global prototype of the sample's class,
 local prototypes sent up; :class:`~fedproto.algorithms.fedproto.FedProto`'s core options
@@ -12,9 +12,22 @@ prototypes (an embedding per class and a two-layer MLP, :func:`fedproto.htmath.t
 and broadcast the generated prototype of every class. The generator persists across rounds
 (server state), initialised from the run's seed at the first aggregation.
 
-Reference code: HtFLlib's ``serverFedTGP`` (the generator, the margin from the class centers, SGD
-without momentum over shuffled mini-batches); its client uses the MSE distance (``distance="mse"``,
-the default here). Round 1 has no global prototypes (cross-entropy only), as FedProto.
+Where we follow the paper: the generator (a trainable embedding per class and a two-layer MLP),
+the adaptive-margin contrastive loss with every class a negative, the margin from the unweighted
+class centers capped at τ, every uploaded prototype counted once whatever its sample count, and
+the generator kept across rounds. Where the reference implementation (HtFLlib ``serverFedTGP`` /
+``clientFedTGP``) fixes what the paper leaves open, we follow it: plain SGD (no momentum) over
+shuffled mini-batches of the uploaded prototypes, ``server_epochs`` 100 and ``server_batch_size``
+10, and the client's distance as MSE (``distance="mse"``, the default here; ``--distance`` picks
+another). Differences from the reference: its server learning
+rate and τ are command-line options whose defaults we do not restate (ours: 0.1, 100); its shuffling
+uses torch's global generator, ours one seeded from the run's seed and the round, so a run
+reproduces and a resumed run continues exactly (the generator is server state,
+:attr:`FedTGP.server_state_keys`, saved in checkpoints). Round 1 has no global prototypes
+(cross-entropy only), as FedProto.
+
+Evaluation: ``acc`` (the client's classifier) and ``acc_proto`` (nearest generated prototype,
+FedProto's eq. 4): the paper reports the classifier; there is no global model.
 
 Messages: down ``classes`` (C,) int64 (every class), ``protos`` (C, d) float32; up as FedProto.
 """

@@ -1,5 +1,4 @@
-"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), draft on today's
-algorithm interface (issue #24 item 2; the client/server split of issue #22 will move it).
+"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), issue #24 item 2.
 
 The global part (here: the model's head g, its final linear layer) is averaged by the server,
 weighted by the clients' numbers of training samples (FedAvg's n_i / n;
@@ -7,9 +6,17 @@ weighted by the clients' numbers of training samples (FedAvg's n_i / n;
 Works with heterogeneous bodies whose embedding size d is equal: every head is a (C, d) linear
 layer. Local training: cross-entropy on the whole model for ``local_epochs`` epochs.
 
-Paper vs. this draft: the paper shares the top layers (for MNIST/CIFAR-10 several fully connected
-layers) and first trains a FedAvg global model before switching to LG; PFLlib's ``serverlg`` shares
-``model.head`` from round 1, as here.
+Where we follow the paper: the global layers averaged with FedAvg's weights, the local
+representation never sent. Where we differ, as the reference implementations (PFLlib ``serverlg``,
+HtFLlib ``serverLG``) do: the paper shares the top layers (for MNIST/CIFAR-10 several fully
+connected layers) and first trains a FedAvg global model before switching to LG; we share the
+model's head (its final linear layer) from round 1, the only part heterogeneous bodies have in
+common.
+
+Evaluation: ``acc``, each client's model after its local training of the last round (body and
+locally trained head); ``acc_global``, the averaged head of the last round on the client's own body
+(the paper's "local test" model: local representation, global layers; the number PFLlib/HtFLlib
+report; :func:`global_head_accuracy`).
 
 Messages: the head's tensors under model-independent names ``head/<tensor>`` (``head/weight``
 (C, d), ``head/bias`` (C,)), so clients of different architectures (their head layers named
@@ -27,7 +34,7 @@ from fedproto.algorithms.options import WeightsOptions
 from fedproto.errors import ConfigError
 from fedproto.htmath import lg_aggregate
 from fedproto.models.base import ProtoModel
-from fedproto.training import TrainResult
+from fedproto.training import TrainResult, predict
 
 HEAD_PREFIX = "head/"
 COUNT_KEY = "n"
@@ -60,6 +67,36 @@ def load_head(model: ProtoModel, message: Message) -> None:
     """Copy the ``head/`` entries of ``message`` into the model's head (shapes checked by the engine)."""
     for k, p in head_tensors(model).items():
         p.copy_(torch.as_tensor(message[k], dtype=p.dtype, device=p.device))
+
+
+GLOBAL_HEAD_PROTOCOL = (
+    "global: the server's head of the last round (after aggregation, before any local training) on the client's "
+    "own body after its local training of the last round, on the client's own test set")
+"""What ``acc_global`` scores for LG-FedAvg and FedGH (:func:`global_head_accuracy`)."""
+
+
+@torch.no_grad()
+def global_head_accuracy(state: ClientState, message: Message, data: ClientData) -> float:
+    """Accuracy in [0, 1] of the client's model with its head replaced by the server's head of
+    ``message`` (``head/<tensor>`` entries), on the client's own test set, in eval mode; NaN with no
+    test samples or no head in ``message``. The client's head is restored exactly afterwards.
+
+    The body is the client's own (it never leaves the client in LG-FedAvg and FedGH), so this is
+    the only "global" model these methods have: the heterogeneous bodies have no global average.
+    HtFLlib and PFLlib report this number (their clients evaluate after receiving the global head).
+    """
+    n = len(data.test_y)
+    head = head_tensors(state.model)
+    if not n or any(k not in message for k in head):
+        return float("nan")
+    saved = {k: t.detach().clone() for k, t in head.items()}
+    try:
+        load_head(state.model, message)
+        logits, _ = predict(state.model, data.test_x)
+    finally:
+        for k, t in head.items():
+            t.copy_(saved[k])
+    return float((logits.argmax(1) == data.test_y.to(logits.device)).float().mean())
 
 
 def check_heads(joins: dict[int, Message], method: str) -> None:
@@ -124,3 +161,12 @@ class LGFedAvg(Algorithm):
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
         """The trained head and the client's sample count."""
         return {**head_message(state.model), COUNT_KEY: np.array([len(data.y)], np.int64)}
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_protocols(self) -> dict[str, str]:
+        """``acc`` (personal) and ``acc_global`` (:data:`GLOBAL_HEAD_PROTOCOL`)."""
+        return {**super().eval_protocols(), "acc_global": GLOBAL_HEAD_PROTOCOL}
+
+    def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
+        """:meth:`Algorithm.evaluate` plus ``acc_global`` (:func:`global_head_accuracy`), in [0, 1]."""
+        return {**super().evaluate(state, message, data), "acc_global": global_head_accuracy(state, message, data)}
