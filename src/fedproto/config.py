@@ -477,6 +477,23 @@ def _name_value(v: Any) -> str:
 _MODELS: dict[int, type[RunConfig]] = {}
 
 
+FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from",
+               "poll_interval")
+"""Keys of a Flower run config that are no run option (:class:`fedproto.flower.common.FlowerOptions`;
+kept equal to ``fedproto.flower.common.FLOWER_KEYS`` by a test)."""
+
+
+def taken_names() -> dict[str, str]:
+    """The names a plug-in's option may not have, and why: the run options, their aliases and
+    their off switches (``no_<boolean>``), and the Flower run config's own keys."""
+    taken = {f: "is a fedproto option" for f in RunConfig.model_fields}
+    taken.update({a: f"is another spelling of fedproto's option {f!r}" for a, f in KEY_ALIASES.items()})
+    taken.update({f"no_{f}": f"is the off switch of fedproto's option {f!r} (--no-{f.replace('_', '-')})"
+                  for f, info in RunConfig.model_fields.items() if info.annotation is bool})
+    taken.update({k: "is a key of the Flower run config (FlowerOptions)" for k in FLOWER_KEYS})
+    return taken
+
+
 def config_model() -> type[RunConfig]:
     """The run options in force: :class:`RunConfig`, plus the ``Options`` of every algorithm
     registered from outside the library (:mod:`fedproto.plugins`) as a subclass of it
@@ -493,6 +510,15 @@ def config_model() -> type[RunConfig]:
     if key not in _MODELS:
         # a plug-in that subclasses a library method shares its options (already RunConfig's)
         plugins = [(n, o) for n, o in plugins if not issubclass(RunConfig, o)]
+        for name, opts in plugins:  # registered before this module was imported: not checked then
+            bad = sorted(k for k in own_fields(opts) if k in taken_names())
+            if bad:
+                from fedproto.plugins import unregister
+
+                unregister(name)  # one bad plug-in must not break the runs of every algorithm
+                raise ConfigError(f"algorithm {name!r} declares the option {bad[0]!r}, which "
+                                  f"{taken_names()[bad[0]]}; rename it (e.g. with the algorithm's name as prefix); "
+                                  f"{name!r} is unregistered")
         if not plugins:
             _MODELS[key] = RunConfig
         else:
@@ -597,6 +623,17 @@ register_option_names(lambda: RunConfig.model_fields)
 KEY_ALIASES = _aliases()
 """Other names accepted for options in TOML files, ``--set`` and Flower run configs (each field's
 ``json_schema_extra["aliases"]``): ``lambda`` for ``lambda_proto``; ``-`` may stand for ``_``."""
+
+
+def _register_name_check() -> None:
+    """Let :func:`fedproto.plugins.register` refuse a plug-in option named like a run option."""
+    from fedproto import plugins
+
+    if taken_names not in plugins.NAME_CHECKS:
+        plugins.NAME_CHECKS.append(taken_names)
+
+
+_register_name_check()
 
 
 def normal_key(key: str) -> str:

@@ -28,6 +28,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import click
 from pydantic.fields import FieldInfo
 
+from fedproto.config import FLOWER_KEYS
 from fedproto.errors import NO_VALUE, UNKNOWN, unknown_text
 
 if sys.version_info >= (3, 11):
@@ -238,10 +239,7 @@ def run_params() -> list[click.Option]:
 # how each front end names an option (errors carry references, see fedproto.errors.opt)
 
 
-FLOWER_KEYS = ("round_timeout", "min_replies", "round_retries", "wait_nodes", "class_names", "resume_from",
-               "poll_interval")
-"""Keys of a Flower run config that are no RunConfig option (:class:`fedproto.flower.common.FlowerOptions`;
-kept equal to ``fedproto.flower.common.FLOWER_KEYS`` by a test)."""
+
 
 
 def keys() -> list[str]:

@@ -44,6 +44,12 @@ _loaded = False
 _version = 0
 """Bumped on every registration that adds options (the option set is rebuilt then)."""
 
+NAME_CHECKS: list = []
+"""Functions returning ``{name: why it is taken}`` for the names a plug-in's options may not use:
+:mod:`fedproto.config` adds the run options' names, aliases and off switches when it is imported
+(this module sits below it and imports nothing of the package; :func:`fedproto.config.config_model`
+checks every plug-in again when it composes the run options)."""
+
 CLI_NAMES = ("config", "resume", "quiet", "help")
 """Parameters of ``fedproto run`` that are no run option (no plug-in option may take their names)."""
 
@@ -118,18 +124,10 @@ def _check_options(name: str, options: Any) -> None:
         if k in mine and field.is_required():
             raise ConfigError(f"option {k!r} of algorithm {name!r} has no default; give it one "
                               f"({k}: ... = Field(<default>, description=...)): every run has all options")
-    from fedproto.config import RunConfig
-    from fedproto.options import FLOWER_KEYS, aliases
-
-    taken = {a: f"is another spelling of fedproto's option {f!r}" for f in RunConfig.model_fields for a in aliases(f)}
-    taken.update({f"no_{f}": f"is the off switch of fedproto's option {f!r} (--no-{f.replace('_', '-')})"
-                  for f, info in RunConfig.model_fields.items() if info.annotation is bool})
-    taken.update({k: "is a key of the Flower run config (FlowerOptions)" for k in FLOWER_KEYS})
-    taken.update({k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES})
+    taken = {k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES}
+    for check in NAME_CHECKS:  # the run options' names (fedproto.config adds its check when imported)
+        taken.update(check())
     for k in sorted(mine):
-        if k in RunConfig.model_fields:
-            raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which is a fedproto option; rename it "
-                              "(e.g. with the algorithm's name as prefix)")
         if k in taken:
             raise ConfigError(f"algorithm {name!r} declares the option {k!r}, which {taken[k]}; rename it (e.g. with "
                               "the algorithm's name as prefix)")
