@@ -476,6 +476,9 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
     assert rows[0]["replied"] == [0, 1, 2] and rows[0]["timed_out"] == []
     assert rows[1]["sampled"] == [0, 1, 2] and rows[1]["replied"] == [0, 1] and rows[1]["timed_out"] == [2]
     assert rows[2]["replied"] == [0, 1, 2] and eng.nodes[2] == 1003
+    # clients.csv counts the rounds a client trained and replied in, not those it was asked in
+    trained = {r["client"]: r["rounds_trained"] for r in csv.DictReader(open(tmp_path / "run" / "clients.csv"))}
+    assert trained == {"0": "3", "1": "3", "2": "2"}
     assert rows[1]["up_params"] == 2 / 3 * rows[0]["up_params"]
 
 

@@ -22,7 +22,7 @@ from fedproto.config import RunConfig
 from fedproto.engine.checks import check_replies
 from fedproto.engine.executors.base import Executor, RoundReplies
 from fedproto.engine.seeding import sample_clients
-from fedproto.engine.summary import build_summary, summarize
+from fedproto.engine.summary import build_summary, rounds_trained, summarize
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +210,5 @@ class RoundLoop:
 
     def rounds_trained(self) -> list[int]:
         """Per client: the rounds of this run (so far) in which it trained and replied, from the
-        metrics rows (``sampled`` lists them in rounds where not every client did)."""
-        counts = [0] * self.executor.num_clients
-        for row in self.history:
-            for i in row.get("sampled", range(len(counts))):
-                counts[int(i)] += 1
-        return counts
+        metrics rows (:func:`fedproto.engine.summary.rounds_trained`)."""
+        return rounds_trained(self.history, self.executor.num_clients)

@@ -25,6 +25,22 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return float(v.mean()), float(v.std())
 
 
+def trained_in(row: dict, num_clients: int):
+    """The clients that trained and replied in a metrics row: ``replied`` where the row has it (Flower:
+    ``sampled`` also lists clients that did not answer), else ``sampled`` (in-process, the rounds where
+    not every client took part), else all ``num_clients``."""
+    return row.get("replied", row.get("sampled", range(num_clients)))
+
+
+def rounds_trained(history: list[dict], num_clients: int) -> list[int]:
+    """Per client: the rounds of ``history`` in which it trained and replied (:func:`trained_in`)."""
+    counts = [0] * num_clients
+    for row in history:
+        for i in trained_in(row, num_clients):
+            counts[int(i)] += 1
+    return counts
+
+
 def describe_test_set(cfg: RunConfig) -> str:
     """Which test set the accuracies are on, in words."""
     if cfg.dataset == "custom":
@@ -72,10 +88,7 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
         "execution": cfg.execution,
         "processes": executor.processes,
     }
-    trained = [0] * S
-    for row in history:
-        for i in row.get("sampled", range(S)):
-            trained[int(i)] += 1
+    trained = rounds_trained(history, S)
     never = [i for i, n in enumerate(trained) if n == 0]
     if never:
         # clients never sampled (participation < 1) are scored at their initial weights: the mean over all

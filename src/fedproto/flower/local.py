@@ -64,12 +64,15 @@ class Credentials:
     node_keys: list[tuple[Path, Path]] = field(default_factory=list)
 
 
-def make_credentials(folder: str | Path, nodes: int, days: int = 30) -> Credentials:
-    """Write a CA, a SuperLink TLS certificate for 127.0.0.1 and localhost signed by it, and
-    ``nodes`` SuperNode key pairs (EC P-384, OpenSSH format) into ``folder``.
+def make_credentials(folder: str | Path, nodes: int, days: int = 30,
+                     addresses: tuple[str, ...] = ("127.0.0.1", "localhost")) -> Credentials:
+    """Write into ``folder`` a CA (``ca.crt``), a SuperLink TLS certificate signed by it
+    (``server.pem``, key ``server.key``) valid for ``addresses`` (IP addresses and host names: the
+    address the SuperNodes and ``flwr`` connect to), and ``nodes`` SuperNode key pairs (``node<i>``,
+    ``node<i>.pub``: EC P-384, OpenSSH format).
 
     Raises:
-        ConfigError: ``nodes`` < 0.
+        ConfigError: ``nodes`` < 0, or no ``addresses``.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -78,6 +81,15 @@ def make_credentials(folder: str | Path, nodes: int, days: int = 30) -> Credenti
 
     if nodes < 0:
         raise ConfigError(f"nodes={nodes}: give the number of SuperNode key pairs, >= 0")
+    if isinstance(addresses, str) or not addresses:
+        raise ConfigError(f"addresses={addresses!r}: give a tuple of the SuperLink's IP addresses and host names, "
+                          "e.g. ('10.0.0.1', 'superlink.example.org')")
+
+    def name(a: str):
+        try:
+            return x509.IPAddress(ipaddress.ip_address(a))
+        except ValueError:
+            return x509.DNSName(a)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -95,12 +107,10 @@ def make_credentials(folder: str | Path, nodes: int, days: int = 30) -> Credenti
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP384R1())
     cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(addresses[0]))]))
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName([name(str(a)) for a in addresses]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     out = Credentials(folder / "ca.crt", folder / "server.pem", folder / "server.key")
     out.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
