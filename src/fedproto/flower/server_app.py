@@ -16,9 +16,12 @@ runs: ``out_dir/<run name>-run<Flower run id>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -163,7 +166,11 @@ class FlowerEngine:
             rd.release()
 
     def _record_failure(self, e: BaseException) -> None:
-        """``failure.json``: the round the run stopped in, why, and how to continue it."""
+        """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
+        first record, e.g. the signal that stopped the run, is kept)."""
+        if getattr(self, "_failure_recorded", False):
+            return
+        self._failure_recorded = True
         done = len(self.loop.history)
         record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -177,6 +184,43 @@ class FlowerEngine:
                   done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
 
 
+class Stopped(Exception):
+    """The ServerApp process was told to stop (SIGINT or SIGTERM) while the run was under way."""
+
+
+@contextlib.contextmanager
+def failure_on_signal(engine: FlowerEngine):
+    """While the run is under way, SIGINT and SIGTERM first write ``failure.json`` (error
+    ``Stopped``), then go to the handler that was there (Flower's: it ends the process, and may
+    end it with ``os._exit`` before the run's own ``except`` is reached). Flower sends the ServerApp
+    SIGINT itself when a restarted SuperLink refuses its token (flwr 1.42, ``http_retry``). Only
+    in the main thread (elsewhere, as in tests, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or not engine.run_dir:
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        prev = before[signum]
+        if prev == signal.SIG_IGN:
+            return
+        engine._record_failure(Stopped(f"the ServerApp process got {signal.Signals(signum).name}"))
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL and signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)
+        else:
+            raise KeyboardInterrupt
+
+    for sig in before:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, prev in before.items():
+            signal.signal(sig, prev)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """ServerApp entry point: run the configured experiment and log its summary."""
@@ -184,7 +228,11 @@ def main(grid: Grid, context: Context) -> None:
         cfg = run_config(context.run_config)
         opts = FlowerOptions.from_user_config(context.run_config)
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
-        summary = FlowerEngine(cfg, grid, out=out, options=opts).run()
+        engine = FlowerEngine(cfg, grid, out=out, options=opts)
+        if opts.resume_from:
+            out = engine.run_dir.path
+        with failure_on_signal(engine):
+            summary = engine.run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
         from fedproto.options import flower_wording
 
@@ -202,4 +250,4 @@ def main(grid: Grid, context: Context) -> None:
                 100 * acc.get("std", float("nan")), over, summary["params_per_round"]["up"] / 1e3, out)
 
 
-__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "FlowerEngine", "app", "main"]
+__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "FlowerEngine", "Stopped", "app", "failure_on_signal", "main"]
