@@ -1131,6 +1131,7 @@ def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes
         assert failure["checkpoint"] and (run_dir / "checkpoint.pt").is_file()
         assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == len(stopped)
         assert f"resume-from='{run_dir}'" in failure["resume"]
+        assert all(f"{kv} " in failure["resume"] for kv in ("rounds=4", "seed=7", f"out-dir='{out}'"))
         assert not (run_dir / "summary.json").exists()
         starts = {f"node{i}": len(fed.supernode_pids(f"node{i}")) for i in range(3)}
         fed.start_superlink(name="superlink2")
@@ -1346,3 +1347,16 @@ def test_a_signal_to_the_server_app_writes_failure_json_before_flowers_handler(t
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "Stopped")
     assert failure["message"] == "the ServerApp process got SIGTERM" and failure["checkpoint"]
+
+
+def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_parses_it():
+    """failure.json's command lists the stopped run's whole run config (so that the resumed run
+    has its options, whatever its --run-config was), in the form ``flwr run --run-config`` parses."""
+    from flwr.common.config import parse_config_args
+
+    from fedproto.flower.server_app import resume_config
+
+    cfg = {"rounds": 4, "lr": 0.05, "out-dir": "/r uns/a", "name": "it's", "tensorboard": False, "resume-from": "/x"}
+    text = resume_config(cfg)
+    assert text == "rounds=4 lr=0.05 out-dir='/r uns/a' name=\"it's\" tensorboard=false "
+    assert parse_config_args([text + "resume-from='/r uns/a/run'"]) == {**cfg, "resume-from": "/r uns/a/run"}

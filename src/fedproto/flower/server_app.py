@@ -54,7 +54,8 @@ class FlowerEngine:
     The server writes a checkpoint of its own state (server message, algorithm state, metrics rows)
     into the run folder after every round (``checkpoint_every``, default every round under Flower);
     the clients keep theirs on their nodes (:mod:`fedproto.flower.node_state`). When the run stops
-    (the SuperLink went away, too few replies), ``failure.json`` in the run folder says when and why,
+    (the SuperLink did not answer within ``round-timeout``, too few replies, SIGINT or SIGTERM under
+    :func:`failure_on_signal`), ``failure.json`` in the run folder says when and why,
     and the run can be continued from its last completed round, also on a new SuperLink, with the
     Flower run config ``resume-from="<run folder>"`` (:attr:`FlowerOptions.resume_from`).
 
@@ -98,6 +99,11 @@ class FlowerEngine:
                 observers.append(TensorBoardObserver(self.run_dir.path))
         observers.append(Progress(on_round))
         self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
+
+    resume_config = ""
+    """The stopped run's run config as ``key=value `` pairs, put before ``resume-from`` in
+    ``failure.json``'s command (the ServerApp sets it from the Flower run config: every key, so the
+    command gives the options of the stopped run whatever its ``--run-config`` was)."""
 
     def _run_key(self) -> str:
         """The run's key (the nodes' state files belong to it): a resumed run's own, read from its
@@ -175,13 +181,27 @@ class FlowerEngine:
         record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "checkpoint": self.run_dir.checkpoint.is_file(),
-                  "resume": f'flwr run . --run-config "resume-from=\'{self.run_dir.path}\'"'}
+                  "resume": f'flwr run <app folder> <connection> --stream --run-config "{self.resume_config}'
+                            f'resume-from=\'{self.run_dir.path}\'"'}
         try:
             atomic_write_json(self.run_dir.path / "failure.json", record)
         except OSError as err:  # never hide the run's own error behind this one
             log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
         log.error("fedproto: the run stopped in round %d (%s); rounds 1..%d are in %s%s", done + 1, type(e).__name__,
                   done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
+
+
+def resume_config(run_cfg: dict) -> str:
+    """``key=value `` pairs of a Flower run config, for ``--run-config "..."`` in a shell: strings
+    as TOML literal strings (single quotes), ``resume-from`` left out."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return f"'{v}'" if "'" not in str(v) else json.dumps(str(v))
+
+    return "".join(f"{k}={value(v)} " for k, v in run_cfg.items() if k not in ("resume-from", "resume_from"))
 
 
 class Stopped(Exception):
@@ -229,6 +249,7 @@ def main(grid: Grid, context: Context) -> None:
         opts = FlowerOptions.from_user_config(context.run_config)
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
         engine = FlowerEngine(cfg, grid, out=out, options=opts)
+        engine.resume_config = resume_config(context.run_config)
         if opts.resume_from:
             out = engine.run_dir.path
         with failure_on_signal(engine):
