@@ -79,6 +79,7 @@ class FlowerEngine:
         opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
                        wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
         self.cfg, self.opts = cfg, opts
+        self._failure_recorded = False
         if opts.resume_from:
             out = Path(opts.resume_from).expanduser()
             if not out.is_dir():
@@ -174,7 +175,7 @@ class FlowerEngine:
     def _record_failure(self, e: BaseException) -> None:
         """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
         first record, e.g. the signal that stopped the run, is kept)."""
-        if getattr(self, "_failure_recorded", False):
+        if self._failure_recorded:
             return
         self._failure_recorded = True
         done = len(self.loop.history)
