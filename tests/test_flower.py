@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -316,7 +317,7 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
-        sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "num-examples"} | inst
+        sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "loss-terms", "num-examples"} | inst
         assert all(_reply_keys(r)["metrics"] == sent for r in t)
         assert summary["accuracy"]["acc"]["mean"] > 0.5
         return
@@ -1115,6 +1116,80 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
 
 
+@pytest.mark.slow
+def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes_the_run(tmp_path):
+    """Issue #23 (3), on 127.0.0.1 with TLS and SuperNode authentication: three own-data nodes
+    (each under ``python -m fedproto.flower.supervise``), FedProto, 4 rounds. The SuperLink is
+    SIGKILLed in round 2 (its process only: the ServerApp it started lives on, as after a crash);
+    the run folder then holds failure.json and a checkpoint of round 1 (or 2). The SuperLink is
+    started again on the same port and database file (the node keys stay registered); the nodes
+    reconnect, and ``flwr run ... --run-config "resume-from='<run folder>'"`` (the same overrides
+    plus resume-from) finishes the run: rounds 1..4 each once in metrics.jsonl, failure.json gone,
+    summary.json written, and every node whose SuperNode restarted recorded as restored."""
+    import os
+    import signal
+    import threading
+
+    from fedproto.checkpoint import load_checkpoint
+    from fedproto.flower.local import LocalFederation
+
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(tmp_path / "data")
+    out = tmp_path / "runs"
+    ncs = node_configs(folders, extra={i: {"state-dir": str(tmp_path / f"state{i}")} for i in range(3)})
+    overrides = {"rounds": 4, "out-dir": str(out), "seed": 7, "round-timeout": 60, "min-replies": 1}
+    got: dict = {}
+    with LocalFederation(tmp_path / "fed", tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+        fed.start_superlink()
+        for nc in ncs:
+            fed.start_supernode(nc, restart=(1.0, 4.0))
+        first = threading.Thread(target=lambda: got.update(first=fed.flwr_run(app, overrides, timeout=900)))
+        first.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list(out.glob("*/metrics.jsonl")):
+            time.sleep(0.5)
+        metrics = next(out.glob("*/metrics.jsonl"))
+        run_dir = metrics.parent
+        while time.monotonic() < deadline and not metrics.read_text().strip():  # until round 1 is logged
+            time.sleep(0.5)
+        time.sleep(0.5)  # round 2 is under way
+        os.kill(fed.procs["superlink"].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while time.monotonic() < deadline and not (run_dir / "failure.json").exists():  # within round-timeout
+            time.sleep(0.5)
+        noticed = time.monotonic() - killed
+        failure = json.loads((run_dir / "failure.json").read_text())
+        stopped = [json.loads(x)["round"] for x in metrics.read_text().splitlines()]
+        assert failure["rounds_completed"] == len(stopped) and stopped in ([1], [1, 2]), (failure, stopped)
+        assert failure["checkpoint"] and (run_dir / "checkpoint.pt").is_file()
+        assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == len(stopped)
+        assert f"resume-from='{run_dir}'" in failure["resume"]
+        assert all(f"{kv} " in failure["resume"] for kv in ("rounds=4", "seed=7", f"out-dir='{out}'"))
+        assert not (run_dir / "summary.json").exists()
+        starts = {f"node{i}": len(fed.supernode_pids(f"node{i}")) for i in range(3)}
+        fed.start_superlink(name="superlink2")
+        res = fed.flwr_run(app, {**overrides, "resume-from": str(run_dir), "wait-nodes": 180}, timeout=900)
+        restarted = {i for i in range(3) if len(fed.supernode_pids(f"node{i}")) > 1}
+        first.join(60)  # the first flwr run (its stream retries the SuperLink, then sees its run finished)
+        logs = {name: fed.log(name) for name in fed.procs}
+    text = res.stdout + res.stderr
+    assert "fedproto: fedproto on custom: accuracy" in text, (text[-3000:], {k: v[-1500:] for k, v in logs.items()})
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4], rows
+    assert not (run_dir / "failure.json").exists() and (run_dir / "summary.json").is_file()
+    assert not (run_dir / "checkpoint.pt").exists()
+    rejoined = {}
+    for r in rows[len(stopped):]:
+        rejoined.update(r.get("rejoined", {}))
+    # a new Flower run: every node starts from a fresh context (restarted SuperNode or not) and reloads its state file
+    assert rejoined == {str(i): "restarted with its state restored from its state file" for i in range(3)}, rows
+    assert "did not answer" in failure["message"] and noticed < 60 + 30, (failure, noticed)  # round-timeout=60
+    print(f"failure.json {noticed:.0f} s after the kill: {failure['message'][:80]}; stopped after rounds {stopped}; "
+          f"SuperNode starts when the SuperLink was killed: {starts}; restarted by the end: {sorted(restarted)}; "
+          f"first flwr run: {got['first'].returncode if 'first' in got else 'still running'}")
+
+
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
     """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
     ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
@@ -1243,3 +1318,101 @@ def test_a_poll_interval_that_floods_the_superlink_or_outlasts_the_round_is_refu
     o = FlowerOptions.from_user_config({"poll-interval": 0.01, "round-timeout": 0.5})
     assert (o.poll_interval, o.round_timeout) == (0.01, 0.5)
     assert FlowerOptions.from_user_config({"poll-interval": 60}).poll_interval == 60.0
+
+
+class HangingGrid(PushPullGrid):
+    """A SuperLink that dies during round ``hang_round``: from then on a pull never returns (as
+    Flower's ServerApp retries a SuperLink it cannot reach, without end)."""
+
+    def __init__(self, *a, hang_round: int = 2, **kw):
+        super().__init__(*a, **kw)
+        self.hang_round, self.release = hang_round, threading.Event()
+        self.hanging = False
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == "train" and \
+                messages[0].metadata.group_id == str(self.hang_round):
+            self.hanging = True
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        if self.hanging:
+            self.release.wait(120)
+            raise RuntimeError("released")
+        return super().pull_messages(message_ids)
+
+
+def test_a_superlink_that_stops_answering_stops_the_run_within_round_timeout_with_failure_json(tmp_path):
+    """Issue #23 (3): a call to the SuperLink that does not return (Flower retries a dead SuperLink
+    without end) stops the run after ``round-timeout`` s with a TrainingError naming the call;
+    failure.json and the checkpoint of round 1 are in the run folder."""
+    from fedproto.flower.common import FlowerOptions
+
+    uc = _user_config()
+    grid = HangingGrid(uc, [0, 1, 2, 3], hang_round=2)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TrainingError, match=r"the SuperLink did not answer pull_messages within 2 s "
+                                                r"\(round-timeout; Flower keeps retrying it\)"):
+            FlowerEngine(run_config(uc), grid, out=run, options=FlowerOptions(poll_interval=0.01,
+                                                                              round_timeout=2)).run()
+    finally:
+        grid.release.set()
+    assert time.monotonic() - t0 < 30
+    failure = json.loads((run / "failure.json").read_text())
+    assert (failure["round"], failure["rounds_completed"], failure["error"], failure["checkpoint"]) == \
+        (2, 1, "TrainingError", True)
+    assert "did not answer pull_messages" in failure["message"]
+    assert [json.loads(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_signal_to_the_server_app_writes_failure_json_before_flowers_handler(tmp_path):
+    """Flower ends the ServerApp on SIGINT/SIGTERM (also when a restarted SuperLink refuses its
+    token) and may end it with os._exit: failure_on_signal writes failure.json first (error
+    Stopped, naming the signal), then hands the signal on; the handlers are put back afterwards."""
+    import os
+    import signal
+
+    from fedproto.flower.server_app import failure_on_signal
+
+    seen = []
+
+    def flowers_handler(signum, frame):  # stands for Flower's graceful_exit_handler
+        seen.append(signum)
+        raise SystemExit(1)
+
+    def stop(grid, kind, group):
+        if kind == "train" and group == "3":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    uc = _user_config()
+    grid = LocalGrid(uc, [0, 1, 2, 3])
+    grid.on_send = stop
+    run = tmp_path / "run"
+    before = signal.signal(signal.SIGTERM, flowers_handler)
+    try:
+        engine = FlowerEngine(run_config(uc), grid, out=run)
+        with pytest.raises(SystemExit), failure_on_signal(engine):
+            engine.run()
+        assert signal.getsignal(signal.SIGTERM) is flowers_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert seen == [signal.SIGTERM]
+    failure = json.loads((run / "failure.json").read_text())
+    assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "Stopped")
+    assert failure["message"] == "the ServerApp process got SIGTERM" and failure["checkpoint"]
+
+
+def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_parses_it():
+    """failure.json's command lists the stopped run's whole run config (so that the resumed run
+    has its options, whatever its --run-config was), in the form ``flwr run --run-config`` parses."""
+    from flwr.common.config import parse_config_args
+
+    from fedproto.flower.server_app import resume_config
+
+    cfg = {"rounds": 4, "lr": 0.05, "out-dir": "/r uns/a", "name": "it's", "tensorboard": False, "resume-from": "/x"}
+    text = resume_config(cfg)
+    assert text == "rounds=4 lr=0.05 out-dir='/r uns/a' name=\"it's\" tensorboard=false "
+    assert parse_config_args([text + "resume-from='/r uns/a/run'"]) == {**cfg, "resume-from": "/r uns/a/run"}

@@ -62,7 +62,8 @@ class FlowerOptions:
         poll_interval: seconds between the server's pulls of replies (``poll-interval``, default
             0.2; Flower's own ``send_and_receive`` waits 3 s): 0.01 to 60, and below ``round_timeout``.
         resume_from: the run folder of an interrupted run to continue from its checkpoint (its last
-            completed round), e.g. on a new SuperLink (``resume-from``; default none: a new run).
+            completed round), e.g. on a new SuperLink (``resume-from``; default ``""``: a new run; the
+            example apps list ``resume-from = ""`` so that ``flwr run --run-config`` may set it).
     """
 
     round_timeout: float = 120.0
@@ -109,11 +110,11 @@ class FlowerOptions:
                 raise ConfigError(f"Flower run config: class-names={names!r}; give the names comma-separated, e.g. "
                                   "\"cat,dog,bird\"")
             out["class_names"] = tuple(n.strip() for n in names.split(","))
-        if "resume_from" in data:
+        if "resume_from" in data:  # "" (the apps' default, so that flwr run --run-config may set it): a new run
             v = data["resume_from"]
-            if not isinstance(v, str) or not v.strip():
+            if not isinstance(v, str):
                 raise ConfigError(f"Flower run config: resume-from={v!r}; give the run folder of the interrupted run, "
-                                  "e.g. resume-from=\"runs/fedproto-custom-m3-s1234-run42\"")
+                                  "e.g. resume-from=\"runs/fedproto-custom-m3-s1234-run42\" (\"\": a new run)")
             out["resume_from"] = v.strip()
         return cls(**out)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -204,19 +205,50 @@ class FlowerExecutor(Executor):
         between pulls (flwr 1.42), which made every round last at least 3 s more than its slowest
         node; a grid without push/pull (a test double) is asked with ``send_and_receive``."""
         try:
-            pending = set(self.grid.push_messages(messages))
+            pending = set(self._grid("push_messages", messages))
         except NotImplementedError:
             return list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
         end = time.monotonic() + self.opts.round_timeout
         out: list[Message] = []
         while pending:
-            got = list(self.grid.pull_messages(pending))
+            got = list(self._grid("pull_messages", pending))
             out += got
             pending -= {m.metadata.reply_to_message_id for m in got}
             if not pending or time.monotonic() >= end:
                 break
             time.sleep(min(self.opts.poll_interval, max(0.0, end - time.monotonic())))
         return out
+
+    def _grid(self, method: str, *args):
+        """``self.grid.<method>(*args)`` (a call to the SuperLink) with a deadline of ``round_timeout``
+        seconds. Flower's ServerApp retries a SuperLink it cannot reach without end (flwr 1.42: no
+        ``max_time`` on its connection), so a SuperLink that died would hold the ServerApp in that
+        call until a SuperLink came back, and only then would the run end, with no record of why.
+
+        Raises:
+            TrainingError: no answer within ``round_timeout`` s (the call goes on in the background);
+                the run then stops and ``failure.json`` records it (:class:`FlowerEngine`).
+            whatever the grid raises (e.g. NotImplementedError from a grid without push/pull).
+        """
+        box: dict = {}
+
+        def call():
+            try:
+                box["value"] = getattr(self.grid, method)(*args)
+            except BaseException as e:  # raised again in the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=call, name=f"fedproto-grid-{method}", daemon=True)
+        worker.start()
+        worker.join(self.opts.round_timeout)
+        if worker.is_alive():
+            raise TrainingError(f"the SuperLink did not answer {method} within {self.opts.round_timeout:g} s "
+                                "(round-timeout; Flower keeps retrying it): it is down or unreachable. Start the "
+                                "SuperLink again and continue the run with resume-from (the command is in "
+                                "failure.json in the run folder)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _query_new(self, strict: bool = False) -> list[int]:
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
@@ -225,7 +257,7 @@ class FlowerExecutor(Executor):
         client id raise ConfigError; later, a new node with a known client id is refused while
         the client's node is still connected, and replaces it once that node is gone (the client
         came back)."""
-        connected = set(self.grid.get_node_ids())
+        connected = set(self._grid("get_node_ids"))
         for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
             if self.nodes.get(cid) not in connected:
                 del self._duplicates[nid]
@@ -302,7 +334,7 @@ class FlowerExecutor(Executor):
         deadline = time.monotonic() + wait_s
         first = True
         while True:
-            nids = list(self.grid.get_node_ids())
+            nids = list(self._grid("get_node_ids"))
             self._query_new(strict=first)
             first = False
             if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake

@@ -216,8 +216,10 @@ class LocalFederation:
         path = self.workdir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def start_superlink(self, timeout: float = 60.0) -> None:
-        """Start the SuperLink and wait until it listens. Raises ConfigError if it exits or does not listen in time."""
+    def start_superlink(self, timeout: float = 60.0, name: str = "superlink") -> None:
+        """Start the SuperLink and wait until it listens; again after it stopped (a restart): the same
+        port and database file (``superlink.db`` in ``workdir``), its log under another ``name``
+        (process ``name``, log ``<name>.log``). Raises ConfigError if it exits or does not listen in time."""
         args = [self.commands["flower-superlink"], "--port", str(self.port), "--database",
                 str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"]
         if self.tls:
@@ -230,11 +232,11 @@ class LocalFederation:
             args.append("--enable-supernode-auth")
         if self.simulation:
             args.append("--simulation")
-        p = self._start("superlink", args)
+        p = self._start(name, args)
         deadline = time.monotonic() + timeout
         while not listening(self.port):
             if p.poll() is not None or time.monotonic() > deadline:
-                raise ConfigError("the SuperLink did not start:\n" + self.log("superlink")[-3000:])
+                raise ConfigError("the SuperLink did not start:\n" + self.log(name)[-3000:])
             time.sleep(0.3)
 
     def node_key(self, register: bool = True) -> tuple[Path, Path]:

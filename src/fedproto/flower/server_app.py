@@ -16,9 +16,12 @@ runs: ``out_dir/<run name>-run<Flower run id>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,7 +54,8 @@ class FlowerEngine:
     The server writes a checkpoint of its own state (server message, algorithm state, metrics rows)
     into the run folder after every round (``checkpoint_every``, default every round under Flower);
     the clients keep theirs on their nodes (:mod:`fedproto.flower.node_state`). When the run stops
-    (the SuperLink went away, too few replies), ``failure.json`` in the run folder says when and why,
+    (the SuperLink did not answer within ``round-timeout``, too few replies, SIGINT or SIGTERM under
+    :func:`failure_on_signal`), ``failure.json`` in the run folder says when and why,
     and the run can be continued from its last completed round, also on a new SuperLink, with the
     Flower run config ``resume-from="<run folder>"`` (:attr:`FlowerOptions.resume_from`).
 
@@ -76,6 +80,7 @@ class FlowerEngine:
         opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
                        wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
         self.cfg, self.opts = cfg, opts
+        self._failure_recorded = False
         if cfg.tensorboard and out is not False:  # a missing extra stops the run before its folder exists
             from fedproto.tensorboard import require_tensorboard
 
@@ -101,6 +106,11 @@ class FlowerEngine:
                 observers.append(TensorBoardObserver(self.run_dir.path))
         observers.append(Progress(on_round))
         self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
+
+    resume_config = ""
+    """The stopped run's run config as ``key=value `` pairs, put before ``resume-from`` in
+    ``failure.json``'s command (the ServerApp sets it from the Flower run config: every key, so the
+    command gives the options of the stopped run whatever its ``--run-config`` was)."""
 
     def _run_key(self) -> str:
         """The run's key (the nodes' state files belong to it): a resumed run's own, read from its
@@ -191,18 +201,73 @@ class FlowerEngine:
             rd.release()
 
     def _record_failure(self, e: BaseException) -> None:
-        """``failure.json``: the round the run stopped in, why, and how to continue it."""
+        """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
+        first record, e.g. the signal that stopped the run, is kept)."""
+        if self._failure_recorded:
+            return
+        self._failure_recorded = True
         done = len(self.loop.history)
         record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "checkpoint": self.run_dir.checkpoint.is_file(),
-                  "resume": f'flwr run . --run-config "resume-from=\'{self.run_dir.path}\'"'}
+                  "resume": f'flwr run <app folder> <connection> --stream --run-config "{self.resume_config}'
+                            f'resume-from=\'{self.run_dir.path}\'"'}
         try:
             atomic_write_json(self.run_dir.path / "failure.json", record)
         except OSError as err:  # never hide the run's own error behind this one
             log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
         log.error("fedproto: the run stopped in round %d (%s); rounds 1..%d are in %s%s", done + 1, type(e).__name__,
                   done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
+
+
+def resume_config(run_cfg: dict) -> str:
+    """``key=value `` pairs of a Flower run config, for ``--run-config "..."`` in a shell: strings
+    as TOML literal strings (single quotes), ``resume-from`` left out."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return f"'{v}'" if "'" not in str(v) else json.dumps(str(v))
+
+    return "".join(f"{k}={value(v)} " for k, v in run_cfg.items() if k not in ("resume-from", "resume_from"))
+
+
+class Stopped(Exception):
+    """The ServerApp process was told to stop (SIGINT or SIGTERM) while the run was under way."""
+
+
+@contextlib.contextmanager
+def failure_on_signal(engine: FlowerEngine):
+    """While the run is under way, SIGINT and SIGTERM first write ``failure.json`` (error
+    ``Stopped``), then go to the handler that was there (Flower's: it ends the process, and may
+    end it with ``os._exit`` before the run's own ``except`` is reached). Flower sends the ServerApp
+    SIGINT itself when a restarted SuperLink refuses its token (flwr 1.42, ``http_retry``). Only
+    in the main thread (elsewhere, as in tests, nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or not engine.run_dir:
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        prev = before[signum]
+        if prev == signal.SIG_IGN:
+            return
+        engine._record_failure(Stopped(f"the ServerApp process got {signal.Signals(signum).name}"))
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL and signum == signal.SIGTERM:
+            raise SystemExit(128 + signum)
+        else:
+            raise KeyboardInterrupt
+
+    for sig in before:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, prev in before.items():
+            signal.signal(sig, prev)
 
 
 @app.main()
@@ -212,7 +277,12 @@ def main(grid: Grid, context: Context) -> None:
         cfg = run_config(context.run_config)
         opts = FlowerOptions.from_user_config(context.run_config)
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
-        summary = FlowerEngine(cfg, grid, out=out, options=opts).run()
+        engine = FlowerEngine(cfg, grid, out=out, options=opts)
+        engine.resume_config = resume_config(context.run_config)
+        if opts.resume_from:
+            out = engine.run_dir.path
+        with failure_on_signal(engine):
+            summary = engine.run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
         from fedproto.options import flower_wording
 
@@ -230,4 +300,4 @@ def main(grid: Grid, context: Context) -> None:
                 100 * acc.get("std", float("nan")), over, summary["params_per_round"]["up"] / 1e3, out)
 
 
-__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "FlowerEngine", "app", "main"]
+__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "FlowerEngine", "Stopped", "app", "failure_on_signal", "main"]
