@@ -3,7 +3,7 @@
 Every value is checked before any training starts; errors are :class:`fedproto.errors.ConfigError`
 naming the field, the bad value and what is allowed.
 
-Size: about 660 lines: the common options' fields with their descriptions (the flags' help and the
+Size: about 700 lines: the common options' fields with their descriptions (the flags' help and the
 options page are generated from them), their checks, run names and the TOML reader, kept together so
 an option's declaration and its checks sit side by side.
 """

@@ -26,8 +26,8 @@ method and seed, and writes ``sweep_<param>.csv`` and ``sweep_<param>.png`` (fig
 shots k for FedProto and FedAvg on MNIST; fig. 4: accuracy and prototype loss vs λ for FedProto
 on FEMNIST, n=3).
 
-Size: about 780 lines: the paper's grids (tab. 1-3, fig. 3-4), cells that resume and the tables they
-write; declarations mostly.
+Size: about 950 lines: the paper's grids (tab. 1-3, fig. 3-4) and the heterogeneous-model grid, cells
+that resume and the tables they write; declarations mostly.
 """
 
 from __future__ import annotations
