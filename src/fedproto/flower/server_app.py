@@ -33,7 +33,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
 from fedproto.engine.loop import RoundLoop
-from fedproto.engine.observers.checkpoints import Checkpoints, restore
+from fedproto.engine.observers.checkpoints import Checkpoints, check_options, restore
 from fedproto.engine.observers.health import Health
 from fedproto.engine.observers.progress import Progress
 from fedproto.engine.observers.rundir import RunFolder
@@ -134,21 +134,12 @@ class FlowerEngine:
             ConfigError: the folder holds no checkpoint (a finished run removes it).
             CheckpointMismatch: it was written under other options (names them).
         """
-        from fedproto.config import ADDED_FIELDS, result_fields
-        from fedproto.errors import CheckpointMismatch
-
         ck = self.run_dir.checkpoint
         if not ck.is_file():
             raise ConfigError(f"resume-from={str(self.run_dir.path)!r} holds no checkpoint.pt: nothing to resume (a "
                               "finished run removes it); run without resume-from to start anew")
         ckpt = load_checkpoint(ck)
-        mine = self.cfg.result_fields()
-        theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
-        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if diff:
-            shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
-            raise CheckpointMismatch(f"{ck} was written by a run with other options ({shown}); resume with the same "
-                                     "run config")
+        check_options(self.cfg, ckpt, str(ck), "resume with the same run config")
         return ckpt
 
     @property

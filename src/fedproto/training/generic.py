@@ -20,7 +20,6 @@ from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
-    Phase,
     adam_step_stacked,
     frozen_batchnorms,
     frozen_params,
@@ -30,7 +29,7 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
-from fedproto.training.sequential import embedding_norm_max
+from fedproto.training.sequential import embedding_norm_max, set_train_modes
 from fedproto.training.stacked import stack_plans, stacked_refs, train_stacked
 
 # ----------------------------------------------------------------------------------------------
@@ -221,17 +220,6 @@ def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
             m.training = f_
 
 
-def _set_train_modes(model: nn.Module, ph: Phase, user_frozen_bn: set[int]) -> None:
-    """Train mode, with the BatchNorm layers :func:`_train_client` runs in eval mode in phase ``ph``."""
-    model.train()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            frozen = id(mod) in user_frozen_bn or (
-                ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
-                                           for n_, _ in mod.named_parameters()))
-            mod.train(not frozen)
-
-
 def train_group_generic(
     models: Sequence[ProtoModel],
     xs: Sequence[torch.Tensor],
@@ -338,8 +326,8 @@ def train_group_generic(
     with _Functional(m0) as fn:
         for pi, ph in enumerate(obj.phases):
             for m in models:  # the modes the sequential path leaves each model in
-                _set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
-            _set_train_modes(m0, ph, user_frozen_bn)
+                set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
+            set_train_modes(m0, ph, user_frozen_bn)
             train_names = [k for k in names if ph.trains is None or ph.trains(k)]
             mom = stacked_state(opt, P, train_names)  # (slot, name): momentum, or Adam's moments
             adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count per parameter

@@ -12,7 +12,7 @@ from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
-    _NotFrozen,  # noqa: F401
+    Phase,
     frozen_batchnorms,
     frozen_params,
     make_optimizer,
@@ -21,6 +21,17 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
+
+
+def set_train_modes(model: nn.Module, ph: Phase, user_frozen_bn: set[int]) -> None:
+    """Train mode, with the BatchNorm layers the sequential path runs in eval mode in phase ``ph``."""
+    model.train()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            frozen = id(mod) in user_frozen_bn or (
+                ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
+                                           for n_, _ in mod.named_parameters()))
+            mod.train(not frozen)
 
 
 def train_client(
@@ -78,12 +89,7 @@ def _train_client(
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
             p.requires_grad_(ph.trains is None or ph.trains(n_))
-        for mod_name, mod in model.named_modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                frozen = id(mod) in user_frozen_bn or (
-                    ph.frozen_eval and not any(ph.trains is None or ph.trains(f"{mod_name}.{n_}")
-                                               for n_, _ in mod.named_parameters()))
-                mod.train(not frozen)
+        set_train_modes(model, ph, user_frozen_bn)
         # a phase may have nothing to train (all its parameters frozen): it still runs its passes (the
         # embeddings it collects), without steps
         optim = make_optimizer(params, opt) if params else None

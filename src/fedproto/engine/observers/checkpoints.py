@@ -45,6 +45,21 @@ class Checkpoints(Observer):
             self.run_dir.write_checkpoint(save_checkpoint, checkpoint_state(loop, r))
 
 
+def check_options(cfg, ckpt: dict, where: str, fix: str = "resume with the same options, or delete it to start "
+                  "from round 1") -> None:
+    """Refuse a checkpoint written under other result-changing options than ``cfg``'s.
+
+    Raises:
+        CheckpointMismatch: names up to five options that differ, their values there and now, and ``fix``.
+    """
+    mine = cfg.result_fields()
+    theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
+    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
+        raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); {fix}")
+
+
 def restore(loop: RoundLoop, ckpt: dict, where: str) -> None:
     """Load a checkpoint into ``loop`` (and its executor's clients): the next round, message,
     server state, metrics rows, totals and times.
@@ -56,13 +71,7 @@ def restore(loop: RoundLoop, ckpt: dict, where: str) -> None:
         CheckpointMismatch: the checkpoint belongs to other options or other client data (names them).
         CheckpointError: its content does not fit these clients' models, or it is damaged.
     """
-    mine = loop.cfg.result_fields()
-    theirs = result_fields({**ADDED_FIELDS, **ckpt["config"]}) if isinstance(ckpt["config"], dict) else {}
-    diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-    if diff:
-        shown = ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} now" for k in diff[:5])
-        raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); resume with "
-                                 "the same options, or delete it to start from round 1")
+    check_options(loop.cfg, ckpt, where)
     ex = loop.executor
     fp = ex.data_fingerprint()
     if ckpt.get("data") is not None and fp is not None and ckpt["data"] != fp:
