@@ -189,6 +189,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                           "clients, num_classes, ...); the command line runs mnist, femnist, cifar10, digits (each "
                           "with its own classes)")
     cfg = build_config(config, overrides)
+    if cfg.tensorboard:  # a missing extra stops the run before its folder (and any parent) is made
+        from fedproto.tensorboard import require_tensorboard
+
+        require_tensorboard()
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
     try:
