@@ -467,6 +467,17 @@ def _error(message: str) -> None:
     sys.exit(2)
 
 
+VERBOSE = ("-v", "--verbose")
+
+
+def _hoist_verbose(args: list[str]) -> list[str]:
+    """``-v``/``--verbose`` anywhere before ``--`` (``fedproto run -v`` as well as ``fedproto -v run``):
+    moved to the front, where the root command reads it."""
+    end = args.index("--") if "--" in args else len(args)
+    found = [a for a in args[:end] if a in VERBOSE]
+    return [*found[:1], *(a for a in args[:end] if a not in VERBOSE), *args[end:]]
+
+
 def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
@@ -477,7 +488,17 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        command()()
+        code = command().main(args=_hoist_verbose(sys.argv[1:]), prog_name="fedproto", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # `fedproto` alone: the help
+        e.show()
+        sys.exit(e.exit_code)
+    except click.UsageError as e:  # a flag or value click refused: the same one-line style as a FedprotoError
+        cmd = e.ctx.command_path if e.ctx is not None else "fedproto"
+        _error(f"{e.format_message().rstrip('.')}; see {cmd} --help")
+    except click.ClickException as e:
+        _error(e.format_message())
+    except click.Abort:
+        sys.exit(130)
     except FedprotoError as e:
         from fedproto.options import cli_wording
 
@@ -487,6 +508,8 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "
                           "(or free space) and run the command again", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
+    if isinstance(code, int) and code:  # typer.Exit(n) inside a command
+        sys.exit(code)
 
 
 if __name__ == "__main__":
