@@ -86,8 +86,8 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
                 "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
                 "tensorboard")
-"""Files (and the ``tensorboard`` folder of event files) a run writes. A new run in the same folder never mixes its files with an older run's (no
-summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
+"""Files (and the ``tensorboard`` folder of event files) a run writes. A new run in the same folder never
+mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
 one finishes, an unfinished one is removed."""
 
 LOCK = ".lock"

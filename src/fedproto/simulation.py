@@ -168,7 +168,8 @@ class Simulation:
 
     def config_record(self) -> dict:
         """What ``config.json`` holds: the options, the λ, batch size and device in force, the
-        partition, where the data came from (``data_source``: the folders searched, in order). For your own clients (dataset ``custom``) the options the run did not use
+        partition, where the data came from (``data_source``: the folders searched, in order). For your
+        own clients (dataset ``custom``) the options the run did not use
         (:meth:`RunConfig.unused_fields`: the partition's, the zoo models') are ``null`` and
         ``embedding_dim`` is your models' embedding size."""
         record = self.cfg.model_dump()
