@@ -25,8 +25,8 @@ DATA = os.environ.get("FEDPROTO_DATA")
 
 def allowed_threads() -> int:
     """The threads a test may give one process: ``OMP_NUM_THREADS`` (1 unless set before the suite starts,
-    see :func:`pytest_configure`), else at most 2. No test sets more than this: on a busy 2-core machine, 2 threads where the
-    environment allows 1 ran the suite many times slower (issue #20)."""
+    see :func:`pytest_configure`). No test sets more than this: on a busy 2-core machine, 2 threads where the
+    environment allows 1 ran the suite many times slower."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     return max(1, int(env)) if env.isdigit() else min(2, os.cpu_count() or 1)
 

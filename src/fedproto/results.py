@@ -87,8 +87,8 @@ RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "
                 "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
                 "tensorboard")
 """Files (and the ``tensorboard`` folder of event files) a run writes. A new run in the same folder never
-mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
-one finishes, an unfinished one is removed."""
+mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to
+:data:`PREVIOUS` until the new one finishes, an unfinished one is removed."""
 
 LOCK = ".lock"
 """File holding the pid of the process writing a run folder (see :meth:`RunDir.acquire`)."""
