@@ -90,7 +90,7 @@ def float64_sim(cfg, **kw):
 
     Two execution paths are compared in float64 (rounding near 1e-15), so a bound like 1e-9 tells
     a logic difference from rounding on any CPU; in float32 a rounding difference can flip a ReLU
-    or max-pool decision that sits within ~1e-7 of a tie, and SGD carries it on (issue #10).
+    or max-pool decision that sits within ~1e-7 of a tie, and SGD carries it on.
     """
     import torch
 
@@ -136,7 +136,7 @@ def client_splits(ds, part):
         yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])
 
 
-# -- helpers shared by the tests of several modules -----------------------------------------------
+# -- functions shared by the tests of several modules -----------------------------------------------
 class DigitsTwoOut(nn.Module):
     """A user's module returning (logits, 64-d embedding) for 8x8 digits."""
 
