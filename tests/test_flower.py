@@ -858,6 +858,39 @@ def test_credentials_for_tls_and_node_authentication(tmp_path):
         LocalFederation(tmp_path / "fed", auth=True)
 
 
+def test_credentials_keep_private_keys_private_and_renew_under_the_same_ca(tmp_path):
+    """server.key was written with mode 0644, the CA key was not kept (no renewal), certificates lasted 30 days."""
+    import datetime
+    import stat
+
+    from cryptography import x509
+
+    from fedproto.flower.local import make_credentials
+
+    folder = tmp_path / "creds"
+    c = make_credentials(folder, 2, days=90)
+    ca_key = tmp_path / "creds-ca" / "ca.key"
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert [mode(p) for p in (c.server_key, ca_key, c.node_keys[0][0], c.node_keys[1][0])] == [0o600] * 4
+    assert mode(ca_key.parent) == 0o700 and not any(p.name.endswith(".key") and p.name != "server.key"
+                                                    for p in folder.iterdir())  # the CA key is not in the folder
+    cert = x509.load_pem_x509_certificate(c.server_cert.read_bytes())
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert life == datetime.timedelta(days=90)
+    ca_before, node_before = c.ca_cert.read_bytes(), c.node_keys[1][1].read_bytes()
+    r = make_credentials(folder, 3, days=30)  # renewal: same CA and node keys, a new server certificate, node 2 added
+    renewed = x509.load_pem_x509_certificate(r.server_cert.read_bytes())
+    assert r.ca_cert.read_bytes() == ca_before and r.node_keys[1][1].read_bytes() == node_before
+    assert renewed.serial_number != cert.serial_number and len(r.node_keys) == 3
+    ca = x509.load_pem_x509_certificate(r.ca_cert.read_bytes())
+    renewed.verify_directly_issued_by(ca)  # raises if the renewed certificate is not the kept CA's
+    ca_key.unlink()
+    with pytest.raises(ConfigError, match="a CA is renewed from its certificate and its key together"):
+        make_credentials(folder, 1)
+    with pytest.raises(ConfigError, match="days=0"):
+        make_credentials(tmp_path / "other", 1, days=0)
+
+
 def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     """Client 2's node stops answering from round 2 on: the summary says 2 of 3 clients were
     evaluated, and the mean is over those two."""
