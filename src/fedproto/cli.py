@@ -240,7 +240,9 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
                         f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")
-    table.add_column("accuracy % (mean ± std over clients)", justify="right")
+    from fedproto.engine.summary import over_clients
+
+    table.add_column(f"accuracy % (mean ± std over {over_clients(summary)} clients)", justify="right")
     for key, label in (("acc", "classifier"), ("acc_global", "classifier, global model (before local training)"),
                        ("acc_proto", "nearest prototype (eq. 4)")):
         if key in summary["accuracy"]:

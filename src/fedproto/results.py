@@ -295,8 +295,8 @@ class RunDir:
     def write_clients(self, rows: Iterable[dict]) -> None:
         rows = list(rows)
         buf = io.StringIO()
-        if rows:
-            w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))
+        if rows:  # every key any row has (a node that did not answer lacks its own report's keys)
+            w = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
