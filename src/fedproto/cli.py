@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -293,8 +293,11 @@ def plot(
         err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
                           "`fedproto run`)", highlight=False, soft_wrap=True)
         return
+    err_console.print(f"t-SNE of the test embeddings (at most {max_per_client or 'all'} per client): this takes a "
+                      "while, up to a minute or two on a CPU (--no-tsne skips it)", highlight=False, soft_wrap=True)
     try:
-        with _damaged_files(run_dir):
+        with err_console.status("t-SNE", spinner="dots") if err_console.is_terminal else nullcontext(), \
+                _damaged_files(run_dir):
             path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
     except TooFewPoints as e:
         err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
