@@ -220,3 +220,38 @@ def test_class_check_flags_are_booleans_and_robust_z_below_unit_spread():
     assert flags[0].dtype == bool
     v = np.array([0.1, 0.2, 0.3, 0.4, 10.0])  # median 0.3, MAD 0.1: scaled 0.148, below 1
     np.testing.assert_allclose(robust_z(v), (v - 0.3) / (1.4826022185056018 * 0.1), rtol=1e-9)
+
+
+def test_noised_release_of_edge_label_sets_without_noise():
+    """Without noise the release is the clipped class means: a label-set class the client has no
+    sample of gets a zero row and count 1 (max(1, 0)); an empty label set gives (0, d) rows; the
+    classes come back int64 whatever integer type they were given in."""
+    import torch
+
+    from fedproto.privacy import noisy_prototypes
+
+    h = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 0.5]])
+    y = torch.tensor([2, 2])
+    c, p, n = noisy_prototypes(h, y, np.array([2, 7], np.int32), 1.0, 0.0, None)
+    assert c.dtype == np.int64 and c.tolist() == [2, 7] and n.tolist() == [2, 1] and p.dtype == np.float32
+    np.testing.assert_allclose(p, [[0.3, 0.4, 0.25], [0.0, 0.0, 0.0]], rtol=1e-6)
+    c, p, n = noisy_prototypes(h, y, np.array([], np.int64), 1.0, 0.0, None)
+    assert c.shape == (0,) and p.shape == (0, 3) and n.shape == (0,)
+
+
+def test_epsilon_edges_by_hand():
+    """ε of one release is above 0 (a single step counts); δ must lie strictly inside (0, 1); the
+    accountant's "optimal order is the smallest alpha" warning (a large δ or many releases) is
+    silenced: ε stays a valid upper bound there."""
+    import warnings
+
+    from fedproto.privacy import epsilon
+
+    assert epsilon([(2.0, 1.0, 1)], 1e-5) > 0.5
+    assert epsilon([(2.0, 1.0, 1), (2.0, 1.0, 0)], 1e-5) == epsilon([(2.0, 1.0, 1)], 1e-5)
+    for delta in (0.0, 1.0):
+        with pytest.raises(ValueError, match=f"dp_delta={delta}"):
+            epsilon([(1.0, 1.0, 1)], delta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert epsilon([(1.0, 1.0, 1000)], 0.9) > 0
