@@ -21,6 +21,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.options import FedProtoOptions
+from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
@@ -102,6 +103,9 @@ class FedProto(Algorithm):
     Raises:
         ValueError: an option outside its range.
     """
+
+    model_needs = ONE_EMBEDDING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedproto"
     Options = FedProtoOptions
