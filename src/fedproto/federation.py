@@ -250,6 +250,10 @@ class Client:
     collate: Any = None
 
 
+PROBE_ITEMS = 8
+"""Items of a Dataset batched once before round 1, so that inputs of different shapes (variable-length
+sequences without a collate function) are refused before training, naming the fix."""
+
 LABEL_CHECKS = 32
 """Items read to confirm a torchvision dataset's ``targets`` equal the labels it yields (see :func:`dataset_labels`)."""
 
@@ -362,6 +366,10 @@ def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = Non
             raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
                             "__len__ (fedproto reads its items by index)")
         x = LazyInputs(split, collate)
+        try:  # a few items batched as training batches them: inputs of different shapes need a collate function
+            x[0 : min(len(x), PROBE_ITEMS)]
+        except DataError as e:
+            raise e.prefixed(f"client {cid}: {what}: ") from None
     elif isinstance(split, (tuple, list)) and len(split) == 2:
         try:
             x = _memory_inputs(split[0], len(split[1]) if hasattr(split[1], "__len__") else -1)
