@@ -3,9 +3,10 @@ hospital_records.py): each method over several seeds on the same clients, as a M
 
 ``compare(runs, num_classes, seeds, **options)`` builds the clients anew for every run
 (``make_clients(seed)``: a list of fedproto.federation.Client), trains each method with
-fedproto.federation.federate and prints one row per entry of ``runs`` ((label, method, make_clients)): the mean ± standard deviation over the
-seeds of the clients' mean test accuracy (each client's own model on its own test set, the
-personal protocol), and the median wall time of one run. The load average of the machine is
+fedproto.federation.federate and prints one row per entry of ``runs`` ((label, method,
+make_clients)): the mean ± standard deviation over the seeds of the clients' mean test accuracy
+(each client's own model on its own test set, the personal protocol), and the median wall time
+of one run. The load average of the machine is
 printed beside it (wall times depend on it).
 """
 
