@@ -248,3 +248,27 @@ def test_each_library_method_states_what_it_needs():
             "fedtgp": ONE_EMBEDDING, "fedgh": ONE_EMBEDDING, "lgfedavg": ONE_EMBEDDING, "fd": LABEL_SPACE,
             "local": NOTHING}
     assert {n: model_needs(c) for n, c in ALGORITHMS.items()} == want
+
+
+def test_dp_sgd_takes_token_ids_and_refuses_a_gru_naming_the_fix():
+    """DP-SGD (dp='full', Opacus) trains embedding models on integer token ids; a GRU, for which Opacus
+    has no per-sample gradients, is refused before round 1 naming opacus.layers.DPGRU."""
+    clients = _tuple_clients()
+    before = [c.model.emb.weight.detach().clone() for c in clients]
+    summary = federate(clients, C, out=False, eval_every=0, threads=1, rounds=1, dp="full", dp_noise=1.0,
+                       dp_clip=1.0).run()
+    assert all(not torch.equal(c.model.emb.weight, w) for c, w in zip(clients, before))
+    assert summary["privacy"]["epsilon_max"] > 0
+
+    class GRUBag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.gru, self.fc = nn.Embedding(VOCAB, 6), nn.GRU(6, 8, batch_first=True), nn.Linear(8, C)
+
+        def forward(self, x):
+            return self.fc(self.gru(self.emb(x[0]))[1][-1])
+
+    clients = _tuple_clients()
+    clients[2].model = GRUBag()
+    with pytest.raises(ConfigError, match=r"clients \[2\] have torch\.nn\.GRU layers.*opacus\.layers\.DPGRU"):
+        federate(clients, C, out=False, dp="full", dp_noise=1.0, dp_clip=1.0)
