@@ -16,7 +16,7 @@ transforms (for data that does not fit in memory). Everything is checked before 
 each error names the client. The engine, evaluation, metrics, run directory and checkpoints are
 those of :class:`fedproto.simulation.Simulation`.
 
-Size: about 550 lines: the adapters that make a user's module a ProtoModel (tuple, head split,
+Size: about 620 lines: the adapters that make a user's module a ProtoModel (tuple, head split,
 projection) and the data adapters, each short; one module is the one place a user reads.
 """
 

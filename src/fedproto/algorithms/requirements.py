@@ -14,7 +14,7 @@ front end; a refusal names the clients that differ and the methods that would ru
 they are (:func:`methods_for`). An algorithm's own ``check_models`` adds what this statement
 cannot say (FedAvg: frozen tensors that differ; LG-FedAvg: one linear head layer).
 
-Size: about 140 lines.
+Size: about 160 lines.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def model_needs(cls: type) -> str:
     if needs not in NEEDS:
         raise ValueError(f"{getattr(cls, 'name', cls.__name__)}.model_needs={needs!r}: state one of {NEEDS}")
     return needs
+
+
+def needs_one_size(algorithm: str) -> bool:
+    """True when the algorithm named ``algorithm`` needs one embedding size across clients
+    (:data:`ONE_EMBEDDING` or :data:`ONE_ARCHITECTURE`); a Flower node checks its model's size
+    against the run's ``embedding-dim`` only then. Raises ConfigError for an unknown name."""
+    from fedproto.algorithms import get_algorithm
+
+    return model_needs(get_algorithm(algorithm)) in (ONE_EMBEDDING, ONE_ARCHITECTURE)
 
 
 def architecture(model: nn.Module, include=None) -> tuple:
@@ -156,4 +165,4 @@ def check_architectures(name: str, models: Sequence[nn.Module], include=None) ->
 
 
 __all__ = ["LABEL_SPACE", "NEEDS", "NOTHING", "ONE_ARCHITECTURE", "ONE_EMBEDDING", "WHY", "architecture",
-           "check_architectures", "check_model_needs", "meets", "methods_for", "model_needs"]
+           "check_architectures", "check_model_needs", "meets", "methods_for", "model_needs", "needs_one_size"]

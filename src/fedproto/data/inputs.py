@@ -14,7 +14,7 @@ leaves). Every leaf of one client's inputs holds one row per sample along its fi
 * :func:`pad_collate` is the collate function for variable-length sequences: it pads a list of 1-D
   token tensors and returns ``{"input_ids": (B, L_max), "attention_mask": (B, L_max)}``.
 
-Size: about 200 lines.
+Size: about 230 lines.
 """
 
 from __future__ import annotations

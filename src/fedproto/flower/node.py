@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.requirements import needs_one_size
 from fedproto.config import RunConfig
 from fedproto.data.inputs import describe
 from fedproto.errors import ConfigError, FedprotoError
@@ -151,7 +152,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                                   "or a model factory (package.module:factory) that takes this size") from None
     except FedprotoError as e:
         raise ConfigError(f"{who}: {e}") from None
-    if model.embedding_dim != d:
+    if model.embedding_dim != d and needs_one_size(cfg.algorithm):  # fd, local: any size (their model_needs)
         raise ConfigError(f"{who}: its model {spec!r} has embedding size {model.embedding_dim}, but the run's "
                           f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
     state = ClientState(cid, model, np.unique(y.numpy()))
