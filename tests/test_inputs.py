@@ -272,3 +272,9 @@ def test_dp_sgd_takes_token_ids_and_refuses_a_gru_naming_the_fix():
     clients[2].model = GRUBag()
     with pytest.raises(ConfigError, match=r"clients \[2\] have torch\.nn\.GRU layers.*opacus\.layers\.DPGRU"):
         federate(clients, C, out=False, dp="full", dp_noise=1.0, dp_clip=1.0)
+
+
+def test_augment_is_refused_for_inputs_that_are_not_images():
+    """augment's crops and flips act on (n, C, H, W) images: token-id clients are refused naming them."""
+    with pytest.raises(ConfigError, match=r"augment=True crops and flips images .*clients \[0, 1, 2\]"):
+        federate(_tuple_clients(), C, out=False, augment=True)

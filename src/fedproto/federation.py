@@ -606,6 +606,12 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         part.test_idx.append(np.arange(len(ty)))
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
+    if cfg.augment:  # random crops and flips act on image batches (n, C, H, W) only
+        other = [i for i, d in enumerate(data) if not (isinstance(b := d.x[0:1], torch.Tensor) and b.dim() == 4)]
+        if other:
+            raise ConfigError(f"augment=True crops and flips images (n, C, H, W), but the inputs of clients "
+                              f"{other[:10]} are not image tensors (token ids, dicts, tables or signals); leave "
+                              "augment off for them, or augment in your Dataset's transform")
     dims = [int(s.model.embedding_dim) for s in states]
     fix = (f"give every client Client(..., embedding_dim=d) with one d (e.g. embedding_dim={min(dims)}), which appends "
            "a projection to size d where a model's embedding differs")  # the check: build_setup's, worded for Python
