@@ -111,6 +111,7 @@ def load_dataset(
     download: bool = True,
     progress: bool = True,
     mapped: bool = False,
+    decode_in_child: bool = False,
 ) -> Dataset:
     """Load a dataset by name, from disk (downloading if allowed) or from the in-process cache.
 
@@ -125,6 +126,10 @@ def load_dataset(
             (:mod:`fedproto.data.decoded`): decoded once per machine, one copy in memory for every
             process that maps it; equal bit for bit to the decoded arrays (digits, which has no
             files, is decoded as usual).
+        decode_in_child: with ``mapped``, when the cache has no entry yet, decode in a child process
+            (``python -m fedproto.data.precache``) so that this process never holds the decoded
+            arrays (a long-lived process such as a Flower simulation actor keeps its memory low);
+            if the child fails, this process decodes itself (and raises the loader's error).
 
     Layouts accepted in each searched folder ``R``:
 
@@ -164,7 +169,7 @@ def load_dataset(
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
     if key in LOADABLE:
         module, _, function = DATASETS[key].loader.partition(":")
-        token = _MAPPED.set(mapped)
+        token = _MAPPED.set((name, None if root is None else str(root), download, decode_in_child) if mapped else None)
         try:
             return getattr(importlib.import_module(module), function)(root, download, progress)
         finally:
@@ -187,19 +192,22 @@ _CACHE: OrderedDict[tuple, Dataset] = OrderedDict()
 _CACHE_SIZE = 8
 
 
-_MAPPED: contextvars.ContextVar[bool] = contextvars.ContextVar("fedproto_mapped", default=False)
-"""Set by :func:`load_dataset` while its loader runs: whether :func:`cached` maps the decoded-dataset cache."""
+_MAPPED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("fedproto_mapped", default=None)
+"""Set by :func:`load_dataset` while its loader runs: None, or (name, root, download, decode_in_child)
+of a ``mapped=True`` call (:func:`cached` then maps the decoded-dataset cache)."""
 
 
 def cached(key: tuple, build: Callable[[], Dataset]) -> Dataset:
     """The in-process cache every loader goes through: ``key`` is ``(name, signature(files))``
     (:func:`signature`), ``build`` decodes the files. Under ``load_dataset(..., mapped=True)`` the
     dataset comes memory-mapped from the disk cache (:func:`fedproto.data.decoded.load_or_decode`)."""
-    if _MAPPED.get() and len(key) == 2 and key[1]:
+    call = _MAPPED.get()
+    if call is not None and len(key) == 2 and key[1]:
         from fedproto.data.decoded import load_or_decode
 
         name, sources = key
-        key, build = (*key, "mapped"), functools.partial(load_or_decode, name, sources, build)
+        child = call[:3] if call[3] else None
+        key, build = (*key, "mapped"), functools.partial(load_or_decode, name, sources, build, Dataset, child)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

@@ -44,16 +44,17 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from fedproto.data.datasets import Dataset
+Dataset = Any
+"""A :class:`fedproto.data.datasets.Dataset` (not imported: :mod:`fedproto.data.datasets` imports this module)."""
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,8 @@ def cache_root(sources: Sequence[tuple]) -> Path | None:
     return default_cache_dir() / "decoded"
 
 
-def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dataset]) -> Dataset:
+def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dataset], make: Callable[..., Dataset],
+                   child: tuple | None = None) -> Dataset:
     """The dataset decoded by ``decode``, memory-mapped from its cache entry (decoded and written
     first when there is no valid entry).
 
@@ -116,6 +118,10 @@ def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dat
         sources: the source files' signature (:func:`entry_key`); empty: no files to validate
             against, so no cache (``decode()`` is returned).
         decode: decodes the dataset from its files (the loader's own code).
+        make: the dataset type (:class:`~fedproto.data.datasets.Dataset`), built from the mapped arrays.
+        child: ``(dataset name, root, download)`` of the :func:`~fedproto.data.datasets.load_dataset`
+            call: decode in a child process (``python -m fedproto.data.precache``) when there is no
+            entry yet, so that this process never holds the decoded arrays; None: decode here.
     Returns:
         The :class:`~fedproto.data.datasets.Dataset`; its tensors are read-only memory maps (copy
         on write) of the entry's ``.npy`` files, equal bit for bit to ``decode()``'s. When the
@@ -128,16 +134,20 @@ def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dat
     if root is None:
         return decode()
     entry = root / f"{name}-{entry_key(name, sources)}"
-    found = _read(entry, sources)
+    found = _read(entry, sources, make)
     if found is not None:
         return found
+    if child is not None:
+        found = _decode_in_child(child, entry, sources, make)
+        if found is not None:
+            return found
     with contextlib.ExitStack() as stack:
         try:
             root.mkdir(parents=True, exist_ok=True)
             stack.enter_context(_locked(root / f".{entry.name}.lock"))
         except OSError as e:
             return _uncached(name, root, e, decode)
-        found = _read(entry, sources)  # another process wrote it while this one waited for the lock
+        found = _read(entry, sources, make)  # another process wrote it while this one waited for the lock
         if found is not None:
             return found
         ds = decode()
@@ -145,8 +155,71 @@ def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dat
             _write(entry, ds, sources)
         except OSError as e:
             return _uncached(name, root, e, lambda: ds)
-    found = _read(entry, sources)
+    found = _read(entry, sources, make)
     return found if found is not None else ds
+
+
+_FILES: dict[int, tuple[str, int, np.ndarray]] = {}
+"""data pointer of a mapped tensor -> (its .npy file, the offset of its data, the memory map)."""
+
+
+def read_rows(x: torch.Tensor, idx) -> torch.Tensor:
+    """Rows ``idx`` of ``x`` as a new tensor: ``x[idx]``, equal bit for bit. For a tensor mapped from
+    the cache (:func:`load_or_decode`) the rows are read from its file (``os.pread``, one call per run
+    of consecutive rows) instead of through the memory map: the operating system's page cache holds
+    the file once for every process, and this process holds only the rows it asked for (a gather
+    through a memory map would also map the pages around each row, 64 KiB per fault on Linux, into the
+    process).
+
+    Args:
+        x: (N, ...) tensor, e.g. a dataset's ``train_x`` (N, C, H, W) float32.
+        idx: (n,) integer row indices in ``0..N-1`` (numpy or torch).
+    Returns:
+        (n, ...) tensor of ``x``'s dtype, in the order of ``idx``.
+    Raises:
+        IndexError: an index outside ``0..N-1``.
+    """
+    idx = np.asarray(torch.as_tensor(idx, dtype=torch.long).cpu())
+    src = _FILES.get(x.data_ptr()) if x.device.type == "cpu" and x.is_contiguous() else None
+    if src is None or src[2].shape != tuple(x.shape):
+        return x[torch.as_tensor(idx)]
+    if len(idx) and (idx.min() < 0 or idx.max() >= len(x)):
+        raise IndexError(f"row indices {int(idx.min())}..{int(idx.max())} outside 0..{len(x) - 1}")
+    path, offset, _ = src
+    row = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
+    order = np.unique(idx)
+    out = np.empty((len(order), *x.shape[1:]), dtype=src[2].dtype)
+    flat = out.reshape(len(order), -1).view(np.uint8)
+    starts = np.flatnonzero(np.diff(order, prepend=-2) != 1)  # the first row of each run of consecutive rows
+    ends = np.append(starts[1:], len(order))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for a, b in zip(starts, ends):
+            want = (b - a) * row
+            buf = os.pread(fd, want, offset + int(order[a]) * row)
+            if len(buf) != want:
+                raise OSError(f"{path} is shorter than its header says; delete its folder to decode it again")
+            flat[a:b] = np.frombuffer(buf, dtype=np.uint8).reshape(b - a, row)
+    finally:
+        os.close(fd)
+    return torch.from_numpy(out[np.searchsorted(order, idx)])
+
+
+def _decode_in_child(call: tuple, entry: Path, sources: Sequence[tuple],
+                     make: Callable[..., Dataset]) -> Dataset | None:
+    """Run ``python -m fedproto.data.precache`` for ``call`` (name, root, download); the entry it wrote,
+    or None when it failed (the caller decodes itself, raising the loader's own error)."""
+    import subprocess
+
+    name, root, download = call
+    args = [sys.executable, "-m", "fedproto.data.precache", name, *(["--root", root] if root else []),
+            *([] if download else ["--no-download"])]
+    res = subprocess.run(args, capture_output=True, text=True)
+    if res.returncode != 0:
+        log.warning("fedproto: decoding %s in a child process failed (%s); decoding it here", name,
+                    (res.stderr or res.stdout).strip()[-500:])
+        return None
+    return _read(entry, sources, make)
 
 
 def _uncached(name: str, root: Path, error: OSError, decode: Callable[[], Dataset]) -> Dataset:
@@ -155,10 +228,8 @@ def _uncached(name: str, root: Path, error: OSError, decode: Callable[[], Datase
     return decode()
 
 
-def _read(entry: Path, sources: Sequence[tuple]) -> Dataset | None:
+def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset]) -> Dataset | None:
     """The mapped dataset of ``entry`` if it is complete and belongs to ``sources``, else None."""
-    from fedproto.data.datasets import Dataset
-
     meta_path = entry / "meta.json"
     if not meta_path.is_file():
         return None
@@ -175,7 +246,10 @@ def _read(entry: Path, sources: Sequence[tuple]) -> Dataset | None:
                 raise ValueError(f"{k}.npy holds {a.dtype} {a.shape}, meta.json says {dtype} {shape}")
             arrays[k] = a
         tensors = {k: torch.from_numpy(arrays[k]) for k in ARRAYS[:4]}
-        return Dataset(name=meta["name"], num_classes=int(meta["num_classes"]), class_names=list(meta["class_names"]),
+        for k, t in tensors.items():
+            if t.numel():
+                _FILES[t.data_ptr()] = (str(entry / f"{k}.npy"), int(arrays[k].offset), arrays[k])
+        return make(name=meta["name"], num_classes=int(meta["num_classes"]), class_names=list(meta["class_names"]),
                        train_groups=arrays.get("train_groups"), test_groups=arrays.get("test_groups"),
                        group_names=meta.get("group_names"), **tensors)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -228,4 +302,5 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-__all__ = ["DECODED_ENV", "FORMAT", "NEXT_TO_DATA", "cache_root", "entry_key", "load_or_decode", "writable"]
+__all__ = ["DECODED_ENV", "FORMAT", "NEXT_TO_DATA", "cache_root", "entry_key", "load_or_decode", "read_rows",
+           "writable"]

@@ -5,9 +5,10 @@ SuperNode) is client ``partition-id`` of the seeded partition of the run's datas
 (:mod:`fedproto.flower.client_app`). Flower runs the virtual nodes' ClientApps in a few Ray actors
 (processes), each serving whichever node's message comes next. An actor here holds:
 
-* **the dataset once per machine**: ``load_dataset(..., mapped=True)`` memory-maps the decoded
-  dataset from its disk cache (:mod:`fedproto.data.decoded`), so every actor (and every run on the
-  machine) shares one copy of the pages, and an actor reads only the rows of the clients it serves;
+* **the dataset once per machine**: ``load_dataset(..., mapped=True)`` decodes the dataset once
+  into its disk cache (:mod:`fedproto.data.decoded`) and maps it, so every actor (and every run on
+  the machine) shares one copy, and an actor reads only the labels and the rows of the clients it
+  serves;
 * **the run's partition and the algorithm**, built once per run: the partition from the labels
   alone (:func:`fedproto.engine.setup.partition_run`), every client's data as an index view
   (labels and row indices; :meth:`fedproto.algorithms.base.ClientData.view`), and the algorithm
@@ -15,7 +16,9 @@ SuperNode) is client ``partition-id`` of the seeded partition of the run's datas
   client, so its options (``batch_size`` capped at the largest client) and checks are those of
   the in-process run. Its model checks see one model per entry of ``model``'s list, built for the
   first client of that entry and dropped afterwards;
-* **the models of the last** :data:`KEEP` **clients it served**, each built alone
+* **the models and inputs of the last** :data:`KEEP` **clients it served**: each client's rows read
+  from the cache file (:func:`fedproto.data.decoded.read_rows`: the page cache holds the file once
+  per machine, the actor only its clients' rows), its model built alone
   (:func:`fedproto.models.zoo.build_client_model`, the in-process run's seed and architecture for
   that client). A client's trained weights live in its node's ``context.state`` (Flower keeps it
   between messages), so a client built again is loaded from there; a client without state there
@@ -35,6 +38,7 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
+from fedproto.data.decoded import read_rows
 from fedproto.data.partition import Partition
 from fedproto.engine.setup import build_setup, client_views, partition_run
 from fedproto.models.zoo import build_client_model
@@ -63,7 +67,7 @@ class VirtualRun:
 
 _LOCK = threading.Lock()
 _RUN: VirtualRun | None = None
-_CLIENTS: OrderedDict[int, ClientState] = OrderedDict()
+_CLIENTS: OrderedDict[int, tuple[ClientState, ClientData]] = OrderedDict()
 
 
 def run_for(cfg: RunConfig) -> VirtualRun:
@@ -81,7 +85,8 @@ def run_for(cfg: RunConfig) -> VirtualRun:
             return _RUN
         _RUN = None
         _CLIENTS.clear()
-        ds = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=False, mapped=True)
+        ds = load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=False, mapped=True,
+                          decode_in_child=True)
         part = partition_run(cfg, ds)
         n = part.num_clients
         specs = max(1, len([s for s in cfg.model.split(",") if s.strip()]))
@@ -93,8 +98,8 @@ def run_for(cfg: RunConfig) -> VirtualRun:
 
 
 def virtual_client(cfg: RunConfig, cid: int, fresh: bool) -> tuple[ClientState, ClientData, Algorithm]:
-    """Client ``cid`` of the run ``cfg``: its state (model, classes), its data (an index view into the
-    mapped dataset) and the run's algorithm.
+    """Client ``cid`` of the run ``cfg``: its state (model, classes), its data (its own rows, read
+    from the dataset's cache file) and the run's algorithm.
 
     Args:
         cfg: the run config.
@@ -113,15 +118,19 @@ def virtual_client(cfg: RunConfig, cid: int, fresh: bool) -> tuple[ClientState, 
         raise ConfigError(f"node config partition-id={cid} is outside 0..{run.num_clients - 1} "
                           f"(the run has {run.num_clients} clients)")
     with _LOCK:
-        state = None if fresh else _CLIENTS.get(cid)
-        if state is None:
+        kept = _CLIENTS.get(cid)
+        if kept is None or fresh:
             model = _model(cfg, run.dataset, cid, run.num_clients).to(run.device)
-            state = ClientState(cid, model, run.partition.classes[cid])
-        _CLIENTS[cid] = state
+            view = run.data[cid]
+            data = kept[1] if kept is not None else ClientData(
+                read_rows(run.dataset.train_x, run.partition.train_idx[cid]), view.y,
+                read_rows(run.dataset.test_x, run.partition.test_idx[cid]), view.test_y).to(run.device)
+            kept = (ClientState(cid, model, run.partition.classes[cid]), data)
+        _CLIENTS[cid] = kept
         _CLIENTS.move_to_end(cid)
         while len(_CLIENTS) > KEEP:
             _CLIENTS.popitem(last=False)
-    return state, run.data[cid], run.algorithm
+    return kept[0], kept[1], run.algorithm
 
 
 def kept_clients() -> list[int]:
