@@ -123,7 +123,7 @@ def in_process(run_config: dict, out: Path) -> dict:
     cfg = {**run_config, "execution": "sequential"}
     cfg.pop("out-dir", None)
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg), str(out)])
+    p = subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg), str(out / "in-process")])
     sampler = Sampler(lambda: [p.pid])
     sampler.start()
     rc = p.wait()
@@ -145,11 +145,15 @@ def flower(run_config: dict, work: Path, actors: int | None, env: dict) -> dict:
                 fed.start_supernode({"partition-id": i, "num-partitions": clients}, name=f"node{i}")
         sampler = Sampler(lambda: [p.pid for p in fed.procs.values()])  # the SuperLink (and Ray), the SuperNodes
         sampler.start()
-        t0 = time.perf_counter()
-        res = fed.flwr_run(APP, run_config, timeout=3000, num_supernodes=clients if actors else None,
-                           federation_config={"client-resources-num-cpus": 1, "init-args-num-cpus": actors}
-                           if actors else None)
-        wall = time.perf_counter() - t0
+        for attempt in range(3):  # Ray gives its raylet 30 s to start: too little on a loaded machine
+            t0 = time.perf_counter()
+            res = fed.flwr_run(APP, run_config, timeout=3000, num_supernodes=clients if actors else None,
+                               federation_config={"client-resources-num-cpus": 1, "init-args-num-cpus": actors}
+                               if actors else None)
+            wall = time.perf_counter() - t0
+            if "timed out during startup" not in res.stdout + res.stderr:
+                break
+            print(f"Ray did not start in time (attempt {attempt + 1}); again", flush=True)
         mem = sampler.stop()
     if res.returncode != 0 or "accuracy" not in res.stdout + res.stderr:
         raise SystemExit(f"flwr run failed:\n{(res.stdout + res.stderr)[-3000:]}")

@@ -17,7 +17,8 @@ the format version, the dataset name and the source files' signature) in the fir
 
 1. the folder named by the environment variable ``FEDPROTO_DECODED_CACHE`` (``off``: no cache;
    the loader's arrays are returned as decoded);
-2. ``.fedproto-decoded/`` next to the source files, when their folder is writable (its permission
+2. ``.fedproto-decoded/`` next to the source files (in the folder holding them all), when that
+   folder is writable (its permission
    bits grant a write and this user may write there: a folder made read-only stays untouched, even
    for root);
 3. ``<user cache>/decoded/`` (:func:`fedproto.data.download.default_cache_dir`:
@@ -98,11 +99,12 @@ def cache_root(sources: Sequence[tuple]) -> Path | None:
         return None
     if env:
         return Path(env).expanduser()
-    folders = {Path(str(s[0])).parent for s in sources}
-    if len(folders) == 1:
-        (folder,) = folders
-        if writable(folder):
-            return folder / NEXT_TO_DATA
+    try:  # the folder holding every source file (FEMNIST's train/ and test/: the femnist/ folder)
+        folder = Path(os.path.commonpath([str(Path(str(s[0])).parent) for s in sources]))
+    except ValueError:  # files on different drives
+        folder = None
+    if folder is not None and writable(folder):
+        return folder / NEXT_TO_DATA
     from fedproto.data.download import default_cache_dir
 
     return default_cache_dir() / "decoded"
@@ -163,7 +165,7 @@ _FILES: dict[int, tuple[str, int, np.ndarray]] = {}
 """data pointer of a mapped tensor -> (its .npy file, the offset of its data, the memory map)."""
 
 
-def read_rows(x: torch.Tensor, idx) -> torch.Tensor:
+def read_rows(x: torch.Tensor, idx: np.ndarray | torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Rows ``idx`` of ``x`` as a new tensor: ``x[idx]``, equal bit for bit. For a tensor mapped from
     the cache (:func:`load_or_decode`) the rows are read from its file (``os.pread``, one call per run
     of consecutive rows) instead of through the memory map: the operating system's page cache holds
@@ -189,7 +191,7 @@ def read_rows(x: torch.Tensor, idx) -> torch.Tensor:
     row = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
     order = np.unique(idx)
     out = np.empty((len(order), *x.shape[1:]), dtype=src[2].dtype)
-    flat = out.reshape(len(order), -1).view(np.uint8)
+    flat = out.reshape(len(order), row // x.element_size()).view(np.uint8)
     starts = np.flatnonzero(np.diff(order, prepend=-2) != 1)  # the first row of each run of consecutive rows
     ends = np.append(starts[1:], len(order))
     fd = os.open(path, os.O_RDONLY)
