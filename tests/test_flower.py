@@ -160,7 +160,7 @@ def test_flower_engine_matches_the_simulation(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["fedtgp", "fd", "fedgh", "lgfedavg"])
 def test_heterogeneous_methods_give_the_simulation_numbers_under_flower(algorithm):
-    """The model-heterogeneous methods (issue #24) on nodes of two architectures: the Flower engine
+    """The model-heterogeneous methods on nodes of two architectures: the Flower engine
     gives the sequential simulation's accuracies (classifier, nearest prototype, global head),
     losses, server message and message sizes for the same clients and seed."""
     over = dict(algorithm=algorithm, model="projcnn:8-16,cnn", server_epochs=5)
@@ -303,7 +303,7 @@ def _reply_keys(rep: Message) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("dp", ["off", "prototypes", "full"])
 def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
-    """Issue #21 (1): under DP the replies of a node carry no sample counts (query, train), no
+    """Under DP the replies of a node carry no sample counts (query, train), no
     losses, step count or embedding norm (train), no accuracy or test count (evaluate): only the
     noised release, the public label set and architecture size, and ε under ``prototypes``."""
     uc = _user_config(dp=dp, dp_noise=1.0, rounds=2, clients=3)
@@ -314,7 +314,7 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
                                                                    else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
-    inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
+    inst = set(INSTANCE_KEYS)  # random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
         sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "loss-terms", "num-examples"} | inst
@@ -325,7 +325,7 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
                for r in t)  # the release alone, and the instance keys
     assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
     assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) | inst for r in e)
-    assert summary["accuracy"] == {} and "clients_evaluated" not in summary
+    assert summary["accuracy"] == {} and summary["clients_evaluated"] == 0 and summary["left_out"] == {}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_ce"] for r in rows] == [None, None]
     if dp == "prototypes":
@@ -484,9 +484,9 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
 
 
 def test_an_unavailable_node_is_recorded_as_unavailable_not_timed_out(tmp_path, caplog):
-    """Issue #23: the SuperLink answers at once for a node it knows is gone, with an error reply
-    whose source is the SuperLink (node 0); matched by source node it was never matched, and the
-    round recorded a timeout ("sent no reply within 90 s"). Matched by the message it answers."""
+    """The SuperLink answers at once for a node it knows is gone, with an error reply
+    whose source is the SuperLink (node 0); matched by source node it would never be matched, and the
+    round would record a timeout ("sent no reply within 90 s"). Matched by the message it answers."""
     folders = write_node_folders(tmp_path)
     uc = _own_config(**{"rounds": 2})
     grid = LocalGrid(uc, node_configs=node_configs(folders))
@@ -570,7 +570,7 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
     got = eng.run()
     want = in_process_reference(folders, models=models, algorithm="fedavg").run()
     assert got["accuracy"]["acc"]["mean"] == pytest.approx(want["accuracy"]["acc"]["mean"], abs=1e-9)
-    # the evaluate message carries the server's aggregate, so each node scores the global model too (issue #24)
+    # the evaluate message carries the server's aggregate, so each node scores the global model too
     assert got["accuracy"]["acc_global"]["mean"] == pytest.approx(want["accuracy"]["acc_global"]["mean"], abs=1e-9)
     assert got["accuracy"]["acc_global"]["mean"] != pytest.approx(got["accuracy"]["acc"]["mean"], abs=1e-6)
     assert got["evaluation"] == want["evaluation"] and set(got["evaluation"]) == {"acc", "acc_global"}
@@ -595,7 +595,7 @@ def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -
 
 
 def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path, caplog):
-    """Issue #23: every reply carries ``instance`` (one per SuperNode process), ``restored`` and
+    """Every reply carries ``instance`` (one per SuperNode process), ``restored`` and
     ``state-round``; an own-data node saves its client's state after each train round and, when it
     restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
     model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
@@ -765,7 +765,7 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
 
 @pytest.mark.slow
 def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
-    """Issue #23, on 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
+    """On 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
     ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
     SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
     (same key, same node id), reloads its state file (same instance, restored 1) and takes part
@@ -820,7 +820,8 @@ def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and
     assert rejoined == [{"1": "restarted with its state restored from its state file"}], rows
     assert "restarted and reloaded its state from its state file" in logs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert "left_out" not in summary and "state_lost_round" not in open(run_dir / "clients.csv").readline()
+    assert summary["left_out"] == {}
+    assert [c["state_lost_round"] for c in csv.DictReader(open(run_dir / "clients.csv"))] == ["", "", ""]
 
 
 def test_flower_options_are_read_and_checked():
@@ -858,6 +859,39 @@ def test_credentials_for_tls_and_node_authentication(tmp_path):
         LocalFederation(tmp_path / "fed", auth=True)
 
 
+def test_credentials_keep_private_keys_private_and_renew_under_the_same_ca(tmp_path):
+    """server.key was written with mode 0644, the CA key was not kept (no renewal), certificates lasted 30 days."""
+    import datetime
+    import stat
+
+    from cryptography import x509
+
+    from fedproto.flower.local import make_credentials
+
+    folder = tmp_path / "creds"
+    c = make_credentials(folder, 2, days=90)
+    ca_key = tmp_path / "creds-ca" / "ca.key"
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert [mode(p) for p in (c.server_key, ca_key, c.node_keys[0][0], c.node_keys[1][0])] == [0o600] * 4
+    assert mode(ca_key.parent) == 0o700 and not any(p.name.endswith(".key") and p.name != "server.key"
+                                                    for p in folder.iterdir())  # the CA key is not in the folder
+    cert = x509.load_pem_x509_certificate(c.server_cert.read_bytes())
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert life == datetime.timedelta(days=90)
+    ca_before, node_before = c.ca_cert.read_bytes(), c.node_keys[1][1].read_bytes()
+    r = make_credentials(folder, 3, days=30)  # renewal: same CA and node keys, a new server certificate, node 2 added
+    renewed = x509.load_pem_x509_certificate(r.server_cert.read_bytes())
+    assert r.ca_cert.read_bytes() == ca_before and r.node_keys[1][1].read_bytes() == node_before
+    assert renewed.serial_number != cert.serial_number and len(r.node_keys) == 3
+    ca = x509.load_pem_x509_certificate(r.ca_cert.read_bytes())
+    renewed.verify_directly_issued_by(ca)  # raises if the renewed certificate is not the kept CA's
+    ca_key.unlink()
+    with pytest.raises(ConfigError, match="a CA is renewed from its certificate and its key together"):
+        make_credentials(folder, 1)
+    with pytest.raises(ConfigError, match="days=0"):
+        make_credentials(tmp_path / "other", 1, days=0)
+
+
 def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     """Client 2's node stops answering from round 2 on: the summary says 2 of 3 clients were
     evaluated, and the mean is over those two."""
@@ -875,6 +909,40 @@ def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     accs = [float(r["acc"]) for r in rows if r["acc"]]
     assert len(accs) == 2 and summary["accuracy"]["acc"]["mean"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_node_missing_the_final_evaluation_is_left_out_and_the_headline_says_so(tmp_path, caplog):
+    """Client 1's node trains in both rounds and is gone when the final evaluation is asked for: it is in
+    summary.json's ``left_out`` with why, the headline and the closing log line say "2 of 3", the mean is over
+    the two that answered, and clients.csv and summary.json have the keys an intact run has."""
+    from fedproto.engine.summary import over_clients
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 2, "eval-every": 0})
+    intact = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)),
+                          out=tmp_path / "intact", timeout_s=1).run()
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+
+    def gone_at_the_end(grid, kind, group):
+        if kind == "evaluate":
+            grid.silent.add(1001)
+
+    grid.on_send = gone_at_the_end
+    with caplog.at_level("WARNING"):
+        summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r.get("replied", [0, 1, 2])) for r in rows] == [[0, 1, 2], [0, 1, 2]]  # it trained throughout
+    assert summary["left_out"] == {"1": "not evaluated at the end: its node did not answer the final evaluation"}
+    assert summary["clients"] == 3 and summary["clients_evaluated"] == 2 and summary["clients_in_accuracy"] == 2
+    assert over_clients(summary) == "2 of 3" and over_clients(intact) == "3"
+    clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    accs = [float(c["acc"]) for c in clients if c["acc"]]
+    assert len(accs) == 2 and clients[1]["acc"] == "" and clients[1]["left_out"] == summary["left_out"]["1"]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert "the accuracy is over 2 of 3 clients: it leaves out client 1" in caplog.text
+    assert set(summary) == set(intact)  # the same keys whatever happened
+    assert list(clients[0]) == list(next(csv.DictReader(open(tmp_path / "intact" / "clients.csv"))))
+    assert intact["left_out"] == {} and intact["clients_in_accuracy"] == 3
 
 
 def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
@@ -1034,7 +1102,7 @@ def test_min_replies_above_clients_is_refused_up_front():
 
 @pytest.mark.parametrize("keep_state", [False, True])
 def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_state, tmp_path, caplog):
-    """Issue #23 (1): a node that restarts before round 4 of 4 (same node id, as under node
+    """A node that restarts before round 4 of 4 (same node id, as under node
     authentication) is detected from its reply's instance id. Without its state file it trains a
     fresh model in round 4 only: the metrics row says so (``rejoined``), clients.csv marks it
     (``state_lost_round``), and the headline accuracy leaves it out (``left_out``; all clients in
@@ -1059,11 +1127,12 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
     clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     if keep_state:
         assert rows[3]["rejoined"] == {"1": "restarted with its state restored from its state file"}
-        assert "left_out" not in summary and "state_lost_round" not in clients[1]
+        assert summary["left_out"] == {} and clients[1]["state_lost_round"] == "" and clients[1]["left_out"] == ""
         assert "client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
         return
     assert rows[3]["rejoined"] == {"1": "restarted without its state: a fresh model"}
     assert [c["state_lost_round"] for c in clients] == ["", "4", ""]
+    assert [c["left_out"] for c in clients] == ["", summary["left_out"]["1"], ""]
     assert summary["left_out"] == {"1": "its node lost its state in round 4; it trained in 1 round(s) from then on, "
                                         "fewer than 2"}
     accs = [float(c["acc"]) for c in clients]
@@ -1073,7 +1142,7 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
 
 
 def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
-    """Issue #23 (3): the SuperLink goes away in round 3 of 4. The server has written a checkpoint
+    """The SuperLink goes away in round 3 of 4. The server has written a checkpoint
     after every round and writes failure.json (the round, the error, the resume command). A new
     SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
     state files, keyed by the server's run key) continues the run with ``resume-from``: rounds 1-2
@@ -1118,7 +1187,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
 
 @pytest.mark.slow
 def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes_the_run(tmp_path):
-    """Issue #23 (3), on 127.0.0.1 with TLS and SuperNode authentication: three own-data nodes
+    """On 127.0.0.1 with TLS and SuperNode authentication: three own-data nodes
     (each under ``python -m fedproto.flower.supervise``), FedProto, 4 rounds. The SuperLink is
     SIGKILLed in round 2 (its process only: the ServerApp it started lives on, as after a crash);
     the run folder then holds failure.json and a checkpoint of round 1 (or 2). The SuperLink is
@@ -1191,7 +1260,7 @@ def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes
 
 
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
-    """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
+    """A CI test (45-55 s on 2 loaded cores): the three own-data SuperNodes started with
     ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
     that forks per message) give the in-process numbers, as the default path does in the test
     above; every executor decoded its node's data and warmed up before the first task, ran one
@@ -1344,7 +1413,7 @@ class HangingGrid(PushPullGrid):
 
 
 def test_a_superlink_that_stops_answering_stops_the_run_within_round_timeout_with_failure_json(tmp_path):
-    """Issue #23 (3): a call to the SuperLink that does not return (Flower retries a dead SuperLink
+    """A call to the SuperLink that does not return (Flower retries a dead SuperLink
     without end) stops the run after ``round-timeout`` s with a TrainingError naming the call;
     failure.json and the checkpoint of round 1 are in the run folder."""
     from fedproto.flower.common import FlowerOptions

@@ -172,7 +172,7 @@ class FlowerExecutor(Executor):
 
         A reply is matched to the message it answers (``reply_to_message_id``): an error reply the
         SuperLink sends for an unavailable node carries the SuperLink's node id as its source, so
-        matching by source node recorded it as a timeout (issue #23). A grid that sets no message
+        matching by source node recorded it as a timeout. A grid that sets no message
         ids (a test double) is matched by source node."""
         if not messages:
             return {}, {}, {}, []
@@ -469,8 +469,7 @@ class FlowerExecutor(Executor):
     def client_report(self, cid: int) -> dict:
         """The node's own report from its evaluate reply (:meth:`Algorithm.client_report` runs there),
         plus ``state_lost_round`` (the round its node came back without the client's state; empty if never)."""
-        lost = {"state_lost_round": self.state_lost.get(cid)} if self.state_lost else {}
-        return {**self._reports.get(cid, {}), **lost}
+        return {**self._reports.get(cid, {}), "state_lost_round": self.state_lost.get(cid)}
 
     def who(self, cid: int) -> str:
         return f"client {cid} (node {self.nodes.get(cid)})"
