@@ -214,18 +214,23 @@ def test_flower_docs_simulation_commands_run_as_written(tmp_path):
         "cat > \"$FLWR_HOME/config.toml\" <<'TOML'", toml.strip(), "TOML", run,
         "kill $SUPERLINK; wait $SUPERLINK || true"])
     bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")])}
+    env = {**os.environ, "PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", "")]),
+           # this checkout's fedproto also for a Flower installed outside its environment (as the other tests)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     env.pop("FEDPROTO_DECODED_CACHE", None)  # the cache where the docs say: next to the data or the user cache
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-    p = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=900)
-    finally:  # whatever the script left in its session (Ray's processes)
+    log = tmp_path / "commands.log"  # a file, not a pipe: Ray's processes outlive the script and keep it open
+    with open(log, "w") as f:
+        p = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            p.wait(timeout=900)
+        finally:  # whatever the script left in its session (Ray's processes)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = log.read_text(errors="replace")
     assert p.returncode == 0, out[-4000:]
     summaries = list((tmp_path / "runs" / "sim").glob("*/summary.json"))
     assert len(summaries) == 1, out[-4000:]
