@@ -355,15 +355,21 @@ class LocalFederation:
                 p.wait(10)
 
     def flwr_run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 600.0,
-                 num_supernodes: int | None = None) -> subprocess.CompletedProcess:
+                 num_supernodes: int | None = None,
+                 federation_config: Mapping[str, Any] | None = None) -> subprocess.CompletedProcess:
         """``flwr run <app> --stream`` against this SuperLink with ``run_config`` overrides (keys
         must be listed in the app's ``[tool.flwr.app.config]``); ``num_supernodes`` for the
-        simulation runtime. Returns the finished process (stdout and stderr as text)."""
+        simulation runtime, and ``federation_config`` for its other keys (``--federation-config``:
+        ``client-resources-num-cpus``, ``init-args-num-cpus``...: as many actors run as
+        ``init-args-num-cpus // client-resources-num-cpus``). Returns the finished process (stdout and
+        stderr as text)."""
         args = [self.commands["flwr"], "run", str(app), CONNECTION, "--stream"]
         if run_config:
             args += ["--run-config", config_arg(run_config)]
-        if num_supernodes is not None:
-            args += ["--federation-config", f"num-supernodes={int(num_supernodes)}"]
+        fed = {**({"num-supernodes": int(num_supernodes)} if num_supernodes is not None else {}),
+               **(federation_config or {})}
+        if fed:
+            args += ["--federation-config", config_arg(fed)]
         return subprocess.run(args, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
 
     def stop(self) -> None:
