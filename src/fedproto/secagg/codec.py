@@ -98,10 +98,8 @@ def codec_of(alg: Any) -> Codec | None:
     """The codec of a method, or None when its server needs individual replies."""
     if alg.name == "fedproto":
         return ProtoCodec(alg)
-    from fedproto.algorithms.fedavg import FedAvg
-
-    if isinstance(alg, FedAvg) and type(alg).aggregate is FedAvg.aggregate and alg.name in (
-            "fedavg", "fedprox", "fedper", "fedrep"):
+    # the sample-weighted mean of fedproto.algorithms.fedavg (by name: the engine imports no method module)
+    if alg.name in ("fedavg", "fedprox", "fedper", "fedrep") and type(alg).aggregate.__qualname__ == "FedAvg.aggregate":
         return WeightsCodec(alg)
     return None
 
@@ -113,9 +111,10 @@ class Codec:
     def __init__(self, alg: Any):
         self.alg = alg
 
-    def checked(self, cid: int, reply: Message) -> Message:
-        """The reply after the algorithm's own reply checks, run on the client ({} when nothing is usable)."""
-        why = self.alg.reply_problem(reply, {}, getattr(self.alg, "embedding_dim", 0)) if reply else ""
+    def checked(self, cid: int, reply: Message, sent: Message) -> Message:
+        """The reply after the algorithm's own reply checks (against ``sent``, the downlink message
+        the client received), run on the client ({} when nothing is usable)."""
+        why = self.alg.reply_problem(reply, sent, getattr(self.alg, "embedding_dim", 0)) if reply else ""
         if why:
             log.warning("secure aggregation: client %d leaves its reply out of the sum: %s", cid, why)
             return {}
@@ -149,7 +148,7 @@ class ProtoCodec(Codec):
         a = self.alg
         C, d = a.num_classes, a.embedding_dim
         out = np.zeros(C * (d + 2), np.float64)
-        reply = self.checked(cid, reply)
+        reply = self.checked(cid, reply, sent)
         if not reply:
             return out
         c = np.asarray(reply["classes"], np.int64)
@@ -199,7 +198,7 @@ class WeightsCodec(Codec):
 
     def vector(self, cid: int, reply: Message, sent: Message) -> np.ndarray:
         keys = self._keys(sent)
-        reply = self.checked(cid, reply)
+        reply = self.checked(cid, reply, sent)
         if not reply:
             return np.zeros(self.length(sent), np.float64)
         n = float(np.asarray(reply["n"]).reshape(-1)[0])
