@@ -30,10 +30,11 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from fedproto.config import build_config  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
-from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
+from fedproto.flower.common import MESSAGE, from_record, run_config, to_record  # noqa: E402
 from fedproto.flower.node_state import INSTANCE_KEYS  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.privacy import epsilon  # noqa: E402
+from fedproto.secagg import codec as secagg_codec  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, model="cnn",
@@ -1416,3 +1417,197 @@ def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_pars
     text = resume_config(cfg)
     assert text == "rounds=4 lr=0.05 out-dir='/r uns/a' name=\"it's\" tensorboard=false "
     assert parse_config_args([text + "resume-from='/r uns/a/run'"]) == {**cfg, "resume-from": "/r uns/a/run"}
+
+
+# --- secure aggregation (fedproto.flower.secagg) ---------------------------------------------------
+
+class WireGrid(LocalGrid):
+    """A LocalGrid that keeps every reply the server receives (what the server process holds)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.received: list[Message] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.received += replies
+        return replies
+
+
+def _plain_replies(monkeypatch) -> dict:
+    """(round, client id) -> the reply each node's client step made, before anything masks it."""
+    got: dict = {}
+    step = client_app.client_step
+
+    def spy(alg, state, message, data, seed, r):
+        out, res = step(alg, state, message, data, seed, r)
+        got[(r, state.cid)] = {k: np.array(v) for k, v in out.items()}
+        return out, res
+
+    monkeypatch.setattr(client_app, "client_step", spy)
+    return got
+
+
+def _secagg_run(tmp_path, monkeypatch, name="sa", extra=None, **kw):
+    folders = write_node_folders(tmp_path / name)
+    uc = _own_config(**kw)
+    grid = WireGrid(uc, node_configs=node_configs(folders, extra=extra))
+    plain = _plain_replies(monkeypatch)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / f"run-{name}")
+    return eng, grid, plain, folders, eng.run()
+
+
+def test_secagg_server_sees_no_individual_prototype_on_flower(tmp_path, monkeypatch):
+    eng, grid, plain, _, _ = _secagg_run(tmp_path, monkeypatch, secagg=True)
+    rows = [np.asarray(p, np.float32) for m in plain.values() for p in m["protos"]]
+    assert len(plain) == 6 and len(rows) == 24  # 3 nodes x 2 rounds x 4 classes
+    wire = [from_record(r.content[MESSAGE]) for r in grid.received if MESSAGE in r.content]
+    assert len(wire) == len(grid.received) - 3  # every reply but the 3 final evaluations (metrics only)
+    kinds = {r.metadata.message_type for r in grid.received}
+    assert kinds == {"query", "query.secagg", "train", "evaluate"}
+    for msg in wire:  # no prototype row of any client, in any reply the server got (keys, shares, vectors)
+        for v in msg.values():
+            blob = np.ascontiguousarray(v).tobytes()
+            assert not any(row.tobytes() in blob for row in rows)
+    trains = [from_record(r.content[MESSAGE]) for r in grid.received if r.metadata.message_type == "train"]
+    assert len(trains) == 6 and all(list(m) == ["secagg"] and m["secagg"].dtype == np.uint64 for m in trains)
+    C, d = 10, 50
+    for m in trains:  # decoded alone, a masked vector is noise of the ring's scale, not a prototype
+        assert np.median(np.abs(secagg_codec.decode(m["secagg"])[:C * d])) > 1e6
+    assert "sum" not in eng.loop.algorithm.server_state() and "secagg_bytes" in eng.history[0]
+
+
+def test_secagg_matches_plain_aggregation_on_flower(tmp_path, monkeypatch):
+    eng, _, plain, folders, got = _secagg_run(tmp_path, monkeypatch, secagg=True)
+    want = in_process_reference(folders).run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+    protos = np.load(tmp_path / "run-sa" / "prototypes.npz")
+    sums: dict = {}
+    for (r, _), m in plain.items():  # eq. 6 (unweighted mean) of round 2's plain replies, by hand
+        for c, p in zip(m["classes"].tolist(), m["protos"].astype(np.float64)):
+            if r == 2:
+                sums.setdefault(c, []).append(p)
+    assert protos["classes"].tolist() == sorted(sums)
+    for c, p in zip(protos["classes"].tolist(), protos["protos"]):
+        assert np.abs(p - np.mean(sums[c], axis=0)).max() <= 1e-6
+    assert protos["contributors"].tolist() == [len(sums[c]) for c in sorted(sums)]
+    assert got["secure_aggregation"]["dropouts"] == 0
+
+
+def test_secagg_survives_a_dropout_below_the_threshold_on_flower(tmp_path, monkeypatch):
+    # node 1 sends its keys and shares each round, then fails its train step: 2 of 3 are left (t = 2)
+    eng, _, plain, _, got = _secagg_run(tmp_path, monkeypatch, extra={1: {"misbehave": "vanish"}}, secagg=True)
+    rows = [json.loads(x) for x in (tmp_path / "run-sa" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replied"] for r in rows] == [[0, 2], [0, 2]] and [r["secagg_dropped"] for r in rows] == [[1], [1]]
+    assert set(plain) == {(1, 0), (1, 2), (2, 0), (2, 2)}
+    ref = _secagg_run(tmp_path, monkeypatch, name="plain", extra={1: {"misbehave": "vanish"}})[4]
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(ref["accuracy"][key]["mean"], abs=1e-9)
+    assert got["secure_aggregation"]["dropouts"] == 2
+
+
+def test_secagg_refuses_median_and_class_check_on_flower(tmp_path):
+    folders = write_node_folders(tmp_path)
+    for bad, why in ((dict(aggregation="median"), "aggregation='median' needs each client's prototype"),
+                     (dict(class_check=3.0), "class_check=3(.0)? checks each client's prototype rows")):
+        uc = _own_config(secagg=True, **bad)
+        with pytest.raises(ConfigError, match=why):
+            FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False)
+
+
+@pytest.fixture(scope="module")
+def secagg_deployment(tmp_path_factory):
+    """Two federations on 127.0.0.1 with TLS and SuperNode authentication, 3 own-data nodes each
+    (the second's node 1 fails every train step: ``misbehave = "vanish"``), ``flwr run`` of the
+    own-data app: plain and ``secagg`` on each, and ``secagg`` with ``aggregation = "median"``.
+    Returns the runs' folders and outputs, and the folders of the nodes' data."""
+    from fedproto.flower.local import LocalFederation
+
+    root = tmp_path_factory.mktemp("secagg-deployment")
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(root / "data")
+    runs: dict = {}
+    for fed_name, extra in (("fed", None), ("fed-vanish", {1: {"misbehave": "vanish"}})):
+        with LocalFederation(root / fed_name, tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+            fed.start_superlink()
+            for nc in node_configs(folders, extra=extra):
+                fed.start_supernode(nc)
+            todo = {"plain": {}, "secagg": {"secagg": True}}
+            if extra is None:
+                todo["median"] = {"secagg": True, "aggregation": "median"}
+            for name, opts in todo.items():
+                out = root / "runs" / f"{fed_name}-{name}"
+                res = fed.flwr_run(app, {"rounds": 2, "out-dir": str(out), "seed": 7, "round-timeout": 60, **opts},
+                                   timeout=600)
+                runs[f"{fed_name}-{name}"] = (next(iter(out.glob("*/")), None), res.stdout + res.stderr)
+    return runs, folders
+
+
+def _run_files(run_dir) -> tuple[dict, list[dict]]:
+    return (json.loads((run_dir / "summary.json").read_text()),
+            [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+@pytest.mark.slow
+def test_secagg_server_sees_no_individual_prototype_on_a_tls_deployment(secagg_deployment, monkeypatch):
+    runs, folders = secagg_deployment
+    run_dir, logs = runs["fed-secagg"]
+    assert run_dir is not None and "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:]
+    _, rows = _run_files(run_dir)
+    C, d = 10, 50
+    # what reached the server's round loop: one masked (C * (d + 2),) uint64 vector per node and round
+    assert [r["up_bytes"] for r in rows] == [3 * 8 * C * (d + 2)] * 2 and all(r["secagg_bytes"] > 0 for r in rows)
+    # round 1's plain replies (no global prototypes yet, so the same with and without secagg), made in-process
+    plain = _plain_replies(monkeypatch)
+    ref = in_process_reference(folders, rounds=1)
+    seen = {}
+    step = ref.executor.train
+
+    def spy(r, sent, downlink=None):
+        got = step(r, sent, downlink)
+        seen.update({i: m for i, (m, _) in got.replies.items()})
+        return got
+
+    ref.executor.train = spy
+    ref.run()
+    rows_plain = [np.asarray(p, np.float32).tobytes() for m in seen.values() for p in m["protos"]]
+    assert len(rows_plain) == 12 and not plain  # 3 nodes x 4 classes, made by the Python API
+    for f in run_dir.rglob("*"):  # nothing the server process wrote holds a node's prototype
+        if f.is_file():
+            blob = f.read_bytes()
+            assert not any(row in blob for row in rows_plain), f
+
+
+@pytest.mark.slow
+def test_secagg_matches_plain_aggregation_on_a_tls_deployment(secagg_deployment):
+    runs, _ = secagg_deployment
+    (sa, sa_rows), (pl, pl_rows) = (_run_files(runs[k][0]) for k in ("fed-secagg", "fed-plain"))
+    for key in ("acc", "acc_proto"):
+        assert sa["accuracy"][key]["mean"] == pytest.approx(pl["accuracy"][key]["mean"], abs=1e-9)
+    for a, b in zip(sa_rows, pl_rows):
+        assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-6)
+        assert a["loss_proto"] == pytest.approx(b["loss_proto"], rel=1e-5, abs=1e-9)
+    p_sa, p_pl = (np.load(runs[k][0] / "prototypes.npz") for k in ("fed-secagg", "fed-plain"))
+    assert p_sa["classes"].tolist() == p_pl["classes"].tolist()
+    assert np.abs(p_sa["protos"] - p_pl["protos"]).max() <= 1e-5
+    assert sa["secure_aggregation"]["dropouts"] == 0 and "secure_aggregation" not in pl
+
+
+@pytest.mark.slow
+def test_secagg_survives_a_dropout_below_the_threshold_on_a_tls_deployment(secagg_deployment):
+    runs, _ = secagg_deployment
+    (sa, rows), (pl, _) = (_run_files(runs[k][0]) for k in ("fed-vanish-secagg", "fed-vanish-plain"))
+    assert [r["replied"] for r in rows] == [[0, 2], [0, 2]] and [r["secagg_dropped"] for r in rows] == [[1], [1]]
+    assert sa["secure_aggregation"]["dropouts"] == 2
+    for key in ("acc", "acc_proto"):
+        assert sa["accuracy"][key]["mean"] == pytest.approx(pl["accuracy"][key]["mean"], abs=1e-9)
+
+
+@pytest.mark.slow
+def test_secagg_refuses_median_and_class_check_on_a_tls_deployment(secagg_deployment):
+    runs, _ = secagg_deployment
+    run_dir, logs = runs["fed-median"]
+    assert "aggregation='median' needs each client's prototype" in logs, logs[-3000:]
+    assert run_dir is None or not (run_dir / "metrics.jsonl").exists()
