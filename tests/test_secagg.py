@@ -71,7 +71,8 @@ def test_secagg_server_sees_no_individual_prototype():
         assert sorted(seen.rounds[r]) == sorted(plain[r]) == list(range(6))
         for i, msg in seen.rounds[r].items():
             # the server holds one masked uint64 vector per client: no classes, prototypes or counts
-            assert list(msg) == ["secagg"] and msg["secagg"].dtype == np.uint64 and msg["secagg"].shape == (C * (d + 2),)
+            v = msg["secagg"]
+            assert list(msg) == ["secagg"] and v.dtype == np.uint64 and v.shape == (C * (d + 2),)
             mine = codec.decode(msg["secagg"]).reshape(-1)[:C * d].reshape(C, d)
             for c, p in zip(plain[r][i]["classes"], plain[r][i]["protos"]):
                 # the row the client encoded, decoded from what the server holds: mask noise of 2^31 scale
