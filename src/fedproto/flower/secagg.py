@@ -6,7 +6,7 @@ per round, to the sampled clients:
 1. ``query.secagg`` stage 1: each node's share group and threshold; reply: its public keys.
 2. ``query.secagg`` stage 2: its group's public keys; reply: its encrypted shares, per member.
 3. ``train``: the round's downlink message plus the shares addressed to the node (``secagg.ct.<j>``,
-   counted in ``down_bytes``); the node trains, checks its reply, encodes and masks it (:func:`masked_reply`);
+   counted in ``secagg_bytes``); the node trains, checks its reply, encodes and masks it (:func:`masked_reply`);
    reply: ``{"secagg": (L,) uint64}`` and the losses.
 4. ``query.secagg`` stage 4: who sent a masked vector; reply: the shares that rebuild the masks.
 
@@ -149,10 +149,12 @@ class SecAggFlowerExecutor:
             log.warning("round %d: secure aggregation: clients %s shared keys but sent no masked vector; their masks "
                         "are rebuilt from the others' shares", round, dead)
         masks = srv.masks(alive, dead, shares, length)
-        self._session.record(Round(alive, dead, masks, sent[ids[0]], up + u2 + u4, down + d2 + d4,
+        routed_bytes = sum(nbytes(m) for m in routed.values())  # the shares in the train messages
+        self._session.record(Round(alive, dead, masks, sent[ids[0]], up + u2 + u4, down + d2 + d4 + routed_bytes,
                                    seconds + time.perf_counter() - t1))
         status = {**got.status, **({"secagg_dropped": dead} if dead else {})}
-        return RoundReplies({i: ok[i] for i in alive}, got.sent, status)
+        # the round's downlink as the loop counts it: the server's messages; the shares are in secagg_bytes
+        return RoundReplies({i: ok[i] for i in alive}, {i: sent.get(i, m) for i, m in got.sent.items()}, status)
 
 
 def install(cfg: Any, algorithm: Any, executor: Any) -> tuple[Any, Any]:
