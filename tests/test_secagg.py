@@ -188,3 +188,39 @@ def test_cli_secagg_run_records_secure_aggregation(tmp_path, capsys, monkeypatch
     assert json.loads((tmp_path / "sa" / "config.json").read_text())["secagg"] is True
     for key in ("acc", "acc_proto"):
         assert sa["accuracy"][key]["mean"] == pytest.approx(plain["accuracy"][key]["mean"], abs=1e-9)
+
+
+def test_secagg_with_dp_adds_each_clients_share_of_the_noise():
+    """Distributed noise: each client's class sums and counts get noise of multiplier σ / √h, so a
+    sum over h honest clients carries σ's; the summary states ε for the sum and each client's own."""
+    import torch
+
+    from fedproto.privacy import epsilon
+    from fedproto.secagg.dp import noisy_sums
+
+    sim = Simulation(digits_config(secagg=True, dp="prototypes", aggregation="weighted", dp_noise=1.0, dp_clip=5.0,
+                                   secagg_honest=4, rounds=2), out=False)
+    alg, state, data = sim.setup.algorithm, sim.setup.states[0], sim.setup.data[0]
+    assert alg.dp_noise == 0.5  # 1 / sqrt(4)
+    C, d = alg.num_classes, alg.embedding_dim
+    with torch.no_grad():
+        state.model.eval()
+        h = state.model.embed(data.x).to(torch.float64)
+    h = h * torch.clamp(5.0 / h.norm(dim=1, keepdim=True), max=1.0)  # each embedding clipped to norm 5
+    rng = np.random.default_rng(0)
+    draws = np.stack([noisy_sums(alg, state, data, rng) for _ in range(300)])
+    for c in state.classes.tolist():
+        clean = h[data.y == c].sum(0).numpy()
+        noise = draws[:, c * d:(c + 1) * d] - clean
+        assert abs(noise.mean()) < 0.1 and noise.std() == pytest.approx(0.5 * np.sqrt(2) * 5.0, rel=0.03)
+        cn = draws[:, C * d + c] - float((data.y == c).sum())
+        assert cn.std() == pytest.approx(0.5 * np.sqrt(2), rel=0.15)
+    assert (draws[:, C * (d + 1):] == np.isin(np.arange(C), state.classes)).all()
+    summary = sim.run()["secure_aggregation"]["dp"]
+    assert summary["epsilon_sum"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    assert summary["epsilon_client_max"] == pytest.approx(epsilon([(0.5, 1.0, 2)], 1e-5))
+    assert summary["epsilon_client_max"] > summary["epsilon_sum"] and summary["honest_clients_assumed"] == 4
+    for bad, why in ((dict(dp="full"), "DP-SGD's noise is each client's own"),
+                     (dict(dp="prototypes"), "use aggregation='weighted'")):
+        with pytest.raises(ConfigError, match=why):
+            Simulation(digits_config(secagg=True, **bad), out=False)

@@ -49,7 +49,7 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
                "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
                "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False,
-               "secagg": False}
+               "secagg": False, "secagg_honest": 2}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -177,6 +177,9 @@ class CommonConfig(BaseModel):
     secagg_neighbours: int = Field(0, ge=0, le=1_000_000, description=(
         "secagg: each client masks and shares with this many others, nearest in a ring of the round's clients "
         "(SecAgg+); 0: with all of them (SecAgg)"))
+    secagg_honest: int = Field(2, ge=1, le=1_000_000, description=(
+        "secagg with dp prototypes: the fewest honest clients assumed in each class's sum; each client adds noise "
+        "of multiplier dp_noise / sqrt(this), so such a sum carries dp_noise's"))
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "

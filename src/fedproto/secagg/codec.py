@@ -13,7 +13,8 @@ message from it (:meth:`Codec.aggregate`).
   n_i x w_i and of n_i; the average is their quotient.
 
 Refused (:func:`check`): what needs one client's reply (``median``, ``trimmed``,
-``exclude_outliers``, ``class_check``) and the methods whose server step uses each client's reply
+``exclude_outliers``, ``class_check``), DP but ``dp = "prototypes"`` with ``aggregation = "weighted"``
+(:mod:`fedproto.secagg.dp`: distributed noise) and the methods whose server step uses each client's reply
 (FedTGP's and FedGH's server training, FeSEM's clustering, LG-FedAvg, FD's per-client logits
 exclusion).
 """
@@ -80,12 +81,12 @@ def check(cfg: Any, alg: Any) -> None:
         if cfg.class_check:
             why.append((opt("class_check", cfg.class_check), "checks each client's prototype rows against the last "
                         "global prototypes; use class_check=0"))
-        if cfg.dp != "off":
-            why.append((opt("dp", cfg.dp), "would need the noise shared out among the clients (distributed "
-                        "noise), which this version does not do; use dp='off' or secagg off"))
         if why:
             raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
                               + "; ".join(f"{o} {w}" for o, w in why), option="secagg", value=True)
+        from fedproto.secagg.dp import check as check_dp
+
+        check_dp(cfg)
         return
     if codec_of(alg) is None:
         raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
@@ -127,8 +128,9 @@ class Codec:
         """L, the vector length, from the round's downlink message."""
         raise NotImplementedError
 
-    def vector(self, cid: int, reply: Message, sent: Message) -> np.ndarray:
-        """The client's (L,) float64 vector of ``reply`` (zeros: nothing to add)."""
+    def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
+        """The client's (L,) float64 vector of ``reply`` (zeros: nothing to add); ``client``: its
+        (state, data), which distributed DP noise needs (:func:`fedproto.secagg.dp.noisy_sums`)."""
         raise NotImplementedError
 
     def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message) -> Message:
@@ -144,8 +146,12 @@ class ProtoCodec(Codec):
         a = self.alg
         return a.num_classes * (a.embedding_dim + 2)
 
-    def vector(self, cid: int, reply: Message, sent: Message) -> np.ndarray:
+    def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         a = self.alg
+        if a.dp != "off":  # the client's own release with its share of the noise (fedproto.secagg.dp)
+            from fedproto.secagg.dp import noisy_sums
+
+            return noisy_sums(a, *client)
         C, d = a.num_classes, a.embedding_dim
         out = np.zeros(C * (d + 2), np.float64)
         reply = self.checked(cid, reply, sent)
@@ -165,10 +171,12 @@ class ProtoCodec(Codec):
     def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message) -> Message:
         a = self.alg
         C, d = a.num_classes, a.embedding_dim
-        sums, counts = total[:C * d].reshape(C, d), np.rint(total[C * d:C * (d + 1)])
+        sums, counts = total[:C * d].reshape(C, d), total[C * d:C * (d + 1)]
+        counts = counts if a.dp != "off" else np.rint(counts)
         contrib = np.rint(total[C * (d + 1):]).astype(np.int64)
         classes = np.nonzero((contrib >= a.min_contributors) & (contrib > 0))[0]
-        div = counts[classes] if a.aggregation == "weighted" else contrib[classes].astype(np.float64)
+        # weighted: the (under DP noised) counts, at least 1 as fedproto.privacy.noisy_prototypes divides
+        div = np.maximum(counts[classes], 1.0) if a.aggregation == "weighted" else contrib[classes].astype(np.float64)
         protos = sums[classes] / div[:, None]
         # the method's own aggregation of one pseudo-reply holding the means: its momentum, the classes
         # kept from before, the λ warm-up; what it records of individual replies is set from the sums
@@ -196,7 +204,7 @@ class WeightsCodec(Codec):
     def length(self, sent: Message) -> int:
         return sum(int(np.asarray(sent[k]).size) for k in self._keys(sent)) + 1
 
-    def vector(self, cid: int, reply: Message, sent: Message) -> np.ndarray:
+    def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         keys = self._keys(sent)
         reply = self.checked(cid, reply, sent)
         if not reply:

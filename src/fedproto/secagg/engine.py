@@ -141,6 +141,10 @@ class SecureServer:
             "extra_bytes": int(s.totals["bytes_up"] + s.totals["bytes_down"]),
             "protocol_seconds": float(s.totals["seconds"]), "dropouts": int(s.totals["dropouts"]),
         }
+        if getattr(cfg, "dp", "off") != "off":
+            from fedproto.secagg.dp import summary
+
+            entry["dp"] = summary(cfg, per_client)
         return {**self._alg.summary_entries(cfg, per_client), "secure_aggregation": entry}
 
 
@@ -193,7 +197,9 @@ class SimulatedSecAgg:
             down += nbytes(routed[i])
             if i in gone:
                 continue
-            vec = codecs.encode(self._codec.vector(i, got.replies[i][0], sent[i]), len(ids))
+            setup = self._ex.setup
+            vec = codecs.encode(self._codec.vector(i, got.replies[i][0], sent[i], (setup.states[i], setup.data[i])),
+                                len(ids))
             masked[i] = clients[i].masked(vec, routed[i])
         alive, dead = srv.unmask_request(sorted(masked))
         shares = {}
