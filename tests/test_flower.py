@@ -1621,3 +1621,22 @@ def test_secagg_refuses_median_and_class_check_on_a_tls_deployment(secagg_deploy
     run_dir, logs = runs["fed-median"]
     assert "aggregation='median' needs each client's prototype" in logs, logs[-3000:]
     assert run_dir is None or not (run_dir / "metrics.jsonl").exists()
+
+
+def test_secagg_with_dp_sends_only_the_masked_noised_sums_on_flower(tmp_path, monkeypatch):
+    """Under secagg and dp prototypes a node's train reply is its masked vector alone (no losses),
+    and the summary states epsilon for the sum and for each node's own noise."""
+    from fedproto.privacy import epsilon
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(secagg=True, dp="prototypes", aggregation="weighted", secagg_honest=2, dp_noise=1.0)
+    grid = WireGrid(uc, node_configs=node_configs(folders))
+    got = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    trains = [r for r in grid.received if r.metadata.message_type == "train"]
+    assert len(trains) == 6 and all(list(from_record(r.content[MESSAGE])) == ["secagg"] for r in trains)
+    assert all(set(r.content["fedproto.metrics"]) <= set(INSTANCE_KEYS) for r in trains)
+    dp = got["secure_aggregation"]["dp"]
+    assert dp["epsilon_sum"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    assert dp["epsilon_client_max"] == pytest.approx(epsilon([(1.0 / np.sqrt(2), 1.0, 2)], 1e-5))
+    protos = np.load(tmp_path / "run" / "prototypes.npz")  # classes 0..5, each from its 2 holders' noised sums
+    assert protos["classes"].tolist() == [0, 1, 2, 3, 4, 5] and np.isfinite(protos["protos"]).all()

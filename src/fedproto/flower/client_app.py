@@ -132,6 +132,10 @@ def node(context: Context, run_key: str | None = None) -> Node:
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
+    if n.cfg.secagg:  # with DP, this node's share of the noise (fedproto.secagg.dp), for its releases and its epsilon
+        from fedproto.secagg.dp import adjust
+
+        adjust(n.cfg, n.algorithm)
     return n
 
 

@@ -85,10 +85,6 @@ def masked_reply(n: Any, down: dict, context: Context, round: int):
                             "clear")
     plain = {k: v for k, v in down.items() if not k.startswith(PREFIX)}
     codec = codecs.codec_of(n.algorithm)
-    if n.cfg.dp != "off":  # distributed noise: this node's share (fedproto.secagg.dp), also for its own epsilon
-        from fedproto.secagg.dp import local_noise
-
-        n.algorithm.dp_noise = local_noise(n.cfg)
 
     def finish(reply: dict) -> dict:
         vec = codecs.encode(codec.vector(n.cid, reply, plain, (n.state, n.data)), int(c.state["parties"][0]))

@@ -58,12 +58,10 @@ def install(cfg: Any, algorithm: Any, executor: Any | None = None) -> tuple[Any,
     if not getattr(cfg, "secagg", False):
         return algorithm, executor
     check(cfg, algorithm)
+    from fedproto.secagg.dp import adjust
     from fedproto.secagg.engine import SecureServer, Session, SimulatedSecAgg
 
-    if getattr(cfg, "dp", "off") != "off":  # distributed noise: each client adds its share (fedproto.secagg.dp)
-        from fedproto.secagg.dp import local_noise
-
-        algorithm.dp_noise = local_noise(cfg)
+    adjust(cfg, algorithm)  # with DP, distributed noise: each client adds its share
     session = Session(cfg.secagg_threshold, cfg.secagg_neighbours)
     server = SecureServer(algorithm, session)
     return server, (SimulatedSecAgg(executor, algorithm, session) if executor is not None else None)

@@ -48,6 +48,13 @@ def local_noise(cfg: Any) -> float:
     return cfg.dp_noise / math.sqrt(cfg.secagg_honest)
 
 
+def adjust(cfg: Any, algorithm: Any) -> None:
+    """Under ``secagg`` with DP: the algorithm's noise multiplier becomes each client's share,
+    :func:`local_noise` (what its releases and its own ε use), on the server and on every node."""
+    if getattr(cfg, "secagg", False) and getattr(cfg, "dp", "off") != "off":
+        algorithm.dp_noise = local_noise(cfg)
+
+
 def noisy_sums(alg: Any, state: Any, data: Any, rng: np.random.Generator | None = None) -> np.ndarray:
     """A client's (C * (d + 2),) float64 vector under distributed noise: per class of its label set
     the sum of its clipped embeddings and its count, each with Gaussian noise of standard deviation
