@@ -1619,7 +1619,7 @@ def test_secagg_survives_a_dropout_below_the_threshold_on_a_tls_deployment(secag
 def test_secagg_refuses_median_and_class_check_on_a_tls_deployment(secagg_deployment):
     runs, _, _ = secagg_deployment
     run_dir, logs = runs["fed-median"]
-    assert "aggregation='median' needs each client's prototype" in logs, logs[-3000:]
+    assert 'aggregation="median" needs each client\'s prototype' in logs, logs[-3000:]
     assert run_dir is None or not (run_dir / "metrics.jsonl").exists()
 
 

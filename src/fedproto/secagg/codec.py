@@ -73,14 +73,15 @@ def check(cfg: Any, alg: Any) -> None:
     name = alg.name
     if name == "fedproto":
         why = [(opt("aggregation", cfg.aggregation), "needs each client's prototype (a coordinate-wise median or "
-                "trimmed mean is not a function of sums); use aggregation='mean' or 'weighted'")
+                f"trimmed mean is not a function of sums); use {opt('aggregation', 'mean')} or "
+                f"{opt('aggregation', 'weighted')}")
                ] if cfg.aggregation not in ("mean", "weighted") else []
         if cfg.exclude_outliers:
             why.append((opt("exclude_outliers", cfg.exclude_outliers), "scores each client's prototypes against the "
-                        "others; use exclude_outliers=0"))
+                        f"others; use {opt('exclude_outliers', 0)}"))
         if cfg.class_check:
             why.append((opt("class_check", cfg.class_check), "checks each client's prototype rows against the last "
-                        "global prototypes; use class_check=0"))
+                        f"global prototypes; use {opt('class_check', 0)}"))
         if why:
             raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
                               + "; ".join(f"{o} {w}" for o, w in why), option="secagg", value=True)
@@ -90,7 +91,7 @@ def check(cfg: Any, alg: Any) -> None:
         return
     if codec_of(alg) is None:
         raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
-                          f"algorithm={name!r} aggregates each client's reply on its own (its server step needs "
+                          f"{opt('algorithm', name)} aggregates each client's reply on its own (its server step needs "
                           "them one by one); secure aggregation serves fedproto (aggregation mean or weighted), "
                           "fedavg, fedprox, fedper and fedrep", option="secagg", value=True)
 

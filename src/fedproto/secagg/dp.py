@@ -35,7 +35,8 @@ def check(cfg: Any) -> None:
     """
     if cfg.dp == "full":
         raise ConfigError(f"{opt('secagg', True)} with {opt('dp', 'full')}: DP-SGD's noise is each client's own and "
-                          "cannot be shared out over the sum; use dp='prototypes' (distributed noise) or secagg off",
+                          f"cannot be shared out over the sum; use {opt('dp', 'prototypes')} (distributed noise) or "
+                          "secagg off",
                           option="dp", value="full")
     if cfg.dp == "prototypes" and cfg.aggregation != "weighted":
         raise ConfigError(f"{opt('secagg', True)} with {opt('dp', 'prototypes')} sums the noised class sums and "
