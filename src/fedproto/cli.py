@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -189,6 +189,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                           "clients, num_classes, ...); the command line runs mnist, femnist, cifar10, digits (each "
                           "with its own classes)")
     cfg = build_config(config, overrides)
+    if cfg.tensorboard:  # a missing extra stops the run before its folder (and any parent) is made
+        from fedproto.tensorboard import require_tensorboard
+
+        require_tensorboard()
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
     try:
@@ -236,7 +240,9 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
                         f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")
-    table.add_column("accuracy % (mean ± std over clients)", justify="right")
+    from fedproto.engine.summary import over_clients
+
+    table.add_column(f"accuracy % (mean ± std over {over_clients(summary)} clients)", justify="right")
     for key, label in (("acc", "classifier"), ("acc_global", "classifier, global model (before local training)"),
                        ("acc_proto", "nearest prototype (eq. 4)")):
         if key in summary["accuracy"]:
@@ -287,13 +293,62 @@ def plot(
         err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
                           "`fedproto run`)", highlight=False, soft_wrap=True)
         return
+    err_console.print(f"t-SNE of the test embeddings (at most {max_per_client or 'all'} per client): this takes a "
+                      "while, up to a minute or two on a CPU (--no-tsne skips it)", highlight=False, soft_wrap=True)
     try:
-        with _damaged_files(run_dir):
+        with err_console.status("t-SNE", spinner="dots") if err_console.is_terminal else nullcontext(), \
+                _damaged_files(run_dir):
             path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
     except TooFewPoints as e:
         err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
         return
     console.print(str(path), highlight=False, soft_wrap=True)
+
+
+@app.command("site-data")
+def site_data(
+    out: Path = typer.Argument(..., help="Where the data files go: OUT/site<i>/ per client of the run's partition, "
+                               "or OUT/ itself with --from."),
+    from_: Optional[Path] = typer.Option(None, "--from", help="A site's own data: a folder with one sub-folder of "
+                                         "images per class, a .npz with x and y, or a .csv with a label column."),
+    test_fraction: float = typer.Option(0.2, help="--from: share of each class held out as the test split."),
+    normalize: str = typer.Option("standardize", help="--from: standardize (train mean and std), mnist, cifar10 "
+                                  "(those loaders' constants, for images in [0, 1]) or none."),
+    label_column: str = typer.Option("label", help="--from a .csv: the label column."),
+    class_names: Optional[str] = typer.Option(None, help="--from: the run's class names in id order (comma-"
+                                              "separated), when labels are names rather than class ids."),
+    seed: int = typer.Option(0, help="--from: the seed of the train/test split."),
+    config: Optional[Path] = typer.Option(None, "--config", help="The run's options (TOML): dataset, clients, ways, "
+                                          "shots, seed... (without --from)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="A run option as key=value (repeatable; without "
+                                             "--from), e.g. --set dataset=mnist --set clients=3."),
+    client_ids: Optional[str] = typer.Option(None, help="Only these clients of the partition (comma-separated ids)."),
+):
+    """Write a site's train.npz and test.npz for a Flower SuperNode (docs/flower.md, "Node data")."""
+    from fedproto import sitedata
+
+    if from_ is not None:
+        if config is not None or set_ or client_ids:
+            raise FedprotoError("--from writes one site from its own files; --config, --set and --client-ids choose "
+                                "clients of a run's partition: give one or the other")
+        names = [n.strip() for n in class_names.split(",")] if class_names else None
+        got = sitedata.write_site_from(from_, out, test_fraction, normalize, label_column, seed, names)
+        console.print(f"wrote {got['train']} ({got['train_samples']} samples) and {got['test']} "
+                      f"({got['test_samples']}); one sample {got['shape']}, classes {got['classes']}",
+                      highlight=False, soft_wrap=True)
+        return
+    from fedproto.reproduce import parse_sets
+
+    cfg = build_config(config, parse_sets(set_, grid=False))
+    ids = None
+    if client_ids:
+        try:
+            ids = [int(v) for v in client_ids.split(",")]
+        except ValueError:
+            raise FedprotoError(f"--client-ids {client_ids!r}: give whole numbers separated by commas, e.g. 0,1,2") \
+                from None
+    for folder in sitedata.write_partition_sites(cfg, out, ids):
+        console.print(str(folder), highlight=False, soft_wrap=True)
 
 
 @contextmanager
@@ -463,6 +518,17 @@ def _error(message: str) -> None:
     sys.exit(2)
 
 
+VERBOSE = ("-v", "--verbose")
+
+
+def _hoist_verbose(args: list[str]) -> list[str]:
+    """``-v``/``--verbose`` anywhere before ``--`` (``fedproto run -v`` as well as ``fedproto -v run``):
+    moved to the front, where the root command reads it."""
+    end = args.index("--") if "--" in args else len(args)
+    found = [a for a in args[:end] if a in VERBOSE]
+    return [*found[:1], *(a for a in args[:end] if a not in VERBOSE), *args[end:]]
+
+
 def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
@@ -473,7 +539,17 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        command()()
+        code = command().main(args=_hoist_verbose(sys.argv[1:]), prog_name="fedproto", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # `fedproto` alone: the help
+        e.show()
+        sys.exit(e.exit_code)
+    except click.UsageError as e:  # a flag or value click refused: the same one-line style as a FedprotoError
+        cmd = e.ctx.command_path if e.ctx is not None else "fedproto"
+        _error(f"{e.format_message().rstrip('.')}; see {cmd} --help")
+    except click.ClickException as e:
+        _error(e.format_message())
+    except click.Abort:
+        sys.exit(130)
     except FedprotoError as e:
         from fedproto.options import cli_wording
 
@@ -483,6 +559,8 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "
                           "(or free space) and run the command again", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
+    if isinstance(code, int) and code:  # typer.Exit(n) inside a command
+        sys.exit(code)
 
 
 if __name__ == "__main__":
