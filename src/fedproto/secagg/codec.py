@@ -190,8 +190,9 @@ class ProtoCodec(Codec):
         finally:
             a.min_contributors = saved
         if a.global_classes is not None:
-            a.last_contributors = np.array([contrib[c] if c in set(classes.tolist()) else 0
-                                            for c in np.asarray(a.global_classes).tolist()], np.int64)
+            now = set(classes.tolist())
+            kept = np.asarray(a.global_classes).tolist()
+            a.last_contributors = np.array([contrib[c] if c in now else 0 for c in kept], np.int64)
         a.last_distances, a.last_cids = None, np.asarray(cids, np.int64)
         return out
 

@@ -59,6 +59,7 @@ class Session:
     totals: dict = field(default_factory=lambda: {"bytes_up": 0, "bytes_down": 0, "seconds": 0.0, "dropouts": 0})
 
     def record(self, rnd: Round) -> None:
+        """Keep ``rnd`` as the last round's record and add its bytes, seconds and dropouts to the totals."""
         self.last = rnd
         self.totals["bytes_up"] += rnd.bytes_up
         self.totals["bytes_down"] += rnd.bytes_down
