@@ -106,19 +106,15 @@ class Setup:
         return self
 
 
-def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
-    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+def partition_run(cfg: RunConfig, ds: Dataset) -> Partition:
+    """The run's seeded partition of ``ds`` into ``cfg.clients`` clients (``cfg.partition``: few-shot,
+    Dirichlet or natural), as :func:`prepare` makes it; labels only, so a process that holds one
+    client (a Flower simulation actor) makes the same partition without reading any input.
 
-    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
-    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
-    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
-    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    Raises:
+        ConfigError: ``natural`` for a dataset without writer ids. PartitionError: a client without
+            training or test samples (and the partitions' own errors).
     """
-    if cfg.dataset == "custom":
-        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
-                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
-                          "digits")
-    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
     if cfg.partition == "natural":
         if ds.train_groups is None or ds.test_groups is None:
             raise ConfigError(
@@ -140,6 +136,23 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
         raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
                              f"(for {opt('partition', 'dirichlet')}: raise {opt('min_client_samples')} or "
                              f"{opt('alpha')}, or use fewer {opt('clients')})")
+    return part
+
+
+def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
+    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+
+    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
+    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
+    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
+    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    """
+    if cfg.dataset == "custom":
+        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
+                          "digits")
+    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
+    part = partition_run(cfg, ds)
     if cfg.augment and ds.input_shape[0] != 3:
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)

@@ -51,7 +51,8 @@ from fedproto.data.inputs import describe
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.models.names import MODEL_NAMES, ZOO
 
-MISBEHAVIOURS = ("nan", "scale", "random", "flip")
+MISBEHAVIOURS = ("nan", "scale", "random", "flip", "vanish")
+"""``vanish``: the node fails every train step (after the key and share steps of ``secagg``): a dropout."""
 NODE_KEYS = ("client-id", "data", "model", "head", "state-dir", "misbehave", "data-dir")
 """The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
 FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
