@@ -170,9 +170,15 @@ def main() -> None:
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    if args.clients < 1 or args.rounds < 1:
-        ap.error("--clients and --rounds must be >= 1")
-    actors = [int(a) for a in args.actors.split(",") if a.strip()]
+    for name in ("clients", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: give 1 or more")
+    try:
+        actors = [int(a) for a in args.actors.split(",") if a.strip()]
+    except ValueError:
+        ap.error(f"--actors {args.actors!r}: give actor counts separated by commas, e.g. 1,2,4")
+    if any(a < 1 for a in actors):
+        ap.error(f"--actors {args.actors!r}: each actor count must be at least 1")
     app_cfg = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT / "src")}
     rows = []
