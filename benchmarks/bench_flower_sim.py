@@ -167,6 +167,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--actors", default="1,2,4", help="comma-separated actor counts of the simulation runs")
     ap.add_argument("--deployment", action="store_true", help="also a deployment of one SuperNode per client")
+    ap.add_argument("--round-timeout", type=float, default=1800.0,
+                    help="the run config's round-timeout: long enough that no reply is lost on a loaded machine")
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -190,7 +192,7 @@ def main() -> None:
         for k, (label, kind) in enumerate(runs):
             out = tmp / f"run{k}"
             cfg = {**app_cfg, "dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-                   "out-dir": str(out)}
+                   "out-dir": str(out), "round-timeout": args.round_timeout}
             load0 = os.getloadavg()[0]
             if kind is None:
                 res = in_process(cfg, out)
