@@ -138,6 +138,10 @@ def node(context: Context, run_key: str | None = None) -> Node:
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
+    if n.cfg.secagg:  # with DP, this node's share of the noise (fedproto.secagg.dp), for its releases and its epsilon
+        from fedproto.secagg.dp import adjust
+
+        adjust(n.cfg, n.algorithm)
     return n
 
 
@@ -205,12 +209,21 @@ def train(msg: Message, context: Context) -> Message:
     the server's checks)."""
     n = node(context, _run_key(msg))
     r = _checked_round(n, msg)
-    out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
+    if n.misbehave == "vanish":  # a node that drops out in each round's train step (tests)
+        raise ConnectionAbortedError(f"client {n.cid} vanishes (node config misbehave='vanish')")
+    down, masked = from_record(msg.content[MESSAGE]), None
+    if n.cfg.secagg:  # secure aggregation (fedproto.flower.secagg): the reply leaves the node masked
+        from fedproto.flower.secagg import masked_reply
+
+        down, masked = masked_reply(n, down, context, r)
+    out, res = client_step(n.algorithm, n.state, down, n.data, n.cfg.seed, r)
     _save(n, context)
     node_state.after_train(context, n.cid, n.cfg, r, n.state.model, n.state.extra)
     if n.misbehave:
         rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
+    if masked is not None:
+        out = masked(out)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "loss-terms": float(res.loss_terms),
                "num-examples": len(n.data.y)}
@@ -237,3 +250,12 @@ def evaluate(msg: Message, context: Context) -> Message:
                     ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))
     sent.update(node_state.reply_metrics(context))
     return Message(RecordDict({METRICS: MetricRecord(sent)}), reply_to=msg)
+
+
+@app.query("secagg")
+def secagg(msg: Message, context: Context) -> Message:
+    """A step of secure aggregation (option ``secagg``: :func:`fedproto.flower.secagg.step`)."""
+    from fedproto.flower.secagg import step
+
+    out = step(node(context, _run_key(msg)), from_record(msg.content[MESSAGE]), context)
+    return Message(RecordDict({MESSAGE: to_record(out)}), reply_to=msg)

@@ -42,6 +42,7 @@ from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
+from fedproto.flower.secagg import install as install_secagg
 from fedproto.results import RunDir, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,8 @@ class FlowerEngine:
         self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
         self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
-        self.executor.bind(self.algorithm)
+        # secure aggregation (fedproto.flower.secagg; unchanged when off): the executor runs the protocol
+        server, self.executor = install_secagg(cfg, self.algorithm, self.executor)
         observers = [Health(cfg)]
         if self.run_dir:
             observers += [RunFolder(self.run_dir, self.config_record),
@@ -106,7 +108,7 @@ class FlowerEngine:
 
                 observers.append(TensorBoardObserver(self.run_dir.path))
         observers.append(Progress(on_round))
-        self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
+        self.loop = RoundLoop(cfg, server, self.executor, self.executor.embedding_dim, observers)
 
     resume_config = ""
     """The stopped run's run config as ``key=value `` pairs, put before ``resume-from`` in
