@@ -255,3 +255,12 @@ def test_epsilon_edges_by_hand():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert epsilon([(1.0, 1.0, 1000)], 0.9) > 0
+
+
+def test_a_partition_no_shots_value_fits_says_so():
+    """Ten 2-way clients over two classes of two training samples each: even one shot per class
+    needs ten samples of each class, so the error says that no shots value fits."""
+    from fedproto.data.partition import fewshot_partition
+
+    with pytest.raises(PartitionError, match=r"no \W*shots\W* value fits: lower \W*clients\W* or \W*ways"):
+        fewshot_partition(np.array([0, 0, 1, 1]), np.array([0, 1] * 40), 2, 10, 2, 1)
