@@ -167,6 +167,34 @@ def algorithm_names() -> list[str]:
     return [*BUILTIN, *PLUGINS]
 
 
+_METHOD_OPTIONS: dict[type, Any] = {}
+
+
+def method_options(cls: Any) -> type[AlgorithmOptions] | None:
+    """The options an algorithm class reads, declared once per method: the ``Options`` of ``cls``
+    and of every method it subclasses (a subclass inherits the code that reads its parent's options:
+    ``class MyProto(FedProto)`` with ``Options = MyOptions`` reads λ as FedProto does), merged into
+    one class when ``cls.Options`` does not already subclass them. Run names, the resume check,
+    the "ignored option" warning and ``self.options`` all come from it
+    (:func:`fedproto.algorithms.options.owners`). None: the class declares no options."""
+    if cls in _METHOD_OPTIONS:
+        return _METHOD_OPTIONS[cls]
+    found: list[type] = []
+    for k in getattr(cls, "__mro__", ()):
+        o = k.__dict__.get("Options")
+        if isinstance(o, type) and issubclass(o, BaseModel) and not any(issubclass(b, o) for b in found):
+            found.append(o)
+    if not found:
+        out = None
+    elif len(found) == 1:
+        out = found[0]
+    else:
+        out = type(f"{cls.__name__}Options", tuple(found), {"__module__": __name__,
+                                                             "__doc__": f"The options {cls.__name__} reads."})
+    _METHOD_OPTIONS[cls] = out
+    return out
+
+
 def plugin_options() -> list[tuple[str, type[BaseModel]]]:
     """(name, ``Options``) of the plug-ins that have options, in registration order."""
     load_plugins()

@@ -433,8 +433,10 @@ class Algorithm(ClientPart, ServerPart):
         then, for an algorithm with ``Options`` (its own typed options,
         :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
         values from the run config and ``self.embedding_dim``."""
+        from fedproto.plugins import method_options
+
         alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
-        options = getattr(cls, "Options", None)
+        options = method_options(cls)
         if options is not None:
             alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
         alg.embedding_dim = embedding_dim

@@ -19,6 +19,7 @@ import torch
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
 from fedproto.algorithms.options import owners
+from fedproto.plugins import method_options
 from fedproto.config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
@@ -37,9 +38,10 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     cls = get_algorithm(cfg.algorithm)
     alg = cls.from_config(cfg, embedding_dim)
     alg.freeze_after = cfg.freeze_after
-    if getattr(cls, "Options", None) is not None and getattr(alg, "options", None) is None:
-        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): its own options too
-        alg.options = cls.Options(**{k: getattr(cfg, k) for k in cls.Options.model_fields})
+    options = method_options(cls)
+    if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
+        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): every option it reads
+        alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
     return alg
 
 

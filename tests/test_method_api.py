@@ -1,0 +1,87 @@
+"""The method API's contracts, checked with plug-ins written as a user would: options declared once
+per method (run names, the resume check, no option used in secret), server state returned by
+``aggregate`` (metrics, run-folder files, alerts), client hooks honoured by every executor and one
+NaN policy for the simulator and Flower."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from pydantic import Field
+
+from fedproto import plugins
+from fedproto.algorithms import FedProto, register_algorithm
+from fedproto.config import build_config
+from fedproto.engine.observers.checkpoints import check_options
+from fedproto.engine.setup import prepare
+from fedproto.errors import CheckpointMismatch
+from fedproto.prototypes import prototype_table
+from fedproto.training import LossTerm
+
+SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, eval_every=0,
+             lr=0.05, threads=1)
+
+
+class PullOptions(plugins.AlgorithmOptions):
+    pull_weight: float = Field(0.5, ge=0.0, le=100.0, description="Weight of the pull toward the global prototype")
+
+
+class PullTerm(LossTerm):
+    """weight x squared L2 distance of each embedding to its class's global prototype."""
+
+    def __init__(self, weight: float, table: torch.Tensor, mask: torch.Tensor):
+        self.weight, self.table, self.mask = weight, table, mask
+
+    def __call__(self, logits, h, y, w):
+        per = ((h - self.table.to(h.dtype)[y]) ** 2).sum(-1) * self.mask[y].to(h.dtype)
+        return self.weight * (per * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+class PullProto(FedProto):
+    """FedProto plus a pull term; its Options subclass AlgorithmOptions alone (not FedProto's)."""
+
+    name = "pullproto"
+    Options = PullOptions
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        if "protos" in message and len(message["classes"]) and self.options.pull_weight > 0:
+            table, mask = prototype_table(message["classes"], message["protos"], self.num_classes,
+                                          message["protos"].shape[1])
+            obj.terms = (PullTerm(self.options.pull_weight, table, mask),)
+        return obj
+
+
+@pytest.fixture
+def pullproto():
+    register_algorithm(PullProto)
+    yield PullProto
+    plugins.unregister("pullproto")
+
+
+def test_plugin_options_are_in_the_run_name_and_checked_on_resume(pullproto, caplog):
+    one = build_config(overrides={**SMALL, "algorithm": "pullproto", "lambda_proto": 1.0})
+    fifty = build_config(overrides={**SMALL, "algorithm": "pullproto", "lambda_proto": 50.0})
+    # λ is an option of the method (inherited from FedProto with the code that reads it): two folders
+    assert one.run_name() != fifty.run_name()
+    assert fifty.run_name().endswith("-lambda50") and "lambda" not in one.run_name()  # 1.0: digits' default
+    assert fifty.result_fields()["lambda_proto"] == 50.0 and "pull_weight" in fifty.result_fields()
+    # the λ=50 resume of a λ=1 checkpoint is refused, naming λ
+    with pytest.raises(CheckpointMismatch, match=r"lambda_proto: 1\.0 there, 50\.0 now"):
+        check_options(fifty, {"config": one.model_dump(mode="json")}, "checkpoint.pt")
+    check_options(one, {"config": one.model_dump(mode="json")}, "checkpoint.pt")  # the same options resume
+    # nothing is logged "ignored" and used: the method reads λ from its own options
+    with caplog.at_level(logging.WARNING):
+        setup = prepare(fifty, progress=False)
+    assert "ignores" not in caplog.text and "ignored" not in caplog.text
+    alg = setup.algorithm
+    assert alg.options.lambda_proto == 50.0 and alg.options.pull_weight == 0.5 and alg.lambda_proto == 50.0
+    # an option another method owns is still reported as ignored when set
+    caplog.clear()
+    other = build_config(overrides={**SMALL, "algorithm": "fedavg", "pull_weight": 0.3})
+    with caplog.at_level(logging.WARNING):
+        prepare(other, progress=False)
+    assert "fedavg ignores pull_weight: pull_weight acts on pullproto only" in caplog.text
