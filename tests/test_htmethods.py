@@ -73,8 +73,8 @@ def test_lgfedavg_broadcasts_the_sample_weighted_mean_of_the_clients_heads():
 
 def test_fedtgp_broadcasts_the_generators_prototypes_and_fedgh_its_head():
     sim = _run("fedtgp", rounds=2)
-    alg = sim.setup.algorithm
-    np.testing.assert_allclose(sim.message["protos"], tgp_generate(alg.tgp_state).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(sim.message["protos"], tgp_generate(sim.loop.server.checkpoint["tgp_state"]).numpy(),
+                               rtol=1e-6)
     assert sim.history[-1]["tgp_margin"] > 0
     sim = _run("fedgh", rounds=2)
     np.testing.assert_array_equal(sim.message["head/weight"], sim.setup.algorithm.head_w.astype(np.float32))
@@ -166,7 +166,7 @@ def test_acc_global_is_the_servers_head_on_the_clients_own_body(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["fedtgp", "fedgh"])
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
-    """The server state (``server_state_keys``: FedTGP's generator, FedGH's head) is checkpointed: a
+    """The server state (FedTGP's generator in its ServerState, FedGH's head) is checkpointed: a
     run stopped after round 3 (checkpoint after round 2) and resumed gives the uninterrupted run's
     numbers, server message and server state."""
 
@@ -191,7 +191,7 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
     assert set(whole.message) == set(resumed.message)
     assert all(np.array_equal(whole.message[k], resumed.message[k]) for k in whole.message)
     if algorithm == "fedtgp":
-        a, b = whole.setup.algorithm.tgp_state, resumed.setup.algorithm.tgp_state
+        a, b = whole.loop.server.checkpoint["tgp_state"], resumed.loop.server.checkpoint["tgp_state"]
         assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
         # the generator trained away from its initial state, so a resume that lost it would differ
         assert not np.allclose(a["w1"], tgp_init(C, D, seed=cfg.seed)["w1"])

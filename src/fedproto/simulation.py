@@ -94,7 +94,7 @@ class Simulation:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.executor = executor if executor is not None else make_executor(cfg, self.setup)
         self.attack = SimulatedAttack(cfg, len(self.setup.states))
-        self.health = Health(cfg, self.attack.attackers, self.setup.data)
+        self.health = Health(cfg, self.attack.attackers, self.setup.data, self.setup.algorithm)
         self.loop = RoundLoop(cfg, self.setup.algorithm, self.executor, self.setup.embedding_dim,
                               self._observers(), [self.attack])
         self._ran = False

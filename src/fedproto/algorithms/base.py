@@ -1,4 +1,4 @@
-"""The algorithm seam (DESIGN.md): client update, server aggregation, evaluation.
+"""The algorithm seam (docs/architecture.md, "Algorithm"): client update, server aggregation, evaluation.
 
 An algorithm never knows which engine runs it. Messages are ``dict[str, numpy.ndarray]``; their
 size is the communication cost (:func:`message_size`). Client state (the personal model) never
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedproto.algorithms.state import Alert, ServerState  # noqa: F401 (re-exported for methods)
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import embedding_health
 from fedproto.training import (
@@ -285,7 +286,7 @@ class ClientPart:
 
 class ServerPart:
     """The server part of an algorithm: what runs on the server, which sees messages only, never a
-    client's state, model or data (DESIGN.md).
+    client's state, model or data (docs/architecture.md).
 
     Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
     :meth:`aggregate` (the round's checked replies into the next message), :meth:`broadcast` and
@@ -304,6 +305,19 @@ class ServerPart:
         """Options of this algorithm that can make training diverge, worded for the error the
         engine raises on a non-finite loss (default: none)."""
         return ""
+
+    def attack_fix(self, cfg: Any) -> str:
+        """What to change when simulated misbehaving clients (``attack``) made an honest client
+        diverge, worded for the engine's error ('' : nothing beyond the generic advice)."""
+        from fedproto.errors import opt
+
+        return (f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with "
+                f"{opt('aggregation', 'median')}")
+
+    def blowup_causes(self, cfg: Any) -> list[str]:
+        """This method's options that can make embeddings explode, each worded as a cause to
+        check, named first in the engine's warning (default: none)."""
+        return []
 
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
         """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
@@ -340,14 +354,37 @@ class ServerPart:
         :meth:`initial_message_from` of every client's :meth:`join_message`."""
         return self.initial_message_from({s.cid: self.join_message(s) for s in states})
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Combine the round's client messages, keyed by client id (with client sampling, the
-        sampled clients only, in increasing id order), into the next server message. The server
-        sees messages only, never a client's state, model or data (DESIGN.md)."""
+    def aggregate(self, round: int, messages: dict[int, Message],
+                  state: ServerState | None = None) -> ServerState | Message:
+        """Combine the round's checked client messages, keyed by client id (with client sampling,
+        the sampled clients only, in increasing id order), into the next server state.
+
+        Contract: the server sees messages only, never a client's state, model or data
+        (docs/architecture.md). Everything the round produces is returned, nothing is left on
+        ``self`` for the engine to read back.
+
+        Args:
+            round: the round (1-based). messages: client id -> its reply.
+            state: the previous :class:`~fedproto.algorithms.state.ServerState` (the initial
+                message's before round 1; after a resume :meth:`resume_state`'s).
+        Returns:
+            A :class:`~fedproto.algorithms.state.ServerState` (the next message, the round's
+            metrics entries, health alerts, the checkpoint, run-folder files), or the next message
+            alone (then :meth:`round_metrics` and :meth:`server_state` give the rest).
+        """
         raise NotImplementedError
 
+    def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
+        """The :class:`~fedproto.algorithms.state.ServerState` after a checkpoint's round, from its
+        server message and its ``server_state`` (the ``checkpoint`` a :meth:`aggregate` returned).
+        Default: :meth:`load_server_state`, then the message and the checkpoint as they are.
+        Raises ``KeyError`` when the checkpoint lacks what the method needs."""
+        self.load_server_state(checkpoint)
+        return ServerState(message, checkpoint=dict(checkpoint))
+
     server_state_keys: tuple[str, ...] = ()
-    """Attributes the server keeps between rounds besides the message (saved in checkpoints)."""
+    """For a method whose :meth:`aggregate` returns its message alone: attributes the server keeps
+    between rounds besides the message (saved in checkpoints)."""
 
     def server_state(self) -> dict[str, Any]:
         """The server-side state a checkpoint needs (numpy arrays, dicts of them, or None)."""
@@ -369,12 +406,9 @@ class ServerPart:
         message (default: none)."""
 
     def round_metrics(self) -> dict[str, float]:
-        """Extra numbers of the last aggregation for the round's metrics row (default: none)."""
+        """For a method whose :meth:`aggregate` returns its message alone: extra numbers of the
+        last aggregation for the round's metrics row (default: none)."""
         return {}
-
-    def outliers(self) -> list[tuple[int, float, float]]:
-        """Clients flagged by the last aggregation's monitoring: (client, value, median)."""
-        return []
 
     def broadcast(self, round: int, message: Message) -> Message:
         """The server message for round ``round`` (1-based): ``message`` (from

@@ -19,7 +19,6 @@ import torch
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
 from fedproto.algorithms.options import owners
-from fedproto.plugins import method_options
 from fedproto.config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
@@ -27,6 +26,7 @@ from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError, PartitionError, opt
 from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
+from fedproto.plugins import method_options
 from fedproto.training import has_batchnorm
 
 log = logging.getLogger(__name__)
