@@ -1,4 +1,4 @@
-"""Argument helpers shared by the benchmark scripts (run as ``python benchmarks/<script>.py``, so
+"""Argument functions shared by the benchmark scripts (run as ``python benchmarks/<script>.py``, so
 this folder is first on ``sys.path``)."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ a faster variant is also an exact one.
 * ``native``: oneDNN off (PyTorch's own grouped convolution).
 * ``conv2-unfold``: the second convolution as unfold + batched matmul per client.
 * ``conv1-patches``: the first convolution as a batched matmul over input patches computed once
-  (the data do not change between rounds; the issue's suggestion).
+  (the data do not change between rounds).
 * ``conv1-polyphase``: the first convolution at the 4 offsets of the 2x2 pooling window with
   stride 2, then an element-wise max: max-pool without the full-resolution map, its zero fill
   and its index tensor.

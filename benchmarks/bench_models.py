@@ -1,5 +1,5 @@
-"""Sequential against batched training for models without a hand-written batched forward (issue #25
-item 1): the generic path (:func:`fedproto.training.train_group_generic`: grouped operations for CNNs of
+"""Sequential against batched training for models without a hand-written batched forward:
+the generic path (:func:`fedproto.training.train_group_generic`: grouped operations for CNNs of
 standard layers, ``torch.func`` ``functional_call`` + ``vmap`` for the others) in one run, s/round per mode.
 
 Cases:

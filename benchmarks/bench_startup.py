@@ -1,4 +1,4 @@
-"""Start-up benchmark (issue #15): how long the command line takes before it does any work.
+"""Start-up benchmark: how long the command line takes before it does any work.
 
 Prints, as markdown, the median wall time (each command run ``--repeats`` times, default 5,
 after one unmeasured warm-up run) of ``python -c "import fedproto"``, ``python -m fedproto run

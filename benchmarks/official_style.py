@@ -1,4 +1,4 @@
-"""A FedProto round written the way the official code trains (issue #15, item 3): a reference
+"""A FedProto round written the way the official code trains: a reference
 loop to time fedproto's engine against.
 
 What it models. The official FedProto code (github.com/yuetan031/FedProto, ``exps/federated_main.py``

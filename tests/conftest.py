@@ -26,7 +26,7 @@ DATA = os.environ.get("FEDPROTO_DATA")
 def allowed_threads() -> int:
     """The threads a test may give one process: ``OMP_NUM_THREADS`` when set (CI, a shared machine),
     else at most 2. No test sets more than this: on a busy 2-core machine, 2 threads where the
-    environment allows 1 ran the suite many times slower (issue #20)."""
+    environment allows 1 ran the suite many times slower."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     return max(1, int(env)) if env.isdigit() else min(2, os.cpu_count() or 1)
 
@@ -82,7 +82,7 @@ def float64_sim(cfg, **kw):
 
     Two execution paths are compared in float64 (rounding near 1e-15), so a bound like 1e-9 tells
     a logic difference from rounding on any CPU; in float32 a rounding difference can flip a ReLU
-    or max-pool decision that sits within ~1e-7 of a tie, and SGD carries it on (issue #10).
+    or max-pool decision that sits within ~1e-7 of a tie, and SGD carries it on.
     """
     import torch
 
@@ -128,7 +128,7 @@ def client_splits(ds, part):
         yield (ds.train_x[tr], ds.train_y[tr]), (ds.test_x[te], ds.test_y[te])
 
 
-# -- helpers shared by the tests of several modules -----------------------------------------------
+# -- functions shared by the tests of several modules -----------------------------------------------
 class DigitsTwoOut(nn.Module):
     """A user's module returning (logits, 64-d embedding) for 8x8 digits."""
 

@@ -1,4 +1,4 @@
-"""Clients' data as index views into one copy of each split (issue #25 item 2: memory that scales with clients)."""
+"""Clients' data as index views into one copy of each split (memory that scales with clients)."""
 
 from __future__ import annotations
 

@@ -307,7 +307,7 @@ def _score(model, x, y) -> float:
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper", "fesem"])
 def test_global_accuracy_is_the_servers_model_scored_by_hand(algorithm, tmp_path):
-    """acc_global (issue #24): the server's last aggregated weights (FedPer: the body, with the
+    """acc_global: the server's last aggregated weights (FedPer: the body, with the
     client's own head; FeSEM: the client's cluster centre), loaded by hand into a copy of each
     client's model, scored on the client's test set: exactly the run's number. acc (personal) is
     the client's own trained model, which the global evaluation leaves untouched."""

@@ -105,7 +105,7 @@ def test_up_message_size_is_classes_times_embedding():
 
 
 def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
-    """Issue #11: under client sampling a class no sampled client holds keeps its previous global
+    """Under client sampling a class no sampled client holds keeps its previous global
     prototype (0 contributors that round); a client whose class has no global prototype yet
     trains it with cross-entropy only, without error."""
     alg = FedProto(4, OptimConfig(), embedding_dim=2)
@@ -138,7 +138,8 @@ def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
 
 
 def test_fedproto_validates_its_own_options():
-    """Issue #11: FedProto(proto_source="typo") ran as after_training, proto_classes="typo" as all."""
+    """Unknown option values are refused by name: FedProto(proto_source="typo") must not run as
+    after_training, nor proto_classes="typo" as all."""
     for kw, name in ((dict(proto_source="typo"), "proto_source"), (dict(proto_classes="typo"), "proto_classes"),
                      (dict(distance="cos"), "distance"), (dict(aggregation="max"), "aggregation")):
         with pytest.raises(ValueError, match=f"{name}="):
@@ -319,11 +320,12 @@ def test_class_check_keeps_flipped_prototypes_out_of_the_aggregate():
             assert "flagged" not in state.metrics
 
 
-def test_breaker_findings_on_the_robust_and_private_options(caplog):
-    """Issue #14's breaker: ε never below 0; exclusion does not drop sole holders of a class (MAD 0)
-    and says it cannot act; BatchNorm statistics stay frozen in the second stage; attacks that would
-    change nothing, all-attacker runs and unreachable min_contributors are refused; λ is 0 in the
-    metrics while no global prototype exists; the attackers are marked in clients.csv."""
+def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog):
+    """Edge cases of the robust and private options: ε never below 0; exclusion does not drop sole
+    holders of a class (MAD 0) and says it cannot act; BatchNorm statistics stay frozen in the
+    second stage; attacks that would change nothing, all-attacker runs and unreachable
+    min_contributors are refused; λ is 0 in the metrics while no global prototype exists; the
+    attackers are marked in clients.csv."""
     assert epsilon([(5.0, 1.0, 1)], 0.1) >= 0.0
     with pytest.raises(ConfigError, match="dp_delta"):
         digits_config(dp="prototypes", dp_delta=0.5)
@@ -362,7 +364,7 @@ def test_breaker_findings_on_the_robust_and_private_options(caplog):
 @pytest.mark.usefixtures("one_thread")
 @needs_cifar
 def test_one_way_resnet18_client_predicts_its_only_class():
-    """Issue #10: a 1-way ResNet18 client (``--ways 1 --stdev 0 --shots 9 --batch-size 8``) scored
+    """A 1-way ResNet18 client (``--ways 1 --stdev 0 --shots 9 --batch-size 8``) once scored
     0% prototype accuracy: its 1-sample trailing batch and overflowing distances sent every
     prediction to class 0. Its one class is the only possible answer: 100%."""
     cfg = build_config(overrides=dict(dataset="cifar10", model="resnet18", clients=2, ways=1, stdev=0, shots=9,

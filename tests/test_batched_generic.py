@@ -1,4 +1,4 @@
-"""Issue #25 item 1: the generic batched path (torch.func ``functional_call`` + ``vmap`` over the clients'
+"""The generic batched path (torch.func ``functional_call`` + ``vmap`` over the clients'
 stacked weights) gives the sequential path's weights for any model: a user CNN split at its head, a
 projected CNN, ResNet18 with BatchNorm and a model with a frozen part (float64, 1e-9 relative)."""
 

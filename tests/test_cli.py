@@ -403,7 +403,8 @@ def test_cli_refuses_python_only_custom_and_classes_at_once(args, named, capsys,
     ('[run]\ndataset = "digits"\nclasses = 3\n', "classes in"),
 ])
 def test_cli_refuses_python_only_options_from_the_config_file(toml, named, capsys, monkeypatch, tmp_path):
-    """The breaker's note: a TOML file with dataset = "custom" still got "needs --classes"."""
+    """Options only the Python API can give are refused by name from a TOML file; dataset = "custom"
+    there is refused as such, not with a misleading "needs --classes"."""
     from conftest import run_cli
 
     f = tmp_path / "run.toml"

@@ -304,7 +304,7 @@ def test_explicit_data_folder_that_is_missing_or_a_file(isolated: Path, monkeypa
 
 
 def test_kept_client_folders_are_decoded_once_and_again_when_a_file_changes(tmp_path):
-    """fedproto.data.folder.keep_decoded (the Flower executor's data cache, issue #23): off by
+    """fedproto.data.folder.keep_decoded (the Flower executor's data cache): off by
     default (every call reads the files); on, a folder is decoded once and the same tensors come
     back until a file changes (size or mtime), labels are still checked against each call's class
     count, and a folder decoded before the class count is known (preload) is checked on use."""

@@ -90,7 +90,7 @@ def _documented_range(ways, shots, stdev, C, noise, dataset):
 @pytest.mark.parametrize("noise", ["uniform", "gaussian"])
 @pytest.mark.parametrize("dataset", ["mnist", "cifar10"])
 def test_drawn_ways_and_shots_lie_in_the_documented_range(noise, dataset):
-    """Issue #10: stdev 0 gave every client shots + 1 samples per class. For every (ways, shots,
+    """stdev 0 gives exactly the shots asked for (it once gave shots + 1). For every (ways, shots,
     stdev) of a grid, every draw lies in the documented range, the range holds ways and shots,
     stdev 0 gives exactly ways and shots, and the official ranges hold for stdev >= 2."""
     C = 10
@@ -160,7 +160,7 @@ def test_dirichlet_partition_runs_end_to_end(tmp_path):
 
     cfg = build_config(overrides=dict(dataset="digits", partition="dirichlet", alpha=0.3, clients=5, rounds=5,
                                       test_shots=5, min_client_samples=20, out_dir=str(tmp_path)))
-    # options that change results and differ from their defaults are in the name (issue #21)
+    # options that change results and differ from their defaults are in the name
     assert cfg.run_name() == "fedproto-digits-dir0.3-m5-s1234-test_shots5-min_client_samples20-r5"
     sim = Simulation(cfg)
     s = sim.run()

@@ -130,8 +130,8 @@ def test_tensorboard_is_allowed_in_its_module_only(tmp_path):
 
 def test_readme_runs_what_ci_runs():
     """CI proves the README: .ci/run reads the README's CPU install line and its test command from
-    README.md and runs them in a fresh venv (issue #20: the README's install once failed while CI,
-    installing more, passed). The README names no machine path."""
+    README.md and runs them in a fresh venv (so the README's install cannot fail while CI, installing
+    more, passes). The README names no machine path."""
     import re
 
     root = DOCS.parent

@@ -31,7 +31,7 @@ def test_cpu_and_auto_resolve_and_give_the_cpu_numbers():
 
 
 def test_bad_and_unavailable_devices_are_refused_before_training():
-    assert build_config(overrides={"device": " CUDA "}).device == "cuda"  # helper 3: spelled as meant
+    assert build_config(overrides={"device": " CUDA "}).device == "cuda"  # case and spaces: spelled as meant
     for bad in ("gpu", "cuda:x", "tpu", ""):
         with pytest.raises(ConfigError, match="device"):
             build_config(overrides={"device": bad})

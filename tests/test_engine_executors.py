@@ -72,7 +72,7 @@ def test_batched_matches_sequential_after_one_round_on_real_mnist(seed):
     """Default MNIST setting, 20 clients, float64: per-client weights within 1e-9 relative after a
     round (measured below 2e-16), the same accuracies.
 
-    Issue #10: in float32, on AMD EPYC, clients 3 and 10 (seed 1234) and 18 (seed 1) differed by
+    Why float64: in float32, on AMD EPYC, clients 3 and 10 (seed 1234) and 18 (seed 1) differed by
     1e-2. The cause is no logic difference: after 23 steps client 10's weights differ by ~1e-6
     (float32 rounding of two kernels); at step 24 one conv2 unit's pre-activation is -7.8e-7 on one
     path and +3.0e-6 on the other, so the ReLU passes the gradient on one path only, and the

@@ -46,7 +46,7 @@ def test_prototype_distance_warnings_are_not_repeated_without_end(caplog):
 
 @pytest.mark.usefixtures("one_thread")
 def test_exploding_and_nonfinite_embeddings_are_reported(tmp_path, caplog):
-    """Issue #10: a blown-up client gave a silent chance-level number. Now a warning names the
+    """A blown-up client must not give a silent chance-level number: a warning names the
     client and round, and ``clients.csv`` flags it (``emb_norm``, ``nonfinite``)."""
 
     cfg = build_config(overrides=dict(dataset="digits", clients=3, ways=2, shots=10, test_shots=5, rounds=1,
@@ -71,8 +71,8 @@ def test_exploding_and_nonfinite_embeddings_are_reported(tmp_path, caplog):
 
 @pytest.mark.usefixtures("one_thread")
 def test_eval_mode_blow_up_below_the_norm_limit_is_reported(caplog):
-    """Helper 1: a client at chance with test embeddings of norm ~700 against ~20 in training went
-    unreported (below the 1e4 limit). Test embeddings 10x larger than any training embedding of
+    """A client at chance with test embeddings of norm ~700 against ~20 in training sits below the
+    1e4 limit and would go unreported. Test embeddings 10x larger than any training embedding of
     the client's last round are reported."""
     sim = Simulation(build_config(overrides=dict(dataset="digits", clients=3, rounds=1)), out=False)
     sim.health.train_norm.update({0: 20.0, 1: 20.0, 2: 0.0})

@@ -189,11 +189,11 @@ def test_custom_dataset_is_refused_on_the_command_line(capsys, monkeypatch):
     assert code == 2 and "classes" in text
 
 
-def test_breaker_findings_are_refused_before_training(digits, tmp_path):
-    """Helper 3 (breaker): FedPer ran as FedAvg on a (logits, embedding) module, FedRep crashed;
-    a middle layer passed as the head; fractional labels were cut; a dict forward gave a raw
-    AttributeError; participation above the client count passed federate(); resuming with other
-    data was accepted."""
+def test_models_data_and_options_that_cannot_work_are_refused_before_training(digits, tmp_path):
+    """Refused with a clear error before any training: FedPer or FedRep on a (logits, embedding)
+    module with no known head (else FedPer runs as FedAvg, FedRep crashes); a middle layer passed as
+    the head; fractional labels (else cut); a dict forward (else a raw AttributeError); participation
+    above the client count; resuming with other data."""
     for alg in ("fedper", "fedrep"):
         with pytest.raises(ConfigError, match=rf"{alg} keeps the head on the client, but client 0's model has no "
                                               "known head; give Client\\(..., head="):
@@ -237,7 +237,7 @@ def test_breaker_findings_are_refused_before_training(digits, tmp_path):
 
 
 def test_robust_and_private_options_through_the_python_api(digits, caplog):
-    """Issue #14's options reach your own federation: a NaN-sending client is dropped, the median
+    """The robust and private options reach your own federation: a NaN-sending client is dropped, the median
     keeps the global prototypes finite, DP reports ε, the full-test evaluation is skipped (no shared
     test split) with a warning, and freeze_after needs a known head."""
     sim = federate(_clients(digits, TwoOut), num_classes=10, rounds=3, out=False, attack="nan", attackers=1,

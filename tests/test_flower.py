@@ -160,7 +160,7 @@ def test_flower_engine_matches_the_simulation(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["fedtgp", "fd", "fedgh", "lgfedavg"])
 def test_heterogeneous_methods_give_the_simulation_numbers_under_flower(algorithm):
-    """The model-heterogeneous methods (issue #24) on nodes of two architectures: the Flower engine
+    """The model-heterogeneous methods on nodes of two architectures: the Flower engine
     gives the sequential simulation's accuracies (classifier, nearest prototype, global head),
     losses, server message and message sizes for the same clients and seed."""
     over = dict(algorithm=algorithm, model="projcnn:8-16,cnn", server_epochs=5)
@@ -303,7 +303,7 @@ def _reply_keys(rep: Message) -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("dp", ["off", "prototypes", "full"])
 def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
-    """Issue #21 (1): under DP the replies of a node carry no sample counts (query, train), no
+    """Under DP the replies of a node carry no sample counts (query, train), no
     losses, step count or embedding norm (train), no accuracy or test count (evaluate): only the
     noised release, the public label set and architecture size, and ε under ``prototypes``."""
     uc = _user_config(dp=dp, dp_noise=1.0, rounds=2, clients=3)
@@ -314,7 +314,7 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
                                                                    else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
-    inst = set(INSTANCE_KEYS)  # issue #23: random or the server's own round numbers, sent under every dp
+    inst = set(INSTANCE_KEYS)  # random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)
     if dp == "off":
         sent = {"loss_ce", "loss_proto", "steps", "emb-norm-max", "loss-terms", "num-examples"} | inst
@@ -484,9 +484,9 @@ def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_pa
 
 
 def test_an_unavailable_node_is_recorded_as_unavailable_not_timed_out(tmp_path, caplog):
-    """Issue #23: the SuperLink answers at once for a node it knows is gone, with an error reply
-    whose source is the SuperLink (node 0); matched by source node it was never matched, and the
-    round recorded a timeout ("sent no reply within 90 s"). Matched by the message it answers."""
+    """The SuperLink answers at once for a node it knows is gone, with an error reply
+    whose source is the SuperLink (node 0); matched by source node it would never be matched, and the
+    round would record a timeout ("sent no reply within 90 s"). Matched by the message it answers."""
     folders = write_node_folders(tmp_path)
     uc = _own_config(**{"rounds": 2})
     grid = LocalGrid(uc, node_configs=node_configs(folders))
@@ -570,7 +570,7 @@ def test_weight_sharing_baselines_start_from_the_lowest_client_ids_weights(tmp_p
     got = eng.run()
     want = in_process_reference(folders, models=models, algorithm="fedavg").run()
     assert got["accuracy"]["acc"]["mean"] == pytest.approx(want["accuracy"]["acc"]["mean"], abs=1e-9)
-    # the evaluate message carries the server's aggregate, so each node scores the global model too (issue #24)
+    # the evaluate message carries the server's aggregate, so each node scores the global model too
     assert got["accuracy"]["acc_global"]["mean"] == pytest.approx(want["accuracy"]["acc_global"]["mean"], abs=1e-9)
     assert got["accuracy"]["acc_global"]["mean"] != pytest.approx(got["accuracy"]["acc"]["mean"], abs=1e-6)
     assert got["evaluation"] == want["evaluation"] and set(got["evaluation"]) == {"acc", "acc_global"}
@@ -595,7 +595,7 @@ def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -
 
 
 def test_a_restarted_node_reloads_its_state_file_and_keeps_its_instance(tmp_path, caplog):
-    """Issue #23: every reply carries ``instance`` (one per SuperNode process), ``restored`` and
+    """Every reply carries ``instance`` (one per SuperNode process), ``restored`` and
     ``state-round``; an own-data node saves its client's state after each train round and, when it
     restarts with an empty ``context.state``, reloads it: same instance, ``restored`` 1, the saved
     model, the same accuracy. Without a usable state file (none, another run, a damaged file) the
@@ -765,7 +765,7 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
 
 @pytest.mark.slow
 def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
-    """Issue #23, on 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
+    """On 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
     ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
     SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
     (same key, same node id), reloads its state file (same instance, restored 1) and takes part
@@ -1034,7 +1034,7 @@ def test_min_replies_above_clients_is_refused_up_front():
 
 @pytest.mark.parametrize("keep_state", [False, True])
 def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_state, tmp_path, caplog):
-    """Issue #23 (1): a node that restarts before round 4 of 4 (same node id, as under node
+    """A node that restarts before round 4 of 4 (same node id, as under node
     authentication) is detected from its reply's instance id. Without its state file it trains a
     fresh model in round 4 only: the metrics row says so (``rejoined``), clients.csv marks it
     (``state_lost_round``), and the headline accuracy leaves it out (``left_out``; all clients in
@@ -1073,7 +1073,7 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
 
 
 def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
-    """Issue #23 (3): the SuperLink goes away in round 3 of 4. The server has written a checkpoint
+    """The SuperLink goes away in round 3 of 4. The server has written a checkpoint
     after every round and writes failure.json (the round, the error, the resume command). A new
     SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
     state files, keyed by the server's run key) continues the run with ``resume-from``: rounds 1-2
@@ -1118,7 +1118,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
 
 @pytest.mark.slow
 def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes_the_run(tmp_path):
-    """Issue #23 (3), on 127.0.0.1 with TLS and SuperNode authentication: three own-data nodes
+    """On 127.0.0.1 with TLS and SuperNode authentication: three own-data nodes
     (each under ``python -m fedproto.flower.supervise``), FedProto, 4 rounds. The SuperLink is
     SIGKILLed in round 2 (its process only: the ServerApp it started lives on, as after a crash);
     the run folder then holds failure.json and a checkpoint of round 1 (or 2). The SuperLink is
@@ -1191,7 +1191,7 @@ def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes
 
 
 def test_the_warm_executor_gives_the_numbers_of_the_default_path(tmp_path):
-    """Issue #23 item 4 (a CI test, 45-55 s on 2 loaded cores): the three own-data SuperNodes started with
+    """A CI test (45-55 s on 2 loaded cores): the three own-data SuperNodes started with
     ``--isolation process`` and ``python -m fedproto.flower.prefork`` each (one warm process
     that forks per message) give the in-process numbers, as the default path does in the test
     above; every executor decoded its node's data and warmed up before the first task, ran one
@@ -1344,7 +1344,7 @@ class HangingGrid(PushPullGrid):
 
 
 def test_a_superlink_that_stops_answering_stops_the_run_within_round_timeout_with_failure_json(tmp_path):
-    """Issue #23 (3): a call to the SuperLink that does not return (Flower retries a dead SuperLink
+    """A call to the SuperLink that does not return (Flower retries a dead SuperLink
     without end) stops the run after ``round-timeout`` s with a TrainingError naming the call;
     failure.json and the checkpoint of round 1 are in the run folder."""
     from fedproto.flower.common import FlowerOptions

@@ -47,7 +47,7 @@ def _script(tmp_path, body: str) -> list[str]:
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
 def test_supervise_restarts_a_failed_node_with_backoff_and_stops_when_told(tmp_path, capsys):
-    """Issue #23: flower-supernode logs "Exit Code: 305" and exits with status 1 when the SuperLink
+    """flower-supernode logs "Exit Code: 305" and exits with status 1 when the SuperLink
     still holds it online; the supervisor starts it again, waiting backoff, 2 x backoff, ... (capped);
     it does not restart a clean exit (status 0: Flower's graceful stop too) or a configuration error
     (Flower codes 302-304), and gives up after max_restarts."""

@@ -1,4 +1,4 @@
-"""The model-heterogeneous methods (issue #24 item 2) end to end on digits with two
+"""The model-heterogeneous methods end to end on digits with two
 architectures (projcnn:8-16 and the paper CNN, alternating over clients)."""
 
 import copy

@@ -1,5 +1,5 @@
 """Model names are declared once (fedproto.models.names): the zoo builds each, the config, the
-Flower node and ``fedproto reproduce`` read them from there (issue #22: five lists before)."""
+Flower node and ``fedproto reproduce`` read them from there (not five lists)."""
 
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def _digits_run(tmp_path, name, **kw):
 
 
 def test_onboarding_epochs_are_real_epochs(tmp_path, monkeypatch):
-    """Found by QA: with local_epochs 3, each onboarding step trained 3 epochs (rounds x E² in all)."""
+    """local_epochs counts epochs: with local_epochs 3 and 3 rounds each onboarding arm trains
+    rounds x local_epochs = 9 epochs, not rounds x E²."""
     import fedproto.algorithms.base as base
 
     run = _digits_run(tmp_path, "le3", local_epochs=3, rounds=3)
@@ -125,7 +126,7 @@ def test_run_refuses_a_filter_that_drops_every_prototype(tmp_path):
 
 
 def test_relative_data_dir_is_stored_absolute(tmp_path, monkeypatch):
-    """Found by QA: a relative data_dir in config.json made `fedproto onboard` fail from another folder."""
+    """A relative data_dir is stored absolute in config.json, so `fedproto onboard` works from another folder."""
     monkeypatch.chdir(tmp_path)
     cfg = build_config(overrides={"dataset": "digits", "data_dir": "data", "name": "x"})
     assert cfg.data_dir == str(tmp_path / "data")
@@ -144,8 +145,8 @@ def test_onboarding_refuses_other_data_than_the_runs(tmp_path):
 
 
 def test_onboarding_shortfall_names_a_count_that_fits(tmp_path):
-    """Helper 1: asked for 1,150 one-shot clients, the advice said no smaller count fits while
-    1,000 and 1,055 did. The named count is found by bisection and checked."""
+    """Asked for 1,150 one-shot clients, the advice names a smaller count that fits (1,000 and 1,055
+    do), not that none does. The named count is found by bisection and checked."""
     from fedproto.errors import PartitionError
 
     cfg = build_config(overrides=dict(dataset="digits", clients=2, ways=1, shots=1, stdev=0, test_shots=1, rounds=1,

@@ -1,4 +1,4 @@
-"""Start-up (issue #15): heavy libraries are imported where they are used, not when ``fedproto``
+"""Start-up: heavy libraries are imported where they are used, not when ``fedproto``
 is imported or ``fedproto run --help`` is printed. Each check runs a fresh interpreter (this test
 process has imported everything already) and looks at its ``sys.modules``; no timing here (the
 speed figures are in benchmarks/bench_startup.py)."""

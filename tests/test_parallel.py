@@ -1,4 +1,4 @@
-"""Worker processes for the batched engine (fedproto.parallel, issue #15 item 1)."""
+"""Worker processes for the batched engine (fedproto.parallel)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from conftest import assert_png, run_cli
 
 @pytest.mark.usefixtures("one_thread")
 def test_tsne_leaves_out_nonfinite_embeddings(tmp_path, caplog):
-    """Helper 1: `fedproto plot` of a run with a blown-up client called its files damaged."""
+    """`fedproto plot` of a run with a blown-up client leaves out its non-finite embeddings instead of
+    calling its files damaged."""
     from fedproto.plots import plot_tsne_arrays
 
     rng = np.random.default_rng(0)

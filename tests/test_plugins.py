@@ -1,4 +1,4 @@
-"""Algorithm plug-ins (issue #22): a prototype method defined here, with its own option and its own
+"""Algorithm plug-ins: a prototype method defined here, with its own option and its own
 loss term, registered without any library file changed for it, runs through ``fedproto run``
 (flag and TOML key), ``federate``, the batched executor and the Flower app."""
 

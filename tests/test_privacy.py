@@ -1,4 +1,4 @@
-"""Robust and private prototypes (issue #14): trimmed mean, minimum contributors, outlier
+"""Robust and private prototypes: trimmed mean, minimum contributors, outlier
 exclusion, λ schedules, two-stage training, evaluation on the full test split, differential
 privacy, and simulated misbehaving clients."""
 
@@ -118,7 +118,7 @@ def _server_reconstruction(alg, state, message, n: int, seed: int, round: int, r
 
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_the_server_cannot_subtract_the_dp_noise(reproducible, caplog):
-    """Issue #21 (1): with everything the server knows (seed, round, client id, n, architecture)
+    """With everything the server knows (seed, round, client id, n, architecture)
     the released prototypes of a client come back only up to the noise (sigma 4: about
     4 * sqrt(2) * C / n_c per coordinate, above 1 here), not to float precision, unless the run
     asks for seeded noise (``dp_reproducible_noise``), which the test shows voids the guarantee."""

@@ -95,8 +95,8 @@ def test_aggregation_refuses_class_ids_outside_the_range():
 
 
 def test_nearest_prototype_never_leaves_the_allowed_classes():
-    """Issue #10: float32 distances of embeddings near 3e19 overflow to inf for every class, and
-    the old argmin over all classes returned class 0 although only class 2 was allowed."""
+    """Float32 distances of embeddings near 3e19 overflow to inf for every class, and
+    an argmin over all classes would return class 0 although only class 2 was allowed."""
     from fedproto.prototypes import embedding_health
 
     allowed = torch.zeros(10, dtype=torch.bool)
@@ -119,7 +119,7 @@ def test_nearest_prototype_never_leaves_the_allowed_classes():
     allowed = torch.tensor([True, False, True] + [False] * 7)
     assert nearest_prototype(table[[1, 2, 0]] + 1e-3, table, allowed).tolist() == [
         int(torch.cdist(table[1:2], table[[0, 2]]).argmin()) * 2, 2, 0]
-    # a NaN prototype of an allowed class never wins (helper 1: it took every sample)
+    # a NaN prototype of an allowed class never wins (else it would take every sample)
     t = table.clone()
     t[3] = float("nan")
     allowed = torch.zeros(10, dtype=torch.bool)

@@ -162,7 +162,7 @@ def test_cells_stored_before_personal_layers_existed():
 
 
 def test_table_records_global_and_personal_protocols(tmp_path):
-    """Issue #24: a weight-sharing cell's acc_global goes into table.csv and the markdown's
+    """A weight-sharing cell's acc_global goes into table.csv and the markdown's
     "Global vs personal" table beside its personal accuracy and the paper's; FedProto has none."""
     from fedproto import reproduce as rp
 
@@ -203,7 +203,7 @@ def test_sweep_cell_names_are_plain_folder_names(tmp_path):
         plan_sweep(tmp_path, "pretrained", "pretrained", ["/a/x.pth", "/b/x.pth"], "cifar10", 3, ["fedproto"], [1])
 
 
-# the model-heterogeneous grid (issue #24 item 3)
+# the model-heterogeneous grid
 
 
 def test_hetero_grid_plans_every_model_set_with_the_methods_algorithms(tmp_path):

@@ -29,7 +29,7 @@ from fedproto.training import (
 def _clients(G=4, seed=0, size=28, dtype=torch.float64):
     """G paper CNNs and random data. float64 by default: the equivalence tests compare two code
     paths, and in float32 a rounding difference can flip a ReLU or max-pool decision near a tie
-    on some CPUs (issue #10); in float64 rounding sits near 1e-15, so a 1e-9 bound separates
+    on some CPUs; in float64 rounding sits near 1e-15, so a 1e-9 bound separates
     logic differences from rounding on any machine."""
     torch.manual_seed(seed)
     models = [PaperCNN(input_size=size).to(dtype) for _ in range(G)]
@@ -135,7 +135,7 @@ def test_finished_client_keeps_weights_in_batched_steps():
 
 
 def test_trailing_batch_rule_for_batchnorm_models():
-    """Issue #10: a 202-sample client at batch size 8 ended each epoch on a 2-sample batch, and
+    """A 202-sample client at batch size 8 would end each epoch on a 2-sample batch, and
     BatchNorm (layer4's maps are 1x1 in ResNet18) blew its embeddings up. Models with BatchNorm
     fold a trailing batch below half the batch size into the batch before it."""
     from fedproto.training import min_batch
@@ -143,7 +143,7 @@ def test_trailing_batch_rule_for_batchnorm_models():
     assert [min_batch(ResNet18(), b) for b in (1, 2, 3, 4, 5, 8, 9, 10)] == [1, 2, 3, 4, 4, 4, 5, 5]
     assert [min_batch(PaperCNN(), b) for b in (2, 8, 10)] == [1, 1, 1]
     opt = OptimConfig(batch_size=8)
-    # helper 1 (breaker): at batch size 4 a 202-sample client kept 2-sample batches and blew up
+    # at batch size 4 a rule of half the batch size alone kept 2-sample batches, and the client blew up
     plan = make_plan(202, [Phase(1)], OptimConfig(batch_size=4), {}, 0.0, np.random.default_rng(0),
                      min_batch=min_batch(ResNet18(), 4))
     assert (plan.weight[0] > 0).sum(1).tolist() == [4] * 49 + [6]
@@ -185,7 +185,7 @@ def test_batched_path_reads_folded_plans_as_the_sequential_path():
 
 
 def test_group_refuses_objectives_that_differ():
-    """Issue #11: train_group took the first client's objective for all; now objectives that differ
+    """train_group must not apply the first client's objective to all: objectives that differ
     in anything but the FedProx reference are refused."""
     models, xs, ys = _clients(2)
     opt = OptimConfig()
@@ -302,13 +302,13 @@ def test_optim_config_reads_augment():
 @pytest.mark.slow  # ResNet18 on real CIFAR-10, 3 rounds: 8-16 s on one thread
 @pytest.mark.parametrize("batch_size", [10, 4])
 def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog, batch_size):
-    """Issue #10's input (``--clients 2 --ways 2 --stdev 0 --batch-size 10 --rounds 3``, ResNet18):
+    """A run that once failed (``--clients 2 --ways 2 --stdev 0 --batch-size 10 --rounds 3``, ResNet18):
     202 samples per client end each epoch on a 2-sample batch. Before the fold rule, both clients'
     test embeddings reached median norms of ~2e6 and ~6e17 and both accuracies sat at chance
     (50.00 / 48.75); with the trailing batch folded into the one before it, ~80% and norms ~25.
-    (The issue said ``--shots 100``: that drew 101 shots then; with stdev 0 meaning exactly the
-    shots asked for, ``--shots 101`` gives the same clients and data.) Batch size 4 (helper 1):
-    the first rule kept a 2-sample trailing batch there, and one client reached norm 5.8e9."""
+    (It was run with ``--shots 100``: that drew 101 shots then; with stdev 0 meaning exactly the
+    shots asked for, ``--shots 101`` gives the same clients and data.) Batch size 4:
+    a first rule kept a 2-sample trailing batch there, and one client reached norm 5.8e9."""
     cfg = build_config(overrides=dict(dataset="cifar10", model="resnet18", clients=2, ways=2, stdev=0, shots=101,
                                       batch_size=batch_size, rounds=3, eval_every=0))
     sim = Simulation(cfg, out=False)

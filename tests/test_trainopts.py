@@ -1,4 +1,4 @@
-"""Optimizers, the lr schedule over rounds and shared initial weights (issue #24 item 4)."""
+"""Optimizers, the lr schedule over rounds and shared initial weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Misbehaving clients, for experiments and tests (issue #14): a client's outgoing message altered
+"""Misbehaving clients, for experiments and tests: a client's outgoing message altered
 before the server sees it.
 
 The engine applies :func:`corrupt_message` to the messages of the clients chosen by

@@ -1,4 +1,4 @@
-"""The math of the model-heterogeneous methods (issue #24, item 2): FedTGP, FD (FedDistill), FedGH
+"""The math of the model-heterogeneous methods: FedTGP, FD (FedDistill), FedGH
 and LG-FedAvg. Pure functions on tensors and arrays, no state beyond what they take and return;
 the algorithm classes (client part, server part) call them.
 
@@ -40,7 +40,7 @@ FD_RULES: tuple[str, ...] = ("mean", "weighted")
 
 
 # ----------------------------------------------------------------------------------------------
-# shared helpers
+# shared functions
 # ----------------------------------------------------------------------------------------------
 
 
@@ -192,9 +192,9 @@ def tgp_margin(
 
     Q_c is the unweighted mean of the clients' prototypes of class c (the cluster center; HtFLlib
     ``proto_cluster``). For each class the distance to its nearest other class center is its gap;
-    the margin is the largest gap, capped at the threshold τ. (Issue #24's brief says "max distance
-    between class prototypes"; the paper and HtFLlib take the max over classes of the *nearest*
-    other class's distance, as here.) A round with fewer than two classes has no gap: δ = 0.
+    the margin is the largest gap, capped at the threshold τ. (Not the largest distance between any
+    two class prototypes: the paper and HtFLlib take the max over classes of the *nearest* other
+    class's distance, as here.) A round with fewer than two classes has no gap: δ = 0.
 
     Args:
         classes: per client (K_i,) class ids. protos: per client (K_i, d). num_classes: C.

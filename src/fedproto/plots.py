@@ -4,7 +4,7 @@ Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global back
 written as PNG with :func:`fedproto.results.atomic_write_bytes`.
 
 Size: about 430 lines: the figures of the paper (curves, t-SNE, sweeps), each a short function on
-one canvas helper.
+one shared canvas function.
 """
 
 from __future__ import annotations

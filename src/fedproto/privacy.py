@@ -1,4 +1,4 @@
-"""Differential privacy for what leaves a FedProto client (issue #14), and its accounting.
+"""Differential privacy for what leaves a FedProto client, and its accounting.
 
 Two modes (option ``dp``):
 

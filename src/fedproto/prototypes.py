@@ -208,7 +208,7 @@ def nearest_prototype(
     Distances are computed in float64 among the allowed classes only, so the prediction is always
     an allowed class, whatever the values: float32 distances of embeddings with norms above ~1e19
     overflow to ``inf`` for every class, and an argmin over all classes with the others masked to
-    ``inf`` then returned class 0, which need not be allowed (issue #10). Embeddings that are not
+    ``inf`` then returned class 0, which need not be allowed. Embeddings that are not
     finite still give an allowed class (the first allowed one with a NaN distance); callers detect
     and report them (:func:`embedding_health`).
 
@@ -331,7 +331,7 @@ def class_check(
     per-class median breaks at half of one class's holders). With no reference at all (the first
     round) the reference of every class is the origin: only the farther test acts, on the norms.
     A row of a class without a reference, in a round where other classes have one, is not judged.
-    Not in the paper (issue #21, item 7).
+    Not in the paper.
 
     Args:
         classes: per client, (K_i,) int class ids. protos: per client, (K_i, d).

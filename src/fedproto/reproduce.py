@@ -14,7 +14,7 @@ dataset ("Local" lists 0 rounds, i.e. no communication: it trains for the datase
 rounds of local epochs). ``--rounds`` overrides the rounds of every cell, ``--set key=value``
 any other :class:`RunConfig` field.
 
-The model-heterogeneous grid (``--grid hetero``, issue #24 item 3) is dataset × model set × ways ×
+The model-heterogeneous grid (``--grid hetero``) is dataset × model set × ways ×
 method × seed over :data:`HETERO_METHODS` (Local, FedProto, FedTGP, FD, FedGH, LG-FedAvg) on the
 heterogeneous model sets of :data:`HETERO_MODELS`, :data:`HETERO_ROUNDS` rounds for every method;
 cells ``OUT/runs/<dataset>-n<ways>-<method>-s<seed>-<models>/``, resumable as the paper grid, and
@@ -80,7 +80,7 @@ CNN, per-client strides for ResNet18; from the dataset registry)."""
 HETEROGENEOUS = {"fedproto-mh"}
 
 HETERO_METHODS: dict[str, str] = {
-    # method key -> algorithm name: the model-heterogeneous grid (issue #24 item 3)
+    # method key -> algorithm name: the model-heterogeneous grid
     "local": "local",
     "fedproto": "fedproto",
     "fedtgp": "fedtgp",

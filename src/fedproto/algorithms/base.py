@@ -47,7 +47,7 @@ accuracy summary."""
 
 def optim_config(cfg: Any) -> OptimConfig:
     """The :class:`OptimConfig` of a run configuration."""
-    # issue #24: optimizer and lr schedule fields (the round is set per round with OptimConfig.at_round)
+    # optimizer and lr schedule fields (the round is set per round with OptimConfig.at_round)
     return OptimConfig(cfg.lr, cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.drop_last,
                        augment=bool(getattr(cfg, "augment", False)), optimizer=cfg.optimizer,
                        lr_schedule=cfg.lr_schedule, lr_step_rounds=cfg.lr_step_rounds, lr_gamma=cfg.lr_gamma,
@@ -83,7 +83,7 @@ class ClientData:
     for ``x``/``test_x``). :meth:`view` builds an index view instead: the client keeps only its
     sample indices into a dataset's inputs held once for all clients (:class:`SharedInputs`), and
     each read of ``x`` or ``test_x`` gathers its rows into a new tensor (so at 10,000 clients the
-    simulator holds one copy of each split, not a copy per client; issue #25). Read ``x`` once
+    simulator holds one copy of each split, not a copy per client). Read ``x`` once
     where it is needed and let it go afterwards; ``len(data.y)`` gives the sample count without a
     gather. Labels are small and always held. Assigning ``x`` or ``test_x`` replaces the view by
     the tensor assigned.

@@ -1,6 +1,6 @@
 """FD, federated distillation (Jeong et al., "Communication-Efficient On-Device Machine Learning:
 Federated Distillation and Augmentation under Non-IID Private Data", arXiv 1811.11479; PFLlib's
-FedDistill), issue #24 item 2.
+FedDistill).
 
 Client: cross-entropy + ``fd_lambda`` x the distillation term between its logits and the global
 per-class logits of each sample's class (:func:`fedproto.htmath.fd_distill_loss`: soft-target

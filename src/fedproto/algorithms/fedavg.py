@@ -21,7 +21,7 @@ same tensors (their values may differ): a tensor shared by some clients and kept
 one global value to average, so the run is refused at the start, naming the clients and the tensor
 (:func:`check_same_shapes`, :func:`check_message_shapes`).
 
-Evaluation: two protocols, both recorded (issue #24; ``summary.json``'s ``evaluation`` says which
+Evaluation: two protocols, both recorded (``summary.json``'s ``evaluation`` says which
 key is which). ``acc``, *personal* (as for every method here): each client's model *after its
 local training of the last round*, on the client's own test set (:meth:`Algorithm.evaluate`; the
 engine evaluates after aggregation, before the next ``prepare``), the "FedAvg + one round of local
@@ -31,7 +31,7 @@ fine-tuning" reading. ``acc_global``, *global*: the server's aggregated model of
 (docs/reproducing.md). For FedPer/FedRep "global" is the global body with the client's own head,
 for FeSEM the centre of the client's cluster.
 
-The helpers here (:func:`check_same_shapes`, :func:`weights_message`, :func:`load_weights`,
+The functions here (:func:`check_same_shapes`, :func:`weights_message`, :func:`load_weights`,
 :func:`weighted_average`) are shared by the other weight-sharing baselines (FedProx, FedPer,
 FedRep, FeSEM), which subclass :class:`FedAvg` and change only what they share or how they train.
 """

@@ -1,5 +1,5 @@
 """FedGH (Yi et al., "FedGH: Heterogeneous Federated Learning with Generalized Global Header",
-ACM MM 2023, arXiv 2303.13137), issue #24 item 2.
+ACM MM 2023, arXiv 2303.13137).
 
 Client: replace its head by the global head, train the whole model with cross-entropy for
 ``local_epochs`` epochs, then send its local prototypes (per-class mean embeddings, computed in an

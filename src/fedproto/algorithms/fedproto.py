@@ -79,7 +79,7 @@ class FedProto(Algorithm):
             clients, ``proto_dist_max`` and ``proto_dist_argmax`` in the metrics) and logs a
             warning for clients above ``proto_dist_alert`` x the median (0: no warning). Changes no number.
 
-    Robustness and privacy (issue #14; the practitioner's guide §4.2; off by default):
+    Robustness and privacy (the practitioner's guide §4.2; off by default):
         trim: the fraction cut from each end by ``aggregation="trimmed"``.
         min_contributors: a class gets (or changes) its global prototype only in rounds where at
             least this many clients send it (else it keeps the previous one, if any).

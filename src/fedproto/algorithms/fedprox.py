@@ -9,7 +9,7 @@ where ``w_global`` are the weights the client received this round (``Objective.p
 ``Objective.prox_ref``, applied by both training paths to the parameters being trained, so the
 term reaches the gradient: mu * (w - w_global)). ``mu`` is the run option ``prox_mu`` (default
 0.01, one of the values of the FedProx paper's grid {0.001, 0.01, 0.1, 1}; mu = 0 is FedAvg).
-Note: the FedProto official code's FedProx helper computes this term between state-dict copies,
+Note: the FedProto official code's FedProx function computes this term between state-dict copies,
 so there it never reaches the gradient (see the paper summary, "Paper vs code"); here it does.
 
 What is sent: up ``w/<name>`` for all weights + ``n`` (count); down ``w/<name>``. Parameters the

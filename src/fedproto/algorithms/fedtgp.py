@@ -1,6 +1,6 @@
 """FedTGP (Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced
 Contrastive Learning for Data and Model Heterogeneity in Federated Learning", AAAI 2024,
-arXiv 2401.03230), issue #24 item 2.
+arXiv 2401.03230).
 
 Client: as FedProto (cross-entropy + λ · distance to the global prototype of the sample's class,
 local prototypes sent up; :class:`~fedproto.algorithms.fedproto.FedProto`'s core options

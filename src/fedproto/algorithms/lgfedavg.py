@@ -1,4 +1,4 @@
-"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523), issue #24 item 2.
+"""LG-FedAvg (Liang et al., "Think Locally, Act Globally", arXiv 2001.01523).
 
 The global part (here: the model's head g, its final linear layer) is averaged by the server,
 weighted by the clients' numbers of training samples (FedAvg's n_i / n;

@@ -14,8 +14,8 @@ Noise models (:func:`noise_ranges` gives each range; s = 0 always means exactly 
         MNIST and [k - s + 1, k + s] otherwise. Each range is then widened to hold n (k) itself:
         n_i in [min(n, max(2, n - s)), max(n, min(C - 1, n + s))], k_i in [min(k, k - s + 1),
         max(k, k + s - 2 or k + s)]. So s = 0 gives exactly n and k (the official formulas give an
-        empty shots range there and the official code raises; before issue #10 it fell back to
-        k + 1), MNIST with s = 1 gives k, and every s >= 2 gives the official ranges unchanged.
+        empty shots range there and the official code raises; this code once fell back to
+        k + 1 there), MNIST with s = 1 gives k, and every s >= 2 gives the official ranges unchanged.
     ``gaussian`` (the paper's wording): n_i = round(N(n, s)) clipped to [min(2, n), C], k_i =
         round(N(k, s)) clipped to [1, inf).
 

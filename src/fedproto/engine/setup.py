@@ -96,7 +96,7 @@ class Setup:
         ``torch.float64`` is for checks: rounding then sits near 1e-15, so two execution paths that
         agree there agree in logic. In float32 they may not agree on this machine or across CPUs:
         a rounding difference of ~1e-7 can flip a ReLU or max-pool decision whose input is within
-        that distance of a tie, and SGD then carries the difference on (issue #10). Messages stay
+        that distance of a tie, and SGD then carries the difference on. Messages stay
         float32 (prototypes) or take the models' dtype (weights).
         """
         if dtype not in (torch.float32, torch.float64):
@@ -154,7 +154,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
 
 def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientData]:
     """Each client's data as an index view into ``ds`` (:meth:`ClientData.view`): one copy of each
-    split's inputs for all clients, each client's rows gathered when read (issue #25: at 10,000
+    split's inputs for all clients, each client's rows gathered when read (at 10,000
     clients the per-client copies of the test images were 3.8 GB).
 
     Args:

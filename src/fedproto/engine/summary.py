@@ -79,7 +79,7 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
         "test_set": describe_test_set(cfg),
         "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
                      for k in last if k.endswith("_mean")},
-        "evaluation": alg.eval_protocols(),  # which protocol each accuracy key is (issue #24)
+        "evaluation": alg.eval_protocols(),  # which protocol each accuracy key is
         "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
         "bytes_total": {"up": totals["up_bytes"], "down": totals["down_bytes"]},
         "model_params": [r["params"] for r in executor.client_rows()],

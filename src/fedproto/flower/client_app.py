@@ -13,7 +13,7 @@ A node is one of two kinds, by its node config:
 The client's model and extras live in ``context.state`` between rounds (they never leave the
 node); the data set-up is cached per process. An own-data node also keeps them in its state file
 and reloads them after a restart, and every reply carries the node's ``instance``, ``restored`` and
-``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`, issue #23).
+``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`).
 
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
 size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
@@ -124,7 +124,7 @@ def node(context: Context, run_key: str | None = None) -> Node:
     if STATE_MODEL not in context.state:
         n.state.model.load_state_dict(init[0])
         n.state.extra = dict(init[1])
-    # issue #23: the instance id; after a restart, the client's state file (fedproto.flower.node_state)
+    # the instance id; after a restart, the client's state file (fedproto.flower.node_state)
     saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
     if saved is not None:
         context.state[STATE_MODEL] = ArrayRecord(torch_state_dict=saved["model"])

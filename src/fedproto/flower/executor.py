@@ -172,7 +172,7 @@ class FlowerExecutor(Executor):
 
         A reply is matched to the message it answers (``reply_to_message_id``): an error reply the
         SuperLink sends for an unavailable node carries the SuperLink's node id as its source, so
-        matching by source node recorded it as a timeout (issue #23). A grid that sets no message
+        matching by source node recorded it as a timeout. A grid that sets no message
         ids (a test double) is matched by source node."""
         if not messages:
             return {}, {}, {}, []

@@ -189,7 +189,7 @@ class LocalFederation:
         self.home = self.workdir / "flwr-home"
         self.home.mkdir(exist_ok=True)
         self.env = {**os.environ, **(env or {}), "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
-        # the SuperLink and SuperNodes start Flower's own helpers (flwr-serverapp, flwr-clientapp) by name: find them
+        # the SuperLink and SuperNodes start Flower's own programs (flwr-serverapp, flwr-clientapp) by name: find them
         # where flower-superlink was found, activated environment or not
         bin_dir = str(Path(self.commands["flower-superlink"]).parent)
         self.env["PATH"] = os.pathsep.join([bin_dir, *filter(None, [self.env.get("PATH")])])

@@ -1,4 +1,4 @@
-"""A node's client state across restarts of its SuperNode (issue #23): the instance id and the state file.
+"""A node's client state across restarts of its SuperNode: the instance id and the state file.
 
 Flower keeps a node's ``context.state`` in the SuperNode process; a SuperNode that crashes or is
 restarted starts with an empty one, and its client with a freshly initialised model. This module

@@ -1,4 +1,4 @@
-"""Keep a SuperNode running: restart ``flower-supernode`` with backoff when it fails (issue #23).
+"""Keep a SuperNode running: restart ``flower-supernode`` with backoff when it fails.
 
     python -m fedproto.flower.supervise [--backoff 5] [--max-backoff 60] [--max-restarts N] -- \\
         flower-supernode --superlink 10.0.0.1:9092 --root-certificates ca.crt \\

@@ -26,13 +26,13 @@ EMBED_NORM_LIMIT = 1e4
 """An L2 embedding norm above this (or a non-finite one) is reported as a blow-up: a warning naming
 the client and round, and ``nonfinite``/``emb_norm`` in ``clients.csv``. Healthy embeddings of
 the zoo's models lie around 1-100 (ReLU features of width 50-512); a ResNet18 whose BatchNorm
-statistics were estimated from 2 values per channel reached 1e6-1e17 (issue #10)."""
+statistics were estimated from 2 values per channel reached 1e6-1e17."""
 
 
 EVAL_TRAIN_NORM_RATIO = 10.0
 """A client whose median test embedding norm (eval mode) exceeds this many times the largest
 training embedding norm of its last round (train mode) is reported: eval mode changed the model,
-the mark of BatchNorm running statistics estimated from too few values (issue #10: norms of ~700
+the mark of BatchNorm running statistics estimated from too few values (a ResNet18 client measured norms of ~700
 against ~20 in training, chance accuracy, yet below :data:`EMBED_NORM_LIMIT`). Healthy models stay
 below 1x: the median lies below the maximum, and dropout is off at test time."""
 
@@ -50,7 +50,7 @@ def min_batch(model: nn.Module, batch_size: int) -> int:
     and variance; where a layer's maps are 1x1 (ResNet18's layer4 on 32x32 inputs) those come from
     as many values as the batch has samples, so a 2-sample trailing batch is normalised to exactly
     +-1 and its running variance estimate is dominated by noise: the eval-mode embeddings of such
-    a client blew up to norms of 1e6-1e17 and its accuracy fell to chance (issue #10; at B = 4 a
+    a client blew up to norms of 1e6-1e17 and its accuracy fell to chance (at B = 4 a
     kept 2-sample batch did the same). With this rule no trailing batch holds fewer than
     min(B, 4) samples nor fewer than half the batch size, and none more than 1.5 B + 3. Batch
     sizes below 4 leave every step short of values: :func:`fedproto.engine.setup.prepare` warns.

@@ -78,8 +78,8 @@ class Health(Observer):
     def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
         """Warn, naming the client and round, where evaluation embeddings or scores were not finite,
         the median embedding norm exceeded :data:`EMBED_NORM_LIMIT`, or it exceeded
-        :data:`EVAL_TRAIN_NORM_RATIO` times the client's largest training embedding norm (issue #10:
-        a silent chance-level accuracy otherwise)."""
+        :data:`EVAL_TRAIN_NORM_RATIO` times the client's largest training embedding norm (without
+        these warnings a blown-up client shows only as a chance-level accuracy)."""
         r = round
         for i, m in enumerate(per_client):
             seen = self.train_norm.get(i, 0.0)
