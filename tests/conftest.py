@@ -87,7 +87,7 @@ def float64_sim(cfg, **kw):
     import torch
 
 
-    return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), out=False, **kw)
+    return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), **{"out": False, **kw})
 
 
 def flat_weights(sim):

@@ -5,19 +5,24 @@ NaN policy for the simulator and Flower."""
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from pydantic import Field
 
 from fedproto import plugins
 from fedproto.algorithms import FedProto, register_algorithm
+from fedproto.algorithms.proto_steps import Rows
 from fedproto.config import build_config
 from fedproto.engine.observers.checkpoints import check_options
 from fedproto.engine.setup import prepare
 from fedproto.errors import CheckpointMismatch
 from fedproto.prototypes import prototype_table
+from fedproto.simulation import Simulation
 from fedproto.training import LossTerm
 
 SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, eval_every=0,
@@ -84,3 +89,64 @@ def test_plugin_options_are_in_the_run_name_and_checked_on_resume(pullproto, cap
     with caplog.at_level(logging.WARNING):
         prepare(other, progress=False)
     assert "fedavg ignores pull_weight: pull_weight acts on pullproto only" in caplog.text
+
+
+class CountPowerOptions(plugins.AlgorithmOptions):
+    count_power: float = Field(2.0, ge=0.0, le=10.0, description="p: a prototype weighs count**p in its class's mean")
+
+
+class CountPowerRule:
+    """Global prototype of a class: the mean of its prototypes weighted by count**p."""
+
+    def __init__(self, num_classes: int, p: float):
+        self.num_classes, self.p = num_classes, p
+
+    def __call__(self, round, rows):
+        c = np.concatenate(rows.classes).astype(np.int64)
+        P = np.concatenate(rows.protos).astype(np.float64)
+        w = np.concatenate(rows.counts).astype(np.float64) ** self.p
+        cls = np.unique(c)
+        protos = np.stack([(w[c == k, None] * P[c == k]).sum(0) / w[c == k].sum() for k in cls])
+        return cls, protos.astype(np.float32), np.array([(c == k).sum() for k in cls], np.int64)
+
+
+class CountPowerProto(FedProto):
+    """FedProto whose aggregate weighs each prototype by count**p (one part swapped)."""
+
+    name = "countpower"
+    Options = CountPowerOptions
+
+    def aggregate(self, round, messages, state=None):
+        steps = replace(self.server_steps(), rule=CountPowerRule(self.num_classes, self.options.count_power))
+        return self.run_steps(steps, round, messages, state)
+
+
+def test_a_plugin_aggregate_keeps_metrics_prototypes_and_alerts(tmp_path, caplog):
+    rows = Rows([0, 1], [np.array([0]), np.array([0])], [np.array([[0.0]]), np.array([[3.0]])],
+                [np.array([1]), np.array([2])])
+    cls, protos, contrib = CountPowerRule(1, 2.0)(1, rows)  # weights 1 and 4: (0 + 4 * 3) / 5
+    assert cls.tolist() == [0] and protos[0, 0] == pytest.approx(2.4) and contrib.tolist() == [2]
+    register_algorithm(CountPowerProto)
+    try:
+        runs = {}
+        for algorithm in ("fedproto", "countpower"):
+            cfg = build_config(overrides={**SMALL, "stdev": 2, "algorithm": algorithm, "proto_dist_alert": 1.0})
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                Simulation(cfg, out=tmp_path / algorithm).run()
+            rows = [json.loads(line) for line in (tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()]
+            with np.load(tmp_path / algorithm / "prototypes.npz") as z:
+                npz = {k: z[k] for k in z.files}
+            runs[algorithm] = rows, npz, [r.getMessage() for r in caplog.records if "prototypes lie" in r.getMessage()]
+    finally:
+        plugins.unregister("countpower")
+    (rows_a, npz_a, alerts_a), (rows_b, npz_b, alerts_b) = runs["fedproto"], runs["countpower"]
+    assert [set(r) for r in rows_b] == [set(r) for r in rows_a]  # λ and proto_dist* stay in metrics.jsonl
+    assert {"lambda", "proto_dist", "proto_dist_max", "proto_dist_argmax"} <= set(rows_b[-1])
+    assert [r["lambda"] for r in rows_b] == [0.0, 1.0, 1.0]  # no global prototype in round 1
+    assert set(npz_b) == set(npz_a) == {"classes", "protos", "contributors"}
+    for npz in (npz_a, npz_b):  # one count per class, each class sent by somebody in the last round
+        assert npz["contributors"].shape == npz["classes"].shape and (npz["contributors"] >= 1).all()
+    assert not np.allclose(npz_a["protos"], npz_b["protos"])  # the rule acted
+    assert alerts_a and alerts_b  # the distance alerts of both (proto_dist_alert=1: above the median)
+    assert all("check its data (proto_dist_alert=1)" in a for a in alerts_b)

@@ -260,12 +260,28 @@ class ClientPart:
         return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
 
     def client_update(
-        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
+        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator,
+        opt: OptimConfig | None = None,
     ) -> tuple[Message, TrainResult]:
-        """Reference client step: prepare, train (sequential path), finish."""
+        """The whole client step: :meth:`prepare`, :meth:`local_objective`, :meth:`plan`, training
+        on the sequential path (:func:`fedproto.training.train_client`), :meth:`finish`.
+
+        Contract: a method that overrides it replaces the client step everywhere; the batched
+        executors then train its clients one after another (logged once), so the override runs
+        on every executor. Override the smaller hooks instead to keep batched training.
+
+        Args:
+            state: the client's state. message: its downlink message. data: its data.
+            round: the round (1-based). rng: the client's generator of this round.
+            opt: the round's optimiser settings (its learning rate, :meth:`OptimConfig.at_round`),
+                passed in by the executor; None: this algorithm's ``opt`` at ``round``.
+        Returns:
+            The client's reply message and its :class:`~fedproto.training.TrainResult`.
+        """
+        opt = opt if opt is not None else self.opt.at_round(round)
         self.prepare(state, message)
         obj = self.local_objective(state, message)
-        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, self.opt)
+        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, opt)
         return self.finish(state, message, data, res), res
 
     def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,

@@ -313,12 +313,20 @@ class FedProto(Algorithm):
             are on), ``proto_dist``/``proto_dist_max``/``proto_dist_argmax``; distance alerts; the
             checkpoint; ``prototypes.npz`` (classes, protos, contributors per class this round).
         """
+        return self.run_steps(self.server_steps(), round, messages, state)
+
+    def run_steps(self, steps: ProtoSteps, round: int, messages: dict[int, Message],
+                  state: ServerState | None = None) -> ServerState:
+        """:meth:`aggregate` with other ``steps``: a plug-in's ``aggregate`` may swap one part
+        (``dataclasses.replace(self.server_steps(), rule=MyRule())``) and keep the metrics, the
+        alerts, the checkpoint and ``prototypes.npz`` of the others
+        (:func:`fedproto.algorithms.proto_steps.proto_round`), and the λ entries."""
         previous = state.message if state is not None else {}
         had = "protos" in previous and len(previous["classes"]) > 0  # round 1 trains without prototypes
         trained = lambda_at(round, self.lambda_proto, self.lambda_warmup, self.lambda_schedule) if had else 0.0
         nxt = lambda_at(round + 1, self.lambda_proto, self.lambda_warmup, self.lambda_schedule) \
             if self.lambda_warmup > 0 else None
-        return proto_round(self.server_steps(), round, messages, previous, trained, nxt)
+        return proto_round(steps, round, messages, previous, trained, nxt)
 
     def resume_state(self, message: Message, checkpoint: dict) -> ServerState:
         """The state after a checkpoint's round: its message and, from the checkpoint, the last

@@ -395,16 +395,14 @@ class FlowerExecutor(Executor):
                                       float(m.get("emb-norm-max", 0.0)), float(m.get("loss-terms", 0.0)))
                 else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)
                     res = TrainResult(None, None, None, None, 0)
-                if res.loss_ce is not None and not np.isfinite([res.loss_ce, res.loss_proto]).all():
-                    st["failed"][str(i)] = "its training loss is not finite (diverged)"
-                    log.warning("round %d: client %d's training diverged (loss not finite); its reply is left out",
-                                round, i)
-                    continue
                 out[i] = (from_record(rep.content[MESSAGE]), res)
                 st["failed"].pop(str(i), None)
                 st["unavailable"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
+            if any(r.loss_ce is not None and not np.isfinite([r.loss_ce, r.loss_proto, r.loss_terms]).all()
+                   for _, r in out.values()):
+                break  # a diverged client: the round loop's health check stops the run (the simulator's policy)
             dropped = {i: self._unusable(i, out[i][0], msgs[i]) for i in sorted(out)}
             dropped = {i: why for i, why in dropped.items() if why}
             valid = [i for i in out if i not in dropped]

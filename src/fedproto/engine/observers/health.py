@@ -49,7 +49,8 @@ class Health(Observer):
         r = round
         seen = [(i, replies.replies[i][1]) for i in sorted(replies.replies)
                 if replies.replies[i][1].loss_ce is not None]  # a node under DP sends no losses
-        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
+        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto, x.loss_terms]).all()
+               and i not in self.attackers]
         if bad:
             dirty = [i for i in bad if self.data is not None and self.data[i].in_memory
                      and not bool(torch.isfinite(self.data[i].x).all())]
