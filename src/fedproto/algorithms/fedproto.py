@@ -185,11 +185,11 @@ class FedProto(Algorithm):
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FedProto:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance,
-                   cfg.proto_source, cfg.aggregation, cfg.proto_classes, embedding_dim, cfg.lambda_warmup,
-                   cfg.proto_momentum, cfg.proto_normalize, cfg.min_proto_samples, cfg.proto_dist_alert,
-                   cfg.trim, cfg.min_contributors, cfg.exclude_outliers, cfg.lambda_schedule, cfg.dp, cfg.dp_noise,
-                   cfg.dp_clip, cfg.dp_grad_clip, cfg.dp_delta, cfg.dp_reproducible_noise, cfg.class_check)
+        """Built from the run config: every :class:`~fedproto.algorithms.options.FedProtoOptions`
+        field is a keyword of the same name (λ: the dataset's when not given, ``cfg.lam``)."""
+        values = {k: getattr(cfg, k) for k in FedProtoOptions.model_fields}
+        values["lambda_proto"] = cfg.lam
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, embedding_dim=embedding_dim, **values)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:
