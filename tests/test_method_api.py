@@ -150,3 +150,34 @@ def test_a_plugin_aggregate_keeps_metrics_prototypes_and_alerts(tmp_path, caplog
     assert not np.allclose(npz_a["protos"], npz_b["protos"])  # the rule acted
     assert alerts_a and alerts_b  # the distance alerts of both (proto_dist_alert=1: above the median)
     assert all("check its data (proto_dist_alert=1)" in a for a in alerts_b)
+
+
+class _Installed(FedProto):
+    """A plug-in as an installed package declares it (an entry point of the fedproto.algorithms group)."""
+
+    name = "installedproto"
+
+    class Options(plugins.AlgorithmOptions):
+        installed_x: float = Field(1.0, description="x")
+
+
+class _EntryPoint:
+    name, value, group = "installedproto", "somepackage:InstalledProto", plugins.GROUP
+
+    def load(self):
+        return _Installed
+
+
+def test_an_installed_plugin_package_stays_out_of_the_library_scope(monkeypatch):
+    import importlib.metadata
+
+    from fedproto.config import RunConfig, config_model
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [_EntryPoint()] if group ==
+                        plugins.GROUP else [])
+    with plugins.scope():  # the library's scope: the installed package is not loaded
+        assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig
+        with plugins.scope(entry_points=True):  # a user's process: it is
+            assert plugins.algorithm_names() == [*plugins.BUILTIN, "installedproto"]
+            assert "installed_x" in config_model().model_fields
+        assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig

@@ -20,8 +20,11 @@ so it cannot break the built-in methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -30,6 +33,10 @@ log = logging.getLogger(__name__)
 
 GROUP = "fedproto.algorithms"
 """The entry-point group third-party algorithms are declared in."""
+
+NO_ENTRY_POINTS = "FEDPROTO_NO_ENTRY_POINTS"
+"""Environment variable: ``1`` leaves the installed plug-ins unloaded in this process and the
+processes it starts (the library's test suite sets it, with :func:`scope`)."""
 
 
 class AlgorithmOptions(BaseModel):
@@ -151,6 +158,8 @@ def load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
+    if os.environ.get(NO_ENTRY_POINTS) == "1":
+        return
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=GROUP):
@@ -159,6 +168,27 @@ def load_plugins() -> None:
         except Exception as e:  # a broken plug-in must not break the library's own methods
             log.warning("algorithm plug-in %r (%s) could not be loaded: %s: %s", ep.name, ep.value,
                         type(e).__name__, e)
+
+
+@contextlib.contextmanager
+def scope(entry_points: bool = False) -> Iterator[None]:
+    """A registry of its own for a block of code: the library's methods, the algorithms
+    :func:`register` ed inside the block and, only with ``entry_points``, the installed plug-ins
+    (the ``fedproto.algorithms`` group); the registry as it was comes back afterwards. The
+    library's test suite runs inside ``scope()``, so an installed plug-in package changes none of
+    its results (no option, flag or name of a plug-in appears in them)."""
+    global _loaded, _version
+    saved, was_loaded = dict(PLUGINS), _loaded
+    PLUGINS.clear()
+    _loaded = not entry_points
+    _version += 1
+    try:
+        yield
+    finally:
+        PLUGINS.clear()
+        PLUGINS.update(saved)
+        _loaded = was_loaded
+        _version += 1
 
 
 def algorithm_names() -> list[str]:
