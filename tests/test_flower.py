@@ -311,8 +311,8 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
     q, t, e = (grid.replies[k] for k in ("query", "train", "evaluate"))
     assert len(q) == 3 and len(t) == 6 and len(e) == 3
-    query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
-                                                                   else set())
+    query_keys = {"cid", "classes", "params", "embedding-dim", "schema"} | (
+        {"train-samples", "test-samples"} if dp == "off" else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
     inst = set(INSTANCE_KEYS)  # random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)

@@ -198,3 +198,14 @@ def test_flower_and_simulator_share_the_nan_policy(hook_plugins, tmp_path):
     failure = json.loads((tmp_path / "flower" / "failure.json").read_text())
     assert failure["round"] == 1 and failure["error"] == "TrainingError"
     assert not (tmp_path / "sim" / "summary.json").exists() and not (tmp_path / "flower" / "summary.json").exists()
+
+
+def test_a_node_of_another_message_schema_is_refused(monkeypatch):
+    from fedproto.flower import client_app, common
+
+    assert common.schema_problem(common.SCHEMA, "node") == ""
+    assert "the node speaks no message schema (an older fedproto)" in common.schema_problem(None, "node")
+    monkeypatch.setattr(client_app, "SCHEMA", common.SCHEMA + 1)  # the nodes run another fedproto
+    uc = {k.replace("_", "-"): v for k, v in BASE.items()}
+    with pytest.raises(TrainingError, match="the node speaks message schema 2, this fedproto speaks schema 1"):
+        FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=False, wait_s=0)

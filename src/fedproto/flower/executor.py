@@ -42,7 +42,17 @@ from fedproto.config import RunConfig
 from fedproto.engine.checks import unusable
 from fedproto.engine.executors.base import Executor, RoundReplies
 from fedproto.errors import ConfigError, TrainingError
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, to_record
+from fedproto.flower.common import (
+    CONFIG,
+    MESSAGE,
+    METRICS,
+    QUERY,
+    SCHEMA,
+    FlowerOptions,
+    from_record,
+    schema_problem,
+    to_record,
+)
 from fedproto.training import TrainResult
 
 NODE_UNAVAILABLE = 5
@@ -155,9 +165,11 @@ class FlowerExecutor(Executor):
         return out
 
     def _config(self, entries: dict) -> dict:
-        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)."""
-        entries = {**entries, "run-key": self.run_key} if self.run_key else entries
-        return {CONFIG: ConfigRecord(entries)} if entries else {}
+        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)
+        and the message schema (:data:`fedproto.flower.common.SCHEMA`)."""
+        entries = {**entries, "run-key": self.run_key} if self.run_key else dict(entries)
+        entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.common.schema_problem)
+        return {CONFIG: ConfigRecord(entries)}
 
     def bind(self, algorithm: Algorithm) -> None:
         """The server side of the run's algorithm (its reply check decides a round's retries)."""
@@ -314,6 +326,9 @@ class FlowerExecutor(Executor):
         self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
 
     def _refusal(self, cid: int, info: dict) -> str:
+        bad_schema = schema_problem(info.get("schema"), "node")
+        if bad_schema:
+            return bad_schema
         m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
         if not 0 <= cid < m:
             return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
