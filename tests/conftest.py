@@ -24,14 +24,22 @@ DATA = os.environ.get("FEDPROTO_DATA")
 
 
 def allowed_threads() -> int:
-    """The threads a test may give one process: ``OMP_NUM_THREADS`` when set (CI, a shared machine),
-    else at most 2. No test sets more than this: on a busy 2-core machine, 2 threads where the
+    """The threads a test may give one process: ``OMP_NUM_THREADS`` (1 unless set before the suite starts,
+    see :func:`pytest_configure`). No test sets more than this: on a busy 2-core machine, 2 threads where the
     environment allows 1 ran the suite many times slower."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     return max(1, int(env)) if env.isdigit() else min(2, os.cpu_count() or 1)
 
 
 SLOW_ENV = "FEDPROTO_SLOW"
+
+
+def pytest_configure(config):
+    """The suite gives each process one thread unless ``OMP_NUM_THREADS`` says otherwise: torch's default
+    (every core) made the README's ``python -m pytest -q`` many times slower on a machine other jobs share.
+    The variable is set for the processes the tests start too."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(allowed_threads())
 
 
 def pytest_addoption(parser):

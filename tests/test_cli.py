@@ -414,3 +414,41 @@ def test_cli_refuses_python_only_options_from_the_config_file(toml, named, capsy
     assert code == 2, out
     assert f"error: {named} '{f}' is for your own clients, built from Python with fedproto.federation.federate(" in out
     assert "needs --classes" not in out and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args", [["run", "--bogus"], ["run", "--rounds", "abc"], ["plot"], ["reproduce", "--bogus"]])
+def test_usage_errors_have_the_one_error_style(args, capsys, monkeypatch):
+    """click's refusals read like every other bad input: one ``error:`` line with the fix, exit 2, no box."""
+    code, text = run_cli(args, capsys, monkeypatch)
+    lines = [x for x in text.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, text
+    assert lines[0].startswith("error: ") and lines[0].endswith(f"see fedproto {args[0]} --help"), text
+    assert "╭" not in text and "Traceback" not in text
+
+
+@pytest.mark.parametrize("where", ["front", "after-run", "last"])
+def test_verbose_is_read_anywhere(where, capsys, monkeypatch, tmp_path):
+    """``-v`` was read only before ``run``; after it, it was an unknown option."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)
+    run = ["run", "--dataset", "digits", "--rounds", "1", "--clients", "3", "--threads", "1", "-q",
+           "--out-dir", str(tmp_path)]
+    args = {"front": ["-v", *run], "after-run": ["run", "-v", *run[1:]], "last": [*run, "--verbose"]}[where]
+    code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    assert logging.getLogger().level == logging.INFO
+
+
+@needs_mnist
+def test_config_json_says_where_the_data_came_from(capsys, monkeypatch, tmp_path):
+    """config.json said ``data_dir: null`` when $FEDPROTO_DATA supplied the files: it now names the folders
+    searched, in order, and the variable's value."""
+    monkeypatch.setenv("FEDPROTO_DATA", DATA)
+    code, text = run_cli(["run", "--rounds", "1", "--clients", "2", "--ways", "2", "--shots", "5", "--test-shots", "5",
+                          "--stdev", "0", "--eval-every", "0", "--threads", "1", "-q", "--no-download",
+                          "--out-dir", str(tmp_path), "--name", "m"], capsys, monkeypatch)
+    assert code == 0, text
+    source = json.loads((tmp_path / "m" / "config.json").read_text())["data_source"]
+    assert source["kind"] == "files" and source["data_dir"] is None and source["FEDPROTO_DATA"] == DATA
+    assert source["searched"][0] == DATA

@@ -776,3 +776,19 @@ def test_errors_users_hit_name_the_value_and_the_fix(digits):
         meta = SmallCNN()
     fails(ModelError, r"client 0: the model's weights are on the meta device.*model.to_empty\(device='cpu'\)",
           model=meta)
+
+
+def test_the_readme_own_models_snippet_runs_as_pasted(capsys):
+    """The README's own-models snippet was pseudocode (a SyntaxError when pasted): it is now run as written,
+    and its five clients, each on its own four digits, end far above chance (25 % on four classes)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "fedproto.federation" in b]
+    assert len(blocks) == 1
+    scope: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), scope)
+    acc = scope["summary"]["accuracy"]["acc"]
+    assert scope["summary"]["clients"] == 5 and acc["mean"] > 0.6, acc
+    assert str(acc) in capsys.readouterr().out

@@ -325,7 +325,7 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
                for r in t)  # the release alone, and the instance keys
     assert all(_reply_keys(r)["message"] == {"classes", "protos", "counts"} for r in t)
     assert all(_reply_keys(r)["metrics"] == ({"dp_epsilon"} if dp == "prototypes" else set()) | inst for r in e)
-    assert summary["accuracy"] == {} and "clients_evaluated" not in summary
+    assert summary["accuracy"] == {} and summary["clients_evaluated"] == 0 and summary["left_out"] == {}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss_ce"] for r in rows] == [None, None]
     if dp == "prototypes":
@@ -820,7 +820,8 @@ def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and
     assert rejoined == [{"1": "restarted with its state restored from its state file"}], rows
     assert "restarted and reloaded its state from its state file" in logs
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert "left_out" not in summary and "state_lost_round" not in open(run_dir / "clients.csv").readline()
+    assert summary["left_out"] == {}
+    assert [c["state_lost_round"] for c in csv.DictReader(open(run_dir / "clients.csv"))] == ["", "", ""]
 
 
 def test_flower_options_are_read_and_checked():
@@ -858,6 +859,39 @@ def test_credentials_for_tls_and_node_authentication(tmp_path):
         LocalFederation(tmp_path / "fed", auth=True)
 
 
+def test_credentials_keep_private_keys_private_and_renew_under_the_same_ca(tmp_path):
+    """server.key was written with mode 0644, the CA key was not kept (no renewal), certificates lasted 30 days."""
+    import datetime
+    import stat
+
+    from cryptography import x509
+
+    from fedproto.flower.local import make_credentials
+
+    folder = tmp_path / "creds"
+    c = make_credentials(folder, 2, days=90)
+    ca_key = tmp_path / "creds-ca" / "ca.key"
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert [mode(p) for p in (c.server_key, ca_key, c.node_keys[0][0], c.node_keys[1][0])] == [0o600] * 4
+    assert mode(ca_key.parent) == 0o700 and not any(p.name.endswith(".key") and p.name != "server.key"
+                                                    for p in folder.iterdir())  # the CA key is not in the folder
+    cert = x509.load_pem_x509_certificate(c.server_cert.read_bytes())
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    assert life == datetime.timedelta(days=90)
+    ca_before, node_before = c.ca_cert.read_bytes(), c.node_keys[1][1].read_bytes()
+    r = make_credentials(folder, 3, days=30)  # renewal: same CA and node keys, a new server certificate, node 2 added
+    renewed = x509.load_pem_x509_certificate(r.server_cert.read_bytes())
+    assert r.ca_cert.read_bytes() == ca_before and r.node_keys[1][1].read_bytes() == node_before
+    assert renewed.serial_number != cert.serial_number and len(r.node_keys) == 3
+    ca = x509.load_pem_x509_certificate(r.ca_cert.read_bytes())
+    renewed.verify_directly_issued_by(ca)  # raises if the renewed certificate is not the kept CA's
+    ca_key.unlink()
+    with pytest.raises(ConfigError, match="a CA is renewed from its certificate and its key together"):
+        make_credentials(folder, 1)
+    with pytest.raises(ConfigError, match="days=0"):
+        make_credentials(tmp_path / "other", 1, days=0)
+
+
 def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     """Client 2's node stops answering from round 2 on: the summary says 2 of 3 clients were
     evaluated, and the mean is over those two."""
@@ -875,6 +909,40 @@ def test_a_node_gone_at_the_final_evaluation_is_counted_out(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     accs = [float(r["acc"]) for r in rows if r["acc"]]
     assert len(accs) == 2 and summary["accuracy"]["acc"]["mean"] == pytest.approx(sum(accs) / 2)
+
+
+def test_a_node_missing_the_final_evaluation_is_left_out_and_the_headline_says_so(tmp_path, caplog):
+    """Client 1's node trains in both rounds and is gone when the final evaluation is asked for: it is in
+    summary.json's ``left_out`` with why, the headline and the closing log line say "2 of 3", the mean is over
+    the two that answered, and clients.csv and summary.json have the keys an intact run has."""
+    from fedproto.engine.summary import over_clients
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 2, "eval-every": 0})
+    intact = FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)),
+                          out=tmp_path / "intact", timeout_s=1).run()
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+
+    def gone_at_the_end(grid, kind, group):
+        if kind == "evaluate":
+            grid.silent.add(1001)
+
+    grid.on_send = gone_at_the_end
+    with caplog.at_level("WARNING"):
+        summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run", timeout_s=1).run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(r.get("replied", [0, 1, 2])) for r in rows] == [[0, 1, 2], [0, 1, 2]]  # it trained throughout
+    assert summary["left_out"] == {"1": "not evaluated at the end: its node did not answer the final evaluation"}
+    assert summary["clients"] == 3 and summary["clients_evaluated"] == 2 and summary["clients_in_accuracy"] == 2
+    assert over_clients(summary) == "2 of 3" and over_clients(intact) == "3"
+    clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
+    accs = [float(c["acc"]) for c in clients if c["acc"]]
+    assert len(accs) == 2 and clients[1]["acc"] == "" and clients[1]["left_out"] == summary["left_out"]["1"]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(np.mean(accs), abs=1e-12)
+    assert "the accuracy is over 2 of 3 clients: it leaves out client 1" in caplog.text
+    assert set(summary) == set(intact)  # the same keys whatever happened
+    assert list(clients[0]) == list(next(csv.DictReader(open(tmp_path / "intact" / "clients.csv"))))
+    assert intact["left_out"] == {} and intact["clients_in_accuracy"] == 3
 
 
 def test_a_second_node_with_a_live_clients_id_is_refused(tmp_path, caplog):
@@ -1059,11 +1127,12 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
     clients = list(csv.DictReader(open(tmp_path / "run" / "clients.csv")))
     if keep_state:
         assert rows[3]["rejoined"] == {"1": "restarted with its state restored from its state file"}
-        assert "left_out" not in summary and "state_lost_round" not in clients[1]
+        assert summary["left_out"] == {} and clients[1]["state_lost_round"] == "" and clients[1]["left_out"] == ""
         assert "client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
         return
     assert rows[3]["rejoined"] == {"1": "restarted without its state: a fresh model"}
     assert [c["state_lost_round"] for c in clients] == ["", "4", ""]
+    assert [c["left_out"] for c in clients] == ["", summary["left_out"]["1"], ""]
     assert summary["left_out"] == {"1": "its node lost its state in round 4; it trained in 1 round(s) from then on, "
                                         "fewer than 2"}
     accs = [float(c["acc"]) for c in clients]

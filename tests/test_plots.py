@@ -39,6 +39,8 @@ def test_run_then_plot_writes_pngs(capsys, monkeypatch, tmp_path):
     code, text = run_cli(["plot", str(run)], capsys, monkeypatch)
     assert code == 0, text
     assert str(run / "curves.png") in text and str(run / "tsne.png") in text
+    # the t-SNE takes a while: the user is told before it starts, after curves.png is named
+    assert text.index(str(run / "curves.png")) < text.index("t-SNE of the test embeddings (at most 200 per client)")
     assert_png(run / "curves.png")
     assert_png(run / "tsne.png")
 

@@ -77,3 +77,80 @@ def test_tensorboard_without_a_run_folder_says_nothing_is_written(monkeypatch, c
         summary = Simulation(build_config(overrides=SMALL), out=False).run()
     assert "tensorboard is on but this run writes no run folder (out=False)" in caplog.text
     assert summary["rounds"] == 1
+
+
+def _events(folder):
+    """(step, value) of every ``loss_ce`` event TensorBoard shows for ``folder`` (purged steps hidden)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("loss_ce")]
+
+
+@pytest.mark.skipif(not HAS_TB, reason="needs the tensorboard extra: pip install \"fedproto[tensorboard]\"")
+def test_tensorboard_resume_logs_each_round_once(tmp_path):
+    """Interrupted after round 3 with a checkpoint after round 2: the resumed run runs round 3 again, and
+    TensorBoard shows rounds 1-4 once each, with metrics.jsonl's values (round 3 from the resumed run)."""
+    from fedproto.config import build_config
+    from fedproto.results import read_metrics
+    from fedproto.simulation import Simulation
+
+    cfg = build_config(overrides={**SMALL, "rounds": 4, "checkpoint_every": 2})
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(row):
+        if row["round"] == 3:
+            raise Stop
+
+    run = tmp_path / "run"
+    with pytest.raises(Stop):
+        Simulation(cfg, out=run, on_round=stop_at_3).run()
+    assert [s for s, _ in _events(run / "tensorboard")] == [1, 2, 3]  # round 3 was logged before the stop
+    Simulation(cfg, out=run).run(resume=True)
+    rows = read_metrics(run)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    got = _events(run / "tensorboard")
+    assert [s for s, _ in got] == [1, 2, 3, 4]
+    assert [v for _, v in got] == [pytest.approx(r["loss_ce"], rel=1e-6) for r in rows]
+
+
+@pytest.mark.skipif(not HAS_TB, reason="needs the tensorboard extra: pip install \"fedproto[tensorboard]\"")
+def test_tensorboard_rerun_keeps_no_old_events(tmp_path):
+    """A second run under the same folder (another lr, so other losses) shows only its own events; the
+    first run's event files wait in .previous with the rest of that run until the new one finishes."""
+    from fedproto.config import build_config
+    from fedproto.results import PREVIOUS, read_metrics
+    from fedproto.simulation import Simulation
+
+    run = tmp_path / "run"
+    Simulation(build_config(overrides={**SMALL, "rounds": 2}), out=run).run()
+    first = _events(run / "tensorboard")
+
+    seen = {}
+
+    def during(row):  # while the new run runs, the old events are aside, not beside the new ones
+        seen[row["round"]] = (run / PREVIOUS / "tensorboard").is_dir()
+
+    Simulation(build_config(overrides={**SMALL, "rounds": 2, "lr": 0.01}), out=run, on_round=during).run()
+    assert seen == {1: True, 2: True}
+    got = _events(run / "tensorboard")
+    rows = read_metrics(run)
+    assert [s for s, _ in got] == [1, 2]
+    assert [v for _, v in got] == [pytest.approx(r["loss_ce"], rel=1e-6) for r in rows]
+    assert [v for _, v in got] != [v for _, v in first]
+    assert not (run / PREVIOUS).exists()  # the new run finished: the old one is gone
+
+
+def test_a_refused_tensorboard_leaves_no_folder_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """The command line made the run folder and its new parent folders before the check refused the run."""
+    from conftest import run_cli
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    out = tmp_path / "new" / "deeper"
+    code, text = run_cli(["run", "--dataset", "digits", "--rounds", "1", "--threads", "1", "--tensorboard",
+                          "--out-dir", str(out)], capsys, monkeypatch)
+    assert code == 2 and "fedproto[tensorboard]" in text
+    assert list(tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -189,6 +189,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                           "clients, num_classes, ...); the command line runs mnist, femnist, cifar10, digits (each "
                           "with its own classes)")
     cfg = build_config(config, overrides)
+    if cfg.tensorboard:  # a missing extra stops the run before its folder (and any parent) is made
+        from fedproto.tensorboard import require_tensorboard
+
+        require_tensorboard()
     out = Path(cfg.out_dir) / cfg.run_name()
     run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
     try:
@@ -236,7 +240,9 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
                         f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
     table.add_column("inference")
-    table.add_column("accuracy % (mean ± std over clients)", justify="right")
+    from fedproto.engine.summary import over_clients
+
+    table.add_column(f"accuracy % (mean ± std over {over_clients(summary)} clients)", justify="right")
     for key, label in (("acc", "classifier"), ("acc_global", "classifier, global model (before local training)"),
                        ("acc_proto", "nearest prototype (eq. 4)")):
         if key in summary["accuracy"]:
@@ -287,8 +293,11 @@ def plot(
         err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
                           "`fedproto run`)", highlight=False, soft_wrap=True)
         return
+    err_console.print(f"t-SNE of the test embeddings (at most {max_per_client or 'all'} per client): this takes a "
+                      "while, up to a minute or two on a CPU (--no-tsne skips it)", highlight=False, soft_wrap=True)
     try:
-        with _damaged_files(run_dir):
+        with err_console.status("t-SNE", spinner="dots") if err_console.is_terminal else nullcontext(), \
+                _damaged_files(run_dir):
             path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
     except TooFewPoints as e:
         err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
@@ -463,6 +472,17 @@ def _error(message: str) -> None:
     sys.exit(2)
 
 
+VERBOSE = ("-v", "--verbose")
+
+
+def _hoist_verbose(args: list[str]) -> list[str]:
+    """``-v``/``--verbose`` anywhere before ``--`` (``fedproto run -v`` as well as ``fedproto -v run``):
+    moved to the front, where the root command reads it."""
+    end = args.index("--") if "--" in args else len(args)
+    found = [a for a in args[:end] if a in VERBOSE]
+    return [*found[:1], *(a for a in args[:end] if a not in VERBOSE), *args[end:]]
+
+
 def main() -> None:
     """Console entry point. Usage errors: click's message and exit code 2; any FedprotoError: one
     message on stderr and exit code 2, no traceback."""
@@ -473,7 +493,17 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        command()()
+        code = command().main(args=_hoist_verbose(sys.argv[1:]), prog_name="fedproto", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # `fedproto` alone: the help
+        e.show()
+        sys.exit(e.exit_code)
+    except click.UsageError as e:  # a flag or value click refused: the same one-line style as a FedprotoError
+        cmd = e.ctx.command_path if e.ctx is not None else "fedproto"
+        _error(f"{e.format_message().rstrip('.')}; see {cmd} --help")
+    except click.ClickException as e:
+        _error(e.format_message())
+    except click.Abort:
+        sys.exit(130)
     except FedprotoError as e:
         from fedproto.options import cli_wording
 
@@ -483,6 +513,8 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "
                           "(or free space) and run the command again", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
+    if isinstance(code, int) and code:  # typer.Exit(n) inside a command
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -84,10 +84,11 @@ CHECKPOINT_FILE = "checkpoint.pt"
 """The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json")
-"""Files a run writes. A new run in the same folder never mixes its files with an older run's (no
-summary.json means: not finished): a finished older run is moved to :data:`PREVIOUS` until the new
-one finishes, an unfinished one is removed."""
+                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
+                "tensorboard")
+"""Files (and the ``tensorboard`` folder of event files) a run writes. A new run in the same folder never
+mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to
+:data:`PREVIOUS` until the new one finishes, an unfinished one is removed."""
 
 LOCK = ".lock"
 """File holding the pid of the process writing a run folder (see :meth:`RunDir.acquire`)."""
@@ -95,6 +96,14 @@ LOCK = ".lock"
 PREVIOUS = ".previous"
 """Sub-folder holding the finished run a new run in the same folder replaces, until it finishes
 (restored when it fails without a checkpoint to resume from)."""
+
+
+def _remove(path: Path) -> None:
+    """Remove a run's file or folder (``tensorboard/``) if it exists; OSError when it cannot."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def restore_orphan(path: str | Path, force: bool = False) -> bool:
@@ -109,7 +118,7 @@ def restore_orphan(path: str | Path, force: bool = False) -> bool:
         return False
     try:
         for name in RESULT_FILES:
-            (path / name).unlink(missing_ok=True)
+            _remove(path / name)
         for f in prev.iterdir():
             if f.is_dir() and (path / f.name).is_dir():
                 shutil.rmtree(path / f.name)
@@ -135,6 +144,10 @@ class RunDir:
         self.path = Path(path)
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
+        top = self.path.absolute()  # the outermost folder this object creates (removed again if unused)
+        while not top.parent.exists():
+            top = top.parent
+        self._created_top = top
         self._begun = False
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -158,7 +171,8 @@ class RunDir:
         Raises:
             ConfigError: the folder cannot be written.
         """
-        keep = ("config.json", "checkpoint.pt") if history is not None else ()
+        # resuming keeps the event files: TensorBoardObserver purges the rounds after the checkpoint
+        keep = ("config.json", "checkpoint.pt", "tensorboard") if history is not None else ()
         moved: list[str] = []
         prev = self.path / PREVIOUS
         try:
@@ -175,7 +189,7 @@ class RunDir:
                         moved.append(name)
             for name in RESULT_FILES:
                 if name not in keep:
-                    (self.path / name).unlink(missing_ok=True)
+                    _remove(self.path / name)
                 for tmp in self.path.glob(f".{name}.*.tmp"):  # left by a killed process mid-write
                     tmp.unlink(missing_ok=True)
             atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
@@ -250,12 +264,18 @@ class RunDir:
             raise self._unwritable(e) from None
 
     def discard_if_unused(self) -> None:
-        """Remove the folder if this object created it and no run began in it (set-up failed)."""
+        """Remove the folder if this object created it and no run began in it (set-up failed), and the
+        parent folders it created for it, as far as they are empty."""
         if self._created and not self._begun:
-            try:
-                self.path.rmdir()  # only when empty
-            except OSError:
-                pass
+            d = self.path.absolute()
+            while True:
+                try:
+                    d.rmdir()  # only when empty
+                except OSError:
+                    return
+                if d == self._created_top or d.parent == d:
+                    return
+                d = d.parent
 
     # Every writer below raises ConfigError (naming the file) instead of OSError, e.g. on a full disk.
     def write_config(self, cfg: dict) -> None:
@@ -275,8 +295,8 @@ class RunDir:
     def write_clients(self, rows: Iterable[dict]) -> None:
         rows = list(rows)
         buf = io.StringIO()
-        if rows:
-            w = csv.DictWriter(buf, fieldnames=list(rows[0].keys()))
+        if rows:  # every key any row has (a node that did not answer lacks its own report's keys)
+            w = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)), restval="")
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})

@@ -168,14 +168,29 @@ class Simulation:
 
     def config_record(self) -> dict:
         """What ``config.json`` holds: the options, the λ, batch size and device in force, the
-        partition. For your own clients (dataset ``custom``) the options the run did not use
+        partition, where the data came from (``data_source``: the folders searched, in order). For your
+        own clients (dataset ``custom``) the options the run did not use
         (:meth:`RunConfig.unused_fields`: the partition's, the zoo models') are ``null`` and
         ``embedding_dim`` is your models' embedding size."""
         record = self.cfg.model_dump()
         if self.cfg.dataset == "custom":
             record.update(dict.fromkeys(self.cfg.unused_fields()))
             record["embedding_dim"] = int(self.setup.embedding_dim)
-        return {**record, "lambda_proto_in_force": self.cfg.lam, **self.executor.config_record()}
+        return {**record, "lambda_proto_in_force": self.cfg.lam, "data_source": self._data_source(),
+                **self.executor.config_record()}
+
+    def _data_source(self) -> dict:
+        """Where the data came from: ``data_dir`` alone said nothing when ``$FEDPROTO_DATA`` supplied it."""
+        import os
+
+        from fedproto.data.datasets import DATA_ENV, candidate_roots
+
+        if self.cfg.dataset == "custom":
+            return {"kind": "your clients' own data (fedproto.federation)"}
+        if self.cfg.dataset == "digits":
+            return {"kind": "scikit-learn's bundled digits (no files)"}
+        return {"kind": "files", "data_dir": self.cfg.data_dir, DATA_ENV: os.environ.get(DATA_ENV) or None,
+                "searched": [str(p) for p in candidate_roots(self.cfg.data_dir)]}
 
     def close(self) -> None:
         """Stop this simulation's worker processes, if any (:meth:`run` does so when it ends)."""

@@ -3,7 +3,10 @@
 :class:`TensorBoardObserver` receives each row that ``metrics.jsonl`` gets (one dict per round) and
 writes every numeric entry as a TensorBoard scalar at step ``row["round"]``, with
 ``torch.utils.tensorboard.SummaryWriter`` into ``<run dir>/tensorboard/``. It changes no number of a run
-(the option is result-neutral); ``metrics.jsonl`` stays the record. View with
+(the option is result-neutral); ``metrics.jsonl`` stays the record, and the events follow it: a run resumed
+from a checkpoint after round ``c`` purges the events of rounds after ``c`` that the interrupted process had
+written (TensorBoard's ``purge_step``), so each round is logged once; a new run in the same folder moves the
+old event files aside with the rest of the old run (:data:`fedproto.results.RESULT_FILES`). View with
 ``tensorboard --logdir <run dir>/tensorboard`` (or the parent folder of several run directories).
 
 Needs the ``tensorboard`` package: ``pip install "fedproto[tensorboard]"``.
@@ -72,11 +75,12 @@ class TensorBoardObserver(Observer):
         self._writer_cls = _summary_writer()  # a missing extra is an error before round 1
         self.log_dir = Path(run_dir_path) / TENSORBOARD_DIR
         self._writer = None  # opened with the first row, once the run folder is set up (RunDir.begin)
+        self.purge_step: int | None = None  # resumed runs: the first round this process runs (see start)
 
     def _open(self):
         if self._writer is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = self._writer_cls(log_dir=str(self.log_dir))
+            self._writer = self._writer_cls(log_dir=str(self.log_dir), purge_step=self.purge_step)
         return self._writer
 
     @staticmethod
@@ -116,6 +120,11 @@ class TensorBoardObserver(Observer):
             self._writer.close()
 
     # the round loop's hooks (fedproto.engine.loop.Observer)
+    def start(self, loop) -> None:
+        """A resumed run (``loop.start_round`` > 1) purges the events at and after its first round: the
+        interrupted process may have logged rounds after its last checkpoint, which are run again."""
+        self.purge_step = loop.start_round if loop.start_round > 1 else None
+
     def round_done(self, loop, row: dict[str, Any]) -> None:
         self.on_round(row)
 

@@ -41,6 +41,18 @@ def rounds_trained(history: list[dict], num_clients: int) -> list[int]:
     return counts
 
 
+def _measured(v) -> bool:
+    """An accuracy was measured: a number, not NaN (a node that did not answer reports NaN)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def over_clients(summary: dict) -> str:
+    """How many clients the headline accuracy is over, in words: ``"3"``, or ``"2 of 3"`` when some are
+    left out (summary.json ``left_out``)."""
+    n, k = summary["clients"], summary.get("clients_in_accuracy", summary["clients"])
+    return f"{k} of {n}" if k != n else f"{n}"
+
+
 def describe_test_set(cfg: RunConfig) -> str:
     """Which test set the accuracies are on, in words."""
     if cfg.dataset == "custom":
@@ -62,7 +74,11 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
         per_client: the final per-client metrics (indexed by client id).
         totals: communication summed over rounds. wall, train_time: seconds.
     Returns:
-        The ``summary.json`` dict (observers add their entries: attack, full test split).
+        The ``summary.json`` dict (observers add their entries: attack, full test split). Its keys are the
+        same whatever happened: ``accuracy`` is over the ``clients_in_accuracy`` clients not in ``left_out``
+        (client id -> why: a node that lost its state and trained too little since, or that did not answer
+        the final evaluation); ``accuracy_all_clients`` over every client evaluated (``clients_evaluated``).
+        ``per_client`` rows get ``left_out`` (the reason, or ``""``) in place, for ``clients.csv``.
     """
     last = history[-1]
     S = executor.num_clients
@@ -103,18 +119,25 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
                     "their initial weights and counted in the accuracy over all clients; the mean over the %d clients "
                     "that trained is summary.json's accuracy_trained (clients.csv: rounds_trained)", len(never), S,
                     cfg.participation, cfg.rounds, never[:10], " ..." if len(never) > 10 else "", len(did))
-    scored = sum(1 for m in per_client if isinstance(m.get("acc"), float) and m["acc"] == m["acc"])
-    if scored < len(per_client) and any("acc" in m for m in per_client):  # a node did not answer (Flower)
-        summary["clients_evaluated"] = scored
-    left = executor.left_out(history, cfg.rounds) if hasattr(executor, "left_out") else {}
+    # the headline is over the clients it names: clients.csv and summary.json keep their keys whatever happened
+    measured = [i for i, m in enumerate(per_client) if _measured(m.get("acc"))]
+    summary["clients_evaluated"] = len(measured)
+    left = dict(executor.left_out(history, cfg.rounds)) if hasattr(executor, "left_out") else {}
+    if any("acc" in m for m in per_client):  # (a DP node keeps its accuracy: nothing to leave out then)
+        for i in range(len(per_client)):
+            if i not in left and i not in measured:
+                left[i] = "not evaluated at the end: its node did not answer the final evaluation"
+    kept = [m for i, m in enumerate(per_client) if i not in left]
+    summary["accuracy_all_clients"] = summary["accuracy"]
     if left:
-        # the headline is over the clients that kept (or rebuilt) their state; all clients stand beside it
-        kept = [m for i, m in enumerate(per_client) if i not in left]
-        summary["accuracy_all_clients"] = summary["accuracy"]
         summary["accuracy"] = {k: dict(zip(("mean", "std"), summarize([m[k] for m in kept])))
                                for k in summary["accuracy"] if k in per_client[0]}
-        summary["left_out"] = {str(i): why for i, why in left.items()}
-        log.warning("the accuracy leaves out clients %s (their node lost their state and they trained too little "
-                    "since); accuracy_all_clients in summary.json counts them", sorted(left))
+        log.warning("the accuracy is over %d of %d clients: it leaves out %s (summary.json left_out says why); "
+                    "accuracy_all_clients in summary.json counts every client evaluated", len(kept), S,
+                    ", ".join(f"client {i} ({why})" for i, why in sorted(left.items())))
+    summary["clients_in_accuracy"] = len(kept)
+    summary["left_out"] = {str(i): why for i, why in sorted(left.items())}
+    for i, m in enumerate(per_client):  # clients.csv: the same column in every run
+        m["left_out"] = left.get(i, "")
     summary.update(alg.summary_entries(cfg, per_client))
     return summary

@@ -482,8 +482,7 @@ class FlowerExecutor(Executor):
     def client_report(self, cid: int) -> dict:
         """The node's own report from its evaluate reply (:meth:`Algorithm.client_report` runs there),
         plus ``state_lost_round`` (the round its node came back without the client's state; empty if never)."""
-        lost = {"state_lost_round": self.state_lost.get(cid)} if self.state_lost else {}
-        return {**self._reports.get(cid, {}), **lost}
+        return {**self._reports.get(cid, {}), "state_lost_round": self.state_lost.get(cid)}
 
     def who(self, cid: int) -> str:
         return f"client {cid} (node {self.nodes.get(cid)})"

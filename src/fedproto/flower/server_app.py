@@ -37,6 +37,7 @@ from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.checkpoints import check_options
 from fedproto.engine.observers.health import Health
 from fedproto.engine.setup import build_algorithm
+from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
@@ -271,12 +272,11 @@ def main(grid: Grid, context: Context) -> None:
         log.error("fedproto: %s", e.render(flower_wording))  # options named as run-config keys
         return
     acc = summary["accuracy"].get("acc", {})
-    n = summary["clients"]
     if not acc and cfg.dp != "off":
         log.warning("fedproto: %s on %s with dp=%s: each node kept its accuracy (and logged it); results in %s",
                     cfg.algorithm, cfg.dataset, cfg.dp, out)
         return
-    over = f"{summary['clients_evaluated']} of {n}" if "clients_evaluated" in summary else f"{n}"
+    over = over_clients(summary)
     log.warning("fedproto: %s on %s: accuracy %.2f ± %.2f %% over %s clients, %.1fk parameters up per round; "
                 "results in %s", cfg.algorithm, cfg.dataset, 100 * acc.get("mean", float("nan")),
                 100 * acc.get("std", float("nan")), over, summary["params_per_round"]["up"] / 1e3, out)
