@@ -1,4 +1,4 @@
-"""The round loop (DESIGN.md "engine"): one loop for the simulator and for Flower.
+"""The round loop (docs/architecture.md, "One round in the simulator"): one loop for the simulator and for Flower.
 
 Each round: sample the clients (:func:`~fedproto.engine.seeding.sample_clients` over the
 executor's available clients), send each its downlink view of the server message, let the

@@ -1,7 +1,7 @@
 """The one set-up every front end builds a run with (``fedproto run``, :func:`fedproto.federation.federate`,
 the Flower nodes, onboarding, ``reproduce``): data, partition, client models, the algorithm, and
-every check of the clients against the options, before round 1 (DESIGN.md: config errors are
-caught before any training starts).
+every check of the clients against the options, before round 1 (config errors are caught
+before any training starts; docs/architecture.md).
 
 :func:`prepare` builds a run of a named dataset from a :class:`~fedproto.config.RunConfig`;
 :func:`build_setup` finishes any set-up (your own clients included) and is where a check added

@@ -4,7 +4,7 @@
 their SuperNodes), the run's algorithm (its server side) and the round loop
 (:class:`fedproto.engine.loop.RoundLoop`) the simulator runs, with the observers of a run that
 holds no client data: the run folder, health checks and progress. Nothing here trains a client,
-and the server holds no data and no client model (DESIGN.md).
+and the server holds no data and no client model (docs/architecture.md).
 
 Run options come from the Flower run config (``[tool.flwr.app.config]`` of the Flower app, or
 ``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option (``-`` or ``_``) plus
