@@ -301,16 +301,19 @@ class ClientPart:
 
 
 class ServerPart:
-    """The server part of an algorithm: what runs on the server, which sees messages only, never a
-    client's state, model or data (docs/architecture.md).
+    """The server strategy of an algorithm: what runs on the server, which sees messages only,
+    never a client's state, model or data (docs/architecture.md, "Algorithm").
 
     Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
-    :meth:`aggregate` (the round's checked replies into the next message), :meth:`broadcast` and
-    :meth:`downlink` (what each client receives), the reply checks the engine runs before
-    aggregating (:meth:`reply_problem`, :meth:`reply_problems`), its state for checkpoints
-    (:meth:`server_state`), monitoring (:meth:`round_metrics`, :meth:`outliers`), what the summary
-    says (:meth:`eval_protocols`, :meth:`summary_entries`, :meth:`write_results`) and the checks of
-    a whole federation before round 1 (:meth:`check_setup`, :meth:`divergence_hint`).
+    :meth:`aggregate` (the round's checked replies and the previous
+    :class:`~fedproto.algorithms.state.ServerState` into the next one: message, metrics, alerts,
+    checkpoint, run-folder files), :meth:`resume_state` (that state from a checkpoint),
+    :meth:`broadcast` and :meth:`downlink` (what each client receives), the reply checks the engine
+    runs before aggregating (:meth:`reply_problem`, :meth:`reply_problems`, :meth:`message_problem`),
+    what the summary says (:meth:`eval_protocols`, :meth:`summary_entries`) and the checks and
+    words of a whole federation (:meth:`check_setup`, :meth:`divergence_hint`, :meth:`attack_fix`,
+    :meth:`blowup_causes`). A method whose :meth:`aggregate` returns its message alone gives the
+    rest with :meth:`round_metrics`, :meth:`server_state` and :meth:`write_results`.
     """
 
     def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
