@@ -175,6 +175,7 @@ def test_an_installed_plugin_package_stays_out_of_the_library_scope(monkeypatch)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [_EntryPoint()] if group ==
                         plugins.GROUP else [])
+    monkeypatch.delenv(plugins.NO_ENTRY_POINTS, raising=False)  # as in a user's process
     with plugins.scope():  # the library's scope: the installed package is not loaded
         assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig
         with plugins.scope(entry_points=True):  # a user's process: it is
