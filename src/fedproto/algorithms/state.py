@@ -1,6 +1,6 @@
 """The server strategy's explicit state (docs/architecture.md, "Server strategy").
 
-:meth:`~fedproto.algorithms.base.ServerPart.aggregate` returns a :class:`ServerState`: the next
+:meth:`~fedproto.algorithms.server.ServerPart.aggregate` returns a :class:`ServerState`: the next
 server message and everything else the round produced on the server (its entries of the metrics
 row, health alerts, what a checkpoint must keep to resume, the run folder's files). The engine
 keeps the last one (``RoundLoop.server``), hands it back to the next ``aggregate`` and reads
