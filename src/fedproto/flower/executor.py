@@ -406,10 +406,13 @@ class FlowerExecutor(Executor):
                 m = rep.content[METRICS] if METRICS in rep.content else {}
                 self._saw(i, m)
                 if "loss_ce" in m:
-                    res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
-                                      float(m.get("emb-norm-max", 0.0)), float(m.get("loss-terms", 0.0)))
+                    # each entry by its name (fedproto.flower.common.SCHEMA)
+                    res = TrainResult(sums=None, counts=None, loss_ce=float(m["loss_ce"]),
+                                      loss_proto=float(m["loss_proto"]), steps=int(m["steps"]),
+                                      emb_norm_max=float(m.get("emb-norm-max", 0.0)),
+                                      loss_terms=float(m.get("loss-terms", 0.0)))
                 else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)
-                    res = TrainResult(None, None, None, None, 0)
+                    res = TrainResult(sums=None, counts=None, loss_ce=None, loss_proto=None, steps=0)
                 out[i] = (from_record(rep.content[MESSAGE]), res)
                 st["failed"].pop(str(i), None)
                 st["unavailable"].pop(str(i), None)
