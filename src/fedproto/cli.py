@@ -305,6 +305,52 @@ def plot(
     console.print(str(path), highlight=False, soft_wrap=True)
 
 
+@app.command("site-data")
+def site_data(
+    out: Path = typer.Argument(..., help="Where the data files go: OUT/site<i>/ per client of the run's partition, "
+                               "or OUT/ itself with --from."),
+    from_: Optional[Path] = typer.Option(None, "--from", help="A site's own data: a folder with one sub-folder of "
+                                         "images per class, a .npz with x and y, or a .csv with a label column."),
+    test_fraction: float = typer.Option(0.2, help="--from: share of each class held out as the test split."),
+    normalize: str = typer.Option("standardize", help="--from: standardize (train mean and std), mnist, cifar10 "
+                                  "(those loaders' constants, for images in [0, 1]) or none."),
+    label_column: str = typer.Option("label", help="--from a .csv: the label column."),
+    class_names: Optional[str] = typer.Option(None, help="--from: the run's class names in id order (comma-"
+                                              "separated), when labels are names rather than class ids."),
+    seed: int = typer.Option(0, help="--from: the seed of the train/test split."),
+    config: Optional[Path] = typer.Option(None, "--config", help="The run's options (TOML): dataset, clients, ways, "
+                                          "shots, seed... (without --from)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="A run option as key=value (repeatable; without "
+                                             "--from), e.g. --set dataset=mnist --set clients=3."),
+    client_ids: Optional[str] = typer.Option(None, help="Only these clients of the partition (comma-separated ids)."),
+):
+    """Write a site's train.npz and test.npz for a Flower SuperNode (docs/flower.md, "Node data")."""
+    from fedproto import sitedata
+
+    if from_ is not None:
+        if config is not None or set_ or client_ids:
+            raise FedprotoError("--from writes one site from its own files; --config, --set and --client-ids choose "
+                                "clients of a run's partition: give one or the other")
+        names = [n.strip() for n in class_names.split(",")] if class_names else None
+        got = sitedata.write_site_from(from_, out, test_fraction, normalize, label_column, seed, names)
+        console.print(f"wrote {got['train']} ({got['train_samples']} samples) and {got['test']} "
+                      f"({got['test_samples']}); one sample {got['shape']}, classes {got['classes']}",
+                      highlight=False, soft_wrap=True)
+        return
+    from fedproto.reproduce import parse_sets
+
+    cfg = build_config(config, parse_sets(set_, grid=False))
+    ids = None
+    if client_ids:
+        try:
+            ids = [int(v) for v in client_ids.split(",")]
+        except ValueError:
+            raise FedprotoError(f"--client-ids {client_ids!r}: give whole numbers separated by commas, e.g. 0,1,2") \
+                from None
+    for folder in sitedata.write_partition_sites(cfg, out, ids):
+        console.print(str(folder), highlight=False, soft_wrap=True)
+
+
 @contextmanager
 def _damaged_files(run_dir: Path):
     """Turn what a damaged or foreign run folder raises (bad JSON, missing keys, wrong types or

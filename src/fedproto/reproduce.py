@@ -169,15 +169,15 @@ def parse_value(text: str) -> Any:
     return parse(text)
 
 
-def parse_sets(items: Sequence[str] | None) -> dict[str, Any]:
-    """``key=value`` strings -> overrides; grid keys are refused (they have their own options)."""
+def parse_sets(items: Sequence[str] | None, grid: bool = True) -> dict[str, Any]:
+    """``key=value`` strings -> overrides; with ``grid``, grid keys are refused (they have their own options)."""
     out: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: write key=value, e.g. --set lr=0.05")
         k, v = item.split("=", 1)
         k = normal_key(k.strip())
-        if k in GRID_KEYS:
+        if grid and k in GRID_KEYS:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
         if k not in RunConfig.model_fields:

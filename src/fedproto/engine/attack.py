@@ -42,6 +42,7 @@ class SimulatedAttack(Stage, Observer):
         summary["accuracy_honest"] = {
             "test_set": summary["test_set"] + f"; the {len(honest)} clients that did not misbehave",
             **{k: dict(zip(("mean", "std"), summarize([m[k] for m in honest])))
-               for k in per_client[0] if k not in HEALTH_KEYS and k != "dp_epsilon" and not k.startswith("full_")}}
+               for k in summary["accuracy_all_clients"]  # the measured keys (not clients.csv's other columns)
+               if k not in HEALTH_KEYS and k != "dp_epsilon" and not k.startswith("full_")}}
         for i, m in enumerate(per_client):
             m["attacker"] = int(i in self.attackers)
