@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+# pytest hooks: which Flower tests ran or were skipped, and why (one skipped line per test without the extra)
+from flower_report import pytest_pycollect_makemodule, pytest_terminal_summary  # noqa: F401
 from torch import nn
 
 from fedproto.config import build_config

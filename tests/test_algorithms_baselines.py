@@ -260,10 +260,10 @@ def test_local_sends_nothing():
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedper", "fedrep", "fesem"])
 def test_weight_sharing_refuses_heterogeneous_models(algorithm):
-    sim = Simulation(_cfg(algorithm=algorithm, model="cnn-mh", rounds=1), out=False)
+    """Refused at set-up (the method's statement, one architecture), naming the methods that run these models."""
     with pytest.raises(ConfigError, match="fedproto") as e:
-        sim.run()
-    assert "clients [2, 3]" in str(e.value) and "local" in str(e.value)
+        Simulation(_cfg(algorithm=algorithm, model="cnn-mh", rounds=1), out=False)
+    assert "clients [2, 3]" in str(e.value) and "algorithm='local'" in str(e.value) and "algorithm='fd'" in str(e.value)
 
 
 def test_local_accepts_heterogeneous_models():

@@ -22,6 +22,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_kernels.py", ["--repeats", "0"], "argument --repeats: 0 is less than 1"),
     ("bench_kernels.py", ["--groups", "x"], "argument --groups: 'x' is not an integer"),
     ("bench_startup.py", ["--repeats", "0"], "argument --repeats: 0 is less than 1"),
+    ("bench_secagg.py", ["--rounds", "0"], "argument --rounds: 0 is less than 1"),
 ])
 def test_bad_benchmark_arguments(script, args, says, tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120,

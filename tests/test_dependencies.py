@@ -42,7 +42,7 @@ DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yam
 
 
 # which installs a module belongs to: the base install, or the base install plus an extra
-EXTRA_OF = {"flower": "flower", "tensorboard.py": "tensorboard"}
+EXTRA_OF = {"flower": "flower", "secagg": "flower", "tensorboard.py": "tensorboard"}
 
 
 def _requirement_name(req: str) -> str:

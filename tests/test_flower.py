@@ -30,10 +30,11 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from fedproto.config import build_config  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
 from fedproto.flower import client_app  # noqa: E402
-from fedproto.flower.common import from_record, run_config, to_record  # noqa: E402
+from fedproto.flower.common import MESSAGE, from_record, run_config, to_record  # noqa: E402
 from fedproto.flower.node_state import INSTANCE_KEYS  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.privacy import epsilon  # noqa: E402
+from fedproto.secagg import codec as secagg_codec  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, model="cnn",
@@ -1485,3 +1486,226 @@ def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_pars
     text = resume_config(cfg)
     assert text == "rounds=4 lr=0.05 out-dir='/r uns/a' name=\"it's\" tensorboard=false "
     assert parse_config_args([text + "resume-from='/r uns/a/run'"]) == {**cfg, "resume-from": "/r uns/a/run"}
+
+
+# --- secure aggregation (fedproto.flower.secagg) ---------------------------------------------------
+
+class WireGrid(LocalGrid):
+    """A LocalGrid that keeps every reply the server receives (what the server process holds)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.received: list[Message] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.received += replies
+        return replies
+
+
+def _plain_replies(monkeypatch) -> dict:
+    """(round, client id) -> the reply each node's client step made, before anything masks it."""
+    got: dict = {}
+    step = client_app.client_step
+
+    def spy(alg, state, message, data, seed, r):
+        out, res = step(alg, state, message, data, seed, r)
+        got[(r, state.cid)] = {k: np.array(v) for k, v in out.items()}
+        return out, res
+
+    monkeypatch.setattr(client_app, "client_step", spy)
+    return got
+
+
+def _secagg_run(tmp_path, monkeypatch, name="sa", extra=None, **kw):
+    folders = write_node_folders(tmp_path / name)
+    uc = _own_config(**kw)
+    grid = WireGrid(uc, node_configs=node_configs(folders, extra=extra))
+    plain = _plain_replies(monkeypatch)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / f"run-{name}")
+    return eng, grid, plain, folders, eng.run()
+
+
+def test_secagg_server_sees_no_individual_prototype_on_flower(tmp_path, monkeypatch):
+    eng, grid, plain, _, _ = _secagg_run(tmp_path, monkeypatch, secagg=True)
+    rows = [np.asarray(p, np.float32) for m in plain.values() for p in m["protos"]]
+    assert len(plain) == 6 and len(rows) == 24  # 3 nodes x 2 rounds x 4 classes
+    wire = [from_record(r.content[MESSAGE]) for r in grid.received if MESSAGE in r.content]
+    assert len(wire) == len(grid.received) - 3  # every reply but the 3 final evaluations (metrics only)
+    kinds = {r.metadata.message_type for r in grid.received}
+    assert kinds == {"query", "query.secagg", "train", "evaluate"}
+    for msg in wire:  # no prototype row of any client, in any reply the server got (keys, shares, vectors)
+        for v in msg.values():
+            blob = np.ascontiguousarray(v).tobytes()
+            assert not any(row.tobytes() in blob for row in rows)
+    trains = [from_record(r.content[MESSAGE]) for r in grid.received if r.metadata.message_type == "train"]
+    assert len(trains) == 6 and all(list(m) == ["secagg"] and m["secagg"].dtype == np.uint64 for m in trains)
+    C, d = 10, 50
+    for m in trains:  # decoded alone, a masked vector is noise of the ring's scale, not a prototype
+        assert np.median(np.abs(secagg_codec.decode(m["secagg"])[:C * d])) > 1e6
+    assert "sum" not in eng.loop.server.checkpoint and "secagg_bytes" in eng.history[0]
+
+
+def test_secagg_matches_plain_aggregation_on_flower(tmp_path, monkeypatch):
+    eng, _, plain, folders, got = _secagg_run(tmp_path, monkeypatch, secagg=True)
+    want = in_process_reference(folders).run()
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+    protos = np.load(tmp_path / "run-sa" / "prototypes.npz")
+    sums: dict = {}
+    for (r, _), m in plain.items():  # eq. 6 (unweighted mean) of round 2's plain replies, by hand
+        for c, p in zip(m["classes"].tolist(), m["protos"].astype(np.float64)):
+            if r == 2:
+                sums.setdefault(c, []).append(p)
+    assert protos["classes"].tolist() == sorted(sums)
+    for c, p in zip(protos["classes"].tolist(), protos["protos"]):
+        assert np.abs(p - np.mean(sums[c], axis=0)).max() <= 1e-6
+    assert protos["contributors"].tolist() == [len(sums[c]) for c in sorted(sums)]
+    assert got["secure_aggregation"]["dropouts"] == 0
+
+
+def test_secagg_survives_a_dropout_below_the_threshold_on_flower(tmp_path, monkeypatch):
+    # node 1 sends its keys and shares each round, then fails its train step: 2 of 3 are left (t = 2)
+    eng, _, plain, _, got = _secagg_run(tmp_path, monkeypatch, extra={1: {"misbehave": "vanish"}}, secagg=True)
+    rows = [json.loads(x) for x in (tmp_path / "run-sa" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["replied"] for r in rows] == [[0, 2], [0, 2]] and [r["secagg_dropped"] for r in rows] == [[1], [1]]
+    assert set(plain) == {(1, 0), (1, 2), (2, 0), (2, 2)}
+    ref = _secagg_run(tmp_path, monkeypatch, name="plain", extra={1: {"misbehave": "vanish"}})[4]
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(ref["accuracy"][key]["mean"], abs=1e-9)
+    assert got["secure_aggregation"]["dropouts"] == 2
+
+
+def test_secagg_refuses_median_and_class_check_on_flower(tmp_path):
+    folders = write_node_folders(tmp_path)
+    for bad, why in ((dict(aggregation="median"), "aggregation='median' needs each client's prototype"),
+                     (dict(class_check=3.0), "class_check=3(.0)? checks each client's prototype rows")):
+        uc = _own_config(secagg=True, **bad)
+        with pytest.raises(ConfigError, match=why):
+            FlowerEngine(run_config(uc), LocalGrid(uc, node_configs=node_configs(folders)), out=False)
+
+
+@pytest.fixture(scope="module")
+def secagg_deployment(tmp_path_factory):
+    """Two federations on 127.0.0.1 with TLS and SuperNode authentication, 3 own-data nodes each
+    (the second's node 1 fails every train step: ``misbehave = "vanish"``); ``flwr run`` of the
+    own-data app for one round under ``secagg`` on each, and with ``aggregation = "median"`` on the
+    first. Returns the runs' folders and outputs, and each client's plain reply of that round made
+    by the Python API with the same clients (round 1 needs no global prototype, so a node's reply
+    is the same with and without secagg)."""
+    from fedproto.flower.local import LocalFederation
+
+    root = tmp_path_factory.mktemp("secagg-deployment")
+    app = Path(__file__).resolve().parents[1] / "examples" / "flower" / "own_data"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    folders = write_node_folders(root / "data")
+    runs: dict = {}
+    for fed_name, extra in (("fed", None), ("fed-vanish", {1: {"misbehave": "vanish"}})):
+        with LocalFederation(root / fed_name, tls=True, auth=True, env={"PYTHONPATH": src}) as fed:
+            fed.start_superlink()
+            for nc in node_configs(folders, extra=extra):
+                fed.start_supernode(nc)
+            todo = {"secagg": {}, **({"median": {"aggregation": "median"}} if extra is None else {})}
+            for name, opts in todo.items():
+                out = root / "runs" / f"{fed_name}-{name}"
+                res = fed.flwr_run(app, {"rounds": 1, "out-dir": str(out), "seed": 7, "round-timeout": 600,
+                                         "secagg": True, **opts}, timeout=1200)
+                runs[f"{fed_name}-{name}"] = (next(iter(out.glob("*/")), None), res.stdout + res.stderr)
+    ref = in_process_reference(folders, rounds=1)
+    plain: dict = {}
+    step = ref.executor.train
+
+    def spy(r, sent, downlink=None):
+        got = step(r, sent, downlink)
+        plain.update({i: m for i, (m, _) in got.replies.items()})
+        return got
+
+    ref.executor.train = spy
+    summary = ref.run()
+    return runs, plain, summary
+
+
+def _run_files(run_dir) -> tuple[dict, list[dict]]:
+    return (json.loads((run_dir / "summary.json").read_text()),
+            [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+def _class_means(replies: dict) -> dict:
+    """Eq. 6 (unweighted mean) of the replies' prototypes, per class, by hand."""
+    rows: dict = {}
+    for m in replies.values():
+        for c, p in zip(m["classes"].tolist(), m["protos"].astype(np.float64)):
+            rows.setdefault(c, []).append(p)
+    return {c: np.mean(v, axis=0) for c, v in rows.items()}
+
+
+@pytest.mark.slow
+def test_secagg_server_sees_no_individual_prototype_on_a_tls_deployment(secagg_deployment):
+    runs, plain, _ = secagg_deployment
+    run_dir, logs = runs["fed-secagg"]
+    assert run_dir is not None and "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:]
+    _, rows = _run_files(run_dir)
+    C, d = 10, 50
+    # what reached the server's round loop: one masked (C * (d + 2),) uint64 vector per node
+    assert rows[0]["up_bytes"] == 3 * 8 * C * (d + 2) and rows[0]["secagg_bytes"] > 0
+    rows_plain = [np.asarray(p, np.float32).tobytes() for m in plain.values() for p in m["protos"]]
+    assert len(rows_plain) == 12  # 3 nodes x 4 classes
+    for f in run_dir.rglob("*"):  # nothing the server process wrote holds a node's prototype
+        if f.is_file():
+            blob = f.read_bytes()
+            assert not any(row in blob for row in rows_plain), f
+
+
+@pytest.mark.slow
+def test_secagg_matches_plain_aggregation_on_a_tls_deployment(secagg_deployment):
+    runs, plain, want = secagg_deployment
+    got, _ = _run_files(runs["fed-secagg"][0])
+    for key in ("acc", "acc_proto"):
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+    protos, means = np.load(runs["fed-secagg"][0] / "prototypes.npz"), _class_means(plain)
+    assert protos["classes"].tolist() == sorted(means)
+    for c, p in zip(protos["classes"].tolist(), protos["protos"]):
+        assert np.abs(p - means[c]).max() <= 1e-6
+    assert got["secure_aggregation"]["dropouts"] == 0
+
+
+@pytest.mark.slow
+def test_secagg_survives_a_dropout_below_the_threshold_on_a_tls_deployment(secagg_deployment):
+    runs, plain, _ = secagg_deployment
+    run_dir, logs = runs["fed-vanish-secagg"]
+    assert run_dir is not None and "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:]
+    got, rows = _run_files(run_dir)
+    assert rows[0]["replied"] == [0, 2] and rows[0]["secagg_dropped"] == [1] and "1" in rows[0]["failed"]
+    assert got["secure_aggregation"]["dropouts"] == 1
+    # the global prototypes are the mean of clients 0 and 2 alone (node 1's masks rebuilt from their shares)
+    protos, means = np.load(run_dir / "prototypes.npz"), _class_means({i: plain[i] for i in (0, 2)})
+    assert protos["classes"].tolist() == sorted(means)
+    for c, p in zip(protos["classes"].tolist(), protos["protos"]):
+        assert np.abs(p - means[c]).max() <= 1e-6
+
+
+@pytest.mark.slow
+def test_secagg_refuses_median_and_class_check_on_a_tls_deployment(secagg_deployment):
+    runs, _, _ = secagg_deployment
+    run_dir, logs = runs["fed-median"]
+    assert 'aggregation="median" needs each client\'s prototype' in logs, logs[-3000:]
+    assert run_dir is None or not (run_dir / "metrics.jsonl").exists()
+
+
+def test_secagg_with_dp_sends_only_the_masked_noised_sums_on_flower(tmp_path, monkeypatch):
+    """Under secagg and dp prototypes a node's train reply is its masked vector alone (no losses),
+    and the summary states epsilon for the sum and for each node's own noise."""
+    from fedproto.privacy import epsilon
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(secagg=True, dp="prototypes", aggregation="weighted", secagg_honest=2, dp_noise=1.0)
+    grid = WireGrid(uc, node_configs=node_configs(folders))
+    got = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
+    trains = [r for r in grid.received if r.metadata.message_type == "train"]
+    assert len(trains) == 6 and all(list(from_record(r.content[MESSAGE])) == ["secagg"] for r in trains)
+    assert all(set(r.content["fedproto.metrics"]) <= set(INSTANCE_KEYS) for r in trains)
+    dp = got["secure_aggregation"]["dp"]
+    assert dp["epsilon_sum"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    assert dp["epsilon_client_max"] == pytest.approx(epsilon([(1.0 / np.sqrt(2), 1.0, 2)], 1e-5))
+    protos = np.load(tmp_path / "run" / "prototypes.npz")  # classes 0..5, each from its 2 holders' noised sums
+    assert protos["classes"].tolist() == [0, 1, 2, 3, 4, 5] and np.isfinite(protos["protos"]).all()

@@ -5,11 +5,13 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 from conftest import flat_weights, float64_sim
 
 from fedproto.algorithms import ALGORITHMS, FD, FedGH, FedTGP, LGFedAvg
 from fedproto.algorithms.lgfedavg import head_message
 from fedproto.config import build_config
+from fedproto.engine.loop import Observer
 from fedproto.htmath import lg_aggregate, tgp_generate, tgp_init
 from fedproto.models.base import count_parameters
 from fedproto.simulation import Simulation
@@ -71,11 +73,67 @@ def test_lgfedavg_broadcasts_the_sample_weighted_mean_of_the_clients_heads():
         assert not np.allclose(sim.message[k], np.mean([hd[k] for hd in heads], axis=0), atol=1e-7)
 
 
+class Uploads(Observer):
+    """Per round: the clients' messages as the server receives them (client order) and a copy of
+    FedTGP's generator state before that round's server step."""
+
+    def __init__(self):
+        self.rounds = {}
+
+    def replies(self, loop, round, replies):
+        held = loop.server.checkpoint.get("tgp_state")  # the server state after the round before
+        state = None if held is None else {k: v.copy() for k, v in held.items()}
+        self.rounds[round] = ([replies.replies[i][0] for i in sorted(replies.replies)], state)
+
+
+def tgp_round_by_hand(msgs, state, seed, epochs=100, lr=0.1, batch_size=10, tau=100.0):
+    """FedTGP's server step written here from the paper (arXiv 2401.03230, eq. 5-8) in float64:
+    margin δ = min(max_c min_{c' != c} ||Q_c - Q_c'||, τ) over the class centres Q_c (unweighted
+    mean of the clients' prototypes of class c); generator P̂_c = W2 relu(W1 e_c + b1) + b2; loss
+    the mean over rows of -log softmax(-(||p - P̂_c|| + δ [c = y]))_y; plain SGD over mini-batches
+    of the rows, shuffled per epoch with torch.randperm seeded (seed x 1,000,003 + epoch)."""
+    cls = np.concatenate([m["classes"] for m in msgs])
+    rows = np.concatenate([m["protos"] for m in msgs]).astype(np.float64)
+    present = np.unique(cls)
+    Q = np.stack([rows[cls == c].mean(0) for c in present])
+    gap = np.linalg.norm(Q[:, None] - Q[None], axis=-1)
+    np.fill_diagonal(gap, np.inf)
+    delta = min(gap.min(1).max(), tau)
+    p = {k: torch.tensor(np.asarray(v), dtype=torch.float64, requires_grad=True) for k, v in state.items()}
+    X, Y = torch.tensor(rows), torch.tensor(cls)
+
+    def generate():
+        return torch.relu(p["embedding"] @ p["w1"].T + p["b1"]) @ p["w2"].T + p["b2"]
+
+    for epoch in range(epochs):
+        order = torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        for s in range(0, len(Y), batch_size):
+            i = order[s:s + batch_size]
+            dist = ((X[i, None, :] - generate()[None]) ** 2).sum(-1).sqrt()
+            logits = -dist
+            logits[torch.arange(len(i)), Y[i]] -= delta
+            loss = (torch.logsumexp(logits, 1) - logits[torch.arange(len(i)), Y[i]]).mean()
+            grads = torch.autograd.grad(loss, list(p.values()))
+            with torch.no_grad():
+                for t, g in zip(p.values(), grads):
+                    t -= lr * g
+    with torch.no_grad():
+        return generate().numpy(), delta
+
+
 def test_fedtgp_broadcasts_the_generators_prototypes_and_fedgh_its_head():
-    sim = _run("fedtgp", rounds=2)
-    np.testing.assert_allclose(sim.message["protos"], tgp_generate(sim.loop.server.checkpoint["tgp_state"]).numpy(),
-                               rtol=1e-6)
-    assert sim.history[-1]["tgp_margin"] > 0
+    """FedTGP's broadcast equals the server step recomputed here from the paper's equations on the
+    prototypes the clients sent; FedGH broadcasts its head."""
+    sim = Simulation(_cfg(algorithm="fedtgp", rounds=2), out=False)
+    up = Uploads()
+    sim.loop.observers.append(up)
+    sim.run()
+    msgs, state = up.rounds[2]
+    want, delta = tgp_round_by_hand(msgs, state, seed=sim.cfg.seed * 100_003 + 2)
+    assert sim.history[-1]["tgp_margin"] == pytest.approx(delta, rel=1e-6) and 0 < delta < 100
+    assert sim.message["protos"].shape == (C, D)
+    np.testing.assert_allclose(sim.message["protos"], want, rtol=1e-3, atol=1e-4)
+    assert np.abs(want - tgp_generate(state).numpy()).max() > 1e-2  # the step moved them
     sim = _run("fedgh", rounds=2)
     np.testing.assert_array_equal(sim.message["head/weight"], sim.setup.algorithm.head_w.astype(np.float32))
     # the client trained from the global head: its head moved away from it in its local epoch

@@ -521,12 +521,27 @@ def _error(message: str) -> None:
 VERBOSE = ("-v", "--verbose")
 
 
-def _hoist_verbose(args: list[str]) -> list[str]:
+def _hoist_verbose(args: list[str], group: click.Group | None = None) -> list[str]:
     """``-v``/``--verbose`` anywhere before ``--`` (``fedproto run -v`` as well as ``fedproto -v run``):
-    moved to the front, where the root command reads it."""
+    moved to the front, where the root command reads it; not the value of an option that takes one
+    (``--name -v``: ``group``'s commands say which options take a value)."""
     end = args.index("--") if "--" in args else len(args)
-    found = [a for a in args[:end] if a in VERBOSE]
-    return [*found[:1], *(a for a in args[:end] if a not in VERBOSE), *args[end:]]
+    takes_value: set[str] = set()
+    sub = next((a for a in args[:end] if group is not None and a in group.commands), None)
+    if sub is not None:
+        takes_value = {o for p in group.commands[sub].params if isinstance(p, click.Option) and not p.is_flag
+                       and not p.count for o in p.opts}
+    found, rest, i = [], [], 0
+    while i < end:
+        if args[i] in VERBOSE:
+            found.append(args[i])
+        else:
+            rest.append(args[i])
+            if args[i] in takes_value and i + 1 < end:  # its value, whatever it looks like
+                rest.append(args[i + 1])
+                i += 1
+        i += 1
+    return [*found[:1], *rest, *args[end:]]
 
 
 def main() -> None:
@@ -539,7 +554,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        code = command().main(args=_hoist_verbose(sys.argv[1:]), prog_name="fedproto", standalone_mode=False)
+        group = command()
+        code = group.main(args=_hoist_verbose(sys.argv[1:], group), prog_name="fedproto", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:  # `fedproto` alone: the help
         e.show()
         sys.exit(e.exit_code)

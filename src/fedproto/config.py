@@ -36,7 +36,8 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
-                  "proto_dist_alert", "device", "workers", "save_models", "tensorboard")
+                  "proto_dist_alert", "device", "workers", "save_models", "tensorboard",
+                  "secagg_threshold", "secagg_neighbours")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -47,7 +48,8 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "freeze_after": 0, "eval_full_test": False, "dp": "off", "dp_noise": 1.0, "dp_clip": 5.0,
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
                "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
-               "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False}
+               "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False,
+               "secagg": False, "secagg_honest": 2}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -165,6 +167,19 @@ class CommonConfig(BaseModel):
         "Simulated misbehaving clients: their messages scaled, random, NaN, or with class ids flipped"))
     attackers: int = Field(0, ge=0, le=1_000_000, description="Number of misbehaving clients (drawn from the seed)")
     attack_scale: float = Field(100.0, ge=-1e12, le=1e12, description="Factor of attack 'scale'")
+    # secure aggregation (fedproto.secagg; needs the flower extra)
+    secagg: bool = Field(False, description=(
+        "Secure aggregation (SecAgg+): the server learns only the sums of the clients' replies (fedproto mean or "
+        "weighted, fedavg, fedprox, fedper, fedrep; needs pip install \"fedproto[flower]\")"))
+    secagg_threshold: float = Field(0.5, ge=0.0, lt=1.0, description=(
+        "secagg: shares needed to rebuild a client's masks, as more than this fraction of its share group (0.5: a "
+        "majority); also how many may collude (fewer than that)"))
+    secagg_neighbours: int = Field(0, ge=0, le=1_000_000, description=(
+        "secagg: each client masks and shares with this many others, nearest in a ring of the round's clients "
+        "(SecAgg+); 0: with all of them (SecAgg)"))
+    secagg_honest: int = Field(2, ge=1, le=1_000_000, description=(
+        "secagg with dp prototypes: the fewest honest clients assumed in each class's sum; each client adds noise "
+        "of multiplier dp_noise / sqrt(this), so such a sum carries dp_noise's"))
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "

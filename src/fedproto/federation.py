@@ -16,7 +16,7 @@ transforms (for data that does not fit in memory). Everything is checked before 
 each error names the client. The engine, evaluation, metrics, run directory and checkpoints are
 those of :class:`fedproto.simulation.Simulation`.
 
-Size: about 550 lines: the adapters that make a user's module a ProtoModel (tuple, head split,
+Size: about 620 lines: the adapters that make a user's module a ProtoModel (tuple, head split,
 projection) and the data adapters, each short; one module is the one place a user reads.
 """
 
@@ -33,6 +33,7 @@ from torch import nn
 
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
+from fedproto.data.inputs import as_inputs, as_leaf, cast_floats, describe, finite, is_structure, tree_map, tree_zip
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError, first_line
 from fedproto.models.base import ProtoModel
@@ -148,44 +149,75 @@ def _pair(item: Any, i: int) -> tuple[Any, Any]:
                     "(input, label)")
 
 
-def _as_input(x: Any, i: int) -> torch.Tensor:
-    """Input ``x`` of item ``i`` as a float32 tensor; raises DataError naming its type and the fix."""
+def _as_input(x: Any, i: int) -> Any:
+    """Input ``x`` of item ``i`` as the model takes it: a tensor or array as a tensor (floating values
+    as float32, integer token ids kept), a dict, tuple or list of them with its structure kept
+    (:func:`fedproto.data.inputs.as_inputs`); raises DataError naming its type and the fix."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
-        return torch.as_tensor(x, dtype=torch.float32)
+        return as_leaf(x)
     kind = f"{type(x).__module__}.{type(x).__qualname__}"
     if type(x).__module__.split(".")[0] == "PIL":
         raise DataError(f"item {i}'s input is a PIL image ({kind}), not a tensor; give the Dataset a tensor "
                         "transform, e.g. transform=torchvision.transforms.ToTensor() (then Normalize)")
-    raise DataError(f"item {i}'s input is a {kind}, not a tensor or array; give the Dataset a transform that "
-                    "returns a float tensor")
+    if is_structure(x):
+        try:
+            return tree_map(as_leaf, x)
+        except TypeError as e:
+            raise DataError(f"item {i}'s input is a {type(x).__name__} holding {e}; give the Dataset a transform "
+                            "whose dicts, tuples or lists hold tensors or arrays only") from None
+    raise DataError(f"item {i}'s input is a {kind}, not a tensor, an array, or a dict, tuple or list of them; give "
+                    "the Dataset a transform that returns tensors")
 
 
 class LazyInputs:
-    """A map-style ``Dataset`` read as inputs ``x``: ``len()``, ``x[LongTensor]`` and ``x[i:j]``
-    give stacked float tensors, read item by item (the dataset's transforms run on every read).
-    The engine trains such clients on the sequential path.
+    """A map-style ``Dataset`` read as inputs ``x``: ``len()``, and ``x[LongTensor]``, ``x[i:j]``
+    give the batch of those items' inputs, read item by item (the dataset's transforms run on every
+    read): tensors stacked, dicts, tuples and lists of tensors stacked leaf by leaf (their structure
+    and integer dtypes kept), or, with ``collate``, ``collate([inputs of the items])`` (e.g.
+    :func:`fedproto.data.inputs.pad_collate` for variable-length sequences). The engine trains such
+    clients on the sequential path.
 
     Raises (on reading):
-        DataError: an item is not an ``(x, y)`` pair, or its input is not a tensor or array (a PIL
-            image: the message says to add a tensor transform).
+        DataError: an item is not an ``(x, y)`` pair, its input is not a tensor, an array or a
+            structure of them (a PIL image: the message says to add a tensor transform), or the
+            items' inputs have different shapes and no ``collate`` is given.
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset):
+    def __init__(self, dataset: torch.utils.data.Dataset, collate: Any = None):
         self.dataset = dataset
+        self.collate = collate
+        self.dtype: torch.dtype | None = None  # floating leaves cast on reading (float64 checks)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, idx) -> torch.Tensor:
+    def to(self, dtype: torch.dtype | None = None) -> LazyInputs:
+        """Cast the floating leaves of what is read to ``dtype`` (integer leaves keep theirs); returns self."""
+        self.dtype = dtype
+        return self
+
+    def __getitem__(self, idx) -> Any:
         if isinstance(idx, slice):
             idx = range(*idx.indices(len(self)))
         elif isinstance(idx, torch.Tensor):
             idx = idx.tolist()
-        return torch.stack([_as_input(_pair(self.dataset[int(i)], int(i))[0], int(i)) for i in idx])
+        raw = [_pair(self.dataset[int(i)], int(i))[0] for i in idx]
+        if self.collate is not None:
+            batch = self.collate(raw)
+        else:
+            items = [_as_input(x, int(i)) for x, i in zip(raw, idx)]
+            try:
+                batch = tree_zip(torch.stack, items) if items else torch.zeros(0)
+            except (RuntimeError, ValueError) as e:
+                raise DataError(f"the items' inputs differ in shape or structure ({first_line(e)[:160]}); for "
+                                "variable-length sequences give Client(..., collate=fedproto.data.inputs.pad_collate) "
+                                "(pads them and adds an attention mask) or your own collate function") from None
+        return batch if self.dtype is None else cast_floats(batch, self.dtype)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (len(self), *self[0:1].shape[1:])
+        first = self[0:1]
+        return (len(self), *first.shape[1:]) if isinstance(first, torch.Tensor) else (len(self),)
 
 
 @dataclass
@@ -201,6 +233,13 @@ class Client:
         embedding_dim: when given and the model's embedding has another size, a linear projection
             to this size and a new linear head are appended (:func:`with_projection`), so clients
             whose architectures end in different widths share one prototype size.
+        collate: for a ``Dataset``: a function from a list of items' inputs to the model's batch
+            input (e.g. :func:`fedproto.data.inputs.pad_collate` for variable-length token
+            sequences); None: inputs are stacked (leaf by leaf for dicts and tuples).
+
+    Inputs reach the model as it takes them: integer token ids stay integers, a dict (``{"input_ids":
+    ..., "attention_mask": ...}``) stays a dict, a tuple ``(ids, mask)`` a tuple; in-memory ``x`` may
+    be such a dict, tuple or list of (n, ...) tensors or arrays (:class:`fedproto.data.inputs.Inputs`).
     """
 
     model: nn.Module
@@ -208,7 +247,12 @@ class Client:
     test: Any
     head: str | None = None
     embedding_dim: int | None = None
+    collate: Any = None
 
+
+PROBE_ITEMS = 8
+"""Items of a Dataset batched once before round 1, so that inputs of different shapes (variable-length
+sequences without a collate function) are refused before training, naming the fix."""
 
 LABEL_CHECKS = 32
 """Items read to confirm a torchvision dataset's ``targets`` equal the labels it yields (see :func:`dataset_labels`)."""
@@ -301,7 +345,17 @@ def _labels(split: Any) -> torch.Tensor:
     return torch.as_tensor(raw.astype(np.int64))
 
 
-def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torch.Tensor]:
+def _memory_inputs(x: Any, n_labels: int) -> Any:
+    """In-memory inputs as the engine holds them: a dict, or a tuple/list of tensors or arrays that is
+    not one row per label (e.g. ``(ids, mask)``), as :class:`~fedproto.data.inputs.Inputs`; anything
+    else as one tensor (floating values float32, integer values kept)."""
+    arrays = isinstance(x, (tuple, list)) and x and all(isinstance(v, (torch.Tensor, np.ndarray, dict)) for v in x)
+    if isinstance(x, dict) or (arrays and len(x) != n_labels):
+        return as_inputs(x)
+    return as_leaf(x if isinstance(x, (torch.Tensor, np.ndarray)) else np.asarray(x))
+
+
+def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = None) -> tuple[Any, torch.Tensor]:
     """(inputs, labels) of one split, checked; raises DataError naming the client."""
     if isinstance(split, torch.utils.data.IterableDataset):
         raise DataError(f"client {cid}: {what} is an IterableDataset ({type(split).__name__}), read in order only; "
@@ -311,9 +365,17 @@ def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torc
         if not hasattr(type(split), "__len__"):
             raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
                             "__len__ (fedproto reads its items by index)")
-        x = LazyInputs(split)
+        x = LazyInputs(split, collate)
+        try:  # a few items batched as training batches them: inputs of different shapes need a collate function
+            x[0 : min(len(x), PROBE_ITEMS)]
+        except DataError as e:
+            raise e.prefixed(f"client {cid}: {what}: ") from None
     elif isinstance(split, (tuple, list)) and len(split) == 2:
-        x = torch.as_tensor(np.asarray(split[0]) if not isinstance(split[0], torch.Tensor) else split[0]).float()
+        try:
+            x = _memory_inputs(split[0], len(split[1]) if hasattr(split[1], "__len__") else -1)
+        except (TypeError, ValueError) as e:
+            raise DataError(f"client {cid}: cannot read its {what} inputs ({first_line(e)[:200]}); give a tensor or "
+                            "array (n, ...), or a dict, tuple or list of them, each with one row per sample") from None
     else:
         raise DataError(f"client {cid}: {what} is a {type(split).__name__}; give (x, y) tensors or arrays, or a "
                         "map-style torch Dataset of (x, y) items")
@@ -335,14 +397,17 @@ def _split(split: Any, cid: int, what: str, num_classes: int) -> tuple[Any, torc
     if bool(bad.any()):
         raise DataError(f"client {cid}: {what} label {int(y[bad][0])} is outside 0..{num_classes - 1} "
                         f"(num_classes={num_classes}); relabel, or raise num_classes")
-    if isinstance(x, torch.Tensor) and not bool(torch.isfinite(x).all()):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
         n = int((~torch.isfinite(x)).flatten(1).any(1).sum())
         raise DataError(f"client {cid}: {n} {what} input(s) hold NaN or infinite values; clean or drop them")
+    if not isinstance(x, (torch.Tensor, LazyInputs)) and not finite(x):
+        raise DataError(f"client {cid}: {what} inputs hold NaN or infinite values; clean or drop them")
     return x, y
 
 
-def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Tensor, cid: int = 0) -> ProtoModel:
-    """Wrap ``model`` as a :class:`ProtoModel` and check it on ``sample`` (a (1, ...) input).
+def adapt(model: nn.Module, head: str | None, num_classes: int, sample: Any, cid: int = 0) -> ProtoModel:
+    """Wrap ``model`` as a :class:`ProtoModel` and check it on ``sample`` (one input as the model
+    takes it: a (1, ...) tensor, or a dict or tuple of them).
 
     Raises:
         ModelError: ``head`` is not a submodule (lists the candidates), the forward does not
@@ -376,16 +441,16 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: torch.Te
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
         hint = ("its forward must return (logits, embedding), or give head='<final layer name>'" if head is None
                 else "check the input shape")
-        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {describe(sample)} "
                          f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
     except RuntimeError as e:
-        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} "
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {describe(sample)} "
                          f"({type(e).__name__}: {first_line(e)[:200]})") from None
     finally:
         wrapped.train(was)
     logits, h = out
     if not isinstance(logits, torch.Tensor):
-        raise ModelError(f"client {cid}: the model failed on a training input of shape {tuple(sample.shape)} (its "
+        raise ModelError(f"client {cid}: the model failed on a training input of shape {describe(sample)} (its "
                          f"forward returned a {type(logits).__name__}, not the logits tensor head={head!r} needs); if "
                          f"its forward returns (logits, embedding) itself, leave out head={head!r}")
     if not any(p.requires_grad for p in wrapped.parameters()):
@@ -515,8 +580,8 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         if not isinstance(c, Client):
             raise DataError(f"client {i} is a {type(c).__name__}; wrap it as fedproto.federation.Client(model, train, "
                             "test)")
-        x, y = _split(c.train, i, "train", num_classes)
-        tx, ty = _split(c.test, i, "test", num_classes)
+        x, y = _split(c.train, i, "train", num_classes, c.collate)
+        tx, ty = _split(c.test, i, "test", num_classes, c.collate)
         if c.embedding_dim is not None and (isinstance(c.embedding_dim, bool) or not (
                 isinstance(c.embedding_dim, numbers.Integral) and c.embedding_dim >= 1)):
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")
@@ -543,16 +608,18 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         part.test_idx.append(np.arange(len(ty)))
         part.classes.append(states[-1].classes)
         part.shots.append(np.bincount(y.numpy(), minlength=num_classes)[states[-1].classes])
+    if cfg.augment:  # random crops and flips act on image batches (n, C, H, W) only
+        other = [i for i, d in enumerate(data) if not (isinstance(b := d.x[0:1], torch.Tensor) and b.dim() == 4)]
+        if other:
+            raise ConfigError(f"augment=True crops and flips images (n, C, H, W), but the inputs of clients "
+                              f"{other[:10]} are not image tensors (token ids, dicts, tables or signals); leave "
+                              "augment off for them, or augment in your Dataset's transform")
     dims = [int(s.model.embedding_dim) for s in states]
-    if len(set(dims)) > 1:  # named as the Python API fixes it (build_setup's own check words it for any front end)
-        groups = "; ".join(f"d={v}: clients {[i for i, x in enumerate(dims) if x == v]}" for v in sorted(set(dims)))
-        raise ModelError(f"clients have different embedding sizes ({groups}); FedProto averages prototypes, so they "
-                         "need one size: give every client Client(..., embedding_dim=d) with one d (e.g. "
-                         f"embedding_dim={min(dims)}), which appends a projection to size d where a model's embedding "
-                         "differs")
+    fix = (f"give every client Client(..., embedding_dim=d) with one d (e.g. embedding_dim={min(dims)}), which appends "
+           "a projection to size d where a model's embedding differs")  # the check: build_setup's, worded for Python
     if cfg.shared_init:  # clients of one architecture start from the first one's weights
         share_initial_weights([st.model for st in states])
-    setup = build_setup(cfg, states, data, part)  # the checks and the resolved options of `fedproto run`
+    setup = build_setup(cfg, states, data, part, fix=fix)  # the checks and the resolved options of `fedproto run`
     return Simulation(cfg, setup=setup, out=out, observers=observers)
 
 

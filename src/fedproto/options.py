@@ -188,7 +188,8 @@ PANELS: dict[str, tuple[str, ...]] = {
     "Robustness and privacy": ("trim", "min_contributors", "exclude_outliers", "proto_dist_alert", "class_check", "dp",
                                "dp_noise",
                                "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
-                               "attack_scale"),
+                               "attack_scale", "secagg", "secagg_threshold", "secagg_neighbours",
+                               "secagg_honest"),
     "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
     "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models", "tensorboard"),
 }

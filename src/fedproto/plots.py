@@ -180,7 +180,9 @@ def plot_curves(run_dir: str | Path, path: str | Path | None = None) -> Path:
 
 def collect_embeddings(sim) -> dict[str, np.ndarray]:
     """Test-set embeddings of every client of a finished :class:`~fedproto.simulation.Simulation`
-    (eval mode): ``h`` (N, d) float32, ``y`` (N,) int64, ``client`` (N,) int64."""
+    (eval mode): ``h`` (N, d) float32, ``y`` (N,) int64, ``client`` (N,) int64. Where the clients'
+    embedding sizes differ (methods that share no embeddings, e.g. FD, Local) each is zero-padded to
+    the largest d: their spaces are not comparable across clients."""
     from fedproto.training import embed_all
 
     hs, ys, cs = [], [], []
@@ -190,7 +192,9 @@ def collect_embeddings(sim) -> dict[str, np.ndarray]:
         hs.append(h.cpu().numpy().astype(np.float32))
         ys.append(data.test_y.cpu().numpy().astype(np.int64))
         cs.append(np.full(len(data.test_y), i, dtype=np.int64))
-    d = setup.embedding_dim
+    d = max([setup.embedding_dim, *(h.shape[1] for h in hs)])
+    if len({h.shape[1] for h in hs}) > 1:  # methods that let the sizes differ (fd, local): zeros fill the smaller
+        hs = [np.pad(h, ((0, 0), (0, d - h.shape[1]))) for h in hs]
     return {
         "h": np.concatenate(hs) if hs else np.zeros((0, d), np.float32),
         "y": np.concatenate(ys) if ys else np.zeros(0, np.int64),

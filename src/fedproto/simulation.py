@@ -36,6 +36,7 @@ from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.results import PREVIOUS, RunDir
+from fedproto.secagg import install as install_secagg
 from fedproto.tensorboard import tensorboard_observers
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,12 @@ class Simulation:
         else:
             self.run_dir = RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.executor = executor if executor is not None else make_executor(cfg, self.setup)
+        # secure aggregation (fedproto.secagg): the clients' replies masked, the server sums them
+        server, self.executor = install_secagg(cfg, self.setup.algorithm, self.executor)
         self.attack = SimulatedAttack(cfg, len(self.setup.states))
         self.health = Health(cfg, self.attack.attackers, self.setup.data, self.setup.algorithm)
         self.user_observers = check_observers(observers)
-        self.loop = RoundLoop(cfg, self.setup.algorithm, self.executor, self.setup.embedding_dim,
+        self.loop = RoundLoop(cfg, server, self.executor, self.setup.embedding_dim,
                               self._observers(), [self.attack])
         self._ran = False
 

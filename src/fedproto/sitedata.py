@@ -33,12 +33,37 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 
 
 def _save(folder: Path, x, y, tx, ty) -> tuple[Path, Path]:
+    """Write both files into same-folder temporary files first, then rename them over ``train.npz`` and
+    ``test.npz``: a failure leaves the folder's earlier files (and a folder this call made: removed) as they were."""
+    import os
+    import tempfile
+
     import numpy as np
 
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{str(folder)!r} is a file; give a folder for the site's train.npz and test.npz")
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "train.npz", folder / "test.npz"
-    np.savez(out[0], x=np.asarray(x, dtype=np.float32), y=np.asarray(y, dtype=np.int64))
-    np.savez(out[1], x=np.asarray(tx, dtype=np.float32), y=np.asarray(ty, dtype=np.int64))
+    tmps: list[str] = []
+    try:
+        for path, a, b in ((out[0], x, y), (out[1], tx, ty)):
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+            tmps.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, x=np.asarray(a, dtype=np.float32), y=np.asarray(b, dtype=np.int64))
+        umask = os.umask(0)
+        os.umask(umask)
+        for tmp, path in zip(tmps, out):
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the usual permissions
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if made and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
     return out
 
 
@@ -87,10 +112,18 @@ def class_ids(labels: list[str], class_names: list[str] | None, where: str) -> l
         where: the source, for messages.
 
     Raises:
+        ConfigError: ``class_names`` holds an empty name or a name twice.
         DataError: a name not in ``class_names``, or names without ``class_names`` (only whole-number labels
             are ids by themselves).
     """
     if class_names:
+        for i, n in enumerate(class_names):
+            if not n:
+                raise ConfigError(f"an empty class name (position {i}) in {class_names[:10]}; give the run's class "
+                                  "names in id order, e.g. --class-names cat,dog,bird")
+            if n in class_names[:i]:
+                raise ConfigError(f"class name {n!r} is given twice in {class_names[:10]}; give each class once, "
+                                  "in id order")
         index = {n: i for i, n in enumerate(class_names)}
         unknown = sorted({v for v in labels if v not in index})
         if unknown:
@@ -105,46 +138,41 @@ def class_ids(labels: list[str], class_names: list[str] | None, where: str) -> l
 
 
 def _read_images(folder: Path, class_names: list[str] | None):
-    """``folder/<class>/<image>``: (x (n, C, H, W) in [0, 1], y (n,) class ids)."""
-    import numpy as np
-    from PIL import Image
+    """``folder/<class>/<image>``: (x (n, C, H, W) in [0, 1], y (n,) class ids), decoded as a Flower node decodes
+    a ``train/`` folder (:mod:`fedproto.data.folder`): grayscale when every image is, else RGB; 8-bit /255,
+    16-bit /65535."""
+    from fedproto.data.folder import _is_gray, _list_images, _stack_images
 
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
     if not classes:
         raise DataError(f"{str(folder)!r} has no class sub-folders; put each class's images in a folder named by "
                         "its class id (0, 1, ...) or name")
-    ids = class_ids(classes, class_names, repr(str(folder)))
-    xs, ys, shape = [], [], None
-    for label, name in zip(ids, classes):
-        for f in sorted((folder / name).iterdir()):
-            if f.suffix.lower() not in IMAGE_SUFFIXES:
-                continue
-            img = Image.open(f)
-            arr = np.asarray(img.convert("L" if img.mode in ("L", "I;16", "1") else "RGB"), dtype=np.float32)
-            arr = arr / (65535.0 if img.mode == "I;16" else 255.0)
-            arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
-            if shape is not None and arr.shape != shape:
-                raise DataError(f"{str(f)!r} is {arr.shape[1]}x{arr.shape[2]} with {arr.shape[0]} channel(s), the "
-                                f"images before it {shape[1]}x{shape[2]} with {shape[0]}; resize them to one size")
-            shape = arr.shape
-            xs.append(arr)
-            ys.append(label)
-    if not xs:
-        raise DataError(f"{str(folder)!r} holds no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders")
-    return np.stack(xs), np.asarray(ys)
+    class_ids(classes, class_names, repr(str(folder)))  # every folder a class of the run
+    entries = _list_images(folder, None, class_names)
+    x, y = _stack_images(entries, all(_is_gray(im) for _, _, im in entries))
+    return x.numpy(), y.numpy()
 
 
 def _read_csv(path: Path, label_column: str, class_names: list[str] | None):
     import numpy as np
 
     with open(path, newline="", encoding="utf-8-sig") as f:
-        rows = list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        rows = []
+        for r in reader:
+            if None in r or None in r.values():  # more values than the header has columns, or fewer
+                k = len(r) - (None in r) + len(r.get(None) or ()) - sum(v is None for v in r.values())
+                raise DataError(f"{str(path)!r}: line {reader.line_num} has {k} values but the header "
+                                f"{len(reader.fieldnames)} columns; give every row one value per column")
+            rows.append({k: v.strip() for k, v in r.items()})
     if not rows or label_column not in rows[0]:
         have = ", ".join(rows[0]) if rows else "no rows"
         raise DataError(f"{str(path)!r} has no column {label_column!r} (columns: {have}); name the label column "
                         "with --label-column")
     y = class_ids([r[label_column] for r in rows], class_names, repr(str(path)))
     features = [k for k in rows[0] if k != label_column]
+    if not features:
+        raise DataError(f"{str(path)!r} has no feature columns beside {label_column!r}; give numeric feature columns")
     try:
         x = np.asarray([[float(r[k]) for k in features] for r in rows], dtype=np.float32)
     except ValueError as e:
@@ -159,28 +187,41 @@ def read_source(source: str | Path, label_column: str = "label", class_names: li
     Raises:
         DataError: the source does not exist or cannot be read (names it and the formats accepted).
     """
-    import numpy as np
 
     src = Path(source)
     if src.is_dir():
         return _read_images(src, class_names)
     if src.suffix == ".npz" and src.is_file():
-        with np.load(src) as z:
-            if "x" not in z or "y" not in z:
-                raise DataError(f"{str(src)!r} holds {sorted(z.files)}; give arrays named x and y")
-            x, y = z["x"].astype(np.float32), z["y"]
-        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{str(src)!r}: y is {y.dtype} of shape {y.shape} beside x of {len(x)} samples; give y "
-                            "as (n,) whole-number class ids")
-        return x, y.astype(np.int64)
+        from fedproto.data.folder import _read_npz
+
+        x, y = (t.numpy() for t in _read_npz(src))  # as a node reads it: (n, C, H, W) or (n, F), numbers
+        return x, y
     if src.suffix == ".csv" and src.is_file():
         return _read_csv(src, label_column, class_names)
     raise DataError(f"{str(src)!r} is not a folder of class folders of images, a .npz with x and y, or a .csv; "
                     "give one of these")
 
 
+def _checked(source, x, y):
+    """``(x, y)`` when a node would take them: samples, finite inputs, class ids >= 0 (else DataError)."""
+    import numpy as np
+
+    where = repr(str(source))
+    if len(y) == 0:
+        raise DataError(f"{where} holds no samples; give the site's samples")
+    if y.min() < 0:
+        raise DataError(f"{where}: label {int(y.min())} is not a class id; class ids are whole numbers 0, 1, ... "
+                        "(relabel the data)")
+    bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+    if bad.any():
+        raise DataError(f"{where}: {int(bad.sum())} sample(s) hold NaN or infinite values (the first: sample "
+                        f"{int(np.flatnonzero(bad)[0])}); clean or drop them")
+    return x, y
+
+
 def _split(y, test_fraction: float, seed: int):
-    """Per class, a seeded ``test_fraction`` of the samples (at least one where the class has two)."""
+    """Per class, a seeded ``test_fraction`` of the samples (at least one where the class has two, and at least
+    one left for train)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -189,6 +230,7 @@ def _split(y, test_fraction: float, seed: int):
         idx = rng.permutation(np.flatnonzero(y == c))
         k = int(round(test_fraction * len(idx)))
         k = max(k, 1) if len(idx) > 1 and test_fraction > 0 else k
+        k = min(k, len(idx) - 1)  # every class present keeps a train sample
         test.extend(idx[:k].tolist())
     mask = np.zeros(len(y), dtype=bool)
     mask[test] = True
@@ -248,7 +290,10 @@ def write_site_from(source: str | Path, out: str | Path, test_fraction: float = 
         present), ``train_samples``, ``test_samples``.
 
     Raises:
-        ConfigError: ``test_fraction`` outside [0, 1), an unknown ``how``. DataError: an unreadable source.
+        ConfigError: ``test_fraction`` outside [0, 1), an unknown ``how``, class names empty or given twice, a
+            test split that would be empty, ``out`` is a file.
+        DataError: an unreadable source, one without samples or features, a negative label, NaN or infinite
+            inputs (each message names the source and the fix).
     """
     if not 0 <= test_fraction < 1:
         raise ConfigError(f"test-fraction {test_fraction}: give a share of each class in [0, 1), e.g. 0.2",
@@ -257,8 +302,13 @@ def write_site_from(source: str | Path, out: str | Path, test_fraction: float = 
         raise ConfigError(f"normalize={how!r}: choose one of {', '.join(NORMALIZE)}", option="normalize", value=how)
     import numpy as np
 
-    x, y = read_source(source, label_column, class_names)
+    x, y = _checked(source, *read_source(source, label_column, class_names))
     tr, te = _split(y, test_fraction, seed)
+    if len(te) == 0:
+        sizes = np.bincount(y).tolist()
+        raise ConfigError(f"the test split would be empty (test-fraction {test_fraction}, class sizes "
+                          f"{[n for n in sizes if n]}), and a node needs test samples; give --test-fraction > 0 and "
+                          "classes of two or more samples", option="test_fraction", value=test_fraction)
     x_tr, x_te = normalize(x[tr], x[te], how)
     train, test = _save(Path(out), x_tr, y[tr], x_te, y[te])
     return {"train": train, "test": test, "shape": tuple(x.shape[1:]), "classes": np.unique(y).tolist(),

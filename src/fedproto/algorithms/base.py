@@ -23,6 +23,7 @@ import torch
 
 from fedproto.algorithms.server import ServerPart
 from fedproto.algorithms.state import Alert, ServerState  # noqa: F401 (re-exported for methods)
+from fedproto.data.inputs import Inputs, place
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import embedding_health
 from fedproto.training import (
@@ -154,7 +155,7 @@ class ClientData:
     def in_memory(self) -> bool:
         """True when the training inputs are a tensor or a view of one (the batched engine can
         stack them); False for inputs read from a ``Dataset`` item by item."""
-        return self._src is not None or isinstance(self._x, torch.Tensor)
+        return self._src is not None or isinstance(self._x, torch.Tensor) or isinstance(self._x, Inputs)
 
     def shared_inputs(self) -> list[SharedInputs]:
         """The shared inputs this client's views read (empty for a client holding its own tensors)."""
@@ -167,17 +168,14 @@ class ClientData:
         are cast to ``dtype`` on every read."""
         if device is not None:
             self.y, self.test_y = self.y.to(device), self.test_y.to(device)
-            if isinstance(self._x, torch.Tensor):
-                self._x = self._x.to(device)
-            if isinstance(self._test_x, torch.Tensor):
-                self._test_x = self._test_x.to(device)
+            self._x, self._test_x = place(self._x, device), place(self._test_x, device)  # token ids stay integers
         if dtype is not None:
             if self._src is not None or self._test_src is not None:
                 self._dtype = dtype
             if self._src is None:
-                self._x = self._x.to(dtype)
+                self._x = place(self._x, dtype=dtype)
             if self._test_src is None:
-                self._test_x = self._test_x.to(dtype)
+                self._test_x = place(self._test_x, dtype=dtype)
         return self
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.options import FDOptions
+from fedproto.algorithms.requirements import LABEL_SPACE
 from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
 from fedproto.training import LossTerm, Objective, OptimConfig, Phase, TrainResult, predict
 
@@ -56,6 +57,9 @@ class FD(Algorithm):
         num_classes, opt, local_epochs: as :class:`Algorithm`.
         fd_lambda: weight of the distillation term (>= 0). fd_temperature: T > 0.
     """
+
+    model_needs = LABEL_SPACE
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fd"
     Options = FDOptions

@@ -46,6 +46,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
+from fedproto.algorithms.requirements import ONE_ARCHITECTURE
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
@@ -235,6 +236,9 @@ def weighted_average(messages: list[Message], weights: np.ndarray | None = None)
 
 class FedAvg(Algorithm):
     """FedAvg: share all weights, sample-weighted average on the server (see module docstring)."""
+
+    model_needs = ONE_ARCHITECTURE
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedavg"
     Options = WeightsOptions

@@ -38,6 +38,7 @@ from fedproto.algorithms.lgfedavg import (
     load_head,
 )
 from fedproto.algorithms.options import FedGHOptions
+from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
@@ -70,6 +71,9 @@ class FedGH(Algorithm):
         server_lr: its SGD step size (> 0). server_batch_size: pairs per SGD step (>= 1).
         seed: the run's seed.
     """
+
+    model_needs = ONE_EMBEDDING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedgh"
     Options = FedGHOptions

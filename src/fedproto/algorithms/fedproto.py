@@ -33,6 +33,7 @@ from fedproto.algorithms.proto_steps import (
     proto_round,
     prototype_files,
 )
+from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.state import ServerState
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
@@ -110,6 +111,9 @@ class FedProto(ProtoServerChecks, Algorithm):
     Raises:
         ValueError: an option outside its range.
     """
+
+    model_needs = ONE_EMBEDDING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedproto"
     Options = FedProtoOptions
@@ -310,6 +314,8 @@ class FedProto(ProtoServerChecks, Algorithm):
 
     def check_models(self, models) -> None:
         """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
+        recurrent layers that train (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``: Opacus has per-sample
+        gradients for its own ``DPGRU``/``DPLSTM``/``DPRNN`` only), and models with
         BatchNorm that trains (its statistics mix the samples of a batch, so per-sample gradients do
         not exist; Opacus refuses them too). Frozen BatchNorm layers
         (:func:`fedproto.training.frozen_batchnorms`) run in eval mode, one sample at a time: allowed."""
@@ -330,6 +336,14 @@ class FedProto(ProtoServerChecks, Algorithm):
                                   f"clients {bn[:10]} have BatchNorm layers that train; use models without BatchNorm "
                                   "(e.g. GroupNorm, or model='cnn'), freeze them (requires_grad=False), or "
                                   "dp='prototypes'")
+            rnn = [(i, type(r).__name__) for i, m in enumerate(models) for r in m.modules()
+                   if isinstance(r, nn.RNNBase) and any(p.requires_grad for p in r.parameters())]
+            if rnn:  # Opacus computes their per-sample gradients only as its own DPGRU / DPLSTM / DPRNN layers
+                kind = rnn[0][1]
+                raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
+                                  f"clients {sorted({i for i, _ in rnn})[:10]} have torch.nn.{kind} layers, for which "
+                                  f"Opacus has none; use opacus.layers.DP{kind} in their place (the same layer with "
+                                  "per-sample gradients), freeze them (requires_grad=False), or dp='prototypes'")
 
     def eval_protocols(self) -> dict[str, str]:
         """``acc`` (personal, the classifier head) and ``acc_proto`` (eq. 4)."""

@@ -31,6 +31,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
+from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.errors import ConfigError
 from fedproto.htmath import lg_aggregate
 from fedproto.models.base import ProtoModel
@@ -129,6 +130,9 @@ def head_reply_problem(reply: Message, sent: Message) -> str:
 
 class LGFedAvg(Algorithm):
     """LG-FedAvg: average the heads, keep the bodies (module docstring)."""
+
+    model_needs = ONE_EMBEDDING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "lgfedavg"
     Options = WeightsOptions

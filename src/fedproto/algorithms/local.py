@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from fedproto.algorithms.base import Algorithm, Message
 from fedproto.algorithms.options import NoOptions
+from fedproto.algorithms.requirements import NOTHING
 
 
 class Local(Algorithm):
     """Each client alone (tab. 1 "Local"): cross-entropy only, messages ``{}`` both ways."""
+
+    model_needs = NOTHING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "local"
     Options = NoOptions

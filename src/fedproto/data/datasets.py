@@ -22,6 +22,8 @@ Cached datasets are shared: do not modify their tensors in place.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import importlib
 import os
 from collections import OrderedDict
@@ -108,6 +110,8 @@ def load_dataset(
     root: str | Path | None = None,
     download: bool = True,
     progress: bool = True,
+    mapped: bool = False,
+    decode_in_child: bool = False,
 ) -> Dataset:
     """Load a dataset by name, from disk (downloading if allowed) or from the in-process cache.
 
@@ -118,6 +122,14 @@ def load_dataset(
             folder are searched.
         download: download MNIST/CIFAR-10 when no searched folder holds them.
         progress: show a progress bar while downloading (only on a terminal).
+        mapped: return tensors memory-mapped from the decoded-dataset cache on disk
+            (:mod:`fedproto.data.decoded`): decoded once per machine, one copy in memory for every
+            process that maps it; equal bit for bit to the decoded arrays (digits, which has no
+            files, is decoded as usual).
+        decode_in_child: with ``mapped``, when the cache has no entry yet, decode in a child process
+            (``python -m fedproto.data.precache``) so that this process never holds the decoded
+            arrays (a long-lived process such as a Flower simulation actor keeps its memory low);
+            if the child fails, this process decodes itself (and raises the loader's error).
 
     Layouts accepted in each searched folder ``R``:
 
@@ -157,7 +169,11 @@ def load_dataset(
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
     if key in LOADABLE:
         module, _, function = DATASETS[key].loader.partition(":")
-        return getattr(importlib.import_module(module), function)(root, download, progress)
+        token = _MAPPED.set((name, None if root is None else str(root), download, decode_in_child) if mapped else None)
+        try:
+            return getattr(importlib.import_module(module), function)(root, download, progress)
+        finally:
+            _MAPPED.reset(token)
     raise DataError(f"Unknown dataset {name!r}. Known datasets: {', '.join(KNOWN_DATASETS)}.")
 
 
@@ -176,7 +192,22 @@ _CACHE: OrderedDict[tuple, Dataset] = OrderedDict()
 _CACHE_SIZE = 8
 
 
+_MAPPED: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("fedproto_mapped", default=None)
+"""Set by :func:`load_dataset` while its loader runs: None, or (name, root, download, decode_in_child)
+of a ``mapped=True`` call (:func:`cached` then maps the decoded-dataset cache)."""
+
+
 def cached(key: tuple, build: Callable[[], Dataset]) -> Dataset:
+    """The in-process cache every loader goes through: ``key`` is ``(name, signature(files))``
+    (:func:`signature`), ``build`` decodes the files. Under ``load_dataset(..., mapped=True)`` the
+    dataset comes memory-mapped from the disk cache (:func:`fedproto.data.decoded.load_or_decode`)."""
+    call = _MAPPED.get()
+    if call is not None and len(key) == 2 and key[1]:
+        from fedproto.data.decoded import load_or_decode
+
+        name, sources = key
+        child = call[:3] if call[3] else None
+        key, build = (*key, "mapped"), functools.partial(load_or_decode, name, sources, build, Dataset, child)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

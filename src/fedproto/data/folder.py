@@ -5,6 +5,12 @@ A client folder holds a train and a test split in one of two forms:
 * ``train.npz`` and ``test.npz``, each with arrays ``x`` (n, C, H, W), (n, H, W) (one channel
   added) or (n, F) (flat features; for a model factory that takes them) and ``y`` (n,) integer
   class ids. ``x`` is used as stored (cast to float32): normalise it before saving.
+  Instead of ``x``, several named input arrays ``x.<name>`` (e.g. ``x.input_ids`` and
+  ``x.attention_mask`` (n, L) of a tokenizer, or ``x.signal`` and ``x.site``), each with one row
+  per sample: the model (a factory's) is called with the dict ``{name: batch}``
+  (:class:`fedproto.data.inputs.Inputs`); integer arrays keep their integer dtype (int64; token ids
+  are never cast to float), floating ones become float32. Both splits hold the same names.
+  ``numpy.savez(path, **{"x.input_ids": ids, "x.attention_mask": mask, "y": labels})`` writes one.
 * ``train/`` and ``test/``, each with one sub-folder per class holding image files (PNG, JPEG,
   anything Pillow reads). A sub-folder is named by its class id (``0``, ``7``) or by a class
   name listed in ``class_names``. All images of a client must have one size; they are read as
@@ -25,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedproto.data.inputs import Inputs, finite
 from fedproto.errors import DataError
 
 SPLITS = ("train", "test")
@@ -167,10 +174,20 @@ def _checked(folder: Path, decoded: list, num_classes: int
         if bad.any():
             raise DataError(f"{where!r}: label {int(y[bad][0])} is outside the run's classes 0..{num_classes - 1} "
                             f"(classes={num_classes}); relabel this client's data, or declare more classes")
-        if not torch.isfinite(x).all():
+        if isinstance(x, Inputs):
+            if not finite(x):
+                raise DataError(f"{where!r}: an input array holds NaN or infinite values; clean or drop them")
+        elif not torch.isfinite(x).all():
             raise DataError(f"{where!r}: {int((~torch.isfinite(x)).flatten(1).any(1).sum())} input(s) hold NaN or "
                             "infinite values; clean or drop them")
         out.append((x, y))
+    (a, _), (b, _) = out
+    if isinstance(a, Inputs) or isinstance(b, Inputs):
+        names = [sorted(v.tree) if isinstance(v, Inputs) else ["x"] for v in (a, b)]
+        if names[0] != names[1]:
+            raise DataError(f"{str(folder)!r}: train inputs are the arrays {names[0]} but test inputs {names[1]}; save "
+                            "both splits with the same named arrays")
+        return out[0], out[1]
     if out[0][0].shape[1:] != out[1][0].shape[1:]:
         raise DataError(f"{str(folder)!r}: train inputs have shape {tuple(out[0][0].shape[1:])} but test inputs "
                         f"{tuple(out[1][0].shape[1:])}; give both splits one input shape")
@@ -183,9 +200,12 @@ def _read_npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
             arrays = {k: f[k] for k in f.files}
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {str(path)!r} ({e}); save it with numpy.savez(path, x=..., y=...)") from None
+    named = {k[2:]: v for k, v in arrays.items() if k.startswith("x.")}
+    if named and "x" not in arrays and "y" in arrays:
+        return _named_inputs(path, named, arrays["y"])
     if "x" not in arrays or "y" not in arrays:
-        raise DataError(f"{str(path)!r} holds arrays {sorted(arrays)}, expected 'x' and 'y'; save it with "
-                        "numpy.savez(path, x=inputs, y=labels)")
+        raise DataError(f"{str(path)!r} holds arrays {sorted(arrays)}, expected 'x' (or named inputs 'x.<name>') and "
+                        "'y'; save it with numpy.savez(path, x=inputs, y=labels)")
     x, y = arrays["x"], arrays["y"]
     if x.ndim == 0 or y.ndim == 0:
         raise DataError(f"{str(path)!r}: x has shape {x.shape} and y {y.shape}; give one row of x and one label in y "
@@ -201,6 +221,29 @@ def _read_npz(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     if x.ndim not in (2, 4):
         raise DataError(f"{str(path)!r}: x has shape {x.shape}; give (n, C, H, W), (n, H, W) or (n, F)")
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y.astype(np.int64))
+
+
+def _named_inputs(path: Path, named: dict[str, np.ndarray], y: np.ndarray) -> tuple[Inputs, torch.Tensor]:
+    """Named input arrays ``x.<name>`` and labels ``y`` of an npz file as ``(Inputs, y)``; integer
+    arrays kept integers (int64), floating ones float32 (see the module docstring)."""
+    if y.ndim != 1 or y.dtype.kind not in "biuf":
+        raise DataError(f"{str(path)!r}: y has shape {y.shape} and dtype {y.dtype}; give one integer label per sample")
+    if y.dtype.kind == "f" and not np.array_equal(y, np.round(y)):
+        raise DataError(f"{str(path)!r}: labels with fractions; give integer class ids")
+    tree = {}
+    for name, a in named.items():
+        if not name.isidentifier():
+            raise DataError(f"{str(path)!r}: input array name 'x.{name}' is not an identifier; name them like "
+                            "x.input_ids, x.attention_mask")
+        if a.ndim == 0 or len(a) != len(y):
+            raise DataError(f"{str(path)!r}: input array 'x.{name}' has shape {a.shape} but there are {len(y)} labels; "
+                            "give every named input one row per sample")
+        if a.dtype.kind not in "biuf":
+            raise DataError(f"{str(path)!r}: input array 'x.{name}' has dtype {a.dtype}; give numbers (integer token "
+                            "ids stay integers)")
+        a = a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int64) if a.dtype.kind in "iu" else a
+        tree[name] = torch.from_numpy(np.ascontiguousarray(a))
+    return Inputs(tree), torch.from_numpy(y.astype(np.int64))
 
 
 def _class_id(name: str, num_classes: int | None, class_names: Sequence[str] | None, where: Path) -> int:

@@ -19,12 +19,12 @@ import torch
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
 from fedproto.algorithms.options import owners
+from fedproto.algorithms.requirements import ONE_ARCHITECTURE, check_architectures, check_model_needs, model_needs
 from fedproto.config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError, PartitionError, opt
-from fedproto.models.base import check_embedding_dims
 from fedproto.models.zoo import build_client_models
 from fedproto.plugins import method_options
 from fedproto.training import has_batchnorm
@@ -108,19 +108,15 @@ class Setup:
         return self
 
 
-def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
-    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+def partition_run(cfg: RunConfig, ds: Dataset) -> Partition:
+    """The run's seeded partition of ``ds`` into ``cfg.clients`` clients (``cfg.partition``: few-shot,
+    Dirichlet or natural), as :func:`prepare` makes it; labels only, so a process that holds one
+    client (a Flower simulation actor) makes the same partition without reading any input.
 
-    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
-    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
-    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
-    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    Raises:
+        ConfigError: ``natural`` for a dataset without writer ids. PartitionError: a client without
+            training or test samples (and the partitions' own errors).
     """
-    if cfg.dataset == "custom":
-        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
-                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
-                          "digits")
-    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
     if cfg.partition == "natural":
         if ds.train_groups is None or ds.test_groups is None:
             raise ConfigError(
@@ -142,6 +138,23 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
         raise PartitionError(f"clients {empty[:10]} hold no training or no test samples; give every client data "
                              f"(for {opt('partition', 'dirichlet')}: raise {opt('min_client_samples')} or "
                              f"{opt('alpha')}, or use fewer {opt('clients')})")
+    return part
+
+
+def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True) -> Setup:
+    """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
+
+    ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
+    (one client per writer; needs writer ids, i.e. FEMNIST; ``ways``, ``shots``, ``stdev`` and
+    ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
+    ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
+    """
+    if cfg.dataset == "custom":
+        raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
+                          "clients, num_classes, ...) from Python; the command line runs mnist, femnist, cifar10, "
+                          "digits")
+    ds = dataset or load_dataset(cfg.dataset, cfg.data_dir, download=cfg.download, progress=progress)
+    part = partition_run(cfg, ds)
     if cfg.augment and ds.input_shape[0] != 3:
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
@@ -171,13 +184,16 @@ def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientDat
 
 
 def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
-                dataset: Dataset | None = None, place: bool = True, whole: bool = True) -> Setup:
+                dataset: Dataset | None = None, place: bool = True, whole: bool = True,
+                fix: str | None = None) -> Setup:
     """The one set-up every front end finishes with (``fedproto run`` through :func:`prepare`,
     :func:`fedproto.federation.federate`, the Flower nodes, onboarding): the checks of the clients
     against the options, the algorithm, and the options resolved against the data, so a check
     added here holds everywhere.
 
-    In order: the embedding sizes agree (:func:`~fedproto.models.base.check_embedding_dims`), the
+    In order: the models meet what the method needs of them (its ``model_needs``:
+    :func:`~fedproto.algorithms.requirements.check_model_needs`; one embedding size, one
+    architecture, only the label space, or nothing), the
     batch size suits the clients (:func:`check_batches`), a warning for options the algorithm
     ignores, the algorithm built and its own checks (``check_setup``, ``check_models``), a
     warning naming the clients whose test sets hold classes absent from their training sets,
@@ -194,17 +210,22 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
             ``partition_summary``).
         dataset: the loaded dataset (None for your own clients).
         place: move the models and in-memory data to ``cfg.device`` (False: leave them where they are).
+        fix: how this front end's user gives the models one embedding size (the refusal's advice;
+            None: the general one).
         whole: the clients are the whole federation; False for some clients of one (a Flower
             node's own client, onboarding's new clients): the algorithm's federation-wide checks
             (``check_setup``: enough holders of a class for ``min_contributors``...) are skipped.
     Returns:
         The :class:`Setup`.
     Raises:
-        ModelError: embedding sizes differ (names the clients). ConfigError: the batch size leaves a
+        ModelError: embedding sizes differ where the method needs one (names the clients and the
+            methods that run these models). ConfigError: architectures differ where the method
+            averages weights (names the methods that run these models), the batch size leaves a
             client without a batch, or the algorithm refuses the clients' models or labels.
     """
     models = [s.model for s in states]
-    d = check_embedding_dims(models)
+    needs = model_needs(get_algorithm(cfg.algorithm))  # what the method needs of the models, checked as stated
+    d = check_model_needs(cfg.algorithm, needs, models, fix)
     check_batches(cfg, models, [len(x.y) for x in data])
     fields = type(cfg).model_fields
     users = {k: owners(k) for k in fields if k not in CommonConfig.model_fields}  # the algorithms' own options
@@ -219,6 +240,9 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     alg = build_algorithm(cfg, d)
     if whole:
         alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
+    if needs == ONE_ARCHITECTURE:
+        include = getattr(alg, "include", None)
+        check_architectures(cfg.algorithm, models, include(models[0]) if callable(include) else None)
     alg.check_models(models)
     warn_unseen_test_classes(states, data)
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);

@@ -7,8 +7,9 @@ A node is one of two kinds, by its node config:
   is on it, and the run config only declares ``dataset = "custom"``, the ``classes`` and the
   ``embedding-dim``. Nodes may have different architectures.
 * **a benchmark client** (``partition-id``, ``num-partitions``, optional ``data-dir``; what
-  Flower's simulation runtime sets): every node builds the same seeded partition of the run's
-  dataset and models from the run config and keeps only client ``partition-id``.
+  Flower's simulation runtime sets): every node makes the same seeded partition of the run's
+  dataset from the run config and builds only client ``partition-id``'s model, reading its rows
+  from the dataset memory-mapped once per machine (:mod:`fedproto.flower.virtual`).
 
 The client's model and extras live in ``context.state`` between rounds (they never leave the
 node); the data set-up is cached per process. An own-data node also keeps them in its state file
@@ -41,7 +42,6 @@ from flwr.clientapp import ClientApp
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState
 from fedproto.config import RunConfig
 from fedproto.engine.executors.local import client_step
-from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
 from fedproto.flower import node_state
 from fedproto.flower.common import (
@@ -56,6 +56,8 @@ from fedproto.flower.common import (
     to_record,
 )
 from fedproto.flower.node import corrupt, load_local_client, whole
+from fedproto.flower.virtual import forget as forget_virtual
+from fedproto.flower.virtual import virtual_client
 from fedproto.models.base import count_parameters
 from fedproto.privacy import deployment_fields
 
@@ -86,6 +88,9 @@ def forget_clients() -> None:
     new SuperNode process starts without."""
     _CACHE.clear()
     _INITIAL.clear()
+    forget_virtual()
+
+
 _INITIAL: dict[int, tuple[dict, dict]] = {}
 """id(model) -> its weights and extras when its node first built it (:func:`node`)."""
 
@@ -124,16 +129,17 @@ def node(context: Context, run_key: str | None = None) -> Node:
             _CACHE[key] = load_local_client(nc, cfg, names)
         lc = _CACHE[key]
         n = Node(cfg, lc.cid, lc.state, lc.data, lc.algorithm, nc.get("misbehave"))
-    else:
-        n = _benchmark_node(cfg, nc)
-    # the cached client's model is trained in place: a context without the client's state (a new run, a
-    # restarted node, a new SuperLink) starts from the initial weights, not from another run's
-    model = n.state.model
-    init = _INITIAL.setdefault(id(model), ({k: v.detach().clone() for k, v in model.state_dict().items()},
-                                           dict(n.state.extra)))
-    if STATE_MODEL not in context.state:
-        n.state.model.load_state_dict(init[0])
-        n.state.extra = dict(init[1])
+    else:  # a fresh model has the initial weights: nothing to restore when the context holds no state
+        n = _benchmark_node(cfg, nc, fresh=STATE_MODEL not in context.state)
+    if own:
+        # the cached client's model is trained in place: a context without the client's state (a new run, a
+        # restarted node, a new SuperLink) starts from the initial weights, not from another run's
+        model = n.state.model
+        init = _INITIAL.setdefault(id(model), ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                                               dict(n.state.extra)))
+        if STATE_MODEL not in context.state:
+            n.state.model.load_state_dict(init[0])
+            n.state.extra = dict(init[1])
     # the instance id; after a restart, the client's state file (fedproto.flower.node_state)
     saved = node_state.begin(context, n.cid, cfg, n.state.model, n.state.extra, run_key)
     if saved is not None:
@@ -142,10 +148,16 @@ def node(context: Context, run_key: str | None = None) -> Node:
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
+    if n.cfg.secagg:  # with DP, this node's share of the noise (fedproto.secagg.dp), for its releases and its epsilon
+        from fedproto.secagg.dp import adjust
+
+        adjust(n.cfg, n.algorithm)
     return n
 
 
-def _benchmark_node(cfg: RunConfig, nc) -> Node:
+def _benchmark_node(cfg: RunConfig, nc, fresh: bool) -> Node:
+    """Client ``partition-id`` of the run (:func:`fedproto.flower.virtual.virtual_client`: this process
+    holds its own model and an index view of the mapped dataset, not the whole run)."""
     if cfg.dataset == "custom":
         raise ConfigError("the run config has dataset=\"custom\" (nodes bring their own data) but this SuperNode has "
                           "no client-id, data and model in its node config; start it with --node-config "
@@ -164,16 +176,8 @@ def _benchmark_node(cfg: RunConfig, nc) -> Node:
     if parts != cfg.clients:
         raise ConfigError(f"node config num-partitions={parts} but the run has clients={cfg.clients}; "
                           "start the SuperNodes with num-partitions equal to clients")
-    key = cfg.model_dump_json()
-    if key not in _CACHE:
-        _CACHE.clear()  # one run at a time per process
-        _INITIAL.clear()
-        _CACHE[key] = prepare(cfg, progress=False)
-    setup: Setup = _CACHE[key]
-    if not 0 <= cid < len(setup.states):
-        raise ConfigError(f"node config partition-id={cid} is outside 0..{len(setup.states) - 1} "
-                          f"(the run has {len(setup.states)} clients)")
-    return Node(cfg, cid, setup.states[cid], setup.data[cid], setup.algorithm, nc.get("misbehave"))
+    state, data, algorithm = virtual_client(cfg, cid, fresh)
+    return Node(cfg, cid, state, data, algorithm, nc.get("misbehave"))
 
 
 def _save(n: Node, context: Context) -> None:
@@ -223,12 +227,21 @@ def train(msg: Message, context: Context) -> Message:
     the server's checks)."""
     n = node(context, _run_key(msg))
     r = _checked_round(n, msg)
-    out, res = client_step(n.algorithm, n.state, from_record(msg.content[MESSAGE]), n.data, n.cfg.seed, r)
+    if n.misbehave == "vanish":  # a node that drops out in each round's train step (tests)
+        raise ConnectionAbortedError(f"client {n.cid} vanishes (node config misbehave='vanish')")
+    down, masked = from_record(msg.content[MESSAGE]), None
+    if n.cfg.secagg:  # secure aggregation (fedproto.flower.secagg): the reply leaves the node masked
+        from fedproto.flower.secagg import masked_reply
+
+        down, masked = masked_reply(n, down, context, r)
+    out, res = client_step(n.algorithm, n.state, down, n.data, n.cfg.seed, r)
     _save(n, context)
     node_state.after_train(context, n.cid, n.cfg, r, n.state.model, n.state.extra)
     if n.misbehave:
         rng = np.random.default_rng(np.random.SeedSequence([n.cfg.seed, r, n.cid, 0xBAD]))
         out = corrupt(out, n.misbehave, rng, n.cfg.num_classes)
+    if masked is not None:
+        out = masked(out)
     metrics = {"loss_ce": float(res.loss_ce), "loss_proto": float(res.loss_proto), "steps": int(res.steps),
                "emb-norm-max": float(res.emb_norm_max), "loss-terms": float(res.loss_terms),
                "num-examples": len(n.data.y)}
@@ -255,3 +268,12 @@ def evaluate(msg: Message, context: Context) -> Message:
                     ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))
     sent.update(node_state.reply_metrics(context))
     return Message(RecordDict({METRICS: MetricRecord(sent)}), reply_to=msg)
+
+
+@app.query("secagg")
+def secagg(msg: Message, context: Context) -> Message:
+    """A step of secure aggregation (option ``secagg``: :func:`fedproto.flower.secagg.step`)."""
+    from fedproto.flower.secagg import step
+
+    out = step(node(context, _run_key(msg)), from_record(msg.content[MESSAGE]), context)
+    return Message(RecordDict({MESSAGE: to_record(out)}), reply_to=msg)

@@ -38,6 +38,7 @@ from flwr.serverapp import Grid
 
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm
 from fedproto.algorithms.base import Message as FedMessage
+from fedproto.algorithms.requirements import needs_one_size
 from fedproto.config import RunConfig
 from fedproto.engine.checks import unusable
 from fedproto.engine.executors.base import Executor, RoundReplies
@@ -332,9 +333,9 @@ class FlowerExecutor(Executor):
         m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
         if not 0 <= cid < m:
             return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
-        if self.own_data and d != self.cfg.embedding_dim:
+        if self.own_data and d != self.cfg.embedding_dim and needs_one_size(self.cfg.algorithm):
             return f"client {cid}'s embedding size is {d}, the run's embedding-dim is {self.cfg.embedding_dim}"
-        if not self.own_data and self.info:
+        if not self.own_data and self.info and needs_one_size(self.cfg.algorithm):
             d0 = int(next(iter(self.info.values()))["embedding-dim"])
             if d != d0:
                 return f"client {cid}'s embedding size is {d}, the other clients' is {d0}"

@@ -95,7 +95,8 @@ def make_credentials(folder: str | Path, nodes: int, days: int = 365,
 
     Raises:
         ConfigError: ``nodes`` < 0, ``days`` < 1, no ``addresses``, or a ``ca.crt`` in ``folder`` without its
-            key at ``ca_key`` (or the reverse): a CA cannot be renewed from half of it.
+            key at ``ca_key`` (or the reverse): a CA cannot be renewed from half of it; a ``ca_key`` that is
+            not the key of ``ca.crt``; a kept CA past its end date.
     """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -117,7 +118,8 @@ def make_credentials(folder: str | Path, nodes: int, days: int = 365,
             return x509.DNSName(a)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    ca_key_path = Path(ca_key) if ca_key is not None else folder.with_name(folder.name + "-ca") / "ca.key"
+    named = Path(os.path.abspath(folder))  # "." or "creds/..": the folder's own name, for <folder>-ca
+    ca_key_path = Path(ca_key) if ca_key is not None else named.with_name(named.name + "-ca") / "ca.key"
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def pem_key(key) -> bytes:
@@ -133,6 +135,12 @@ def make_credentials(folder: str | Path, nodes: int, days: int = 365,
         ca = x509.load_pem_x509_certificate(out.ca_cert.read_bytes())
         ca_private = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
         ca_name = ca.subject
+        if ca.public_key() != ca_private.public_key():
+            raise ConfigError(f"{str(ca_key_path)!r} is not the key of {str(out.ca_cert)!r} (another CA's); give the "
+                              "CA's own key as ca_key, or a new folder for a new CA")
+        if ca.not_valid_after_utc <= now:
+            raise ConfigError(f"the CA {str(out.ca_cert)!r} expired on {ca.not_valid_after_utc:%Y-%m-%d}; make a new "
+                              "CA in a new folder (and give the SuperNodes its ca.crt)")
     else:
         ca_private = ec.generate_private_key(ec.SECP384R1())
         ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedproto local CA")])
@@ -355,15 +363,21 @@ class LocalFederation:
                 p.wait(10)
 
     def flwr_run(self, app: str | Path, run_config: Mapping[str, Any] | None = None, timeout: float = 600.0,
-                 num_supernodes: int | None = None) -> subprocess.CompletedProcess:
+                 num_supernodes: int | None = None,
+                 federation_config: Mapping[str, Any] | None = None) -> subprocess.CompletedProcess:
         """``flwr run <app> --stream`` against this SuperLink with ``run_config`` overrides (keys
         must be listed in the app's ``[tool.flwr.app.config]``); ``num_supernodes`` for the
-        simulation runtime. Returns the finished process (stdout and stderr as text)."""
+        simulation runtime, and ``federation_config`` for its other keys (``--federation-config``:
+        ``client-resources-num-cpus``, ``init-args-num-cpus``...: as many actors run as
+        ``init-args-num-cpus // client-resources-num-cpus``). Returns the finished process (stdout and
+        stderr as text)."""
         args = [self.commands["flwr"], "run", str(app), CONNECTION, "--stream"]
         if run_config:
             args += ["--run-config", config_arg(run_config)]
-        if num_supernodes is not None:
-            args += ["--federation-config", f"num-supernodes={int(num_supernodes)}"]
+        fed = {**({"num-supernodes": int(num_supernodes)} if num_supernodes is not None else {}),
+               **(federation_config or {})}
+        if fed:
+            args += ["--federation-config", config_arg(fed)]
         return subprocess.run(args, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
 
     def stop(self) -> None:

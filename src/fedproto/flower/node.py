@@ -7,7 +7,8 @@ Node config keys (``flower-supernode --node-config '...'``):
     server's logs and metrics and seeds its training exactly as client ``client-id`` of an
     in-process run (:func:`fedproto.engine.executors.local.client_step`).
 ``data``
-    The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``), or ``train/`` and
+    The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``; or several named
+    input arrays ``x.<name>``, e.g. token ids and masks, that a factory's model takes as a dict), or ``train/`` and
     ``test/`` folders of class sub-folders of images (:func:`fedproto.data.folder.load_client_folder`).
 ``model``
     A zoo spec (``cnn``, ``projcnn:16-32``, ``resnet18``; built for the data's channels and size,
@@ -44,11 +45,14 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.requirements import needs_one_size
 from fedproto.config import RunConfig
+from fedproto.data.inputs import describe
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.models.names import MODEL_NAMES, ZOO
 
-MISBEHAVIOURS = ("nan", "scale", "random", "flip")
+MISBEHAVIOURS = ("nan", "scale", "random", "flip", "vanish")
+"""``vanish``: the node fails every train step (after the key and share steps of ``secagg``): a dropout."""
 NODE_KEYS = ("client-id", "data", "model", "head", "state-dir", "misbehave", "data-dir")
 """The node config keys of an own-data node (``data-dir`` is accepted and unused)."""
 FLOWER_NODE_KEYS = ("partition-id", "num-partitions")
@@ -122,7 +126,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
         (x, y), (tx, ty) = load_client_folder(node_config["data"], C, class_names)
         if _is_import_path(spec):
             torch.manual_seed(init_seed(cfg.seed, cid, cfg.shared_init))  # shared_init: one seed for all nodes
-            factory_model = _factory(spec, C, int(x.shape[1]), d)
+            factory_model = _factory(spec, C, int(x.shape[1]) if isinstance(x, torch.Tensor) else 0, d)
             try:
                 model = adapt(factory_model, head, C, x[0:1], cid)
             except FedprotoError:
@@ -131,12 +135,13 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                 hint = (f"if its forward returns (logits, embedding) itself, leave out head={head!r}"
                         if head is not None
                         else "its forward must return (logits, embedding), or give head='<final layer name>'")
-                raise ConfigError(f"model {spec!r} failed on a training input of shape {tuple(x[0:1].shape)} "
+                raise ConfigError(f"model {spec!r} failed on a training input of shape {describe(x[0:1])} "
                                   f"({type(e).__name__}: {str(e)[:200]}); {hint}") from None
         else:
-            if x.ndim != 4:
-                raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are {tuple(x.shape)}; give "
-                                  "a model factory (package.module:factory) for flat features")
+            if not isinstance(x, torch.Tensor) or x.ndim != 4:
+                raise ConfigError(f"model {spec!r} takes images (n, C, H, W) but the data are "
+                                  f"{describe(x) if not isinstance(x, torch.Tensor) else tuple(x.shape)}; give a model "
+                                  "factory (package.module:factory) for flat features or named arrays")
             try:
                 model = build_model(spec, cid, int(x.shape[1]), C, int(x.shape[-1]), d, cfg.dropout, cfg.seed,
                                     shared_init=cfg.shared_init)
@@ -148,7 +153,7 @@ def load_local_client(node_config: Mapping[str, Any], cfg: RunConfig,
                                   "or a model factory (package.module:factory) that takes this size") from None
     except FedprotoError as e:
         raise ConfigError(f"{who}: {e}") from None
-    if model.embedding_dim != d:
+    if model.embedding_dim != d and needs_one_size(cfg.algorithm):  # fd, local: any size (their model_needs)
         raise ConfigError(f"{who}: its model {spec!r} has embedding size {model.embedding_dim}, but the run's "
                           f"embedding-dim is {d}; end the model in a {d}-wide layer (or change embedding-dim)")
     state = ClientState(cid, model, np.unique(y.numpy()))

@@ -106,7 +106,7 @@ def preload(node_config: Mapping[str, Any], threads: int = 1) -> dict[str, Any]:
             (x, y), _ = load_client_folder(data, 2 ** 31 - 1)
         except Exception as e:  # noqa: BLE001
             out["skipped"].append(f"warm-up skipped ({str(e)[:200]})")
-    if x is not None and x.ndim == 4 and isinstance(spec, str) and spec.strip():
+    if getattr(x, "ndim", None) == 4 and isinstance(spec, str) and spec.strip():  # images (not named arrays)
         try:
             _warm_up(spec.strip(), x[:8], y[:8])
             out["warm"] = True

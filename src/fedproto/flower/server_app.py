@@ -41,6 +41,7 @@ from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
+from fedproto.flower.secagg import install as install_secagg
 from fedproto.results import RunDir, atomic_write_json
 from fedproto.tensorboard import tensorboard_observers
 
@@ -99,12 +100,13 @@ class FlowerEngine:
         self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
         self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
-        self.executor.bind(self.algorithm)
+        # secure aggregation (fedproto.flower.secagg; unchanged when off): the executor runs the protocol
+        server, self.executor = install_secagg(cfg, self.algorithm, self.executor)
         health = Health(cfg, algorithm=self.algorithm)  # the simulator's policy: a non-finite loss stops the run
         observers = standard_observers(cfg, health, self.run_dir, self.config_record, on_round,
                                        checkpoint_every=cfg.checkpoint_every or 1, user=check_observers(observers),
                                        run_folder=tensorboard_observers(cfg, self.run_dir))
-        self.loop = RoundLoop(cfg, self.algorithm, self.executor, self.executor.embedding_dim, observers)
+        self.loop = RoundLoop(cfg, server, self.executor, self.executor.embedding_dim, observers)
 
     resume_config = ""
     """The stopped run's run config as ``key=value `` pairs, put before ``resume-from`` in

@@ -132,6 +132,39 @@ def build_client_models(
     return models
 
 
+def build_client_model(
+    name: str, cid: int, num_clients: int, in_channels: int, num_classes: int, input_size: int,
+    embedding_dim: int = 50, dropout: float = 0.5, seed: int = 0,
+    pretrained: str | os.PathLike | Mapping[str, torch.Tensor] | None = None, shared_init: bool = False,
+) -> ProtoModel:
+    """Client ``cid``'s model alone, exactly as :func:`build_client_models` builds it among
+    ``num_clients`` clients (its architecture from its position in ``name``'s list and, for ``-mh``
+    specs, among the clients; its initial weights from :func:`init_seed`). For a process that holds
+    one client of a federation (a Flower simulation actor).
+
+    Raises:
+        ModelError: an unknown model name; ``cid`` outside ``0..num_clients-1``; ``pretrained`` for a
+            client that is not a ResNet18 (given to a run where no client is one).
+        DataError: the ``pretrained`` file is missing or unreadable.
+    """
+    specs = [s.strip() for s in name.split(",") if s.strip()]
+    if not specs:
+        raise ModelError("empty model name")
+    if not 0 <= cid < num_clients:
+        raise ModelError(f"client {cid} is outside 0..{num_clients - 1}")
+    torch.manual_seed(init_seed(seed, cid, shared_init))
+    model = _one(specs[cid % len(specs)], cid, num_clients, in_channels, num_classes, input_size, embedding_dim,
+                 dropout)
+    if pretrained is not None and isinstance(model, ResNet18):
+        state = dict(pretrained) if isinstance(pretrained, Mapping) else read_state_dict(pretrained)
+        load_pretrained(model, state, None if isinstance(pretrained, Mapping) else str(pretrained))
+    elif pretrained is not None and not any(s.startswith("resnet18") for s in specs):
+        raise ModelError(f"pretrained weights are for resnet18 models, but model {name!r} has none",
+                         option="pretrained", hint=f"use {opt('model', 'resnet18')} (or resnet18-mh) or "
+                         f"drop {opt('pretrained')}")
+    return model
+
+
 _PROJCNN = re.compile(r"projcnn:([0-9]+(?:-[0-9]+)*)", re.ASCII)
 MAX_PROJCNN_CHANNELS = 4096
 MAX_PROJCNN_LAYERS = 8

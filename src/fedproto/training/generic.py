@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedproto.data.inputs import concat, move, tree_map
 from fedproto.grouped import grouped_call, grouped_forward, grouped_graph
 from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
@@ -203,10 +204,11 @@ def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
         calls = _dropout_calls(model, x[:1])
         params = {k: torch.stack([p.detach()] * 2).requires_grad_(True) for k, p in model.named_parameters()}
         buffers = {k: torch.stack([b.detach()] * 2) for k, b in model.named_buffers()}
-        xb = torch.stack([x[:2]] * 2).to(next(model.parameters()).device)
-        c = xb.shape[1]
-        masks = {d.name: torch.ones((2, c, *d.shape), dtype=d.dtype, device=xb.device) for d in calls}
-        noise = {k: torch.ones(2, c, w, dtype=xb.dtype, device=xb.device) for k, w in model.noise_widths().items()}
+        p0 = next(model.parameters())
+        xb = tree_map(lambda t: torch.stack([t] * 2).to(p0.device), x[:2])  # inputs of any structure, dtypes kept
+        c = min(2, len(x))
+        masks = {d.name: torch.ones((2, c, *d.shape), dtype=d.dtype, device=p0.device) for d in calls}
+        noise = {k: torch.ones(2, c, w, dtype=p0.dtype, device=p0.device) for k, w in model.noise_widths().items()}
         model.train()
         with _Functional(model) as f:
             logits, h = f(params, buffers, xb, masks, noise)
@@ -262,7 +264,9 @@ def train_group_generic(
     Args:
         models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;
             updated in place (parameters and buffers).
-        xs: per client local inputs (n_g, ...); ys: per client labels (n_g,).
+        xs: per client local inputs (n_g, ...): tensors of any dtype, or :class:`fedproto.data.inputs.Inputs`
+            (dicts, tuples of tensors) of one structure, passed to the model as they are; ys: per client
+            labels (n_g,).
         plans: per client plans with the same phase structure (:func:`make_plan`).
         obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
         opt: optimizer settings (:class:`OptimConfig`).
@@ -292,7 +296,7 @@ def train_group_generic(
     dev = next(m0.parameters()).device
     obj = on_device(obj, dev)
     ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
-    calls = _dropout_calls(m0, xs[0][:1].to(dev)) if _dropout_modules(m0) else []
+    calls = _dropout_calls(m0, move(xs[0][:1], dev)) if _dropout_modules(m0) else []
     if calls and seeds is None:
         raise ValueError("models with dropout modules need the clients' torch seeds (seeds=) to draw the "
                          "sequential path's masks")
@@ -301,7 +305,7 @@ def train_group_generic(
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
     Bf = {k: torch.stack([dict(m.named_buffers())[k] for m in models]).clone() for k in bnames}
     offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
-    X = torch.cat([x.to(dev) for x in xs])
+    X = concat(xs, dev)  # a tensor, or fedproto.data.inputs.Inputs (dicts, tuples: leaf by leaf)
     Y = torch.cat([y.to(dev) for y in ys])
     C, d = m0.num_classes, m0.embedding_dim
     sums = torch.zeros(G * C, d, dtype=P[names[0]].dtype, device=dev) if obj.collect else None
@@ -312,7 +316,8 @@ def train_group_generic(
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
     user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
-    gm = None if calls or bnames else grouped_graph(m0)[0]  # standard layers only: grouped ops, faster than vmap
+    floats = isinstance(X, torch.Tensor) and X.is_floating_point()  # token ids, structures: under vmap
+    gm = None if calls or bnames or not floats else grouped_graph(m0)[0]  # standard layers only: grouped ops
     if gm is not None and X.dim() == 4:  # images: the hand-written batched path's loop (train_stacked)
         for m in models:
             m.train()
@@ -366,7 +371,7 @@ def train_group_generic(
                     xb = X[idx.reshape(-1)]
                     if aug is not None:
                         xb = augment_batch(xb, aug[s][:c, idd].transpose(0, 1).reshape(-1, 3))
-                    xb = xb.reshape(len(ids), c, *X.shape[1:])
+                    xb = tree_map(lambda t, n=len(ids), c=c: t.reshape(n, c, *t.shape[1:]), xb)
                     yb = Y[idx]
                     mk = {d_.name: torch.stack([masks[g][pi][s][d_.name] for g in ids.tolist()]).to(dev)
                           for d_ in calls}

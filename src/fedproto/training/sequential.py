@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from fedproto.data.inputs import move
 from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
@@ -43,7 +44,8 @@ def train_client(
     flag; BatchNorm layers whose parameters are all frozen run in eval mode (:func:`frozen_batchnorms`).
 
     Args:
-        model: the client's model (trained in place). x: (n, C, H, W) local inputs; y: (n,) labels.
+        model: the client's model (trained in place). x: (n, C, H, W) local inputs, or any inputs the
+            model takes (token ids, :class:`fedproto.data.inputs.Inputs`, passed as they are); y: (n,) labels.
         plan: from :func:`make_plan`. obj: the round's objective. opt: optimizer settings.
     Returns:
         :class:`TrainResult`.
@@ -107,7 +109,7 @@ def _train_client(
         for s in range(order.shape[0]):
             valid = weight[s] > 0
             idx = order[s][valid]
-            xb, yb = x[idx].to(dev, non_blocking=True), y[idx].to(dev, non_blocking=True)
+            xb, yb = move(x[idx], dev, non_blocking=True), y[idx].to(dev, non_blocking=True)
             if aug is not None:
                 xb = augment_batch(xb, aug[s][valid])
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
@@ -154,7 +156,7 @@ def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Ten
     """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference)."""
     model.eval()
     dev = next(model.parameters()).device
-    out = [model.embed(x[i : i + batch].to(dev)) for i in range(0, len(x), batch)]
+    out = [model.embed(move(x[i : i + batch], dev)) for i in range(0, len(x), batch)]
     return torch.cat(out) if out else torch.zeros(0, model.embedding_dim, device=next(model.parameters()).device)
 
 
@@ -165,7 +167,7 @@ def predict(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> tuple[torch
     dev = next(model.parameters()).device
     logits, hs = [], []
     for i in range(0, len(x), batch):
-        lo, h = model(x[i : i + batch].to(dev))
+        lo, h = model(move(x[i : i + batch], dev))
         logits.append(lo)
         hs.append(h)
     if not logits:

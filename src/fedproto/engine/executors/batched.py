@@ -23,6 +23,7 @@ import torch
 
 from fedproto.algorithms.base import ClientData, Message
 from fedproto.engine.executors.local import LocalExecutor, client_step, custom_step
+from fedproto.engine.executors.paths import explain_paths
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.training import (
@@ -117,6 +118,7 @@ class BatchedExecutor(LocalExecutor):
         mode = self.mode
         alg = self.setup.algorithm
         if mode == "sequential" or alg.sequential_only:
+            explain_paths(self, [([i], 0) for i in ids])
             return [([i], 0) for i in ids]
         if custom_step(alg):  # the method replaced the whole client step: only client_step runs it
             if not self._said_custom:
@@ -152,6 +154,7 @@ class BatchedExecutor(LocalExecutor):
             n = self.group_size
             for w, part in enumerate(parts):
                 groups.extend((part[j : j + n], w) for j in range(0, len(part), n))
+        explain_paths(self, groups)  # token ids, dicts, Dataset items: each client's path, logged once
         return groups
 
     def _group_key(self, i: int):
@@ -197,7 +200,8 @@ class BatchedExecutor(LocalExecutor):
             return False
         cache = self._grouped_checked
         if key not in cache:
-            cache[key] = self.setup.data[members[0]].x.dim() == 4 and grouped_graph(model)[0] is not None
+            x = self.setup.data[members[0]].x
+            cache[key] = isinstance(x, torch.Tensor) and x.dim() == 4 and grouped_graph(model)[0] is not None
         return cache[key]
 
     def _executors(self, batched_clients: int) -> int:

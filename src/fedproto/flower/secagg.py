@@ -1,0 +1,173 @@
+"""Secure aggregation over Flower (option ``secagg``): the protocol's four steps as Flower messages.
+
+Server (:class:`SecAggFlowerExecutor`, around :class:`fedproto.flower.executor.FlowerExecutor`),
+per round, to the sampled clients:
+
+1. ``query.secagg`` stage 1: each node's share group and threshold; reply: its public keys.
+2. ``query.secagg`` stage 2: its group's public keys; reply: its encrypted shares, per member.
+3. ``train``: the round's downlink message plus the shares addressed to the node (``secagg.ct.<j>``,
+   counted in ``secagg_bytes``); the node trains, checks its reply, encodes and masks it (:func:`masked_reply`);
+   reply: ``{"secagg": (L,) uint64}`` and the losses.
+4. ``query.secagg`` stage 4: who sent a masked vector; reply: the shares that rebuild the masks.
+
+Why not Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the workflow runs a whole round of
+a Flower ``Strategy`` (``configure_fit`` samples, ``aggregate_fit`` aggregates, a ``LegacyContext``
+holds the parameters), while fedproto's round loop samples, checks, retries and aggregates itself;
+the mod takes one weight per client (``num_examples / max_weight``) where a prototype sum needs one
+count per class, rounds stochastically with numpy's global generator (runs would not reproduce) and
+draws masks from a 32-bit seed. ``docs/secure-aggregation.md`` gives the lines. The primitives
+under ``flwr.common.secure_aggregation`` are used as they are (:mod:`fedproto.secagg.protocol`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from flwr.app import Context
+
+from fedproto.engine.executors.base import RoundReplies
+from fedproto.errors import TrainingError
+from fedproto.flower.common import MESSAGE, from_record, to_record
+from fedproto.secagg import codec as codecs
+from fedproto.secagg.engine import KEY, Round, Session, nbytes
+from fedproto.secagg.protocol import Client, Server
+
+log = logging.getLogger(__name__)
+
+QUERY = "query.secagg"
+"""The message type of the protocol's steps 1, 2 and 4."""
+STATE = "fedproto.secagg"
+"""The node's protocol state in its context (its secret keys of the round; never sent)."""
+PREFIX = "secagg."
+"""The downlink keys of step 3 (the shares addressed to the node)."""
+
+
+def _state(context: Context) -> dict:
+    return from_record(context.state[STATE]) if STATE in context.state else {}
+
+
+def step(n: Any, m: dict, context: Context) -> dict:
+    """Steps 1, 2 and 4 of the protocol on node ``n`` (:class:`fedproto.secagg.protocol.Client`)
+    for the server's message ``m`` (``stage``: 1, 2 or 4); returns the reply. The node's secrets
+    stay in ``context.state``. The ClientApp's ``query.secagg`` handler calls it."""
+    stage = int(m["stage"][0])
+    if stage == 1:
+        c = Client()
+        out = c.keys(n.cid, int(m["round"][0]), m["group"].tolist(), int(m["t"][0]))
+        c.state["parties"] = m["parties"]
+    else:
+        c = Client(_state(context))
+        if stage == 2:
+            out = c.shares({k: v for k, v in m.items() if k != "stage"})
+        else:
+            out = c.unmask(m["alive"].tolist(), m["dead"].tolist())
+    context.state[STATE] = to_record(c.state)
+    return out
+
+
+def masked_reply(n: Any, down: dict, context: Context, round: int):
+    """Step 3 on a node: (the downlink message without the shares, a function that turns the
+    node's reply into its masked vector). The reply is checked on the node first
+    (:meth:`fedproto.secagg.codec.Codec.checked`: the rows the server's check would drop are left
+    out of the sum).
+
+    Raises:
+        TrainingError: the message carries no shares (a node must not send its reply in the clear).
+    """
+    cts = {k[len(PREFIX):]: v for k, v in down.items() if k.startswith(PREFIX)}
+    c = Client(_state(context))
+    if "round" not in c.state or int(c.state["round"][0]) != round or "rd" not in c.state:
+        raise TrainingError(f"secagg is on but this node holds no secure-aggregation keys of round {round} (it did "
+                            "not take part in the round's key and share steps): it does not send its reply in the "
+                            "clear")
+    plain = {k: v for k, v in down.items() if not k.startswith(PREFIX)}
+    codec = codecs.codec_of(n.algorithm)
+
+    def finish(reply: dict) -> dict:
+        vec = codecs.encode(codec.vector(n.cid, reply, plain, (n.state, n.data)), int(c.state["parties"][0]))
+        out = {KEY: c.masked(vec, cts)}
+        context.state[STATE] = to_record(c.state)
+        return out
+
+    return plain, finish
+
+
+class SecAggFlowerExecutor:
+    """The Flower executor under secure aggregation (see the module); every other attribute is the
+    wrapped executor's.
+
+    Args:
+        executor: the run's :class:`~fedproto.flower.executor.FlowerExecutor`.
+        algorithm: the run's algorithm (its codec gives the vector length). session: the run's
+            :class:`~fedproto.secagg.engine.Session`.
+    """
+
+    def __init__(self, executor: Any, algorithm: Any, session: Session):
+        self.__dict__.update(_ex=executor, _codec=codecs.codec_of(algorithm), _session=session)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ex, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._ex, name, value)
+
+    def _step(self, ids: list[int], msgs: dict[int, dict]) -> tuple[dict[int, dict], int, int]:
+        ex = self._ex
+        replies, *_ = ex._send(QUERY, ids, msgs)
+        got = {i: from_record(r.content[MESSAGE]) for i, r in replies.items()}
+        return got, sum(nbytes(msgs[i]) for i in ids), sum(nbytes(m) for m in got.values())
+
+    def train(self, round: int, sent: dict, downlink=None) -> RoundReplies:
+        """The protocol's four steps around the wrapped executor's ``train`` (see the module)."""
+        ex = self._ex
+        ex.round = round
+        ids = [i for i in sorted(sent) if i in ex.nodes]
+        t0 = time.perf_counter()
+        srv = Server(ids, self._session.fraction, self._session.neighbours)
+        first = {i: {"stage": np.array([1]), "round": np.array([round]), "parties": np.array([len(ids)]),
+                     "group": np.asarray(srv.setup(i)["group"], np.int64), "t": np.array([srv.setup(i)["t"]])}
+                 for i in ids}
+        pks, down, up = self._step(ids, first)
+        keys = {i: {"stage": np.array([2]), **srv.keys_for(i, pks)} for i in sorted(pks)}
+        cts, d2, u2 = self._step(sorted(pks), keys)
+        routed = srv.route(cts)
+        seconds = time.perf_counter() - t0
+        msgs = {i: {**sent[i], **{PREFIX + k: v for k, v in routed[i].items()}} for i in srv.u2}
+        got = ex.train(round, msgs, None)  # no retry with other clients: they hold no shares of this round
+        t1 = time.perf_counter()
+        length = self._codec.length(sent[ids[0]]) if ids else 0
+        ok = {i: r for i, r in got.replies.items() if i in srv.u2
+              and set(r[0]) == {KEY} and r[0][KEY].dtype == np.uint64 and r[0][KEY].shape == (length,)}
+        alive, dead = srv.unmask_request(sorted(ok))
+        req = {i: {"stage": np.array([4]), "alive": np.asarray(alive, np.int64), "dead": np.asarray(dead, np.int64)}
+               for i in alive}
+        shares, d4, u4 = self._step(alive, req)
+        if dead:
+            log.warning("round %d: secure aggregation: clients %s shared keys but sent no masked vector; their masks "
+                        "are rebuilt from the others' shares", round, dead)
+        masks = srv.masks(alive, dead, shares, length)
+        routed_bytes = sum(nbytes(m) for m in routed.values())  # the shares in the train messages
+        self._session.record(Round(alive, dead, masks, sent[ids[0]], up + u2 + u4, down + d2 + d4 + routed_bytes,
+                                   seconds + time.perf_counter() - t1))
+        status = {**got.status, **({"secagg_dropped": dead} if dead else {})}
+        # the round's downlink as the loop counts it: the server's messages; the shares are in secagg_bytes
+        return RoundReplies({i: ok[i] for i in alive}, {i: sent.get(i, m) for i, m in got.sent.items()}, status)
+
+
+def install(cfg: Any, algorithm: Any, executor: Any) -> tuple[Any, Any]:
+    """(the algorithm's server part, the executor) under ``cfg.secagg`` (unchanged when off); binds
+    the server part to the executor (its reply check decides retries).
+
+    Raises:
+        ConfigError: :func:`fedproto.secagg.check`.
+    """
+    from fedproto.secagg import install as install_secagg
+
+    server, _ = install_secagg(cfg, algorithm)
+    if server is not algorithm:
+        executor = SecAggFlowerExecutor(executor, algorithm, server._session)
+    executor.bind(server)
+    return server, executor

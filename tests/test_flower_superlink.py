@@ -1,0 +1,63 @@
+"""A real Flower deployment in the fast suite: a SuperLink and two SuperNodes on 127.0.0.1.
+
+The other fast Flower tests talk to the real ClientApp through an in-process stand-in of the
+SuperLink (tests/test_flower.py's ``LocalGrid``); this one starts Flower's own processes, so the
+wire format, the SuperLink's scheduling and the SuperNodes' process isolation are exercised on
+every run of the suite. Kept to one round of two small clients; the longer deployments (restarts,
+TLS, authentication, several rounds) are in tests/test_flower.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedproto.simulation import Simulation
+
+pytestmark = pytest.mark.flower
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_real_superlink_round_in_the_fast_suite(tmp_path):
+    """``flwr run`` of the benchmark app (examples/flower: digits, partition-id nodes) with clients=2,
+    rounds=1 against a SuperLink and two SuperNodes on free ports of 127.0.0.1, each SuperNode with
+    a warm executor (``python -m fedproto.flower.prefork``: one process that forks per message).
+    The run folder holds the sequential simulator's accuracies for the same config and seed, both
+    nodes replied in the round, each node ran query, train and evaluate in its own forked process,
+    and every process is stopped at the end."""
+    pytest.importorskip("flwr")
+    import tomllib
+
+    from fedproto.flower.common import run_config
+    from fedproto.flower.local import LocalFederation
+
+    app = ROOT / "examples" / "flower"
+    out = tmp_path / "runs"
+    with LocalFederation(tmp_path / "fed", env={"PYTHONPATH": str(ROOT / "src")}) as fed:
+        fed.start_superlink()
+        for i in range(2):
+            fed.start_supernode({"partition-id": i, "num-partitions": 2}, executor="fedproto")
+        res = fed.flwr_run(app, {"clients": 2, "rounds": 1, "out-dir": str(out)}, timeout=240)
+        procs = list(fed.procs.values())
+        logs = {name: fed.log(name) for name in fed.procs}
+    assert sorted(logs) == ["node0", "node0-executor", "node1", "node1-executor", "superlink"]
+    assert all(p.poll() is not None for p in procs)  # all stopped
+    text = res.stdout + res.stderr
+    assert "fedproto: fedproto on digits: accuracy" in text, text[-3000:] + logs["superlink"][-2000:]
+    for i in range(2):
+        assert logs[f"node{i}-executor"].count("ClientApp in process") == 3, logs[f"node{i}-executor"][-3000:]
+    run = next(out.glob("*/summary.json")).parent
+    got = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1] and rows[0]["replied"] == [0, 1]
+    app_cfg = {k: v for k, v in tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+               ["config"].items() if k != "out-dir"}
+    want = Simulation(run_config({**app_cfg, "clients": 2, "rounds": 1, "execution": "sequential"}), out=False).run()
+    assert got["clients"] == 2 and got["rounds"] == 1
+    for key in want["accuracy"]:
+        assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
+        assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
+    assert got["params_per_round"] == want["params_per_round"]

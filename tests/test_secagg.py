@@ -1,0 +1,227 @@
+"""Secure aggregation (fedproto.secagg) in the simulator: the server holds masked vectors only,
+their sum gives the plain aggregation within the fixed-point error, dropouts below the threshold
+are survived, options that need individual replies are refused. The Flower side is in
+tests/test_flower.py (``secagg`` tests)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="secure aggregation uses Flower's primitives: pip install \"fedproto[flower]\"")
+pytestmark = pytest.mark.flower
+
+from conftest import digits_config, run_cli  # noqa: E402
+
+from fedproto.engine.loop import Observer  # noqa: E402
+from fedproto.errors import ConfigError, TrainingError  # noqa: E402
+from fedproto.secagg import codec  # noqa: E402
+from fedproto.secagg.protocol import Client, Server, share_group, threshold  # noqa: E402
+from fedproto.simulation import Simulation  # noqa: E402
+
+STEP = 2.0 ** -codec.FRAC_BITS  # one unit of the fixed-point encoding
+
+
+class Seen(Observer):
+    """What the server side of the loop is handed each round (the replies after the executor)."""
+
+    def __init__(self):
+        self.rounds: dict[int, dict] = {}
+
+    def replies(self, loop, round, replies):
+        self.rounds[round] = {i: dict(m) for i, (m, _) in replies.replies.items()}
+
+
+def _sim(**kw) -> tuple[Simulation, Seen, dict]:
+    """A simulation of 6 digits clients; returns it, the server-side observer and, per round, each
+    client's plain reply as its client made it (captured inside the client side, before masking)."""
+    sim = Simulation(digits_config(**kw), out=False)
+    seen, plain = Seen(), {}
+    sim.loop.observers.insert(0, seen)
+    inner = getattr(sim.executor, "_ex", sim.executor)
+    train = inner.train
+
+    def spy(r, sent, downlink=None):
+        got = train(r, sent, downlink)
+        plain[r] = {i: {k: np.array(v) for k, v in m.items()} for i, (m, _) in got.replies.items()}
+        return got
+
+    inner.train = spy
+    return sim, seen, plain
+
+
+def _mean_protos(replies: dict[int, dict], weighted: bool) -> dict[int, np.ndarray]:
+    """Eq. 6 by hand: per class, the (count-weighted) mean of the replies' prototypes, float64."""
+    sums, weights = {}, {}
+    for m in replies.values():
+        for c, p, n in zip(m["classes"].tolist(), m["protos"].astype(np.float64), m["counts"].tolist()):
+            w = float(n) if weighted else 1.0
+            sums[c] = sums.get(c, 0.0) + w * p
+            weights[c] = weights.get(c, 0.0) + w
+    return {c: sums[c] / weights[c] for c in sums}
+
+
+def test_secagg_server_sees_no_individual_prototype():
+    sim, seen, plain = _sim(secagg=True, rounds=2)
+    sim.run()
+    C, d = sim.setup.algorithm.num_classes, sim.setup.embedding_dim
+    for r in (1, 2):
+        assert sorted(seen.rounds[r]) == sorted(plain[r]) == list(range(6))
+        for i, msg in seen.rounds[r].items():
+            # the server holds one masked uint64 vector per client: no classes, prototypes or counts
+            v = msg["secagg"]
+            assert list(msg) == ["secagg"] and v.dtype == np.uint64 and v.shape == (C * (d + 2),)
+            mine = codec.decode(msg["secagg"]).reshape(-1)[:C * d].reshape(C, d)
+            for c, p in zip(plain[r][i]["classes"], plain[r][i]["protos"]):
+                # the row the client encoded, decoded from what the server holds: mask noise of 2^31 scale
+                assert np.abs(mine[c] - p).min() > 1.0, (r, i, c)
+            # nor can any other client's prototype be read from it
+            others = np.concatenate([m["protos"] for j, m in plain[r].items() if j != i])
+            assert not np.isclose(mine[:, None, :], others[None], atol=1e-3).all(-1).any()
+    # yet the sum of the masked vectors, less the masks, is the sum of the clients' encodings exactly
+    alg, rnd = sim.loop.algorithm, sim.loop.algorithm._session.last
+    total = sum(m["secagg"] for m in seen.rounds[2].values()) - rnd.masks
+    want = sum(codec.encode(alg._codec.vector(i, m, {}), 6) for i, m in plain[2].items())
+    assert np.array_equal(total, want)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "weighted"])
+def test_secagg_matches_plain_aggregation(aggregation):
+    got, _, plain = _sim(secagg=True, rounds=3, eval_every=1, aggregation=aggregation)
+    ref, _, ref_plain = _sim(rounds=3, eval_every=1, aggregation=aggregation)
+    sg, sr = got.run(), ref.run()
+    # every client step saw the same global prototypes (within the fixed-point error): same replies
+    for r in (1, 2, 3):
+        for i in range(6):
+            assert np.abs(plain[r][i]["protos"] - ref_plain[r][i]["protos"]).max() <= 1e-5
+    # the global prototypes are eq. 6 of the clients' plain replies, to the fixed-point error
+    want = _mean_protos(plain[3], aggregation == "weighted")
+    msg = got.message
+    assert sorted(want) == msg["classes"].tolist()
+    for c, p in zip(msg["classes"].tolist(), msg["protos"]):
+        assert np.abs(p - want[c]).max() <= 6 * STEP + 1e-6 * np.abs(want[c]).max()  # float32 rounding
+    for key in ("acc", "acc_proto"):
+        assert sg["accuracy"][key]["mean"] == pytest.approx(sr["accuracy"][key]["mean"], abs=1e-9)
+    assert sg["secure_aggregation"]["fixed_point_bits"] == codec.FRAC_BITS and "secure_aggregation" not in sr
+    # the uplink is one masked vector per client: C * (d + 2) uint64 words
+    C, d = got.setup.algorithm.num_classes, got.setup.embedding_dim
+    assert got.history[0]["up_bytes"] == 6 * 8 * C * (d + 2) and got.history[0]["secagg_bytes"] > 0
+
+
+def test_secagg_matches_plain_weight_averaging():
+    got, _, plain = _sim(secagg=True, rounds=2, algorithm="fedavg")
+    got.run()
+    n = {i: float(m["n"][0]) for i, m in plain[2].items()}
+    for k in (k for k in got.message if k.startswith("w/")):
+        want = sum(n[i] * plain[2][i][k].astype(np.float64) for i in n) / sum(n.values())
+        assert np.abs(got.message[k] - want).max() <= 1e-6 * max(1.0, float(np.abs(want).max()))
+
+
+def test_secagg_survives_a_dropout_below_the_threshold():
+    sim, seen, plain = _sim(secagg=True, rounds=2, momentum=0.0)
+    sim.executor.drop = {2: [3]}  # client 3 sends its keys and shares in round 2, then no masked vector
+    sim.run()
+    assert sorted(seen.rounds[2]) == [0, 1, 2, 4, 5]
+    assert sim.history[1]["secagg_dropped"] == [3] and sim.history[0]["secagg_dropped"] == []
+    want = _mean_protos({i: m for i, m in plain[2].items() if i != 3}, weighted=False)
+    msg = sim.message
+    for c, p in zip(msg["classes"].tolist(), msg["protos"]):
+        if c in want:
+            assert np.abs(p - want[c]).max() <= 1e-5
+    # a class only the dropped client held keeps its previous global prototype (no contributor this round)
+    held = {c for i, m in plain[2].items() if i != 3 for c in m["classes"].tolist()}
+    only3 = set(plain[2][3]["classes"].tolist()) - held
+    contributors = sim.loop.server.checkpoint["last_contributors"]
+    assert all(contributors[msg["classes"].tolist().index(c)] == 0 for c in only3)
+    # at or above the threshold (t = 4 of 6: at most 2 dropouts), the round stops with a clear error
+    over, _, _ = _sim(secagg=True, rounds=1)
+    over.executor.drop = {1: [0, 1, 2]}
+    with pytest.raises(TrainingError, match="fewer than the threshold 4: too many clients dropped out"):
+        over.run()
+
+
+def test_secagg_refuses_median_and_class_check(capsys, monkeypatch):
+    with pytest.raises(ConfigError, match=r"aggregation='median' needs each client's prototype"):
+        Simulation(digits_config(secagg=True, aggregation="median"), out=False)
+    with pytest.raises(ConfigError, match=r"class_check=3(\.0)? checks each client's prototype rows"):
+        Simulation(digits_config(secagg=True, class_check=3.0), out=False)
+    for bad, why in ((dict(aggregation="trimmed"), "aggregation='trimmed'"), (dict(exclude_outliers=3.0), "exclude_"),
+                     (dict(algorithm="fedtgp"), "algorithm='fedtgp' aggregates each client's reply"),
+                     (dict(attack="scale", attackers=1), "attack='scale' changes replies")):
+        with pytest.raises(ConfigError, match=why):
+            Simulation(digits_config(secagg=True, **bad), out=False)
+    code, out = run_cli(["run", "--dataset", "digits", "--secagg", "--aggregation", "median", "--rounds", "1",
+                         "--threads", "1"], capsys, monkeypatch)
+    assert code == 2 and "--aggregation median needs each client's prototype" in out
+
+
+def test_protocol_rebuilds_the_sum_from_shares_and_refuses_double_unmasking():
+    """The protocol alone, on a SecAgg+ ring (each client with 2 neighbours): sum of 5 vectors with
+    client 4 dropped after sharing; a client refuses to reveal both shares of one client."""
+    ids = [0, 1, 2, 3, 4]
+    assert share_group(ids, 0, 2) == [0, 1, 4] and share_group(ids, 2, 2) == [1, 2, 3] and share_group(ids, 2) == ids
+    assert (threshold(3, 0.5), threshold(20, 0.5), threshold(5, 0.0)) == (2, 11, 1)
+    srv = Server(ids, 0.5, 2)
+    cl = {i: Client() for i in ids}
+    pks = {i: cl[i].keys(i, 1, **srv.setup(i)) for i in ids}
+    routed = srv.route({i: cl[i].shares(srv.keys_for(i, pks)) for i in ids})
+    rng = np.random.default_rng(0)
+    xs = {i: rng.normal(0, 10, 7) for i in ids}
+    masked = {i: cl[i].masked(codec.encode(xs[i], 5), routed[i]) for i in ids if i != 4}
+    alive, dead = srv.unmask_request(sorted(masked))
+    assert (alive, dead) == ([0, 1, 2, 3], [4])
+    shares = {i: cl[i].unmask(alive, dead) for i in alive}
+    total = codec.decode(sum(masked.values()) - srv.masks(alive, dead, shares, 7))
+    assert np.abs(total - sum(xs[i] for i in alive)).max() <= 4 * STEP
+    with pytest.raises(TrainingError, match="both shares"):
+        cl[0].unmask([1, 4], [4])
+
+
+def test_cli_secagg_run_records_secure_aggregation(tmp_path, capsys, monkeypatch):
+    args = ["run", "--dataset", "digits", "--clients", "4", "--rounds", "2", "--threads", "1", "--out-dir",
+            str(tmp_path)]
+    assert run_cli([*args, "--secagg", "--name", "sa"], capsys, monkeypatch)[0] == 0
+    assert run_cli([*args, "--name", "plain"], capsys, monkeypatch)[0] == 0
+    sa, plain = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sa", "plain"))
+    assert sa["secure_aggregation"]["threshold_fraction"] == 0.5 and sa["secure_aggregation"]["extra_bytes"] > 0
+    assert json.loads((tmp_path / "sa" / "config.json").read_text())["secagg"] is True
+    for key in ("acc", "acc_proto"):
+        assert sa["accuracy"][key]["mean"] == pytest.approx(plain["accuracy"][key]["mean"], abs=1e-9)
+
+
+def test_secagg_with_dp_adds_each_clients_share_of_the_noise():
+    """Distributed noise: each client's class sums and counts get noise of multiplier σ / √h, so a
+    sum over h honest clients carries σ's; the summary states ε for the sum and each client's own."""
+    import torch
+
+    from fedproto.privacy import epsilon
+    from fedproto.secagg.dp import noisy_sums
+
+    sim = Simulation(digits_config(secagg=True, dp="prototypes", aggregation="weighted", dp_noise=1.0, dp_clip=5.0,
+                                   secagg_honest=4, rounds=2), out=False)
+    alg, state, data = sim.setup.algorithm, sim.setup.states[0], sim.setup.data[0]
+    assert alg.dp_noise == 0.5  # 1 / sqrt(4)
+    C, d = alg.num_classes, alg.embedding_dim
+    with torch.no_grad():
+        state.model.eval()
+        h = state.model.embed(data.x).to(torch.float64)
+    h = h * torch.clamp(5.0 / h.norm(dim=1, keepdim=True), max=1.0)  # each embedding clipped to norm 5
+    rng = np.random.default_rng(0)
+    draws = np.stack([noisy_sums(alg, state, data, rng) for _ in range(300)])
+    for c in state.classes.tolist():
+        clean = h[data.y == c].sum(0).numpy()
+        noise = draws[:, c * d:(c + 1) * d] - clean
+        assert abs(noise.mean()) < 0.1 and noise.std() == pytest.approx(0.5 * np.sqrt(2) * 5.0, rel=0.03)
+        cn = draws[:, C * d + c] - float((data.y == c).sum())
+        assert cn.std() == pytest.approx(0.5 * np.sqrt(2), rel=0.15)
+    assert (draws[:, C * (d + 1):] == np.isin(np.arange(C), state.classes)).all()
+    summary = sim.run()["secure_aggregation"]["dp"]
+    assert summary["epsilon_sum"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    assert summary["epsilon_client_max"] == pytest.approx(epsilon([(0.5, 1.0, 2)], 1e-5))
+    assert summary["epsilon_client_max"] > summary["epsilon_sum"] and summary["honest_clients_assumed"] == 4
+    for bad, why in ((dict(dp="full"), "DP-SGD's noise is each client's own"),
+                     (dict(dp="prototypes"), "use aggregation='weighted'")):
+        with pytest.raises(ConfigError, match=why):
+            Simulation(digits_config(secagg=True, **bad), out=False)
