@@ -585,11 +585,12 @@ def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -
     ``nid``), with the server's run key (or ``run_key``); the reply's metrics."""
     from flwr.app import ConfigRecord
 
-    from fedproto.flower.common import CONFIG, MESSAGE, METRICS
+    from fedproto.flower.common import CONFIG, MESSAGE, METRICS, SCHEMA
 
     r = eng.executor.round
     msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
-                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key})}),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key,
+                                                    "schema": SCHEMA})}),
                   dst_node_id=nid, message_type="evaluate", group_id=str(r))
     msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
     return dict(client_app.app(msg, context).content[METRICS])
