@@ -167,12 +167,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--actors", default="1,2,4", help="comma-separated actor counts of the simulation runs")
     ap.add_argument("--deployment", action="store_true", help="also a deployment of one SuperNode per client")
+    ap.add_argument("--round-timeout", type=float, default=1800.0,
+                    help="the run config's round-timeout: long enough that no reply is lost on a loaded machine")
     ap.add_argument("--skip-in-process", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    if args.clients < 1 or args.rounds < 1:
-        ap.error("--clients and --rounds must be >= 1")
-    actors = [int(a) for a in args.actors.split(",") if a.strip()]
+    for name in ("clients", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: give 1 or more")
+    try:
+        actors = [int(a) for a in args.actors.split(",") if a.strip()]
+    except ValueError:
+        ap.error(f"--actors {args.actors!r}: give actor counts separated by commas, e.g. 1,2,4")
+    if any(a < 1 for a in actors):
+        ap.error(f"--actors {args.actors!r}: each actor count must be at least 1")
     app_cfg = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT / "src")}
     rows = []
@@ -184,7 +192,7 @@ def main() -> None:
         for k, (label, kind) in enumerate(runs):
             out = tmp / f"run{k}"
             cfg = {**app_cfg, "dataset": args.dataset, "clients": args.clients, "rounds": args.rounds,
-                   "out-dir": str(out)}
+                   "out-dir": str(out), "round-timeout": args.round_timeout}
             load0 = os.getloadavg()[0]
             if kind is None:
                 res = in_process(cfg, out)

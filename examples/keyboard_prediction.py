@@ -127,7 +127,7 @@ def cap(split, n: int, rng: np.random.Generator):
     return {k: v[keep] for k, v in x.items()}, y[keep]
 
 
-def brand_split(seed: int, clients: int = 6, train: int = 400, test: int = 150):
+def brand_split(seed: int, clients: int = 6, train: int = 1000, test: int = 200):
     """Per brand: (train, test) as (dict of inputs, labels); articles dealt out by ``seed``."""
     docs, _ = articles()
     rng = np.random.default_rng(seed)
@@ -149,7 +149,7 @@ def make_clients(seed: int, clients: int = 6) -> list[Client]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser, rounds=20)
+    add_arguments(parser, rounds=10)
     parser.add_argument("--clients", type=int, default=6, help="phone brands")
     args = parser.parse_args(argv)
     _, targets = articles()
@@ -157,7 +157,7 @@ def main(argv=None):
     runs = [(f"{NAMES.get(m, m)} (embedding bag and GRU)", m, lambda s: make_clients(s, args.clients))
             for m in args.methods]
     return compare(runs, CLASSES, args.seeds, title=f"Next-word prediction at {args.clients} brands",
-                   rounds=args.rounds, lr=0.1, momentum=0.9, batch_size=32, threads=args.threads)
+                   rounds=args.rounds, lr=0.05, momentum=0.9, batch_size=32, threads=args.threads)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 from conftest import (
     REFS,
     SMALL,
+    csv_rows,
     digits_config,
     digits_eval_config,
     honest_replies,
@@ -320,7 +321,7 @@ def test_class_check_keeps_flipped_prototypes_out_of_the_aggregate():
             assert "flagged" not in state.metrics
 
 
-def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog):
+def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog, tmp_path):
     """Edge cases of the robust and private options: ε never below 0; exclusion does not drop sole
     holders of a class (MAD 0) and says it cannot act; BatchNorm statistics stay frozen in the
     second stage; attacks that would change nothing, all-attacker runs and unreachable
@@ -355,10 +356,16 @@ def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog):
     after = sim.setup.states[0].model.state_dict()
     body = [k for k in after if not sim.setup.states[0].model.is_head_param(k)]
     assert any("running_var" in k for k in body) and all(torch.equal(snap[k], after[k]) for k in body)
-    # λ reported 0 while no prototype existed; attackers marked
-    s = Simulation(digits_config(rounds=2, attack="nan", attackers=1, lambda_warmup=0), out=False)
-    s.run()
+    # λ reported 0 while no prototype existed; attackers marked where docs/robustness.md says
+    s = Simulation(digits_config(rounds=2, attack="nan", attackers=2, lambda_warmup=0), out=tmp_path / "run")
+    summary = s.run()
     assert [h["lambda"] for h in s.history] == [0.0, 1.0]
+    rows = csv_rows(tmp_path / "run" / "clients.csv")
+    marked = [int(r["client"]) for r in rows if r["attacker"] == "1"]
+    assert len(rows) == 6 and len(marked) == 2 and all(r["attacker"] in ("0", "1") for r in rows)
+    assert summary["attack"] == {"kind": "nan", "clients": marked}
+    honest = [float(r["acc"]) for r in rows if r["attacker"] == "0"]
+    assert summary["accuracy_honest"]["acc"]["mean"] == pytest.approx(np.mean(honest), abs=1e-6)
 
 
 @pytest.mark.usefixtures("one_thread")

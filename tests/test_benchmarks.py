@@ -22,6 +22,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_kernels.py", ["--repeats", "0"], "argument --repeats: 0 is less than 1"),
     ("bench_kernels.py", ["--groups", "x"], "argument --groups: 'x' is not an integer"),
     ("bench_startup.py", ["--repeats", "0"], "argument --repeats: 0 is less than 1"),
+    ("bench_flower_sim.py", ["--clients", "0"], "--clients 0: give 1 or more"),
+    ("bench_flower_sim.py", ["--actors", "1,x"], "--actors '1,x': give actor counts separated by commas"),
     ("bench_secagg.py", ["--rounds", "0"], "argument --rounds: 0 is less than 1"),
 ])
 def test_bad_benchmark_arguments(script, args, says, tmp_path):

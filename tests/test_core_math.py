@@ -148,3 +148,110 @@ def test_robust_z_by_hand():
     assert np.isnan(robust_z(v)[5])
     assert robust_z(np.array([2.0, 2.0, 2.0, 5.0, 1.0])).tolist() == [0.0, 0.0, 0.0, np.inf, 0.0]
     assert np.isnan(robust_z(np.array([np.nan, np.inf]))).all()
+
+
+def test_proto_loss_normalized_on_a_batched_group_by_hand():
+    """normalize=True on (G, B, d) embeddings: each embedding and each global prototype scaled to
+    unit length over d (not over the batch), then the mse / squared_l2 forms by hand; a padded
+    sample (weight 0) and a class without a global prototype do not count."""
+    import torch
+
+    from fedproto.prototypes import proto_loss
+
+    h = torch.tensor([[[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]],
+                      [[0.0, -5.0], [2.0, 2.0], [1.0, 1.0]]], dtype=torch.float64)
+    y = torch.tensor([[0, 1, 2], [1, 1, 0]])
+    table = torch.tensor([[2.0, 0.0], [0.0, 3.0], [9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([True, True, False])
+    weight = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    unit = {0: np.array([1.0, 0.0]), 1: np.array([0.0, 1.0])}
+    r = np.sqrt(0.5)
+    # client 0: (0.6, 0.8) vs (1, 0); (1, 0) vs (0, 1); class 2 has no prototype
+    sq0 = [np.sum((np.array([0.6, 0.8]) - unit[0]) ** 2), np.sum((np.array([1.0, 0.0]) - unit[1]) ** 2)]
+    # client 1: (0, -1) vs (0, 1); (r, r) vs (0, 1); the third sample is padding
+    sq1 = [np.sum((np.array([0.0, -1.0]) - unit[1]) ** 2), np.sum((np.array([r, r]) - unit[1]) ** 2)]
+    got = proto_loss(h, y, table, mask, "mse", weight, normalize=True)
+    np.testing.assert_allclose(got.numpy(), [sum(sq0) / (3 * 2), sum(sq1) / (2 * 2)], rtol=1e-12)
+    got = proto_loss(h, y, table, mask, "squared_l2", weight, normalize=True)
+    np.testing.assert_allclose(got.numpy(), [sum(sq0) / 3, sum(sq1) / 2], rtol=1e-12)
+
+
+def test_aggregation_edge_cases_by_hand():
+    """No client: empty arrays of the documented dtypes and shapes; a class id equal to C is named
+    in the error (not the smallest id); min_contributors drops a class held by fewer clients."""
+    from fedproto.prototypes import aggregate_prototypes
+
+    c, p, n = aggregate_prototypes([], [], [], 5)
+    assert (c.dtype, p.dtype, n.dtype) == (np.int64, np.float32, np.int64)
+    assert c.shape == (0,) and p.shape == (0, 0) and n.shape == (0,)
+    with pytest.raises(ValueError, match=r"class id 5 is outside 0\.\.4"):
+        aggregate_prototypes([np.array([1, 5])], [np.ones((2, 2))], [np.array([1, 1])], 5)
+    with pytest.raises(ValueError, match=r"class id -1 is outside"):
+        aggregate_prototypes([np.array([-1, 2])], [np.ones((2, 2))], [np.array([1, 1])], 5)
+    classes = [np.array([0, 1]), np.array([1])]
+    protos = [np.array([[1.0, 1.0], [2.0, 0.0]]), np.array([[4.0, 2.0]])]
+    counts = [np.array([3, 1]), np.array([3])]
+    c, p, n = aggregate_prototypes(classes, protos, counts, 4, "weighted", min_contributors=2)
+    assert c.tolist() == [1] and n.tolist() == [2]
+    np.testing.assert_allclose(p, [[(2.0 * 1 + 4.0 * 3) / 4, (0.0 * 1 + 2.0 * 3) / 4]])
+    c, p, n = aggregate_prototypes(classes, protos, counts, 4, "median")
+    np.testing.assert_allclose(p, [[1.0, 1.0], [3.0, 1.0]])  # the median of two values is their mean
+
+
+def test_l2_proto_loss_on_a_batch_without_the_last_class():
+    """The ``l2`` form sums over classes present in the batch with a global prototype the distance
+    between the batch mean of the class and its prototype; the batch need not hold class C - 1."""
+    import torch
+
+    from fedproto.prototypes import proto_loss
+
+    h = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0]], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    table = torch.tensor([[2.0, 1.0], [0.0, 0.0], [5.0, 5.0], [7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])
+    got = float(proto_loss(h, y, table, mask, "l2"))
+    assert got == pytest.approx(np.hypot(0.0, 1.0) + 2.0, abs=1e-5)  # class 0: mean (2, 0); class 1: (0, 2)
+
+
+def test_class_check_flags_are_booleans_and_robust_z_below_unit_spread():
+    from fedproto.prototypes import class_check, robust_z
+
+    flags, _ = class_check([np.array([0, 1])], [np.ones((2, 2))], np.array([0, 1]), np.zeros((2, 2)))
+    assert flags[0].dtype == bool
+    v = np.array([0.1, 0.2, 0.3, 0.4, 10.0])  # median 0.3, MAD 0.1: scaled 0.148, below 1
+    np.testing.assert_allclose(robust_z(v), (v - 0.3) / (1.4826022185056018 * 0.1), rtol=1e-9)
+
+
+def test_noised_release_of_edge_label_sets_without_noise():
+    """Without noise the release is the clipped class means: a label-set class the client has no
+    sample of gets a zero row and count 1 (max(1, 0)); an empty label set gives (0, d) rows; the
+    classes come back int64 whatever integer type they were given in."""
+    import torch
+
+    from fedproto.privacy import noisy_prototypes
+
+    h = torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 0.5]])
+    y = torch.tensor([2, 2])
+    c, p, n = noisy_prototypes(h, y, np.array([2, 7], np.int32), 1.0, 0.0, None)
+    assert c.dtype == np.int64 and c.tolist() == [2, 7] and n.tolist() == [2, 1] and p.dtype == np.float32
+    np.testing.assert_allclose(p, [[0.3, 0.4, 0.25], [0.0, 0.0, 0.0]], rtol=1e-6)
+    c, p, n = noisy_prototypes(h, y, np.array([], np.int64), 1.0, 0.0, None)
+    assert c.shape == (0,) and p.shape == (0, 3) and n.shape == (0,)
+
+
+def test_epsilon_edges_by_hand():
+    """ε of one release is above 0 (a single step counts); δ must lie strictly inside (0, 1); the
+    accountant's "optimal order is the smallest alpha" warning (a large δ or many releases) is
+    silenced: ε stays a valid upper bound there."""
+    import warnings
+
+    from fedproto.privacy import epsilon
+
+    assert epsilon([(2.0, 1.0, 1)], 1e-5) > 0.5
+    assert epsilon([(2.0, 1.0, 1), (2.0, 1.0, 0)], 1e-5) == epsilon([(2.0, 1.0, 1)], 1e-5)
+    for delta in (0.0, 1.0):
+        with pytest.raises(ValueError, match=f"dp_delta={delta}"):
+            epsilon([(1.0, 1.0, 1)], delta)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert epsilon([(1.0, 1.0, 1000)], 0.9) > 0

@@ -138,7 +138,7 @@ def test_deployment_of_three_keyboard_nodes_on_localhost(tmp_path, keyboard):
             fed.start_supernode(nc)
         cfg = {"rounds": 2, "out-dir": str(out), "seed": 7, "classes": 10, "embedding-dim": 32, "lr": 0.1,
                "batch-size": 16}
-        res = fed.flwr_run(app, cfg, timeout=300)
+        res = fed.flwr_run(app, cfg, timeout=600)  # each ClientApp process starts python and torch
         procs = list(fed.procs.values())
     assert all(p.poll() is not None for p in procs)
     logs = res.stdout + res.stderr
