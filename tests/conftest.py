@@ -64,6 +64,17 @@ if DATA:  # absolute, so that tests which change the working folder still find t
     os.environ["FEDPROTO_DATA"] = DATA
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _library_registry():
+    """The suite sees the library's methods and the plug-ins its tests register, never the
+    plug-in packages installed on the machine (:func:`fedproto.plugins.scope`)."""
+    from fedproto import plugins
+
+    os.environ[plugins.NO_ENTRY_POINTS] = "1"  # the processes the tests start (CLI, Flower, workers) too
+    with plugins.scope():
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _restore_threads():
     """``threads=1`` sets torch's process-wide thread count; each test module gives it back."""
@@ -98,7 +109,7 @@ def float64_sim(cfg, **kw):
     import torch
 
 
-    return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), out=False, **kw)
+    return Simulation(cfg, setup=prepare(cfg, progress=False).to_dtype(torch.float64), **{"out": False, **kw})
 
 
 def flat_weights(sim):

@@ -19,6 +19,7 @@ from conftest import (
 
 from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.algorithms.fedproto import FedProto
+from fedproto.algorithms.state import ServerState
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
 from fedproto.models.base import WrappedModel
@@ -115,12 +116,15 @@ def test_sampled_rounds_keep_prototypes_of_classes_nobody_sent():
                 "counts": np.full(len(classes), 5)}
 
     first = alg.aggregate(1, {0: msg([0, 1], 1.0), 1: msg([2, 3], 2.0)})
-    assert first["classes"].tolist() == [0, 1, 2, 3]
-    second = alg.aggregate(2, {1: msg([2, 3], 5.0)})  # only client 1 sampled
+    assert first.message["classes"].tolist() == [0, 1, 2, 3]
+    state = alg.aggregate(2, {1: msg([2, 3], 5.0)}, first)  # only client 1 sampled
+    second = state.message
     assert second["classes"].tolist() == [0, 1, 2, 3]
     np.testing.assert_array_equal(second["protos"][:2], 1.0)  # kept from round 1
     np.testing.assert_array_equal(second["protos"][2:], 5.0)
-    assert alg.last_contributors.tolist() == [0, 0, 1, 1] and alg.last_cids.tolist() == [1]
+    assert state.checkpoint["last_contributors"].tolist() == [0, 0, 1, 1]
+    assert state.checkpoint["last_cids"].tolist() == [1]
+    assert state.files["prototypes.npz"]["contributors"].tolist() == [0, 0, 1, 1]
     # round 2 with participation 1 of 6: runs, and a count works as well as a fraction
     sim = Simulation(digits_eval_config(rounds=3, participation=1.0 / 6, eval_every=1), out=False)
     sim.run()
@@ -184,17 +188,20 @@ def _msg(classes, protos, counts):
 
 def test_server_momentum_filtering_and_monitoring():
     alg = FedProto(3, OptimConfig(), proto_momentum=0.75, min_proto_samples=5, embedding_dim=2)
-    r1 = alg.aggregate(1, {0: _msg([0, 1], [[0, 0], [4, 0]], [10, 10]), 1: _msg([1], [[8, 0]], [10])})
+    s1 = alg.aggregate(1, {0: _msg([0, 1], [[0, 0], [4, 0]], [10, 10]), 1: _msg([1], [[8, 0]], [10])})
+    r1 = s1.message
     assert r1["classes"].tolist() == [0, 1] and r1["protos"].tolist() == [[0, 0], [6, 0]]
     # round 2: client B's class-1 prototype rests on 3 samples and is ignored (min_proto_samples=5)
-    r2 = alg.aggregate(2, {0: _msg([0, 1], [[4, 0], [10, 0]], [10, 10]), 1: _msg([1, 2], [[100, 0], [2, 2]], [3, 9])})
+    s2 = alg.aggregate(2, {0: _msg([0, 1], [[4, 0], [10, 0]], [10, 10]), 1: _msg([1, 2], [[100, 0], [2, 2]], [3, 9])},
+                       s1)
+    r2 = s2.message
     assert r2["classes"].tolist() == [0, 1, 2]
     assert r2["protos"].tolist() == [[1, 0], [7, 0], [2, 2]]  # 0.75*0+0.25*4, 0.75*6+0.25*10, new class
-    assert alg.last_contributors.tolist() == [1, 1, 1]
+    assert s2.checkpoint["last_contributors"].tolist() == [1, 1, 1]
     # monitoring covers every client's sent prototypes, the ignored one included
-    np.testing.assert_allclose(alg.last_distances, [(3 + 3) / 2, (93 + 0) / 2])
+    np.testing.assert_allclose(s2.checkpoint["last_distances"], [(3 + 3) / 2, (93 + 0) / 2])
     # λ the clients used in round 2 (no warm-up: the full λ = 1)
-    assert alg.round_metrics() == {"lambda": 1.0, "proto_dist": 24.75, "proto_dist_max": 46.5, "proto_dist_argmax": 1}
+    assert s2.metrics == {"lambda": 1.0, "proto_dist": 24.75, "proto_dist_max": 46.5, "proto_dist_argmax": 1}
 
 
 def test_client_distances_and_outlier_warning(caplog):
@@ -204,8 +211,8 @@ def test_client_distances_and_outlier_warning(caplog):
     np.testing.assert_allclose(d[:2], [5.0, 0.0])
     assert np.isnan(d[2])  # none of its classes has a global prototype
     alg = FedProto(2, OptimConfig(), embedding_dim=1, proto_dist_alert=3.0)
-    alg.aggregate(1, {i: _msg([0], [[v]], [5]) for i, v in enumerate((0.0, 1.0, 1.2, 0.8, 20.0))})
-    assert [i for i, _, _ in alg.outliers()] == [4]
+    state = alg.aggregate(1, {i: _msg([0], [[v]], [5]) for i, v in enumerate((0.0, 1.0, 1.2, 0.8, 20.0))})
+    assert [a.cid for a in state.alerts] == [4] and "proto_dist_alert=3" in state.alerts[0].text
     sim = Simulation(digits_config(rounds=2), out=False)
     sim.setup.algorithm.proto_dist_alert = 1e-9  # every client above the median is flagged
     with caplog.at_level(logging.WARNING, logger="fedproto"):
@@ -283,7 +290,7 @@ def test_bad_replies_are_dropped_and_named(caplog):
     replies = {0: (good, None), 4: (bad, None), 7: (wrong, None)}
     reasons, whole = check_replies(alg, 2, 1, {}, replies)  # the one reply check, as the round loop runs it
     assert sorted(reasons) == [4, 7] and whole == {4, 7}  # no row of client 4's is usable
-    out = alg.aggregate(1, {i: m for i, (m, _) in replies.items() if i not in whole})
+    out = alg.aggregate(1, {i: m for i, (m, _) in replies.items() if i not in whole}).message
     assert out["classes"].tolist() == [1, 2] and out["protos"].tolist() == [[1, 1], [1, 1]]
     text = caplog.text
     assert "dropped the reply of client 4" in text and "class 1: values that are not finite" in text
@@ -303,14 +310,15 @@ def test_class_check_keeps_flipped_prototypes_out_of_the_aggregate():
                                  [n for _, _, n in honest], 4)[1]
     for z, expect_flagged in ((3.0, [6, 7]), (0.0, None)):
         alg = FedProto(4, OptimConfig(), embedding_dim=2, class_check=z)
-        alg.global_classes, alg.global_protos = np.arange(4), REFS.astype(np.float32)
-        out = alg.aggregate(2, msgs)
+        before = ServerState({"classes": np.arange(4), "protos": REFS.astype(np.float32)})
+        state = alg.aggregate(2, msgs, before)
+        out = state.message
         if expect_flagged:
             assert np.allclose(out["protos"], clean, atol=1e-6)
-            assert alg.round_metrics()["flagged"] == [6, 7] and alg.round_metrics()["flagged_rows"] == 4
+            assert state.metrics["flagged"] == [6, 7] and state.metrics["flagged_rows"] == 4
         else:
             assert np.abs(out["protos"] - clean).max() > 1.0  # 2 of 5 contributors of each class flipped
-            assert "flagged" not in alg.round_metrics()
+            assert "flagged" not in state.metrics
 
 
 def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog, tmp_path):
@@ -335,8 +343,8 @@ def test_robust_and_private_options_refuse_or_report_their_edge_cases(caplog, tm
     alg = FedProto(4, OptimConfig(), embedding_dim=2, exclude_outliers=3.0)
     msgs = {i: {"classes": np.array([i]), "protos": np.full((1, 2), float(i), np.float32),
                 "counts": np.array([5])} for i in range(4)}
-    out = alg.aggregate(1, msgs)
-    assert out["classes"].tolist() == [0, 1, 2, 3] and alg.last_excluded == []
+    state = alg.aggregate(1, msgs)
+    assert state.message["classes"].tolist() == [0, 1, 2, 3] and state.metrics["excluded"] == []
     assert "exclude_outliers cannot act" in caplog.text
     # BatchNorm running statistics of the body stay as they were in the second stage
     sim = Simulation(digits_config(model="resnet18", embedding_dim=512, rounds=2, freeze_after=1, clients=2, shots=10),

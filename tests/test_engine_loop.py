@@ -34,4 +34,4 @@ def test_client_sampling_leaves_unsampled_clients_untouched(algorithm):
     if algorithm == "fedproto":  # only the sampled clients' classes reach the server
         held = sorted({int(c) for i in picked for c in sim.setup.states[i].classes})
         assert sim.message["classes"].tolist() == held
-        assert sim.setup.algorithm.last_cids.tolist() == picked
+        assert sim.loop.server.checkpoint["last_cids"].tolist() == picked

@@ -312,8 +312,8 @@ def test_under_dp_a_node_sends_only_the_noised_release(dp, tmp_path, caplog):
     summary = FlowerEngine(run_config(uc), grid, out=tmp_path / "run").run()
     q, t, e = (grid.replies[k] for k in ("query", "train", "evaluate"))
     assert len(q) == 3 and len(t) == 6 and len(e) == 3
-    query_keys = {"cid", "classes", "params", "embedding-dim"} | ({"train-samples", "test-samples"} if dp == "off"
-                                                                   else set())
+    query_keys = {"cid", "classes", "params", "embedding-dim", "schema"} | (
+        {"train-samples", "test-samples"} if dp == "off" else set())
     assert all(_reply_keys(r)["config"] == query_keys for r in q)
     inst = set(INSTANCE_KEYS)  # random or the server's own round numbers, sent under every dp
     assert all(_reply_keys(r)["metrics"] == inst for r in q)
@@ -585,11 +585,12 @@ def _evaluate_on(context, eng, cid: int, nid: int, run_key: str | None = None) -
     ``nid``), with the server's run key (or ``run_key``); the reply's metrics."""
     from flwr.app import ConfigRecord
 
-    from fedproto.flower.common import CONFIG, MESSAGE, METRICS
+    from fedproto.flower.common import CONFIG, MESSAGE, METRICS, SCHEMA
 
     r = eng.executor.round
     msg = Message(RecordDict({MESSAGE: to_record(eng.algorithm.downlink(eng.loop.message, cid)),
-                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key})}),
+                              CONFIG: ConfigRecord({"round": r, "cid": cid, "run-key": run_key or eng.run_key,
+                                                    "schema": SCHEMA})}),
                   dst_node_id=nid, message_type="evaluate", group_id=str(r))
     msg.metadata.__dict__["_message_id"] = f"restart-{nid}"
     return dict(client_app.app(msg, context).content[METRICS])
@@ -1543,7 +1544,7 @@ def test_secagg_server_sees_no_individual_prototype_on_flower(tmp_path, monkeypa
     C, d = 10, 50
     for m in trains:  # decoded alone, a masked vector is noise of the ring's scale, not a prototype
         assert np.median(np.abs(secagg_codec.decode(m["secagg"])[:C * d])) > 1e6
-    assert "sum" not in eng.loop.algorithm.server_state() and "secagg_bytes" in eng.history[0]
+    assert "sum" not in eng.loop.server.checkpoint and "secagg_bytes" in eng.history[0]
 
 
 def test_secagg_matches_plain_aggregation_on_flower(tmp_path, monkeypatch):

@@ -77,11 +77,12 @@ class Uploads(Observer):
     """Per round: the clients' messages as the server receives them (client order) and a copy of
     FedTGP's generator state before that round's server step."""
 
-    def __init__(self, alg):
-        self.alg, self.rounds = alg, {}
+    def __init__(self):
+        self.rounds = {}
 
     def replies(self, loop, round, replies):
-        state = None if self.alg.tgp_state is None else {k: v.copy() for k, v in self.alg.tgp_state.items()}
+        held = loop.server.checkpoint.get("tgp_state")  # the server state after the round before
+        state = None if held is None else {k: v.copy() for k, v in held.items()}
         self.rounds[round] = ([replies.replies[i][0] for i in sorted(replies.replies)], state)
 
 
@@ -124,7 +125,7 @@ def test_fedtgp_broadcasts_the_generators_prototypes_and_fedgh_its_head():
     """FedTGP's broadcast equals the server step recomputed here from the paper's equations on the
     prototypes the clients sent; FedGH broadcasts its head."""
     sim = Simulation(_cfg(algorithm="fedtgp", rounds=2), out=False)
-    up = Uploads(sim.setup.algorithm)
+    up = Uploads()
     sim.loop.observers.append(up)
     sim.run()
     msgs, state = up.rounds[2]
@@ -223,7 +224,7 @@ def test_acc_global_is_the_servers_head_on_the_clients_own_body(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["fedtgp", "fedgh"])
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
-    """The server state (``server_state_keys``: FedTGP's generator, FedGH's head) is checkpointed: a
+    """The server state (FedTGP's generator in its ServerState, FedGH's head) is checkpointed: a
     run stopped after round 3 (checkpoint after round 2) and resumed gives the uninterrupted run's
     numbers, server message and server state."""
 
@@ -248,7 +249,7 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
     assert set(whole.message) == set(resumed.message)
     assert all(np.array_equal(whole.message[k], resumed.message[k]) for k in whole.message)
     if algorithm == "fedtgp":
-        a, b = whole.setup.algorithm.tgp_state, resumed.setup.algorithm.tgp_state
+        a, b = whole.loop.server.checkpoint["tgp_state"], resumed.loop.server.checkpoint["tgp_state"]
         assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
         # the generator trained away from its initial state, so a resume that lost it would differ
         assert not np.allclose(a["w1"], tgp_init(C, D, seed=cfg.seed)["w1"])

@@ -506,7 +506,7 @@ def share_initial_weights(models: Sequence[nn.Module]) -> list[list[int]]:
 
 
 def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any = None, *,
-             dataset: str | None = None, **options: Any):
+             dataset: str | None = None, observers: Sequence[Any] = (), **options: Any):
     """Build a :class:`~fedproto.simulation.Simulation` of your own clients.
 
     Defaults: where ``dataset`` names the registry's dataset your data come from (``"mnist"``,
@@ -525,6 +525,8 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
         dataset: the name of a dataset of :data:`fedproto.data.registry.DATASETS` whose per-dataset
             defaults to use (None: the defaults above). It only sets defaults: the data are your
             clients'.
+        observers: your own :class:`fedproto.engine.loop.Observer` s (:class:`~fedproto.simulation.Simulation`'s
+            ``observers``).
         options: any run option of :class:`fedproto.config.RunConfig` (``algorithm``,
             ``rounds``, ``lambda_proto``, ``lr``, ``batch_size``, ``participation``...).
     Returns:
@@ -618,7 +620,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     if cfg.shared_init:  # clients of one architecture start from the first one's weights
         share_initial_weights([st.model for st in states])
     setup = build_setup(cfg, states, data, part, fix=fix)  # the checks and the resolved options of `fedproto run`
-    return Simulation(cfg, setup=setup, out=out)
+    return Simulation(cfg, setup=setup, out=out, observers=observers)
 
 
 FederationSimulation = Simulation

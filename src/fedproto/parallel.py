@@ -16,35 +16,33 @@ objective (pickled, a few MB at most), the worker trains in place and returns pe
 (class sums and counts of embeddings, losses); the main process copies the new weights back into
 the client models. Nothing else is shared.
 
-Workers are separate interpreters started with ``python -m fedproto.parallel`` (not
+Workers are separate interpreters started with ``python -m fedproto.parallel_worker`` (not
 ``multiprocessing``'s spawn, which re-runs the user's script in each worker when it lacks an
 ``if __name__ == "__main__"`` guard) and connected over an authenticated local socket
 (:mod:`multiprocessing.connection`). A worker that dies or raises stops the run with its
 traceback. The pool is closed, and its shared memory freed, when the run ends.
 
-Size: about 480 lines: the worker pool and the worker's side of its protocol, which must change
-together.
+The shared blocks and the worker's side of the protocol are :mod:`fedproto.parallel_worker`
+(one protocol: change both modules together).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import secrets
 import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 
 import numpy as np
 import torch
 
-from fedproto.training import OptimConfig, TrainResult, train_stacked
+from fedproto.parallel_worker import SharedSpec, _Blocks, _recv, _send
+from fedproto.training import OptimConfig, TrainResult
 
 CLIENTS_PER_WORKER = 8
 """Auto mode gives each process at least this many clients of a round (fewer clients do not pay
@@ -95,69 +93,6 @@ def plan_workers(workers: int, threads: int, batched_clients: int, device: str =
     w = workers or auto
     w = max(1, min(w, batched_clients))
     return w, max(1, total // w)
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared arrays
-
-
-@dataclass(frozen=True)
-class SharedSpec:
-    """Name, shape and dtype of an array in a :class:`SharedMemory` block."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-def _attach(spec: SharedSpec) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
-    shm = shared_memory.SharedMemory(name=spec.name)
-    # the creating process owns the block; do not let this process's tracker unlink it at exit
-    # (Python < 3.13 registers attached blocks too)
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except Exception:  # pragma: no cover - tracker internals differ across versions
-        pass
-    arr = np.ndarray(spec.shape, dtype=np.dtype(spec.dtype), buffer=shm.buf)
-    return shm, torch.from_numpy(arr)
-
-
-class _Blocks:
-    """Shared blocks created by the main process (freed by :meth:`free`)."""
-
-    def __init__(self):
-        self._blocks: list[shared_memory.SharedMemory] = []
-        self._tensors: list[torch.Tensor] = []
-
-    def new(self, t: torch.Tensor) -> tuple[SharedSpec, torch.Tensor]:
-        """A block holding a copy of ``t``."""
-        t = t.detach().cpu().contiguous()
-        spec, tv = self.empty(tuple(t.shape), t.dtype)
-        tv.copy_(t)
-        return spec, tv
-
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[SharedSpec, torch.Tensor]:
-        """A block for an array of ``shape`` and ``dtype``, left for the caller to fill."""
-        dt = torch.empty(0, dtype=dtype).numpy().dtype
-        shm = shared_memory.SharedMemory(create=True, size=max(int(np.prod(shape)) * dt.itemsize, 1))
-        view = np.ndarray(shape, dtype=dt, buffer=shm.buf)
-        self._blocks.append(shm)
-        tv = torch.from_numpy(view)
-        self._tensors.append(tv)
-        return SharedSpec(shm.name, tuple(shape), dt.str), tv
-
-    def free(self) -> None:
-        self._tensors.clear()
-        for shm in self._blocks:
-            try:
-                shm.close()
-            except BufferError:  # a view is still referenced: the mapping goes with it
-                pass
-            try:
-                shm.unlink()
-            except FileNotFoundError:
-                pass
-        self._blocks.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,7 +173,7 @@ class WorkerPool:
                 log = tempfile.TemporaryFile("w+")  # no name on disk: nothing is left if this process is killed
                 self._logs.append(log)
                 self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fedproto.parallel", address, str(threads)],
+                    [sys.executable, "-m", "fedproto.parallel_worker", address, str(threads)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                     # a session of its own: Ctrl-C in a terminal (SIGINT to the foreground process group)
                     # reaches the main process only, which stops the run and closes the pool; a worker
@@ -428,55 +363,3 @@ class WorkerPool:
             self.close()
         except Exception:
             pass
-
-
-def _send(conn, obj) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn):
-    return pickle.loads(conn.recv_bytes())
-
-
-# ----------------------------------------------------------------------------------------------
-# Worker side
-
-
-def _serve(address: str, key: bytes, threads: int) -> None:
-    torch.set_num_threads(threads)
-    conn = Client(address, family="AF_UNIX", authkey=key)
-    init = _recv(conn)
-    shm_x, X = _attach(init["X"])
-    shm_y, Y = _attach(init["Y"])
-    keep = [shm_x, shm_y]  # the mappings must outlive the tensors viewing them
-    stores = []
-    for s in init["stores"]:
-        P = {}
-        for k, spec in s["specs"].items():
-            shm, P[k] = _attach(spec)
-            keep.append(shm)
-        stores.append((s["m0"], s["names"], P))
-    while True:
-        try:
-            task = _recv(conn)
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        try:
-            replies = []
-            for g in task["groups"]:
-                m0, names, P_all = stores[g["store"]]
-                rows = torch.from_numpy(g["rows"])
-                P = {k: P_all[k][rows].clone() for k in names}
-                replies.append(train_stacked(m0, P, X, Y, g["phases"], g["obj"], task["opt"], g["ref"]))
-                with torch.no_grad():
-                    for k in names:
-                        P_all[k][rows] = P[k]
-            _send(conn, replies)
-        except Exception:
-            _send(conn, {"error": traceback.format_exc()})
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1], bytes.fromhex(os.environ.pop("FEDPROTO_POOL_KEY")), int(sys.argv[2]))

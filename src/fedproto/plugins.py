@@ -20,8 +20,11 @@ so it cannot break the built-in methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -30,6 +33,10 @@ log = logging.getLogger(__name__)
 
 GROUP = "fedproto.algorithms"
 """The entry-point group third-party algorithms are declared in."""
+
+NO_ENTRY_POINTS = "FEDPROTO_NO_ENTRY_POINTS"
+"""Environment variable: ``1`` leaves the installed plug-ins unloaded in this process and the
+processes it starts (the library's test suite sets it, with :func:`scope`)."""
 
 
 class AlgorithmOptions(BaseModel):
@@ -151,6 +158,8 @@ def load_plugins() -> None:
     if _loaded:
         return
     _loaded = True
+    if os.environ.get(NO_ENTRY_POINTS) == "1":
+        return
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=GROUP):
@@ -161,10 +170,59 @@ def load_plugins() -> None:
                         type(e).__name__, e)
 
 
+@contextlib.contextmanager
+def scope(entry_points: bool = False) -> Iterator[None]:
+    """A registry of its own for a block of code: the library's methods, the algorithms
+    :func:`register` ed inside the block and, only with ``entry_points``, the installed plug-ins
+    (the ``fedproto.algorithms`` group); the registry as it was comes back afterwards. The
+    library's test suite runs inside ``scope()``, so an installed plug-in package changes none of
+    its results (no option, flag or name of a plug-in appears in them)."""
+    global _loaded, _version
+    saved, was_loaded = dict(PLUGINS), _loaded
+    PLUGINS.clear()
+    _loaded = not entry_points
+    _version += 1
+    try:
+        yield
+    finally:
+        PLUGINS.clear()
+        PLUGINS.update(saved)
+        _loaded = was_loaded
+        _version += 1
+
+
 def algorithm_names() -> list[str]:
     """Every algorithm name: the library's methods, then the plug-ins."""
     load_plugins()
     return [*BUILTIN, *PLUGINS]
+
+
+_METHOD_OPTIONS: dict[type, Any] = {}
+
+
+def method_options(cls: Any) -> type[AlgorithmOptions] | None:
+    """The options an algorithm class reads, declared once per method: the ``Options`` of ``cls``
+    and of every method it subclasses (a subclass inherits the code that reads its parent's options:
+    ``class MyProto(FedProto)`` with ``Options = MyOptions`` reads λ as FedProto does), merged into
+    one class when ``cls.Options`` does not already subclass them. Run names, the resume check,
+    the "ignored option" warning and ``self.options`` all come from it
+    (:func:`fedproto.algorithms.options.owners`). None: the class declares no options."""
+    if cls in _METHOD_OPTIONS:
+        return _METHOD_OPTIONS[cls]
+    found: list[type] = []
+    for k in getattr(cls, "__mro__", ()):
+        o = k.__dict__.get("Options")
+        if isinstance(o, type) and issubclass(o, BaseModel) and not any(issubclass(b, o) for b in found):
+            found.append(o)
+    if not found:
+        out = None
+    elif len(found) == 1:
+        out = found[0]
+    else:
+        out = type(f"{cls.__name__}Options", tuple(found), {"__module__": __name__,
+                                                             "__doc__": f"The options {cls.__name__} reads."})
+    _METHOD_OPTIONS[cls] = out
+    return out
 
 
 def plugin_options() -> list[tuple[str, type[BaseModel]]]:

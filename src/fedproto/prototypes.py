@@ -5,8 +5,8 @@ Conventions: ``d`` is the embedding size, ``C`` the number of classes of the dat
 prototype table is ``(C, d)`` float with a boolean ``(C,)`` mask of which rows exist. Absent
 classes are never filled with zeros and averaged in: they are masked out everywhere.
 
-Size: about 420 lines of pure functions, the FedProto math (DESIGN.md: prototypes.py as pure
-functions), most of it docstrings with the equations.
+Size: about 420 lines of pure functions, the FedProto math (pure functions;
+docs/architecture.md), most of it docstrings with the equations.
 """
 
 from __future__ import annotations

@@ -302,6 +302,19 @@ class RunDir:
                 w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
         self._write(atomic_write_bytes, self.path / "clients.csv", buf.getvalue().encode())
 
+    def write_arrays(self, name: str, arrays: dict[str, np.ndarray]) -> None:
+        """``name`` (an ``.npz`` file of the run folder, e.g. ``prototypes.npz``) holding ``arrays``,
+        written atomically (a method's :attr:`~fedproto.algorithms.state.ServerState.files`).
+
+        Raises:
+            ValueError: ``name`` is not a plain ``.npz`` file name.
+        """
+        if "/" in name or "\\" in name or not name.endswith(".npz") or name.startswith("."):
+            raise ValueError(f"run folder file {name!r}: give a plain file name ending in .npz")
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        self._write(atomic_write_bytes, self.path / name, buf.getvalue())
+
     def write_prototypes(self, classes: np.ndarray, protos: np.ndarray, contributors: np.ndarray | None) -> None:
         buf = io.BytesIO()
         np.savez(buf, classes=classes, protos=protos,

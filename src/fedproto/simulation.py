@@ -15,7 +15,7 @@ executor or client order.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -27,18 +27,17 @@ from fedproto.engine.attack import SimulatedAttack
 from fedproto.engine.executors.base import Executor
 from fedproto.engine.executors.batched import BatchedExecutor
 from fedproto.engine.executors.local import SequentialExecutor
-from fedproto.engine.loop import RoundLoop
-from fedproto.engine.observers.checkpoints import Checkpoints, restore
+from fedproto.engine.lifecycle import check_observers, run_rounds, standard_observers
+from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.embeddings import Embeddings
 from fedproto.engine.observers.fulltest import FullTest, full_test_evaluation
 from fedproto.engine.observers.health import Health
-from fedproto.engine.observers.progress import Progress
-from fedproto.engine.observers.rundir import RunFolder
 from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.results import PREVIOUS, RunDir
 from fedproto.secagg import install as install_secagg
+from fedproto.tensorboard import tensorboard_observers
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +62,19 @@ class Simulation:
         progress: show download progress while building the set-up.
         executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.base.Executor`
             over this set-up; default :func:`make_executor` of ``cfg.execution``).
+        observers: your own :class:`~fedproto.engine.loop.Observer` s, called after the run folder
+            and checkpoint writers and before the progress callback (the Flower ServerApp takes the
+            same, :class:`fedproto.flower.server_app.FlowerEngine`).
     Raises:
-        ConfigError: ``cfg`` is not a RunConfig, ``out`` is neither a path, None nor False, or
+        ConfigError: ``cfg`` is not a RunConfig, an entry of ``observers`` is not an Observer,
+            ``out`` is neither a path, None nor False, or
             ``cfg.tensorboard`` is on for a run folder without the ``tensorboard`` package (before
             the run folder is made; with ``out=False`` it is only a warning: nothing is written).
     """
 
     def __init__(self, cfg: RunConfig, setup: Setup | None = None, out: str | Path | None | bool = None,
                  on_round: Callable[[dict], None] | None = None, progress: bool = False,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, observers: Sequence[Observer] = ()):
         if not isinstance(cfg, RunConfig):
             raise ConfigError(f"Simulation needs a RunConfig (from fedproto.build_config), not a {type(cfg).__name__}")
         if out is True or not (out is None or out is False or isinstance(out, (str, Path, RunDir))) or out == "":
@@ -97,24 +100,21 @@ class Simulation:
         # secure aggregation (fedproto.secagg): the clients' replies masked, the server sums them
         server, self.executor = install_secagg(cfg, self.setup.algorithm, self.executor)
         self.attack = SimulatedAttack(cfg, len(self.setup.states))
-        self.health = Health(cfg, self.attack.attackers, self.setup.data)
+        self.health = Health(cfg, self.attack.attackers, self.setup.data, self.setup.algorithm)
+        self.user_observers = check_observers(observers)
         self.loop = RoundLoop(cfg, server, self.executor, self.setup.embedding_dim,
                               self._observers(), [self.attack])
         self._ran = False
 
     def _observers(self) -> list:
-        # in this order: a round's row is in metrics.jsonl, then in a checkpoint, before the progress callback sees it
-        obs = [self.health, self.attack]
-        if self.cfg.eval_full_test:
-            obs.append(FullTest(self.setup))
-        if self.run_dir:
-            obs += [RunFolder(self.run_dir, self.config_record, lambda: self.models),
-                    Checkpoints(self.run_dir, self.cfg.checkpoint_every), Embeddings(self.setup, self.run_dir)]
-            if self.cfg.tensorboard:  # the optional extra (fedproto[tensorboard])
-                from fedproto.tensorboard import TensorBoardObserver
-
-                obs.append(TensorBoardObserver(self.run_dir.path))
-        return [*obs, Progress(self._notify)]
+        # the shared order (fedproto.engine.lifecycle): a round's row is in metrics.jsonl, then in a checkpoint,
+        # then the user's observers see it, before the progress callback
+        before = [self.attack, *([FullTest(self.setup)] if self.cfg.eval_full_test else [])]
+        return standard_observers(self.cfg, self.health, self.run_dir, self.config_record, self._notify,
+                                  checkpoint_every=self.cfg.checkpoint_every, before=before,
+                                  run_folder=[Embeddings(self.setup, self.run_dir),
+                                              *tensorboard_observers(self.cfg, self.run_dir)] if self.run_dir else [],
+                                  user=self.user_observers, models=lambda: self.models)
 
     def _notify(self, row: dict) -> None:
         if self.on_round:  # read at each round: a caller may set it after construction
@@ -255,14 +255,4 @@ class Simulation:
                                   f"nothing to resume; drop {opt('resume')} to run it again")
             log.warning("no checkpoint in %s: starting at round 1", rd.path)
         resumed = resume and has_ckpt
-        if resumed:
-            restore(loop, load_checkpoint(ck), str(ck))
-            log.info("resuming %s after round %d", rd.path, loop.start_round - 1)
-        rd.begin(loop.history if resumed else None)
-        try:
-            summary = loop.run()
-        except BaseException:
-            if rd.abort():
-                log.warning("the earlier finished run in %s is back in place", rd.path)
-            raise
-        return summary
+        return run_rounds(loop, rd, load_checkpoint(ck) if resumed else None, str(ck))

@@ -40,6 +40,12 @@ def _summary_writer():
     return SummaryWriter
 
 
+def tensorboard_observers(cfg: Any, run_dir: Any) -> list[Observer]:
+    """``[TensorBoardObserver]`` for a run with ``tensorboard`` on and a run folder, else ``[]``
+    (the front ends pass it to :func:`fedproto.engine.lifecycle.standard_observers`)."""
+    return [TensorBoardObserver(run_dir.path)] if cfg.tensorboard and run_dir else []
+
+
 def require_tensorboard() -> None:
     """Check that TensorBoard logging can work, before a run starts.
 

@@ -1,4 +1,7 @@
-"""The algorithm seam (DESIGN.md): client update, server aggregation, evaluation.
+"""The algorithm seam (docs/architecture.md, "Algorithm"): a method is an :class:`Algorithm`, its
+client part (:class:`ClientPart`, here) and its server strategy (:class:`ServerPart`,
+:mod:`fedproto.algorithms.server`), with the client's data and state (:class:`ClientData`,
+:class:`ClientState`).
 
 An algorithm never knows which engine runs it. Messages are ``dict[str, numpy.ndarray]``; their
 size is the communication cost (:func:`message_size`). Client state (the personal model) never
@@ -8,9 +11,6 @@ leaves the client.
 (``prepare`` -> ``objective`` -> local training -> ``finish``); the simulation engine may run the
 training part of many clients at once (:func:`fedproto.training.train_group`) between the same
 ``prepare``/``finish`` calls, so both paths share every algorithm-specific line.
-
-Size: about 440 lines, most of them the docstrings of the hooks a method overrides; the seam reads
-in one place.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedproto.algorithms.server import ServerPart
+from fedproto.algorithms.state import Alert, ServerState  # noqa: F401 (re-exported for methods)
 from fedproto.data.inputs import Inputs, place
 from fedproto.models.base import ProtoModel
 from fedproto.prototypes import embedding_health
@@ -257,12 +259,28 @@ class ClientPart:
         return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
 
     def client_update(
-        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator
+        self, state: ClientState, message: Message, data: ClientData, round: int, rng: np.random.Generator,
+        opt: OptimConfig | None = None,
     ) -> tuple[Message, TrainResult]:
-        """Reference client step: prepare, train (sequential path), finish."""
+        """The whole client step: :meth:`prepare`, :meth:`local_objective`, :meth:`plan`, training
+        on the sequential path (:func:`fedproto.training.train_client`), :meth:`finish`.
+
+        Contract: a method that overrides it replaces the client step everywhere; the batched
+        executors then train its clients one after another (logged once), so the override runs
+        on every executor. Override the smaller hooks instead to keep batched training.
+
+        Args:
+            state: the client's state. message: its downlink message. data: its data.
+            round: the round (1-based). rng: the client's generator of this round.
+            opt: the round's optimiser settings (its learning rate, :meth:`OptimConfig.at_round`),
+                passed in by the executor; None: this algorithm's ``opt`` at ``round``.
+        Returns:
+            The client's reply message and its :class:`~fedproto.training.TrainResult`.
+        """
+        opt = opt if opt is not None else self.opt.at_round(round)
         self.prepare(state, message)
         obj = self.local_objective(state, message)
-        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, self.opt)
+        res = train_client(state.model, data.x, data.y, self.plan(state, obj, len(data.y), rng), obj, opt)
         return self.finish(state, message, data, res), res
 
     def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,
@@ -279,119 +297,6 @@ class ClientPart:
         n = len(data.test_y)
         acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
         return {"acc": acc, **embedding_health(h, logits)}
-
-
-class ServerPart:
-    """The server part of an algorithm: what runs on the server, which sees messages only, never a
-    client's state, model or data (DESIGN.md).
-
-    Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
-    :meth:`aggregate` (the round's checked replies into the next message), :meth:`broadcast` and
-    :meth:`downlink` (what each client receives), the reply checks the engine runs before
-    aggregating (:meth:`reply_problem`, :meth:`reply_problems`), its state for checkpoints
-    (:meth:`server_state`), monitoring (:meth:`round_metrics`, :meth:`outliers`), what the summary
-    says (:meth:`eval_protocols`, :meth:`summary_entries`, :meth:`write_results`) and the checks of
-    a whole federation before round 1 (:meth:`check_setup`, :meth:`divergence_hint`).
-    """
-
-    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
-        """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
-        config and each client's (n_i,) training labels; called before round 1. Default: none."""
-
-    def divergence_hint(self, cfg: Any) -> str:
-        """Options of this algorithm that can make training diverge, worded for the error the
-        engine raises on a non-finite loss (default: none)."""
-        return ""
-
-    def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
-        """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
-        dropped (``{}``: nothing usable) and one reason per dropped part; the engine logs them.
-        Default: everything kept."""
-        return message, []
-
-    def message_problem(self, message: Message, embedding_dim: int) -> str:
-        """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
-        checks types, finiteness and shapes against the first message itself."""
-        return ""
-
-    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
-        """What is wrong with a client's reply ('' if nothing), checked by the engine before
-        :meth:`aggregate` (a bad reply is dropped and logged, never aggregated).
-
-        Args:
-            reply: the client's message. The engine has checked already that it is a dict of
-                numeric numpy arrays.
-            sent: what this client received this round (:meth:`downlink`): the shapes a reply of
-                weights must have.
-            embedding_dim: d, the prototype size.
-        Default: a reply must be empty (the algorithm sends nothing up).
-        """
-        return f"unexpected entries {sorted(reply)[:5]} (this algorithm sends nothing)" if reply else ""
-
-    def initial_message_from(self, joins: dict[int, Message]) -> Message:
-        """The server's first broadcast from the clients' :meth:`join_message` replies, keyed by
-        client id (default: empty). Lets a server that holds no client model (Flower) start."""
-        return {}
-
-    def initial_message(self, states: list[ClientState]) -> Message:
-        """The server's first broadcast, built in-process from the clients' states:
-        :meth:`initial_message_from` of every client's :meth:`join_message`."""
-        return self.initial_message_from({s.cid: self.join_message(s) for s in states})
-
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Combine the round's client messages, keyed by client id (with client sampling, the
-        sampled clients only, in increasing id order), into the next server message. The server
-        sees messages only, never a client's state, model or data (DESIGN.md)."""
-        raise NotImplementedError
-
-    server_state_keys: tuple[str, ...] = ()
-    """Attributes the server keeps between rounds besides the message (saved in checkpoints)."""
-
-    def server_state(self) -> dict[str, Any]:
-        """The server-side state a checkpoint needs (numpy arrays, dicts of them, or None)."""
-        return {k: getattr(self, k) for k in self.server_state_keys}
-
-    def load_server_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
-        for k in self.server_state_keys:
-            setattr(self, k, state[k])
-
-    def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
-        """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
-        the run's options and the final per-client metrics (default: none)."""
-        return {}
-
-    def write_results(self, run_dir: Any, message: Message) -> None:
-        """Write this algorithm's own result files into the finished run's folder
-        (:class:`fedproto.results.RunDir`; FedProto: ``prototypes.npz``) from the final server
-        message (default: none)."""
-
-    def round_metrics(self) -> dict[str, float]:
-        """Extra numbers of the last aggregation for the round's metrics row (default: none)."""
-        return {}
-
-    def outliers(self) -> list[tuple[int, float, float]]:
-        """Clients flagged by the last aggregation's monitoring: (client, value, median)."""
-        return []
-
-    def broadcast(self, round: int, message: Message) -> Message:
-        """The server message for round ``round`` (1-based): ``message`` (from
-        :meth:`initial_message` or :meth:`aggregate`) plus ``head_only`` (one int8) in the second
-        stage, rounds after :attr:`freeze_after`."""
-        if self.freeze_after and round > self.freeze_after:
-            return {**message, "head_only": np.ones(1, np.int8)}
-        return message
-
-    def downlink(self, message: Message, cid: int) -> Message:
-        """What client ``cid`` receives of the server message (default: all of it). The engine
-        counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
-        return message
-
-    def eval_protocols(self) -> dict[str, str]:
-        """What each accuracy key of :meth:`evaluate` scores (``summary.json``'s ``evaluation``):
-        key -> one sentence. Default: ``acc``, the personal protocol."""
-        return {"acc": "personal: each client's own model after its local training of the last round, on the "
-                       "client's own test set"}
 
 
 class Algorithm(ClientPart, ServerPart):
@@ -431,8 +336,10 @@ class Algorithm(ClientPart, ServerPart):
         then, for an algorithm with ``Options`` (its own typed options,
         :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
         values from the run config and ``self.embedding_dim``."""
+        from fedproto.plugins import method_options
+
         alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
-        options = getattr(cls, "Options", None)
+        options = method_options(cls)
         if options is not None:
             alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
         alg.embedding_dim = embedding_dim

@@ -22,9 +22,9 @@ shuffled mini-batches of the uploaded prototypes, ``server_epochs`` 100 and ``se
 another). Differences from the reference: its server learning
 rate and τ are command-line options whose defaults we do not restate (ours: 0.1, 100); its shuffling
 uses torch's global generator, ours one seeded from the run's seed and the round, so a run
-reproduces and a resumed run continues exactly (the generator is server state,
-:attr:`FedTGP.server_state_keys`, saved in checkpoints). Round 1 has no global prototypes
-(cross-entropy only), as FedProto.
+reproduces and a resumed run continues exactly (the generator is server state, ``tgp_state`` in
+the :class:`~fedproto.algorithms.state.ServerState`, saved in checkpoints). Round 1 has no global
+prototypes (cross-entropy only), as FedProto.
 
 Evaluation: ``acc`` (the client's classifier) and ``acc_proto`` (nearest generated prototype,
 FedProto's eq. 4): the paper reports the classifier; there is no global model.
@@ -39,7 +39,10 @@ import numpy as np
 from fedproto.algorithms.base import Message, optim_config
 from fedproto.algorithms.fedproto import FedProto
 from fedproto.algorithms.options import FedTGPOptions
+from fedproto.algorithms.proto_steps import prototype_files
+from fedproto.algorithms.state import ServerState
 from fedproto.htmath import tgp_init, tgp_server_train
+from fedproto.prototypes import lambda_at
 
 
 class FedTGP(FedProto):
@@ -56,7 +59,6 @@ class FedTGP(FedProto):
 
     name = "fedtgp"
     Options = FedTGPOptions
-    server_state_keys = FedProto.server_state_keys + ("tgp_state",)
 
     def __init__(self, num_classes, opt, local_epochs=1, lambda_proto=1.0, distance="mse",
                  proto_source="last_epoch", proto_classes="own", embedding_dim=50, server_epochs=100,
@@ -65,8 +67,6 @@ class FedTGP(FedProto):
                          proto_classes, embedding_dim)
         self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
         self.margin_threshold, self.seed = margin_threshold, seed
-        self.tgp_state: dict[str, np.ndarray] | None = None
-        self.last_info: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FedTGP:
@@ -77,24 +77,21 @@ class FedTGP(FedProto):
                    cfg.proto_classes, embedding_dim, given(cfg.server_epochs, 100), given(cfg.server_lr, 0.1),
                    given(cfg.server_batch_size, 10), cfg.tgp_margin, cfg.seed)
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Train the generator on the round's prototypes and broadcast every class's prototype."""
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """Train the generator (``state.checkpoint["tgp_state"]``; from the run's seed at the first
+        aggregation) on the round's prototypes and broadcast every class's prototype. Metrics:
+        FedProto's ``lambda``, ``tgp_margin`` and ``server_loss`` of this training."""
         msgs = [m for m in messages.values() if m]
-        self.last_round = round
-        self._had_protos = self.global_classes is not None
-        if self.tgp_state is None:
-            self.tgp_state = tgp_init(self.num_classes, self.embedding_dim, seed=self.seed)
-        G, self.tgp_state, self.last_info = tgp_server_train(
-            [m["classes"] for m in msgs], [m["protos"] for m in msgs], [m["counts"] for m in msgs], self.tgp_state,
+        previous = state.message if state is not None else {}
+        tgp = (state.checkpoint.get("tgp_state") if state is not None else None) or \
+            tgp_init(self.num_classes, self.embedding_dim, seed=self.seed)
+        G, tgp, info = tgp_server_train(
+            [m["classes"] for m in msgs], [m["protos"] for m in msgs], [m["counts"] for m in msgs], tgp,
             self.num_classes, self.server_epochs, self.server_lr, self.margin_threshold, self.server_batch_size,
             seed=self.seed * 100_003 + round)
-        self.global_classes = np.arange(self.num_classes, dtype=np.int64)
-        self.global_protos = G.astype(np.float32)
-        return {"classes": self.global_classes, "protos": self.global_protos}
-
-    def round_metrics(self) -> dict[str, float]:
-        """FedProto's λ entry plus ``tgp_margin`` and ``server_loss`` of the last aggregation."""
-        out = {k: v for k, v in super().round_metrics().items() if k == "lambda"}
-        if self.last_info:
-            out.update(tgp_margin=self.last_info["margin"], server_loss=self.last_info["loss"])
-        return out
+        message = {"classes": np.arange(self.num_classes, dtype=np.int64), "protos": G.astype(np.float32)}
+        metrics = {"lambda": lambda_at(round, self.lambda_proto, self.lambda_warmup, self.lambda_schedule)
+                   if "protos" in previous else 0.0}
+        if info:
+            metrics.update(tgp_margin=info["margin"], server_loss=info["loss"])
+        return ServerState(message, metrics, checkpoint={"tgp_state": tgp}, files=prototype_files(message, None))

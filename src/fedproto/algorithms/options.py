@@ -243,7 +243,9 @@ def options_of(algorithm: str) -> type[AlgorithmOptions]:
 
     if algorithm in BUILTIN_OPTIONS:
         return BUILTIN_OPTIONS[algorithm]
-    return getattr(PLUGINS.get(algorithm), "Options", None) or WeightsOptions
+    from fedproto.plugins import method_options
+
+    return method_options(PLUGINS.get(algorithm)) or WeightsOptions
 
 
 def owners(field: str) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""Reply and message checks, in one place (DESIGN.md: the server validates every reply once before
-it aggregates).
+"""Reply and message checks, in one place (the server validates every reply once before it
+aggregates; docs/architecture.md).
 
 :func:`check_replies` is what the round loop runs on every round's replies, whatever the executor;
 the Flower executor asks :func:`unusable` (the same checks) to decide whether a round has enough

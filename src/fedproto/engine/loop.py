@@ -1,4 +1,4 @@
-"""The round loop (DESIGN.md "engine"): one loop for the simulator and for Flower.
+"""The round loop (docs/architecture.md, "One round in the simulator"): one loop for the simulator and for Flower.
 
 Each round: sample the clients (:func:`~fedproto.engine.seeding.sample_clients` over the
 executor's available clients), send each its downlink view of the server message, let the
@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, Message, message_size
+from fedproto.algorithms.state import ServerState, server_update
 from fedproto.config import RunConfig
 from fedproto.engine.checks import check_replies
 from fedproto.engine.executors.base import Executor, RoundReplies
@@ -81,7 +83,9 @@ class RoundLoop:
         observers: what hangs on the loop (:class:`Observer`), called in this order.
         stages: what may change the replies before the check (:class:`Stage`).
     Attributes:
-        message: the server message of the next round. history: the metrics rows so far.
+        message: the server message of the next round. server: the last aggregation's
+            :class:`~fedproto.algorithms.state.ServerState` (metrics, alerts, checkpoint, files).
+            history: the metrics rows so far.
         totals: communication summed over rounds. train_time: seconds in rounds (without evaluation).
     """
 
@@ -90,6 +94,7 @@ class RoundLoop:
         self.cfg, self.algorithm, self.executor, self.embedding_dim = cfg, algorithm, executor, embedding_dim
         self.observers, self.stages = list(observers), list(stages)
         self.message: Message = {}
+        self.server = ServerState({})  # the last aggregation's explicit state (the initial message before round 1)
         self.history: list[dict] = []
         self.totals = dict.fromkeys(TOTALS, 0)
         self.train_time = 0.0
@@ -100,7 +105,9 @@ class RoundLoop:
     def initial_message(self) -> Message:
         """The first broadcast, from the clients' join messages (may refuse the set-up, e.g.
         weight sharing across architectures)."""
-        return self.algorithm.broadcast(1, self.executor.initial_message(self.algorithm))
+        first = self.executor.initial_message(self.algorithm)
+        self.server = ServerState(first)
+        return self.algorithm.broadcast(1, first)
 
     def sample(self, round: int) -> list[int]:
         """The clients of ``round``: ``participation`` of the executor's available clients (all by
@@ -157,10 +164,14 @@ class RoundLoop:
             o.replies(self, r, got)
         dropped, whole = check_replies(alg, self.embedding_dim, r, got.sent, got.replies, self.executor.who)
         kept = {i: got.replies[i][0] for i in ids if i not in whole}
+        metrics: dict[str, Any] = {}
         if kept:
-            self.message = alg.broadcast(r + 1, alg.aggregate(r, kept))
+            self.server = server_update(alg, r, kept, self.server)
+            self.message = alg.broadcast(r + 1, self.server.message)
+            metrics = self.server.metrics
         else:
             log.warning("round %d: no reply to aggregate; the server message stays that of the round before", r)
+            self.server = replace(self.server, metrics={}, alerts=[])
             self.message = alg.broadcast(r + 1, self.message)
         t_train = time.perf_counter() - t0
         for o in self.observers:
@@ -179,7 +190,7 @@ class RoundLoop:
             "down_params": sum(d[0] for d in down),
             "down_bytes": sum(d[1] for d in down),
             "train_time_s": t_train,
-            **alg.round_metrics(),
+            **metrics,
         }
         if len(ids) < self.executor.num_clients:
             row["sampled"] = ids

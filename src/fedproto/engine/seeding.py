@@ -1,4 +1,4 @@
-"""Where a run's randomness comes from (DESIGN.md "Randomness").
+"""Where a run's randomness comes from (docs/architecture.md, "Randomness").
 
 Training randomness derives from (seed, round, client), so results do not depend on the
 executor (sequential, batched, worker processes, Flower) or on the order clients are trained in:

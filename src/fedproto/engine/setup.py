@@ -1,7 +1,7 @@
 """The one set-up every front end builds a run with (``fedproto run``, :func:`fedproto.federation.federate`,
 the Flower nodes, onboarding, ``reproduce``): data, partition, client models, the algorithm, and
-every check of the clients against the options, before round 1 (DESIGN.md: config errors are
-caught before any training starts).
+every check of the clients against the options, before round 1 (config errors are caught
+before any training starts; docs/architecture.md).
 
 :func:`prepare` builds a run of a named dataset from a :class:`~fedproto.config.RunConfig`;
 :func:`build_setup` finishes any set-up (your own clients included) and is where a check added
@@ -26,6 +26,7 @@ from fedproto.data.partition import Partition, dirichlet_partition, fewshot_part
 from fedproto.devices import resolve_device
 from fedproto.errors import ConfigError, PartitionError, opt
 from fedproto.models.zoo import build_client_models
+from fedproto.plugins import method_options
 from fedproto.training import has_batchnorm
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     cls = get_algorithm(cfg.algorithm)
     alg = cls.from_config(cfg, embedding_dim)
     alg.freeze_after = cfg.freeze_after
-    if getattr(cls, "Options", None) is not None and getattr(alg, "options", None) is None:
-        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): its own options too
-        alg.options = cls.Options(**{k: getattr(cfg, k) for k in cls.Options.model_fields})
+    options = method_options(cls)
+    if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
+        # a plug-in built by its parent's from_config (e.g. a FedProto subclass): every option it reads
+        alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
     return alg
 
 

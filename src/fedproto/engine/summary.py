@@ -1,7 +1,7 @@
 """``summary.json`` of a finished run: what was run, the accuracy over clients, communication, time.
 
 Accuracy is per client on that client's own test set, reported as the mean and population
-standard deviation over clients, each client counted once (DESIGN.md "Conventions").
+standard deviation over clients, each client counted once (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Flower engine (DESIGN.md "Engines"): FedProto and every baseline over Flower's transport.
+"""The Flower engine (docs/architecture.md, "One round on Flower"): FedProto and every baseline over Flower's transport.
 
 Adapters, no algorithm code: :mod:`.common` maps our messages (``dict[str, ndarray]``) and run
 options to Flower records, :mod:`.client_app` is the ``ClientApp`` (one client per SuperNode:

@@ -44,7 +44,17 @@ from fedproto.config import RunConfig
 from fedproto.engine.executors.local import client_step
 from fedproto.errors import ConfigError
 from fedproto.flower import node_state
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, FlowerOptions, from_record, run_config, to_record
+from fedproto.flower.common import (
+    CONFIG,
+    MESSAGE,
+    METRICS,
+    SCHEMA,
+    FlowerOptions,
+    from_record,
+    run_config,
+    schema_problem,
+    to_record,
+)
 from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.flower.virtual import forget as forget_virtual
 from fedproto.flower.virtual import virtual_client
@@ -176,7 +186,12 @@ def _save(n: Node, context: Context) -> None:
 
 
 def _checked_round(n: Node, msg: Message) -> int:
+    """The round of a server message to this node's client. Raises ConfigError when it is for
+    another client or in another message schema (:data:`fedproto.flower.common.SCHEMA`)."""
     cfg = msg.content[CONFIG]
+    bad = schema_problem(cfg.get("schema"), "server")
+    if bad:
+        raise ConfigError(bad)
     if int(cfg["cid"]) != n.cid:
         raise ConfigError(f"a message for client {cfg['cid']} reached the node of client {n.cid}: two SuperNodes "
                           "share a client-id (or partition-id)?")
@@ -189,11 +204,14 @@ def query(msg: Message, context: Context) -> Message:
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
     DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
+    bad = schema_problem(msg.content[CONFIG].get("schema") if CONFIG in msg.content else None, "server")
+    if bad:
+        raise ConfigError(bad)
     n = node(context, _run_key(msg))
     info = {"cid": n.cid, "classes": [int(c) for c in n.state.classes], "train-samples": len(n.data.y),
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
-    info = deployment_fields(n.cfg.dp, "query", info)
+    info = {**deployment_fields(n.cfg.dp, "query", info), "schema": SCHEMA}  # the schema is public
     join = n.algorithm.join_message(n.state)
     content = {CONFIG: ConfigRecord(info), MESSAGE: to_record(join),
                METRICS: MetricRecord(node_state.reply_metrics(context))}

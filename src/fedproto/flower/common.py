@@ -26,9 +26,29 @@ from fedproto.errors import ConfigError, opt
 MESSAGE = "fedproto.message"
 """RecordDict key of the algorithm message (an ArrayRecord) in both directions."""
 CONFIG = "fedproto.config"
-"""RecordDict key of the ConfigRecord with ``round`` and ``cid`` (server -> client)."""
+"""RecordDict key of the ConfigRecord with ``round``, ``cid`` and ``schema`` (server -> client; the
+query reply's node description, client -> server)."""
 METRICS = "fedproto.metrics"
 """RecordDict key of the MetricRecord a client returns (train losses or evaluation metrics)."""
+SCHEMA = 1
+"""Version of fedproto's Flower messages: the entries of :data:`CONFIG` (``round``, ``cid``,
+``run-key``, ``schema``), of the query reply (``cid``, ``classes``, sample counts, ``params``,
+``embedding-dim``, ``schema``) and of :data:`METRICS` (``loss_ce``, ``loss_proto``, ``steps``,
+``emb-norm-max``, ``loss-terms``, ``num-examples``, the method's evaluation keys), each read by name.
+The server sends it in every message and a node in its query reply; each side refuses the other's
+when it differs (:func:`schema_problem`). Raised when an entry changes meaning or name."""
+
+
+def schema_problem(got: object, side: str) -> str:
+    """Why a message of ``side`` (``"server"``, ``"node"``) with schema ``got`` (None: none sent,
+    a fedproto before the schema) cannot be read here ('' when it is :data:`SCHEMA`)."""
+    if got is not None and int(got) == SCHEMA:
+        return ""
+    theirs = "no message schema (an older fedproto)" if got is None else f"message schema {int(got)}"
+    return (f"the {side} speaks {theirs}, this fedproto speaks schema {SCHEMA}: install the same fedproto version "
+            "on the server and every SuperNode")
+
+
 QUERY = "query"
 """Message type the ServerApp sends once to each new node: the reply names its client and
 carries what the server needs of it (:func:`fedproto.flower.client_app.query`)."""

@@ -43,7 +43,17 @@ from fedproto.config import RunConfig
 from fedproto.engine.checks import unusable
 from fedproto.engine.executors.base import Executor, RoundReplies
 from fedproto.errors import ConfigError, TrainingError
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, FlowerOptions, from_record, to_record
+from fedproto.flower.common import (
+    CONFIG,
+    MESSAGE,
+    METRICS,
+    QUERY,
+    SCHEMA,
+    FlowerOptions,
+    from_record,
+    schema_problem,
+    to_record,
+)
 from fedproto.training import TrainResult
 
 NODE_UNAVAILABLE = 5
@@ -156,9 +166,11 @@ class FlowerExecutor(Executor):
         return out
 
     def _config(self, entries: dict) -> dict:
-        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)."""
-        entries = {**entries, "run-key": self.run_key} if self.run_key else entries
-        return {CONFIG: ConfigRecord(entries)} if entries else {}
+        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)
+        and the message schema (:data:`fedproto.flower.common.SCHEMA`)."""
+        entries = {**entries, "run-key": self.run_key} if self.run_key else dict(entries)
+        entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.common.schema_problem)
+        return {CONFIG: ConfigRecord(entries)}
 
     def bind(self, algorithm: Algorithm) -> None:
         """The server side of the run's algorithm (its reply check decides a round's retries)."""
@@ -315,6 +327,9 @@ class FlowerExecutor(Executor):
         self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
 
     def _refusal(self, cid: int, info: dict) -> str:
+        bad_schema = schema_problem(info.get("schema"), "node")
+        if bad_schema:
+            return bad_schema
         m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
         if not 0 <= cid < m:
             return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
@@ -392,20 +407,21 @@ class FlowerExecutor(Executor):
                 m = rep.content[METRICS] if METRICS in rep.content else {}
                 self._saw(i, m)
                 if "loss_ce" in m:
-                    res = TrainResult(None, None, float(m["loss_ce"]), float(m["loss_proto"]), int(m["steps"]),
-                                      float(m.get("emb-norm-max", 0.0)), float(m.get("loss-terms", 0.0)))
+                    # each entry by its name (fedproto.flower.common.SCHEMA)
+                    res = TrainResult(sums=None, counts=None, loss_ce=float(m["loss_ce"]),
+                                      loss_proto=float(m["loss_proto"]), steps=int(m["steps"]),
+                                      emb_norm_max=float(m.get("emb-norm-max", 0.0)),
+                                      loss_terms=float(m.get("loss-terms", 0.0)))
                 else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)
-                    res = TrainResult(None, None, None, None, 0)
-                if res.loss_ce is not None and not np.isfinite([res.loss_ce, res.loss_proto]).all():
-                    st["failed"][str(i)] = "its training loss is not finite (diverged)"
-                    log.warning("round %d: client %d's training diverged (loss not finite); its reply is left out",
-                                round, i)
-                    continue
+                    res = TrainResult(sums=None, counts=None, loss_ce=None, loss_proto=None, steps=0)
                 out[i] = (from_record(rep.content[MESSAGE]), res)
                 st["failed"].pop(str(i), None)
                 st["unavailable"].pop(str(i), None)
                 if i in st["timed_out"]:
                     st["timed_out"].remove(i)
+            if any(r.loss_ce is not None and not np.isfinite([r.loss_ce, r.loss_proto, r.loss_terms]).all()
+                   for _, r in out.values()):
+                break  # a diverged client: the round loop's health check stops the run (the simulator's policy)
             dropped = {i: self._unusable(i, out[i][0], msgs[i]) for i in sorted(out)}
             dropped = {i: why for i, why in dropped.items() if why}
             valid = [i for i in out if i not in dropped]

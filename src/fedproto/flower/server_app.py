@@ -4,7 +4,7 @@
 their SuperNodes), the run's algorithm (its server side) and the round loop
 (:class:`fedproto.engine.loop.RoundLoop`) the simulator runs, with the observers of a run that
 holds no client data: the run folder, health checks and progress. Nothing here trains a client,
-and the server holds no data and no client model (DESIGN.md).
+and the server holds no data and no client model (docs/architecture.md).
 
 Run options come from the Flower run config (``[tool.flwr.app.config]`` of the Flower app, or
 ``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option (``-`` or ``_``) plus
@@ -23,7 +23,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,11 +32,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
-from fedproto.engine.loop import RoundLoop
-from fedproto.engine.observers.checkpoints import Checkpoints, check_options, restore
+from fedproto.engine.lifecycle import check_observers, run_rounds, standard_observers
+from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.engine.observers.checkpoints import check_options
 from fedproto.engine.observers.health import Health
-from fedproto.engine.observers.progress import Progress
-from fedproto.engine.observers.rundir import RunFolder
 from fedproto.engine.setup import build_algorithm
 from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError
@@ -44,6 +43,7 @@ from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
 from fedproto.flower.secagg import install as install_secagg
 from fedproto.results import RunDir, atomic_write_json
+from fedproto.tensorboard import tensorboard_observers
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,9 @@ class FlowerEngine:
         wait_s: overrides ``options.wait_nodes``.
         timeout_s: overrides ``options.round_timeout``.
         on_round: optional callback(row) after each round.
+        observers: your own :class:`~fedproto.engine.loop.Observer` s, as
+            :class:`fedproto.simulation.Simulation` takes them (the same order and policy:
+            :func:`fedproto.engine.lifecycle.standard_observers`).
     Raises:
         ConfigError: ``resume_from`` names no run folder of this run (see :meth:`run`); see
             :class:`~fedproto.flower.executor.FlowerExecutor`.
@@ -77,7 +80,7 @@ class FlowerEngine:
 
     def __init__(self, cfg: RunConfig, grid: Grid, out=None, options: FlowerOptions | None = None,
                  wait_s: float | None = None, timeout_s: float | None = None,
-                 on_round: Callable[[dict], None] | None = None):
+                 on_round: Callable[[dict], None] | None = None, observers: Sequence[Observer] = ()):
         opts = options or FlowerOptions()
         opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
                        wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
@@ -99,15 +102,10 @@ class FlowerEngine:
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
         # secure aggregation (fedproto.flower.secagg; unchanged when off): the executor runs the protocol
         server, self.executor = install_secagg(cfg, self.algorithm, self.executor)
-        observers = [Health(cfg)]
-        if self.run_dir:
-            observers += [RunFolder(self.run_dir, self.config_record),
-                          Checkpoints(self.run_dir, cfg.checkpoint_every or 1)]
-            if cfg.tensorboard:  # the optional extra (fedproto[tensorboard])
-                from fedproto.tensorboard import TensorBoardObserver
-
-                observers.append(TensorBoardObserver(self.run_dir.path))
-        observers.append(Progress(on_round))
+        health = Health(cfg, algorithm=self.algorithm)  # the simulator's policy: a non-finite loss stops the run
+        observers = standard_observers(cfg, health, self.run_dir, self.config_record, on_round,
+                                       checkpoint_every=cfg.checkpoint_every or 1, user=check_observers(observers),
+                                       run_folder=tensorboard_observers(cfg, self.run_dir))
         self.loop = RoundLoop(cfg, server, self.executor, self.executor.embedding_dim, observers)
 
     resume_config = ""
@@ -177,20 +175,13 @@ class FlowerEngine:
             if resume:
                 raise ConfigError("resume needs the run folder of the interrupted run (resume-from)")
             return self.loop.run()
+        ckpt = None
         if resume:
             ckpt = self._checkpoint if self._checkpoint is not None else self._resumable()
-            restore(self.loop, ckpt, str(rd.checkpoint))
-            log.warning("fedproto: resuming %s after round %d", rd.path, self.loop.start_round - 1)
+            log.warning("fedproto: resuming %s after round %d", rd.path, int(ckpt["round"]))
         rd.acquire()
         try:
-            rd.begin(self.loop.history if resume else None)
-            try:
-                return self.loop.run()
-            except BaseException as e:
-                self._record_failure(e)
-                if not rd.checkpoint.is_file():
-                    rd.abort()
-                raise
+            return run_rounds(self.loop, rd, ckpt, str(rd.checkpoint), self._record_failure)
         finally:
             rd.release()
 

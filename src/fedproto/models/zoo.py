@@ -1,4 +1,4 @@
-"""Model names -> per-client builders (DESIGN.md ``zoo``), including FedProto-mh assignments.
+"""Model names -> per-client builders (docs/architecture.md, "A model"), including FedProto-mh assignments.
 
 Names:
     ``cnn``: the paper CNN for every client.

@@ -134,8 +134,9 @@ class Codec:
         (state, data), which distributed DP noise needs (:func:`fedproto.secagg.dp.noisy_sums`)."""
         raise NotImplementedError
 
-    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message) -> Message:
-        """The next server message from the decoded (L,) float64 sum of clients ``cids``."""
+    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message, state: Any = None) -> Any:
+        """The next server message (or :class:`~fedproto.algorithms.state.ServerState`) from the
+        decoded (L,) float64 sum of clients ``cids``, given the previous server state ``state``."""
         raise NotImplementedError
 
 
@@ -169,7 +170,17 @@ class ProtoCodec(Codec):
         out[C * (d + 1) + c] = 1.0
         return out
 
-    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message) -> Message:
+    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message,
+                  state: Any = None) -> Any:
+        """FedProto's :class:`~fedproto.algorithms.state.ServerState` from the sums: the class means
+        go through FedProto's own server steps as one pseudo-reply (its momentum against
+        ``state``, the classes kept from before, the λ warm-up; ``min_contributors`` is applied
+        here, on the summed contributor counts); the contributors per class come from the sums;
+        no per-client distances exist (no ``proto_dist`` metrics, no alerts)."""
+        from dataclasses import replace
+
+        from fedproto.algorithms.proto_steps import AggregationRule, prototype_files
+
         a = self.alg
         C, d = a.num_classes, a.embedding_dim
         sums, counts = total[:C * d].reshape(C, d), total[C * d:C * (d + 1)]
@@ -179,22 +190,18 @@ class ProtoCodec(Codec):
         # weighted: the (under DP noised) counts, at least 1 as fedproto.privacy.noisy_prototypes divides
         div = np.maximum(counts[classes], 1.0) if a.aggregation == "weighted" else contrib[classes].astype(np.float64)
         protos = sums[classes] / div[:, None]
-        # the method's own aggregation of one pseudo-reply holding the means: its momentum, the classes
-        # kept from before, the λ warm-up; what it records of individual replies is set from the sums
-        saved = a.min_contributors
-        a.min_contributors = 1
-        try:
-            out = a.aggregate(round, {-1: {"classes": classes, "protos": protos,
-                                           "counts": np.maximum(1, counts[classes]).astype(np.int64)}}
-                              if len(classes) else {})
-        finally:
-            a.min_contributors = saved
-        if a.global_classes is not None:
-            now = set(classes.tolist())
-            kept = np.asarray(a.global_classes).tolist()
-            a.last_contributors = np.array([contrib[c] if c in now else 0 for c in kept], np.int64)
-        a.last_distances, a.last_cids = None, np.asarray(cids, np.int64)
-        return out
+        steps = replace(a.server_steps(), rule=AggregationRule(C, a.aggregation, a.trim, 1))
+        pseudo = ({-1: {"classes": classes, "protos": protos,
+                        "counts": np.maximum(1, counts[classes]).astype(np.int64)}} if len(classes) else {})
+        out = a.run_steps(steps, round, pseudo, state)
+        now = set(classes.tolist())
+        kept = np.asarray(out.message.get("classes", np.zeros(0, np.int64))).tolist()
+        per_class = np.array([contrib[c] if c in now else 0 for c in kept], np.int64)
+        metrics = {k: v for k, v in out.metrics.items() if not k.startswith("proto_dist")}
+        checkpoint = {**out.checkpoint, "last_contributors": per_class, "last_distances": None,
+                      "last_cids": np.asarray(cids, np.int64)}
+        return replace(out, metrics=metrics, alerts=[], checkpoint=checkpoint,
+                       files=prototype_files(out.message, per_class))
 
 
 class WeightsCodec(Codec):
@@ -214,7 +221,7 @@ class WeightsCodec(Codec):
         n = float(np.asarray(reply["n"]).reshape(-1)[0])
         return np.concatenate([n * np.asarray(reply[k], np.float64).reshape(-1) for k in keys] + [np.array([n])])
 
-    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message) -> Message:
+    def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message, state: Any = None) -> Message:
         keys, n = self._keys(sent), total[-1]
         if not n > 0:
             return {k: np.asarray(sent[k], np.float32) for k in keys}

@@ -99,13 +99,19 @@ class SecureServer:
         """Nothing to drop row by row: the rows are masked (the client checked its reply before masking)."""
         return message, []
 
-    def aggregate(self, round: int, messages: dict[int, dict]) -> dict:
+    def aggregate(self, round: int, messages: dict[int, dict], state: Any = None) -> Any:
         """The sum of the masked vectors of ``messages`` less the rebuilt masks, decoded, and the
-        method's next message from it (:meth:`fedproto.secagg.codec.Codec.aggregate`).
+        method's next :class:`~fedproto.algorithms.state.ServerState` from it
+        (:meth:`fedproto.secagg.codec.Codec.aggregate`, given the previous ``state``), with the
+        protocol's metrics added (:meth:`secagg_metrics`).
 
         Raises:
             TrainingError: the replies are not those the unmask step rebuilt the masks of.
         """
+        from dataclasses import replace
+
+        from fedproto.algorithms.state import ServerState
+
         rnd = self._session.last
         cids = sorted(messages)
         if rnd is None or cids != rnd.alive:
@@ -116,17 +122,20 @@ class SecureServer:
         for i in cids:
             total = total + messages[i][KEY]
         total = codecs.decode(total - rnd.masks)
-        return self._codec.aggregate(round, total, cids, rnd.sent)
+        out = self._codec.aggregate(round, total, cids, rnd.sent, state)
+        if not isinstance(out, ServerState):  # a method whose aggregate returns its message alone
+            out = ServerState(dict(out), metrics=dict(self._alg.round_metrics()), checkpoint=self._alg.server_state())
+        return replace(out, metrics={**out.metrics, **self.secagg_metrics()})
 
-    def round_metrics(self) -> dict:
-        """The algorithm's metrics plus the protocol's: ``secagg_bytes`` (keys, shares and unmask
+    def secagg_metrics(self) -> dict:
+        """The protocol's metrics of the last round: ``secagg_bytes`` (keys, shares and unmask
         messages, up and down), ``secagg_s`` (seconds in the protocol's steps), ``secagg_dropped``
         (clients that shared keys but sent no masked vector)."""
-        out = dict(self._alg.round_metrics())
         rnd = self._session.last
-        if rnd is not None:
-            out.update(secagg_bytes=rnd.bytes_up + rnd.bytes_down, secagg_s=rnd.seconds, secagg_dropped=list(rnd.dead))
-        return out
+        if rnd is None:
+            return {}
+        return {"secagg_bytes": rnd.bytes_up + rnd.bytes_down, "secagg_s": rnd.seconds,
+                "secagg_dropped": list(rnd.dead)}
 
     def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict:
         """The algorithm's entries plus ``secure_aggregation``: protocol, options, threat model and totals."""

@@ -1,4 +1,4 @@
-"""The executor seam (DESIGN.md "Executor"): what runs the client step of a round's clients.
+"""The executor seam (docs/architecture.md, "Executor"): what runs the client step of a round's clients.
 
 The round loop (:mod:`fedproto.engine.loop`) never trains a client itself: it hands the round's
 sampled clients and their downlink messages to an :class:`Executor` and gets their replies back.

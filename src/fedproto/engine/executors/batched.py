@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from fedproto.algorithms.base import ClientData, Message
-from fedproto.engine.executors.local import LocalExecutor, client_step
+from fedproto.engine.executors.local import LocalExecutor, client_step, custom_step
 from fedproto.engine.executors.paths import explain_paths
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
@@ -104,6 +104,7 @@ class BatchedExecutor(LocalExecutor):
         self._worker_threads = 1
         self._generic_checked: dict = {}
         self._grouped_checked: dict = {}
+        self._said_custom = False  # the client_update override's log line was written
 
     @property
     def pool(self):
@@ -115,8 +116,15 @@ class BatchedExecutor(LocalExecutor):
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
         process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
         mode = self.mode
-        if mode == "sequential" or self.setup.algorithm.sequential_only:
+        alg = self.setup.algorithm
+        if mode == "sequential" or alg.sequential_only:
             explain_paths(self, [([i], 0) for i in ids])
+            return [([i], 0) for i in ids]
+        if custom_step(alg):  # the method replaced the whole client step: only client_step runs it
+            if not self._said_custom:
+                self._said_custom = True
+                log.info("%s overrides client_update, which the batched paths cannot run: its clients train one "
+                         "after another (client_step)", type(alg).__name__)
             return [([i], 0) for i in ids]
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
@@ -246,7 +254,7 @@ class BatchedExecutor(LocalExecutor):
         """Client id -> (message, TrainResult) of one round: batched groups (in worker processes where
         there are any), the rest one by one (:func:`client_step`)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
-        alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule) for the batched paths too
+        opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), passed to every path
         out = {}
         groups = self.groups(sorted(msgs))
         pool = self._pool or None
@@ -258,11 +266,11 @@ class BatchedExecutor(LocalExecutor):
             names = S[group[0]].model.batch_params
             ref = stacked_refs(objs[0], objs, names, len(group))
             obj = portable_objective(objs[0], names)
-            phases = [stack_plans(plans, pi, pool.offsets(group), alg.opt.batch_size) for pi in range(len(obj.phases))]
+            phases = [stack_plans(plans, pi, pool.offsets(group), opt.batch_size) for pi in range(len(obj.phases))]
             tasks[w].append((group, phases, obj, ref))
         models = {w: [[S[i].model for i in g] for g, *_ in items] for w, items in tasks.items()}
         for w, items in tasks.items():
-            pool.submit(w - 1, items, models[w], alg.opt)
+            pool.submit(w - 1, items, models[w], opt)
         threads = torch.get_num_threads()
         if pool:
             torch.set_num_threads(self._worker_threads)
@@ -279,10 +287,10 @@ class BatchedExecutor(LocalExecutor):
                 ms = [S[i].model for i in group]
                 if ms[0].batch_params:
                     results = train_group(ms, [D[i].x for i in group], [D[i].y for i in group], plans, objs[0],
-                                          alg.opt, objs)
+                                          opt, objs)
                 else:
                     results = train_group_generic(ms, [D[i].x for i in group], [D[i].y for i in group], plans,
-                                                  objs[0], alg.opt, objs,
+                                                  objs[0], opt, objs,
                                                   [client_seed(self.seed, round, i) for i in group])
                 for i, res in zip(group, results):
                     out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)

@@ -1,5 +1,8 @@
 """In-process executors: the clients' models and data live in this process (:class:`~fedproto.engine.setup.Setup`).
 
+The client step every executor composes from the algorithm's client part is :func:`client_step`;
+:func:`custom_step` says when a method replaced it (docs/architecture.md, "Client part").
+
 :class:`SequentialExecutor` trains one client after another with :func:`client_step`, the
 reference every other executor is checked against (float64 equivalence tests).
 """
@@ -23,11 +26,21 @@ def client_step(alg: Algorithm, state: ClientState, message: Message, data: Clie
     """One client's step in ``round``, as every executor runs it (the sequential executor, the
     Flower ClientApp, onboarding): torch's generator seeded by :func:`~fedproto.engine.seeding.client_seed`
     and the client's numpy generator :func:`~fedproto.engine.seeding.client_rng`, then
-    :meth:`Algorithm.client_update`. Returns the client's message and its
+    :meth:`Algorithm.client_update` with the round's optimiser settings (``opt``: the round's
+    learning rate; the algorithm's own ``opt`` is left as it is). Returns the client's message and its
     :class:`~fedproto.training.TrainResult`."""
     torch.manual_seed(client_seed(seed, round, state.cid))
-    alg.opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), on every executor
-    return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid))
+    opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), passed in on every executor
+    return alg.client_update(state, message, data, round, client_rng(seed, round, state.cid), opt=opt)
+
+
+def custom_step(alg: Algorithm) -> bool:
+    """True when ``alg`` overrides :meth:`~fedproto.algorithms.base.ClientPart.client_update`, the
+    whole client step: only :func:`client_step` can honour it, so a batched executor sends its
+    clients down that path (and says so once)."""
+    from fedproto.algorithms.base import ClientPart
+
+    return getattr(type(alg), "client_update", None) is not ClientPart.client_update
 
 
 class LocalExecutor(Executor):

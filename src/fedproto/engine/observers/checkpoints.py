@@ -23,7 +23,7 @@ def checkpoint_state(loop: RoundLoop, r: int) -> dict[str, Any]:
         "round": r,
         "config": loop.cfg.result_fields(),
         "message": loop.message,
-        "server_state": loop.algorithm.server_state(),
+        "server_state": loop.server.checkpoint,
         "clients": loop.executor.client_states() or [],
         "data": loop.executor.data_fingerprint(),
         "history": loop.history,
@@ -86,7 +86,7 @@ def restore(loop: RoundLoop, ckpt: dict, where: str) -> None:
     try:
         if holds:
             ex.restore_clients(ckpt["clients"])
-        loop.algorithm.load_server_state(ckpt["server_state"])
+        loop.server = loop.algorithm.resume_state(ckpt["message"], ckpt["server_state"])
     except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
                               f"{first_line(e)[:200]}); delete it to start anew") from None

@@ -1,5 +1,7 @@
-"""Health checks of a run: a diverged loss stops the run with what to change; exploding
-or non-finite embeddings and far-off prototypes are warned about, naming the client and round."""
+"""Health checks of a run: a diverged loss stops the run with what to change; exploding or
+non-finite embeddings and the method's alerts (FedProto: far-off prototypes) are warned about,
+naming the client and round. The method supplies its own words (``divergence_hint``,
+``attack_fix``, ``blowup_causes``, :class:`~fedproto.algorithms.state.Alert`)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ only in the metrics."""
 
 
 class Health(Observer):
-    """Divergence, embedding-norm and prototype-distance checks.
+    """Divergence, embedding-norm checks and the method's alerts; the same on every front end.
 
     Args:
         cfg: the run's options (named in the hints).
@@ -30,20 +32,25 @@ class Health(Observer):
             messages go through the server's checks; the run stops when an honest client diverges).
         data: the clients' data where the server holds it (in-process), to say whether a diverged
             client's inputs hold NaN; None otherwise.
+        algorithm: the run's algorithm (its ``divergence_hint``, ``attack_fix``, ``blowup_causes``);
+            None: the loop's, taken at :meth:`start`.
     Attributes:
         train_norm: client -> largest training embedding norm of its last round.
     """
 
-    def __init__(self, cfg: RunConfig, attackers: frozenset[int] = frozenset(), data: list | None = None):
+    def __init__(self, cfg: RunConfig, attackers: frozenset[int] = frozenset(), data: list | None = None,
+                 algorithm=None):
         self.cfg, self.attackers, self.data = cfg, frozenset(attackers), data
         self.train_norm: dict[int, float] = {}
-        self._alerts: dict[int, int] = {}  # client -> prototype-distance warnings logged
+        self._alerts: dict[int, int] = {}  # client -> alerts logged
+        self.algorithm = algorithm  # whose words the messages use (else the loop's, from start())
 
     def replies(self, loop: RoundLoop, round: int, replies: RoundReplies) -> None:
         r = round
         seen = [(i, replies.replies[i][1]) for i in sorted(replies.replies)
                 if replies.replies[i][1].loss_ce is not None]  # a node under DP sends no losses
-        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto]).all() and i not in self.attackers]
+        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto, x.loss_terms]).all()
+               and i not in self.attackers]
         if bad:
             dirty = [i for i in bad if self.data is not None and self.data[i].in_memory
                      and not bool(torch.isfinite(self.data[i].x).all())]
@@ -61,13 +68,13 @@ class Health(Observer):
                             "" if np.isfinite(x.emb_norm_max) else " (not finite)", self.blowup_causes())
 
     def aggregated(self, loop: RoundLoop, round: int) -> None:
-        for cid, dist, med in loop.algorithm.outliers():
-            seen = self._alerts[cid] = self._alerts.get(cid, 0) + 1
+        """Log the method's alerts of this aggregation (:attr:`ServerState.alerts`), at most
+        :data:`ALERTS_PER_CLIENT` per client and run."""
+        for alert in loop.server.alerts:
+            seen = self._alerts[alert.cid] = self._alerts.get(alert.cid, 0) + 1
             if seen <= ALERTS_PER_CLIENT:
-                log.warning("round %d: client %d's prototypes lie %.3g from the global ones, %.1fx the median %.3g "
-                            "over clients; check its data (proto_dist_alert=%s)%s", round, cid, dist, dist / med, med,
-                            self.cfg.proto_dist_alert, "; not repeated for this client (proto_dist_max in "
-                            "metrics.jsonl)" if seen == ALERTS_PER_CLIENT else "")
+                log.warning("round %d: %s%s", round, alert.text, f"; not repeated for this client ({alert.later})"
+                            if seen == ALERTS_PER_CLIENT else "")
 
     def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
         """Warn, naming the client and round, where evaluation embeddings or scores were not finite,
@@ -90,6 +97,15 @@ class Health(Observer):
                 log.warning("round %d: client %d's test embeddings have median norm %.3g (limit %.0e): the model "
                             "blew up; %s", r, i, m["emb_norm"], EMBED_NORM_LIMIT, self.blowup_causes())
 
+    def algorithm_hints(self, hook: str):
+        """The run's algorithm's ``hook(cfg)`` (``attack_fix``, ``blowup_causes``: the method's own
+        words in the health messages), '' or [] before an algorithm is set."""
+        alg = self.algorithm
+        return getattr(alg, hook)(self.cfg) if alg is not None else ("" if hook == "attack_fix" else [])
+
+    def start(self, loop: RoundLoop) -> None:
+        self.algorithm = loop.algorithm
+
     def attack_hint(self) -> str:
         """The simulated attack's part of a divergence error ('' without one): the options through
         which misbehaving clients reach the honest ones."""
@@ -97,17 +113,7 @@ class Health(Observer):
         if not self.attackers:
             return ""
         what = f"{opt('attack', cfg.attack)}" + (f" x{cfg.attack_scale:g}" if cfg.attack == "scale" else "")
-        if cfg.algorithm != "fedproto":
-            fix = f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with " \
-                  f"{opt('aggregation', 'median')}"
-        elif cfg.aggregation in ("mean", "weighted") and not cfg.exclude_outliers:
-            fix = ""  # the algorithm's hint already names the robust aggregation rules
-        else:
-            rule = opt("aggregation", cfg.aggregation) + (f" with {opt('trim', cfg.trim)}" if cfg.aggregation ==
-                                                           "trimmed" else "")
-            fix = (f"{rule}" + (f" and {opt('exclude_outliers', cfg.exclude_outliers)}" if cfg.exclude_outliers
-                                else "") + f" did not hold them off: raise {opt('trim')} (trimmed), add "
-                   f"{opt('exclude_outliers')}, or lower {opt('attackers')}")
+        fix = self.algorithm_hints("attack_fix")
         n = len(self.attackers)
         return f"; {n} simulated misbehaving client{'s' if n > 1 else ''} ({what}) reach the others through " \
                f"aggregation" + (f": {fix}" if fix else "")
@@ -116,10 +122,7 @@ class Health(Observer):
         """What a warning about exploding embeddings asks to check, given this run's options: DP
         noise and the simulated attack where they are on, then the data, lr and BatchNorm batches."""
         cfg = self.cfg
-        causes = []
-        if cfg.dp != "off":
-            causes.append(f"the DP noise (dp_noise={cfg.dp_noise:g}, dp_clip={cfg.dp_clip:g}: the noise added to "
-                          "prototypes grows with both)")
+        causes = list(self.algorithm_hints("blowup_causes") or [])
         if self.attackers:
             causes.append(f"the simulated attack (attack={cfg.attack}, attackers={cfg.attackers}; a robust "
                           "aggregation holds it off)")

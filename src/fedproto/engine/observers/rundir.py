@@ -42,6 +42,8 @@ class RunFolder(Observer):
         rd.write_clients(rows)
         if loop.cfg.save_models and self.models is not None:
             rd.write_models(self.models())
+        for name, arrays in loop.server.files.items():  # the method's own files (FedProto: prototypes.npz)
+            rd.write_arrays(name, arrays)
         loop.algorithm.write_results(rd, loop.message)
         rd.checkpoint.unlink(missing_ok=True)  # finished: nothing left to resume
         rd.finish()

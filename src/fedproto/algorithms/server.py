@@ -1,0 +1,161 @@
+"""The server strategy of a method (docs/architecture.md, "Algorithm"): :class:`ServerPart`, the
+hooks the round loop calls on the server, which sees messages only. :class:`fedproto.algorithms.base.Algorithm`
+joins it with the client part (:class:`fedproto.algorithms.base.ClientPart`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedproto.algorithms.state import Message, ServerState
+
+
+class ServerPart:
+    """The server strategy of an algorithm: what runs on the server, which sees messages only,
+    never a client's state, model or data (docs/architecture.md, "Algorithm").
+
+    Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
+    :meth:`aggregate` (the round's checked replies and the previous
+    :class:`~fedproto.algorithms.state.ServerState` into the next one: message, metrics, alerts,
+    checkpoint, run-folder files), :meth:`resume_state` (that state from a checkpoint),
+    :meth:`broadcast` and :meth:`downlink` (what each client receives), the reply checks the engine
+    runs before aggregating (:meth:`reply_problem`, :meth:`reply_problems`, :meth:`message_problem`),
+    what the summary says (:meth:`eval_protocols`, :meth:`summary_entries`) and the checks and
+    words of a whole federation (:meth:`check_setup`, :meth:`divergence_hint`, :meth:`attack_fix`,
+    :meth:`blowup_causes`). A method whose :meth:`aggregate` returns its message alone gives the
+    rest with :meth:`round_metrics`, :meth:`server_state` and :meth:`write_results`.
+    """
+
+    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
+        """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
+        config and each client's (n_i,) training labels; called before round 1. Default: none."""
+
+    def divergence_hint(self, cfg: Any) -> str:
+        """Options of this algorithm that can make training diverge, worded for the error the
+        engine raises on a non-finite loss (default: none)."""
+        return ""
+
+    def attack_fix(self, cfg: Any) -> str:
+        """What to change when simulated misbehaving clients (``attack``) made an honest client
+        diverge, worded for the engine's error ('' : nothing beyond the generic advice)."""
+        from fedproto.errors import opt
+
+        return (f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with "
+                f"{opt('aggregation', 'median')}")
+
+    def blowup_causes(self, cfg: Any) -> list[str]:
+        """This method's options that can make embeddings explode, each worded as a cause to
+        check, named first in the engine's warning (default: none)."""
+        return []
+
+    def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
+        """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
+        dropped (``{}``: nothing usable) and one reason per dropped part; the engine logs them.
+        Default: everything kept."""
+        return message, []
+
+    def message_problem(self, message: Message, embedding_dim: int) -> str:
+        """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
+        checks types, finiteness and shapes against the first message itself."""
+        return ""
+
+    def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
+        """What is wrong with a client's reply ('' if nothing), checked by the engine before
+        :meth:`aggregate` (a bad reply is dropped and logged, never aggregated).
+
+        Args:
+            reply: the client's message. The engine has checked already that it is a dict of
+                numeric numpy arrays.
+            sent: what this client received this round (:meth:`downlink`): the shapes a reply of
+                weights must have.
+            embedding_dim: d, the prototype size.
+        Default: a reply must be empty (the algorithm sends nothing up).
+        """
+        return f"unexpected entries {sorted(reply)[:5]} (this algorithm sends nothing)" if reply else ""
+
+    def initial_message_from(self, joins: dict[int, Message]) -> Message:
+        """The server's first broadcast from the clients' :meth:`join_message` replies, keyed by
+        client id (default: empty). Lets a server that holds no client model (Flower) start."""
+        return {}
+
+    def initial_message(self, states: list[Any]) -> Message:
+        """The server's first broadcast, built in-process from the clients' states:
+        :meth:`initial_message_from` of every client's :meth:`join_message`."""
+        return self.initial_message_from({s.cid: self.join_message(s) for s in states})
+
+    def aggregate(self, round: int, messages: dict[int, Message],
+                  state: ServerState | None = None) -> ServerState | Message:
+        """Combine the round's checked client messages, keyed by client id (with client sampling,
+        the sampled clients only, in increasing id order), into the next server state.
+
+        Contract: the server sees messages only, never a client's state, model or data
+        (docs/architecture.md). Everything the round produces is returned, nothing is left on
+        ``self`` for the engine to read back.
+
+        Args:
+            round: the round (1-based). messages: client id -> its reply.
+            state: the previous :class:`~fedproto.algorithms.state.ServerState` (the initial
+                message's before round 1; after a resume :meth:`resume_state`'s).
+        Returns:
+            A :class:`~fedproto.algorithms.state.ServerState` (the next message, the round's
+            metrics entries, health alerts, the checkpoint, run-folder files), or the next message
+            alone (then :meth:`round_metrics` and :meth:`server_state` give the rest).
+        """
+        raise NotImplementedError
+
+    def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
+        """The :class:`~fedproto.algorithms.state.ServerState` after a checkpoint's round, from its
+        server message and its ``server_state`` (the ``checkpoint`` a :meth:`aggregate` returned).
+        Default: :meth:`load_server_state`, then the message and the checkpoint as they are.
+        Raises ``KeyError`` when the checkpoint lacks what the method needs."""
+        self.load_server_state(checkpoint)
+        return ServerState(message, checkpoint=dict(checkpoint))
+
+    server_state_keys: tuple[str, ...] = ()
+    """For a method whose :meth:`aggregate` returns its message alone: attributes the server keeps
+    between rounds besides the message (saved in checkpoints)."""
+
+    def server_state(self) -> dict[str, Any]:
+        """The server-side state a checkpoint needs (numpy arrays, dicts of them, or None)."""
+        return {k: getattr(self, k) for k in self.server_state_keys}
+
+    def load_server_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
+        for k in self.server_state_keys:
+            setattr(self, k, state[k])
+
+    def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
+        """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
+        the run's options and the final per-client metrics (default: none)."""
+        return {}
+
+    def write_results(self, run_dir: Any, message: Message) -> None:
+        """Write this algorithm's own result files into the finished run's folder
+        (:class:`fedproto.results.RunDir`; FedProto: ``prototypes.npz``) from the final server
+        message (default: none)."""
+
+    def round_metrics(self) -> dict[str, float]:
+        """For a method whose :meth:`aggregate` returns its message alone: extra numbers of the
+        last aggregation for the round's metrics row (default: none)."""
+        return {}
+
+    def broadcast(self, round: int, message: Message) -> Message:
+        """The server message for round ``round`` (1-based): ``message`` (from
+        :meth:`initial_message` or :meth:`aggregate`) plus ``head_only`` (one int8) in the second
+        stage, rounds after :attr:`freeze_after`."""
+        if self.freeze_after and round > self.freeze_after:
+            return {**message, "head_only": np.ones(1, np.int8)}
+        return message
+
+    def downlink(self, message: Message, cid: int) -> Message:
+        """What client ``cid`` receives of the server message (default: all of it). The engine
+        counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
+        return message
+
+    def eval_protocols(self) -> dict[str, str]:
+        """What each accuracy key of :meth:`evaluate` scores (``summary.json``'s ``evaluation``):
+        key -> one sentence. Default: ``acc``, the personal protocol."""
+        return {"acc": "personal: each client's own model after its local training of the last round, on the "
+                       "client's own test set"}

@@ -1,0 +1,184 @@
+"""The method API's contracts, checked with plug-ins written as a user would: options declared once
+per method (run names, the resume check, no option used in secret), server state returned by
+``aggregate`` (metrics, run-folder files, alerts), client hooks honoured by every executor and one
+NaN policy for the simulator and Flower."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from pydantic import Field
+
+from fedproto import plugins
+from fedproto.algorithms import FedProto, register_algorithm
+from fedproto.algorithms.proto_steps import Rows
+from fedproto.config import build_config
+from fedproto.engine.observers.checkpoints import check_options
+from fedproto.engine.setup import prepare
+from fedproto.errors import CheckpointMismatch
+from fedproto.prototypes import prototype_table
+from fedproto.simulation import Simulation
+from fedproto.training import LossTerm
+
+SMALL = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=3, eval_every=0,
+             lr=0.05, threads=1)
+
+
+class PullOptions(plugins.AlgorithmOptions):
+    pull_weight: float = Field(0.5, ge=0.0, le=100.0, description="Weight of the pull toward the global prototype")
+
+
+class PullTerm(LossTerm):
+    """weight x squared L2 distance of each embedding to its class's global prototype."""
+
+    def __init__(self, weight: float, table: torch.Tensor, mask: torch.Tensor):
+        self.weight, self.table, self.mask = weight, table, mask
+
+    def __call__(self, logits, h, y, w):
+        per = ((h - self.table.to(h.dtype)[y]) ** 2).sum(-1) * self.mask[y].to(h.dtype)
+        return self.weight * (per * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+class PullProto(FedProto):
+    """FedProto plus a pull term; its Options subclass AlgorithmOptions alone (not FedProto's)."""
+
+    name = "pullproto"
+    Options = PullOptions
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        if "protos" in message and len(message["classes"]) and self.options.pull_weight > 0:
+            table, mask = prototype_table(message["classes"], message["protos"], self.num_classes,
+                                          message["protos"].shape[1])
+            obj.terms = (PullTerm(self.options.pull_weight, table, mask),)
+        return obj
+
+
+@pytest.fixture
+def pullproto():
+    register_algorithm(PullProto)
+    yield PullProto
+    plugins.unregister("pullproto")
+
+
+def test_plugin_options_are_in_the_run_name_and_checked_on_resume(pullproto, caplog):
+    one = build_config(overrides={**SMALL, "algorithm": "pullproto", "lambda_proto": 1.0})
+    fifty = build_config(overrides={**SMALL, "algorithm": "pullproto", "lambda_proto": 50.0})
+    # λ is an option of the method (inherited from FedProto with the code that reads it): two folders
+    assert one.run_name() != fifty.run_name()
+    assert fifty.run_name().endswith("-lambda50") and "lambda" not in one.run_name()  # 1.0: digits' default
+    assert fifty.result_fields()["lambda_proto"] == 50.0 and "pull_weight" in fifty.result_fields()
+    # the λ=50 resume of a λ=1 checkpoint is refused, naming λ
+    with pytest.raises(CheckpointMismatch, match=r"lambda_proto: 1\.0 there, 50\.0 now"):
+        check_options(fifty, {"config": one.model_dump(mode="json")}, "checkpoint.pt")
+    check_options(one, {"config": one.model_dump(mode="json")}, "checkpoint.pt")  # the same options resume
+    # nothing is logged "ignored" and used: the method reads λ from its own options
+    with caplog.at_level(logging.WARNING):
+        setup = prepare(fifty, progress=False)
+    assert "ignores" not in caplog.text and "ignored" not in caplog.text
+    alg = setup.algorithm
+    assert alg.options.lambda_proto == 50.0 and alg.options.pull_weight == 0.5 and alg.lambda_proto == 50.0
+    # an option another method owns is still reported as ignored when set
+    caplog.clear()
+    other = build_config(overrides={**SMALL, "algorithm": "fedavg", "pull_weight": 0.3})
+    with caplog.at_level(logging.WARNING):
+        prepare(other, progress=False)
+    assert "fedavg ignores pull_weight: pull_weight acts on pullproto only" in caplog.text
+
+
+class CountPowerOptions(plugins.AlgorithmOptions):
+    count_power: float = Field(2.0, ge=0.0, le=10.0, description="p: a prototype weighs count**p in its class's mean")
+
+
+class CountPowerRule:
+    """Global prototype of a class: the mean of its prototypes weighted by count**p."""
+
+    def __init__(self, num_classes: int, p: float):
+        self.num_classes, self.p = num_classes, p
+
+    def __call__(self, round, rows):
+        c = np.concatenate(rows.classes).astype(np.int64)
+        P = np.concatenate(rows.protos).astype(np.float64)
+        w = np.concatenate(rows.counts).astype(np.float64) ** self.p
+        cls = np.unique(c)
+        protos = np.stack([(w[c == k, None] * P[c == k]).sum(0) / w[c == k].sum() for k in cls])
+        return cls, protos.astype(np.float32), np.array([(c == k).sum() for k in cls], np.int64)
+
+
+class CountPowerProto(FedProto):
+    """FedProto whose aggregate weighs each prototype by count**p (one part swapped)."""
+
+    name = "countpower"
+    Options = CountPowerOptions
+
+    def aggregate(self, round, messages, state=None):
+        steps = replace(self.server_steps(), rule=CountPowerRule(self.num_classes, self.options.count_power))
+        return self.run_steps(steps, round, messages, state)
+
+
+def test_a_plugin_aggregate_keeps_metrics_prototypes_and_alerts(tmp_path, caplog):
+    rows = Rows([0, 1], [np.array([0]), np.array([0])], [np.array([[0.0]]), np.array([[3.0]])],
+                [np.array([1]), np.array([2])])
+    cls, protos, contrib = CountPowerRule(1, 2.0)(1, rows)  # weights 1 and 4: (0 + 4 * 3) / 5
+    assert cls.tolist() == [0] and protos[0, 0] == pytest.approx(2.4) and contrib.tolist() == [2]
+    register_algorithm(CountPowerProto)
+    try:
+        runs = {}
+        for algorithm in ("fedproto", "countpower"):
+            cfg = build_config(overrides={**SMALL, "stdev": 2, "algorithm": algorithm, "proto_dist_alert": 1.0})
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                Simulation(cfg, out=tmp_path / algorithm).run()
+            rows = [json.loads(line) for line in (tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()]
+            with np.load(tmp_path / algorithm / "prototypes.npz") as z:
+                npz = {k: z[k] for k in z.files}
+            runs[algorithm] = rows, npz, [r.getMessage() for r in caplog.records if "prototypes lie" in r.getMessage()]
+    finally:
+        plugins.unregister("countpower")
+    (rows_a, npz_a, alerts_a), (rows_b, npz_b, alerts_b) = runs["fedproto"], runs["countpower"]
+    assert [set(r) for r in rows_b] == [set(r) for r in rows_a]  # λ and proto_dist* stay in metrics.jsonl
+    assert {"lambda", "proto_dist", "proto_dist_max", "proto_dist_argmax"} <= set(rows_b[-1])
+    assert [r["lambda"] for r in rows_b] == [0.0, 1.0, 1.0]  # no global prototype in round 1
+    assert set(npz_b) == set(npz_a) == {"classes", "protos", "contributors"}
+    for npz in (npz_a, npz_b):  # one count per class, each class sent by somebody in the last round
+        assert npz["contributors"].shape == npz["classes"].shape and (npz["contributors"] >= 1).all()
+    assert not np.allclose(npz_a["protos"], npz_b["protos"])  # the rule acted
+    assert alerts_a and alerts_b  # the distance alerts of both (proto_dist_alert=1: above the median)
+    assert all("check its data (proto_dist_alert=1)" in a for a in alerts_b)
+
+
+class _Installed(FedProto):
+    """A plug-in as an installed package declares it (an entry point of the fedproto.algorithms group)."""
+
+    name = "installedproto"
+
+    class Options(plugins.AlgorithmOptions):
+        installed_x: float = Field(1.0, description="x")
+
+
+class _EntryPoint:
+    name, value, group = "installedproto", "somepackage:InstalledProto", plugins.GROUP
+
+    def load(self):
+        return _Installed
+
+
+def test_an_installed_plugin_package_stays_out_of_the_library_scope(monkeypatch):
+    import importlib.metadata
+
+    from fedproto.config import RunConfig, config_model
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [_EntryPoint()] if group ==
+                        plugins.GROUP else [])
+    monkeypatch.delenv(plugins.NO_ENTRY_POINTS, raising=False)  # as in a user's process
+    with plugins.scope():  # the library's scope: the installed package is not loaded
+        assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig
+        with plugins.scope(entry_points=True):  # a user's process: it is
+            assert plugins.algorithm_names() == [*plugins.BUILTIN, "installedproto"]
+            assert "installed_x" in config_model().model_fields
+        assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig
