@@ -225,3 +225,22 @@ def test_secagg_with_dp_adds_each_clients_share_of_the_noise():
                      (dict(dp="prototypes"), "use aggregation='weighted'")):
         with pytest.raises(ConfigError, match=why):
             Simulation(digits_config(secagg=True, **bad), out=False)
+
+
+def test_settings_that_hide_little_are_warned_about(caplog):
+    """One or two clients, a threshold of one share, more neighbours than clients: secagg ran without a word."""
+    from types import SimpleNamespace
+
+    from fedproto.secagg import weak
+
+    def cfg(clients, threshold=0.5, neighbours=0):
+        return SimpleNamespace(clients=clients, secagg_threshold=threshold, secagg_neighbours=neighbours)
+
+    assert weak(cfg(20)) == [] and weak(cfg(3, neighbours=2)) == []
+    with caplog.at_level("WARNING", logger="fedproto.secagg"):
+        one, two = weak(cfg(1)), weak(cfg(2))
+    assert len(one) >= 1 and "secure aggregation needs 3 clients or more" in one[0]
+    assert "needs 3 clients or more" in two[0] and "secagg: with 2 client(s)" in caplog.text
+    assert any("1 share enough to rebuild" in w for w in weak(cfg(5, threshold=0.0)))  # t = floor(0 * 5) + 1 = 1
+    assert not any("1 share" in w for w in weak(cfg(5, threshold=0.2)))  # t = floor(0.2 * 5) + 1 = 2
+    assert any("more than the 2 other clients" in w for w in weak(cfg(3, neighbours=10)))

@@ -12,9 +12,12 @@ Shamir secret sharing and the key agreement are Flower's (:func:`require`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fedproto.errors import ConfigError, opt
+
+log = logging.getLogger(__name__)
 
 
 def require() -> None:
@@ -41,6 +44,28 @@ def check(cfg: Any, algorithm: Any) -> None:
         raise ConfigError(f"{opt('secagg', True)} hides each client's reply from the server, where "
                           f"{opt('attack', cfg.attack)} changes replies; run the attack without secagg",
                           option="secagg", value=True)
+    weak(cfg)
+
+
+def weak(cfg: Any) -> list[str]:
+    """Settings under which secure aggregation hides little, each logged as a warning and returned: fewer
+    than 3 clients (a client of 2 subtracts its own reply from the sum; 1 client's sum is its reply), a
+    threshold of 1 share (one colluding neighbour rebuilds a client's masks), more neighbours than clients."""
+    out = []
+    n = getattr(cfg, "clients", None)
+    group = n if not getattr(cfg, "secagg_neighbours", 0) or not isinstance(n, int) else min(n, cfg.secagg_neighbours)
+    if isinstance(n, int) and n < 3:
+        out.append(f"with {n} client(s) the sum the server learns reveals every reply (a client's own, or the other "
+                   "one's to either client); secure aggregation needs 3 clients or more to hide anything")
+    if isinstance(group, int) and int(cfg.secagg_threshold * group) + 1 < 2:
+        out.append(f"{opt('secagg_threshold', cfg.secagg_threshold)} makes 1 share enough to rebuild a client's "
+                   "masks: any one neighbour can unmask it; use 0.5 (the default) or more")
+    if isinstance(n, int) and getattr(cfg, "secagg_neighbours", 0) > max(n - 1, 0):
+        out.append(f"{opt('secagg_neighbours', cfg.secagg_neighbours)} is more than the {n - 1} other clients: "
+                   "every client shares with all")
+    for w in out:
+        log.warning("secagg: %s", w)
+    return out
 
 
 def install(cfg: Any, algorithm: Any, executor: Any | None = None) -> tuple[Any, Any]:
