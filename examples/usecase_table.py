@@ -23,13 +23,26 @@ NAMES = {"fedproto": "FedProto", "local": "Local", "fd": "FD", "fedavg": "FedAvg
 """The methods' names as the tables print them."""
 
 
+def _positive(text: str) -> int:
+    """argparse type: a whole number >= 1 (argparse prints ``error:`` and exits 2 otherwise)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 def add_arguments(parser, rounds: int) -> None:
-    """The options every use-case script takes."""
-    parser.add_argument("--rounds", type=int, default=rounds, help="communication rounds")
+    """The options every use-case script takes (bad values: argparse's ``error:`` line, exit 2, before any run)."""
+    parser.add_argument("--rounds", type=_positive, default=rounds, help="communication rounds")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one run per seed and method")
-    parser.add_argument("--methods", nargs="+", default=["fedproto", "local", "fd"],
+    parser.add_argument("--methods", nargs="+", default=["fedproto", "local", "fd"], choices=sorted(NAMES),
                         help="fedproto, local, fd (and fedavg where the models allow)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads of each run")
+    parser.add_argument("--threads", type=_positive, default=1, help="CPU threads of each run")
 
 
 def compare(runs, num_classes: int, seeds, *, title: str, **options) -> list[dict]:
@@ -74,7 +87,8 @@ def compare(runs, num_classes: int, seeds, *, title: str, **options) -> list[dic
         if "refused" in r:
             runs_them = r["refused"].split("as they are: ")[-1] if "as they are: " in r["refused"] else ""
             why = r["refused"].split(",")[0].split(";")[0]
-            print(f"| {name} | refused ({why[:90]}); these models run with {runs_them} | |")
+            also = f"; these models run with {runs_them}" if runs_them else ""
+            print(f"| {name} | refused ({why[:90]}){also} | |")
         else:
             print(f"| {name} | {r['mean']:.1f} ± {r['std']:.1f} | {r['seconds']:.1f} s |")
     return rows
