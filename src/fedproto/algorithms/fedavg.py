@@ -46,7 +46,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
-from fedproto.algorithms.requirements import ONE_ARCHITECTURE
+from fedproto.algorithms.requirements import ONE_ARCHITECTURE, architecture_groups
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
@@ -126,18 +126,7 @@ def check_same_shapes(states: list[ClientState], method: str, include=None) -> N
         if keep:
             send = [s.cid for s, sig in zip(states, sigs) if name in dict(sig)]
             raise ConfigError(_frozen_differs(method, name, keep, send))
-    groups: dict[tuple, list[int]] = {}
-    for s, sig in zip(states, sigs):
-        groups.setdefault(sig, []).append(s.cid)
-    ref = sigs[0]
-    parts = []
-    for sig, cids in groups.items():
-        if sig == ref:
-            parts.append(f"clients {cids} (like client {states[0].cid})")
-            continue
-        a, b = dict(ref), dict(sig)
-        diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
-        parts.append(f"clients {cids} (differ at {diff!r}: {b.get(diff)} vs {a.get(diff)})")
+    parts = architecture_groups(sigs, [s.cid for s in states])
     raise ConfigError(
         f"{method} averages model weights, so every client needs the same architecture, but the "
         f"client models differ: {'; '.join(parts)}. Use one model for all clients (e.g. model='cnn'), "

@@ -76,6 +76,25 @@ def _groups(values: Sequence) -> dict:
     return out
 
 
+def architecture_groups(sigs: Sequence, cids: Sequence[int], limit: int | None = None) -> list[str]:
+    """Clients grouped by architecture signature, in words: ``clients [..] (like client c0)`` for the first
+    client's group, ``clients [..] (differ at 'name': b vs a)`` for each other group (the first parameter whose
+    shape differs). ``sigs``: one signature (a tuple of (name, shape) pairs) per client, ``cids`` their ids."""
+    groups: dict = {}
+    for sig, cid in zip(sigs, cids):
+        groups.setdefault(sig, []).append(cid)
+    ref, parts = sigs[0], []
+    for sig, ids in groups.items():
+        ids = ids[:limit] if limit else ids
+        if sig == ref:
+            parts.append(f"clients {ids} (like client {cids[0]})")
+            continue
+        a, b = dict(ref), dict(sig)
+        diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
+        parts.append(f"clients {ids} (differ at {diff!r}: {b.get(diff)} vs {a.get(diff)})")
+    return parts
+
+
 def meets(needs: str, models: Sequence[nn.Module]) -> bool:
     """True when ``models`` (one per client) meet the statement ``needs``."""
     if needs in (NOTHING, LABEL_SPACE):
@@ -150,15 +169,7 @@ def check_architectures(name: str, models: Sequence[nn.Module], include=None) ->
     by_arch = _groups(archs)
     if len(by_arch) <= 1:
         return
-    ref = archs[0]
-    parts = []
-    for sig, cids in by_arch.items():
-        if sig == ref:
-            parts.append(f"clients {cids[:10]} (like client 0)")
-            continue
-        a, b = dict(ref), dict(sig)
-        diff = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), "?")
-        parts.append(f"clients {cids[:10]} (differ at {diff!r}: {b.get(diff)} vs {a.get(diff)})")
+    parts = architecture_groups(archs, list(range(len(archs))), limit=10)
     raise ConfigError(f"{name} averages model weights, so every client needs the same architecture, but the client "
                       f"models differ: {'; '.join(parts)}. Use one model for all clients (e.g. model='cnn'), or a "
                       f"method that runs these models as they are: {_named(methods_for(models))}")
