@@ -66,10 +66,29 @@ def test_class_check_leaves_out_a_row_sent_under_another_class():
               for i in range(6)]
     flipped = (6, [0], refs[[3]], [5])  # class 3's prototype sent as class 0
     kept, metrics = ClassCheck(3.0, 2)(2, rows(*honest, flipped), {"classes": np.arange(4), "protos": refs})
-    assert metrics == {"flagged": [6], "flagged_rows": 1}
+    assert metrics == {"flagged": [6], "flagged_rows": 1, "flagged_many": 0}
     assert kept.cids == list(range(7)) and len(kept.classes[6]) == 0 and all(len(c) == 2 for c in kept.classes[:6])
     _, none = ClassCheck(3.0, 2)(2, rows(*honest), {"classes": np.arange(4), "protos": refs})
-    assert none == {"flagged": [], "flagged_rows": 0}
+    assert none == {"flagged": [], "flagged_rows": 0, "flagged_many": 0}
+
+
+def test_class_check_warns_when_it_flags_more_than_a_third_of_the_clients(caplog):
+    """3 flipped of 8 clients (3/8 > 1/3): all three left out, the metric set and a warning
+    naming them; 2 of 7 (below a third): no warning."""
+    refs = np.array([[0, 0], [10, 0], [0, 10], [10, 10]], np.float32)
+    rng = np.random.default_rng(1)
+    honest = [(i, [i % 4, (i + 1) % 4], refs[[i % 4, (i + 1) % 4]] + rng.normal(0, 0.1, (2, 2)), [5, 5])
+              for i in range(5)]
+    flipped = [(5 + j, [j], refs[[(j + 3) % 4]] + rng.normal(0, 0.1, (1, 2)), [5]) for j in range(3)]
+    ref = {"classes": np.arange(4), "protos": refs}
+    with caplog.at_level(logging.WARNING, logger="fedproto.algorithms.proto_steps"):
+        _, metrics = ClassCheck(3.0, 2)(4, rows(*honest, *flipped), ref)
+    assert metrics == {"flagged": [5, 6, 7], "flagged_rows": 3, "flagged_many": 1}
+    assert "3 of 8 clients flagged (more than a third" in caplog.text and "[5, 6, 7]" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedproto.algorithms.proto_steps"):
+        _, metrics = ClassCheck(3.0, 2)(4, rows(*honest, *flipped[:2]), ref)
+    assert metrics["flagged"] == [5, 6] and metrics["flagged_many"] == 0 and "more than a third" not in caplog.text
 
 
 def test_outlier_exclusion_leaves_out_the_far_client_and_says_when_it_cannot_act(caplog):

@@ -368,14 +368,38 @@ def class_check(
         d[np.arange(len(judged)), ref] = np.inf
         nearer = d.min(1) < own if len(rc) > 1 else np.zeros(len(judged), bool)
     acted = len(rc) > 1 and bool(len(judged)) and nearer.mean() < 0.5
-    bad = nearer if acted else np.zeros(len(judged), bool)
+    bad = np.zeros(len(judged), bool)
     if len(judged) >= 3:
-        bad = bad | (robust_z(own) > z)
+        if acted:  # nearer, and by a margin far outside the round's spread of margins
+            margin = np.log(own / np.maximum(d.min(1), 1e-12)) if len(rc) > 1 else np.zeros(len(judged))
+            bad = nearer & (_floored_z(margin, MARGIN_FLOOR) > z)
+        scale = np.log(np.maximum(own, 1e-12))  # distances compared as ratios: a row 2x as far is 2x, in any class
+        bad = bad | (_floored_z(scale, DISTANCE_FLOOR) > z)
     for n, b in zip(judged.tolist(), bad.tolist()):
         if b:
             i, k, _ = rows[n]
             flags[i][k] = True
     return flags, acted
+
+
+MARGIN_FLOOR = 0.1
+"""The least spread (robust standard deviation) :func:`class_check` assumes for the log-ratio
+margins ``log(own / nearest other)``: 0.1, i.e. honest rows whose margins agree to within about
+10 % are not taken for a spread of 0."""
+
+DISTANCE_FLOOR = 0.1
+"""The least spread :func:`class_check` assumes for the log distances to the own reference (about
+10 %), so that a round where honest rows lie at almost the same distance does not flag one a little farther."""
+
+
+def _floored_z(values: np.ndarray, floor: float) -> np.ndarray:
+    """Robust z-scores ((x - median) / MAD, the MAD scaled to a normal standard deviation) with the
+    MAD taken as at least ``floor``; (n,) float64."""
+    from scipy.stats import median_abs_deviation
+
+    v = np.asarray(values, np.float64)
+    mad = max(float(median_abs_deviation(v, scale="normal")), floor)
+    return (v - float(np.median(v))) / mad
 
 
 def lambda_at(round: int, lambda_proto: float, warmup: int, schedule: str = "linear") -> float:

@@ -85,8 +85,11 @@ class ClassCheck:
         self._warned = False
 
     def __call__(self, round: int, rows: Rows, previous: Message) -> tuple[Rows, dict]:
-        """Returns the kept rows and the metrics ``flagged`` (clients with a row left out) and
-        ``flagged_rows`` (how many rows)."""
+        """Returns the kept rows and the metrics ``flagged`` (clients with a row left out),
+        ``flagged_rows`` (how many rows) and ``flagged_many`` (1 when more than a third of the
+        round's clients are flagged, else 0: a warning is logged then, since the check is
+        calibrated to flag few honest clients and more than a third means an attack on a third
+        of the federation or a check that does not fit these clients)."""
         if "protos" in previous and len(previous.get("classes", ())):
             ref_c, ref_p = np.asarray(previous["classes"]), np.asarray(previous["protos"])
         else:
@@ -99,9 +102,15 @@ class ClassCheck:
                      round)
         flagged = [int(rows.cids[j]) for j, f in enumerate(flags) if f.any()]
         n = sum(int(f.sum()) for f in flags)
-        if flagged:
+        many = 3 * len(flagged) > len(rows.cids)
+        if many:
+            log.warning("round %d: class check: %d of %d clients flagged (more than a third; %d prototype(s) left "
+                        "out: clients %s): either that many clients misbehave, or their prototypes do not fit the "
+                        "check; compare a run without class_check, or raise class_check above %g",
+                        round, len(flagged), len(rows.cids), n, flagged, self.z)
+        elif flagged:
             log.info("round %d: class check: %d prototype(s) of clients %s left out", round, n, flagged)
-        return rows.where([~f for f in flags]), {"flagged": flagged, "flagged_rows": n}
+        return rows.where([~f for f in flags]), {"flagged": flagged, "flagged_rows": n, "flagged_many": int(many)}
 
 
 class OutlierExclusion:
