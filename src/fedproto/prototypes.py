@@ -367,12 +367,12 @@ def class_check(
         own = d[np.arange(len(judged)), ref]
         d[np.arange(len(judged)), ref] = np.inf
         nearer = d.min(1) < own if len(rc) > 1 else np.zeros(len(judged), bool)
-    acted = len(rc) > 1 and bool(len(judged)) and nearer.mean() < 0.5
-    bad = np.zeros(len(judged), bool)
+    # the nearer test acts when more than half of the clients judged have no row nearer another class
+    client = np.array([rows[n][0] for n in judged], np.int64)
+    misplaced = np.unique(client[nearer])
+    acted = len(rc) > 1 and bool(len(judged)) and 2 * len(misplaced) < len(np.unique(client))
+    bad = nearer if acted else np.zeros(len(judged), bool)
     if len(judged) >= 3:
-        if acted:  # nearer, and by a margin far outside the round's spread of margins
-            margin = np.log(own / np.maximum(d.min(1), 1e-12)) if len(rc) > 1 else np.zeros(len(judged))
-            bad = nearer & (_floored_z(margin, MARGIN_FLOOR) > z)
         scale = np.log(np.maximum(own, 1e-12))  # distances compared as ratios: a row 2x as far is 2x, in any class
         bad = bad | (_floored_z(scale, DISTANCE_FLOOR) > z)
     for n, b in zip(judged.tolist(), bad.tolist()):
@@ -381,11 +381,6 @@ def class_check(
             flags[i][k] = True
     return flags, acted
 
-
-MARGIN_FLOOR = 0.1
-"""The least spread (robust standard deviation) :func:`class_check` assumes for the log-ratio
-margins ``log(own / nearest other)``: 0.1, i.e. honest rows whose margins agree to within about
-10 % are not taken for a spread of 0."""
 
 DISTANCE_FLOOR = 0.1
 """The least spread :func:`class_check` assumes for the log distances to the own reference (about
