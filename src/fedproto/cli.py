@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import signal
 import sys
 import time
@@ -561,7 +562,8 @@ def main() -> None:
         sys.exit(e.exit_code)
     except click.UsageError as e:  # a flag or value click refused: the same one-line style as a FedprotoError
         cmd = e.ctx.command_path if e.ctx is not None else "fedproto"
-        _error(f"{e.format_message().rstrip('.')}; see {cmd} --help")
+        msg = re.sub(r"\.? ?\(Did you mean (.*)\?\)$", r"; did you mean \1?", e.format_message().rstrip("."))
+        _error(f"{msg} See {cmd} --help" if msg.endswith("?") else f"{msg}; see {cmd} --help")
     except click.ClickException as e:
         _error(e.format_message())
     except click.Abort:

@@ -144,13 +144,15 @@ class RunDir:
         self.path = Path(path)
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
-        top = self.path.absolute()  # the outermost folder this object creates (removed again if unused)
+        # ".." resolved by name (os.path.abspath), so "new/../run" creates (and may remove) "run" alone
+        self._abs = Path(os.path.abspath(self.path))
+        top = self._abs  # the outermost folder this object creates (removed again if unused)
         while not top.parent.exists():
             top = top.parent
         self._created_top = top
         self._begun = False
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self._abs.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-check-")
             os.close(fd)
             os.unlink(probe)
@@ -267,7 +269,7 @@ class RunDir:
         """Remove the folder if this object created it and no run began in it (set-up failed), and the
         parent folders it created for it, as far as they are empty."""
         if self._created and not self._begun:
-            d = self.path.absolute()
+            d = self._abs
             while True:
                 try:
                     d.rmdir()  # only when empty
