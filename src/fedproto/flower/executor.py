@@ -54,6 +54,7 @@ from fedproto.flower.common import (
     schema_problem,
     to_record,
 )
+from fedproto.flower.deadline import RoundDeadline
 from fedproto.training import TrainResult
 
 NODE_UNAVAILABLE = 5
@@ -108,6 +109,7 @@ class FlowerExecutor(Executor):
             raise ConfigError(f"attackers={cfg.attackers}: under Flower a client misbehaves on its own node; start "
                               "that SuperNode with the node config misbehave=\"nan\" (or scale, random, flip) instead")
         self.grid = grid
+        self.deadline = RoundDeadline(options.round_timeout)  # how long an exchange waits for its replies
         self.round = 0
         self.num_clients = cfg.clients
         self.nodes: dict[int, int] = {}  # client id -> node id of its (current) SuperNode
@@ -221,7 +223,8 @@ class FlowerExecutor(Executor):
             pending = set(self._grid("push_messages", messages))
         except NotImplementedError:
             return list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
-        end = time.monotonic() + self.opts.round_timeout
+        start = time.monotonic()
+        end = start + self.deadline.seconds()  # round-timeout, longer once rounds ran slow (fedproto.flower.deadline)
         out: list[Message] = []
         while pending:
             got = list(self._grid("pull_messages", pending))
@@ -230,6 +233,8 @@ class FlowerExecutor(Executor):
             if not pending or time.monotonic() >= end:
                 break
             time.sleep(min(self.opts.poll_interval, max(0.0, end - time.monotonic())))
+        if not pending or not out:  # all replied, or none in time (a lower bound): fedproto.flower.deadline
+            self.deadline.record(time.monotonic() - start)
         return out
 
     def _grid(self, method: str, *args):
@@ -478,8 +483,8 @@ class FlowerExecutor(Executor):
             log.warning("round %d (%s): client %d (node %d) is unavailable: %s", self.round, kind, cid_of[nid], nid,
                         why)
         for nid in missing:
-            log.warning("round %d (%s): client %d (node %d) sent no reply within %g s", self.round, kind,
-                        cid_of[nid], nid, self.opts.round_timeout)
+            log.warning("round %d (%s): client %d (node %d) sent no reply within %.0f s", self.round, kind,
+                        cid_of[nid], nid, self.deadline.seconds())
         return ({cid_of[n]: r for n, r in ok.items()}, {cid_of[n]: w for n, w in failed.items()},
                 {cid_of[n]: w for n, w in unavailable.items()}, [cid_of[n] for n in missing])
 
