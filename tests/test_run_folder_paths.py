@@ -29,3 +29,32 @@ def test_a_misspelt_flag_gets_one_sentence_with_the_suggestions(capsys, monkeypa
     assert code == 2
     assert "No such option '--roundz'; did you mean one of: " in text and "'--rounds'? See fedproto run --help" in text
     assert "?);" not in text and "(Did you mean" not in text
+
+
+def test_sigterm_ends_a_run_with_exit_code_143(capsys, monkeypatch, tmp_path):
+    """SIGTERM (kill, timeout, a scheduler) ends a run as Ctrl-C does (partial metrics kept, the
+    message says interrupted) but exits 128 + 15 = 143, as shells report a process ended by
+    SIGTERM; Ctrl-C stays 130."""
+    import os
+    import signal
+
+    from conftest import run_cli
+
+    from fedproto.simulation import Simulation
+
+    def stopped(self, resume=False, sig=signal.SIGTERM):
+        os.kill(os.getpid(), sig)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a bytecode boundary: the handler runs here
+        raise AssertionError("the handler did not run")
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        monkeypatch.setattr(Simulation, "run", stopped)
+        args = ["run", "--dataset", "digits", "--rounds", "2", "--threads", "1", "--out-dir", str(tmp_path)]
+        code, text = run_cli(args, capsys, monkeypatch)
+        assert code == 143 and "interrupted after round 0" in text, text
+        monkeypatch.setattr(Simulation, "run", lambda self, resume=False: stopped(self, sig=signal.SIGINT))
+        code, text = run_cli(args, capsys, monkeypatch)
+        assert code == 130 and "interrupted after round 0" in text, text
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -550,7 +550,10 @@ def main() -> None:
     message on stderr and exit code 2, no traceback."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    def on_term(signum, frame):  # `kill`, `timeout`, Slurm, docker stop: end like Ctrl-C (results restored)
+    terminated = []
+
+    def on_term(signum, frame):  # `kill`, `timeout`, Slurm, docker stop: end like Ctrl-C (results restored), exit 143
+        terminated.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
@@ -567,7 +570,7 @@ def main() -> None:
     except click.ClickException as e:
         _error(e.format_message())
     except click.Abort:
-        sys.exit(130)
+        sys.exit(143 if terminated else 130)
     except FedprotoError as e:
         from fedproto.options import cli_wording
 
@@ -577,8 +580,8 @@ def main() -> None:
         err_console.print(f"[bold red]error:[/] {escape(e.strerror or str(e))}:{escape(where)}; fix that path "
                           "(or free space) and run the command again", highlight=False, soft_wrap=True, markup=True)
         sys.exit(2)
-    if isinstance(code, int) and code:  # typer.Exit(n) inside a command
-        sys.exit(code)
+    if isinstance(code, int) and code:  # typer.Exit(n) inside a command; 130 (interrupted) is 143 after SIGTERM
+        sys.exit(143 if code == 130 and terminated else code)
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ class FlowerEngine:
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "checkpoint": self.run_dir.checkpoint.is_file(),
                   "resume": f'flwr run <app folder> <connection> --stream --run-config "{self.resume_config}'
-                            f'resume-from=\'{self.run_dir.path}\'"'}
+                            f'resume-from=\'{self.run_dir.path.absolute()}\'"'}
         try:
             atomic_write_json(self.run_dir.path / "failure.json", record)
         except OSError as err:  # never hide the run's own error behind this one
