@@ -1417,7 +1417,7 @@ class HangingGrid(PushPullGrid):
 def test_a_superlink_that_stops_answering_stops_the_run_within_round_timeout_with_failure_json(tmp_path):
     """A call to the SuperLink that does not return (Flower retries a dead SuperLink
     without end) stops the run after ``round-timeout`` s with a TrainingError naming the call;
-    failure.json and the checkpoint of round 1 are in the run folder."""
+    failure.json and the checkpoint of round 1 are in the run folder, and its lock is released."""
     from fedproto.flower.common import FlowerOptions
 
     uc = _user_config()
@@ -1437,6 +1437,7 @@ def test_a_superlink_that_stops_answering_stops_the_run_within_round_timeout_wit
         (2, 1, "TrainingError", True)
     assert "did not answer pull_messages" in failure["message"]
     assert [json.loads(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not (run / ".lock").exists()  # released: the resumed run (another ServerApp) may write here
 
 
 def test_a_signal_to_the_server_app_writes_failure_json_before_flowers_handler(tmp_path):
