@@ -48,26 +48,26 @@ def _script(tmp_path, body: str) -> list[str]:
 @pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
 def test_supervise_restarts_a_failed_node_with_backoff_and_stops_when_told(tmp_path, capsys):
     """flower-supernode logs "Exit Code: 305" and exits with status 1 when the SuperLink
-    still holds it online; the supervisor starts it again, waiting backoff, 2 x backoff, ... (capped);
-    it does not restart a clean exit (status 0: Flower's graceful stop too) or a configuration error
-    (Flower codes 302-304), and gives up after max_restarts."""
-    import time
+    still holds it online; the supervisor starts it again every backoff seconds (that refusal ends
+    when the old heartbeat expires: a doubled wait would only delay the node); another failure waits
+    backoff, 2 x backoff, ... (capped). It does not restart a clean exit (status 0: Flower's
+    graceful stop too) or a configuration error (Flower codes 302-304), and gives up after max_restarts."""
+    from fedproto.flower.supervise import NO_RESTART, RETRY_STEADY, supervise
 
-    from fedproto.flower.supervise import NO_RESTART, supervise
-
-    t0 = time.monotonic()
     assert supervise(_script(tmp_path, 'if [ $n -le 3 ]; then echo "Exit Code: 305"; exit 1; fi; exit 0'), backoff=0.1,
-                     max_backoff=0.2) == 0
-    took = time.monotonic() - t0
-    assert (tmp_path / "starts").read_text().strip() == "4"
-    assert 0.5 <= took < 5  # waited 0.1 + 0.2 + 0.2 (capped)
+                     max_backoff=0.4) == 0
+    assert (tmp_path / "starts").read_text().strip() == "4" and RETRY_STEADY == (305,)
     out, err = capsys.readouterr()
     assert out.count("Exit Code: 305") == 3  # its output is passed on
     assert "sh exited with status 1 (Flower exit code 305: The SuperNode could not establish a connection to the " \
            "SuperLink.); restart 1 in 0.1 s" in err or "sh exited with status 1 (Flower exit code 305); restart 1 " \
            "in 0.1 s" in err  # Flower's words when it is installed
-    assert "restart 2 in 0.2 s" in err and "restart 3 in 0.2 s" in err and "restart 4" not in err
+    assert "restart 2 in 0.1 s" in err and "restart 3 in 0.1 s" in err and "restart 4" not in err
     assert err.count("started sh (pid ") == 4
+    (tmp_path / "starts").unlink()
+    assert supervise(_script(tmp_path, 'if [ $n -le 3 ]; then exit 1; fi; exit 0'), backoff=0.1, max_backoff=0.3) == 0
+    err = capsys.readouterr().err  # a crash: the wait doubles, capped
+    assert "restart 1 in 0.1 s" in err and "restart 2 in 0.2 s" in err and "restart 3 in 0.3 s" in err
 
     (tmp_path / "starts").unlink()
     assert supervise(_script(tmp_path, "kill -9 $$"), backoff=0.05, max_restarts=2) == 128 + 9

@@ -21,8 +21,12 @@ This supervisor is the portable equivalent of a systemd unit with ``Restart=on-f
 runs the command (its output passed on to stdout, where the supervisor reads Flower's ``Exit
 Code: <code>`` line), and when it fails (a non-zero exit status, or killed by a signal) starts it
 again after ``backoff`` seconds, doubling the wait up to ``max-backoff`` (back to ``backoff`` once
-a start has run ``stable`` seconds). With the defaults (5, 10, 20, 40 s) a node killed at any
-time is back within about 75 s. It stops, with the command's exit status, when the command exits
+a start has run ``stable`` seconds). A start refused because the SuperLink still holds the node
+online (Flower exit code 305, :data:`RETRY_STEADY`) is retried every ``backoff`` seconds without
+doubling: that refusal ends by itself when the dead node's heartbeat expires (37.5-60 s after it
+died, the floor Flower 1.42 sets), and a doubled wait (5, 10, 20, 40 s) would let the node come
+back up to 40 s after that. With the defaults a node killed at any time is back within about
+60 s + ``backoff`` + its start-up time. It stops, with the command's exit status, when the command exits
 0 or with a Flower exit code in :data:`NO_RESTART` (a configuration error a restart cannot fix),
 after ``max-restarts`` restarts, or when it is itself stopped (SIGTERM or SIGINT, passed on to the
 command). It logs every start (with the pid) and every restart (with the exit status, Flower's
@@ -44,6 +48,11 @@ NO_RESTART = (302, 303, 304)
 """Flower exit codes (its ``Exit Code: <code>`` log line) of ``flower-supernode`` that are not
 restarted: 302 an invalid authentication key, 303 authentication without TLS, 304 an unreadable
 trusted-entities file (configuration errors a restart cannot fix)."""
+
+RETRY_STEADY = (305,)
+"""Flower exit codes of ``flower-supernode`` retried every ``backoff`` seconds, without doubling
+the wait: 305, the SuperLink refused to activate the node (still online under its old heartbeat, or
+the SuperLink not reachable yet), a state that ends by itself within a minute."""
 
 _EXIT_LINE = re.compile(r"Exit Code: (\d+)")
 
@@ -121,7 +130,7 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
             if max_restarts is not None and restarts >= max_restarts:
                 _say(f"{what}; giving up after {restarts} restart(s)")
                 return 128 - code if code < 0 else code
-            if time.monotonic() - started >= stable:
+            if time.monotonic() - started >= stable or flower in RETRY_STEADY:
                 wait = backoff
             restarts += 1
             _say(f"{what}; restart {restarts} in {wait:g} s")
@@ -130,7 +139,7 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
                 time.sleep(min(0.2, deadline - time.monotonic()))
             if stop["signal"] is not None:
                 return 0
-            wait = min(wait * 2, max_backoff)
+            wait = backoff if flower in RETRY_STEADY else min(wait * 2, max_backoff)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -181,4 +190,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["NO_RESTART", "exit_meaning", "main", "supervise"]
+__all__ = ["NO_RESTART", "RETRY_STEADY", "exit_meaning", "main", "supervise"]
