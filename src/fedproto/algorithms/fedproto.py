@@ -93,9 +93,11 @@ class FedProto(ProtoServerChecks, Algorithm):
         class_check: Z > 0: each round, every prototype row is checked against the previous round's
             global prototypes (:func:`fedproto.prototypes.class_check`; in the first aggregation
             against the origin, i.e. on its norm): a row nearer another class's global prototype than
-            its own (once most rows are nearest their own), or whose distance to its own has a robust
-            z-score above Z over all the round's rows, is left out of the aggregation (``flagged``
-            in the metrics: the clients with a row left out; ``flagged_rows``: how many rows).
+            its own (once more than half of the clients have every row nearest its own), or whose log
+            distance to its own has a robust z-score above Z over all the round's rows, is left out
+            of the aggregation (``flagged`` in the metrics: the clients with a row left out;
+            ``flagged_rows``: how many rows; ``flagged_many``: 1, with a warning, when more than a
+            third of the round's clients are flagged).
             Catches prototypes sent under the wrong class id, scaled and random ones.
         lambda_schedule: ``linear`` or ``cosine`` warm-up (:func:`fedproto.prototypes.lambda_at`);
             the λ used in each round is ``lambda`` in the metrics.

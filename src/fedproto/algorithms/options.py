@@ -128,8 +128,8 @@ class FedProtoOptions(ProtoClientOptions):
         "z-score (median, MAD over clients) above this value (0: off; e.g. 3)"))
     class_check: float = Field(0.0, ge=0.0, le=1e6, description=(
         "FedProto: leave out of a round's aggregation every prototype nearer another class's global prototype "
-        "than its own, or whose distance to its own has a robust z-score (over the round's prototypes) above this "
-        "value (0: off; e.g. 3)"))
+        "than its own (once most clients are aligned), or whose log distance to its own has a robust z-score "
+        "(over the round's prototypes) above this value (0: off; e.g. 3)"))
     dp: Literal["off", "prototypes", "full"] = Field("off", description=(
         "Differential privacy: prototypes (clipped, noised prototype release; guarantee for a fixed feature "
         "extractor) or full (DP-SGD local training + noised release: sample-level guarantee for all uploads)"))
