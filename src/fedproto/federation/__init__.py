@@ -36,9 +36,7 @@ from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError
-from fedproto.federation.data import LABEL_CHECKS as LABEL_CHECKS  # re-exported: the constants of the data checks
-from fedproto.federation.data import PROBE_ITEMS as PROBE_ITEMS
-from fedproto.federation.data import LazyInputs, _split, dataset_labels
+from fedproto.federation.data import LABEL_CHECKS, PROBE_ITEMS, LazyInputs, _split, dataset_labels
 from fedproto.federation.models import (
     HeadSplitModel,
     Projected,
@@ -205,5 +203,5 @@ FederationSimulation = Simulation
 ``embeddings.npz`` for ``fedproto plot`` into its run directory, as every front end does)."""
 
 
-__all__ = ["Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected", "TupleModel", "adapt",
-           "dataset_labels", "federate", "share_initial_weights", "with_projection"]
+__all__ = ["LABEL_CHECKS", "PROBE_ITEMS", "Client", "FederationSimulation", "HeadSplitModel", "LazyInputs", "Projected",
+           "TupleModel", "adapt", "dataset_labels", "federate", "share_initial_weights", "with_projection"]
