@@ -258,3 +258,20 @@ def test_the_import_layers_table_is_the_contract():
     rows = re.findall(r"^\| (\d+) \| (.+) \|$", section, flags=re.M)
     assert [int(n) for n, _ in rows] == list(range(1, len(rows) + 1))
     assert [sorted(re.findall(r"`([\w.]+)`", cell)) for _, cell in rows] == want
+
+
+def test_the_code_points_to_pages_and_sections_that_exist():
+    """Docstrings and messages point to the project's own documents: every ``docs/<page>.md`` and every
+    upper-case ``<NAME>.md`` (README.md, CONTRIBUTING.md) that src/fedproto names is in the repository,
+    and every section of this page they quote (``docs/architecture.md, "Randomness"``) is one of its
+    headings or bold labels."""
+    text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(SRC.rglob("*.py")))
+    pages = set(re.findall(r"\bdocs/[\w-]+\.md\b", text)) | set(re.findall(r"(?<![\w/])[A-Z][A-Z_]+\.md\b", text))
+    assert "docs/architecture.md" in pages
+    assert not sorted(p for p in pages if not (ROOT / p).is_file()), "src/fedproto names documents that do not exist"
+    sections = set(re.findall(r'docs/architecture\.md, "([^"]+)"', text))
+    headings = re.findall(r"^#+ (.+?)(?: \(`[^`]+`\))?$", _doc(), flags=re.M)  # "Executor (`engine/...`)"
+    labels = set(headings) | set(re.findall(r"\*\*([^*\n]+?)\.?\*\*", _doc()))
+    assert len(sections) > 3
+    lacking = sorted(sections - labels)
+    assert not lacking, f"sections of docs/architecture.md the code quotes but the page lacks: {lacking}"
