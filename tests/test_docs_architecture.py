@@ -205,7 +205,11 @@ def test_each_file_on_a_call_path_defines_a_name_of_its_line():
             paths = [p for p in PATH.findall(line) if p.endswith(".py")]
             if not paths:
                 continue
-            names = set(NAME.findall(PATH.sub(" ", " ".join(lines[max(0, k - 1):k + 1]))))
+            near = PATH.sub(" ", " ".join(lines[max(0, k - 1):k + 1]))
+            calls = set(re.findall(r"([A-Za-z_][\w.]*)\(", near))  # node(...), Simulation(...)
+            calls |= set(re.findall(r"(\w+) →", near)) | set(re.findall(r"→ (\w+)", near))  # a → b: both called
+            calls |= set(re.findall(r"\w:(\w+)", near))  # fedproto.cli:main
+            names = {n for n in NAME.findall(near) if _is_name(n) or n in calls or n[:1].isupper()}
             for rel in paths:
                 path = _file(rel)
                 assert path is not None, f"{rel} (on the line {line.strip()!r}) does not exist"
