@@ -22,12 +22,12 @@ def test_discard_if_unused_resolves_dot_dot(tmp_path, monkeypatch):
 
 
 def test_a_misspelt_flag_gets_one_sentence_with_the_suggestions(capsys, monkeypatch, tmp_path):
-    """click's "(Did you mean ...?)" becomes "; did you mean ...? See ... --help" (no "?); see"), exit 2."""
+    """click's "(Did you mean ...?)" becomes "; did you mean ...? If not, see ... --help" (no "?); see"), exit 2."""
     from conftest import run_cli
 
     code, text = run_cli(["run", "--out-dir", str(tmp_path), "--roundz", "3"], capsys, monkeypatch)
     assert code == 2
-    assert "No such option '--roundz'; did you mean one of: " in text and "'--rounds'? See fedproto run --help" in text
+    assert "No such option '--roundz'; did you mean one of: " in text and "'--rounds'? If not, see fedproto run --help" in text
     assert "?);" not in text and "(Did you mean" not in text
 
 

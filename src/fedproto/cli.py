@@ -566,7 +566,7 @@ def main() -> None:
     except click.UsageError as e:  # a flag or value click refused: the same one-line style as a FedprotoError
         cmd = e.ctx.command_path if e.ctx is not None else "fedproto"
         msg = re.sub(r"\.? ?\(Did you mean (.*)\?\)$", r"; did you mean \1?", e.format_message().rstrip("."))
-        _error(f"{msg} See {cmd} --help" if msg.endswith("?") else f"{msg}; see {cmd} --help")
+        _error(f"{msg} If not, see {cmd} --help" if msg.endswith("?") else f"{msg}; see {cmd} --help")
     except click.ClickException as e:
         _error(e.format_message())
     except click.Abort:
