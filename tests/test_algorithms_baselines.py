@@ -131,7 +131,7 @@ def test_fedprox_term_reaches_the_gradient(batched):
         alg = FedProx(10, opt, 1, prox_mu=m_)
         states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
         objs = [alg.objective(s, ref) for s in states]
-        assert (objs[0].prox_mu > 0, objs[0].prox_ref is not None) == (m_ > 0, m_ > 0)
+        assert (objs[0].anchor_mu > 0, objs[0].anchor is not None) == (m_ > 0, m_ > 0)
         before = _dist(models[0], ref)
         if batched:
             plans = [_plan(m, len(x), o, opt, i) for i, (m, x, o) in enumerate(zip(models, xs, objs))]

@@ -159,7 +159,8 @@ def train_group_generic(
             (dicts, tuples of tensors) of one structure, passed to the model as they are; ys: per client
             labels (n_g,).
         plans: per client plans with the same phase structure (:func:`make_plan`).
-        obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
+        obj: the shared objective; objs: optional per-client objectives (for their anchor's
+            references only, :class:`WeightAnchor`).
         opt: optimizer settings (:class:`OptimConfig`).
         seeds: per client seed of torch's generator on the sequential path
             (:func:`fedproto.engine.seeding.client_seed`); needed when the models hold active dropout
@@ -169,7 +170,8 @@ def train_group_generic(
         One :class:`TrainResult` per client, as :func:`train_client` would give.
     Raises:
         ValueError: models with different :func:`generic_key`, per-client objectives that differ in
-            anything but ``prox_ref``, or models with active dropout modules and no ``seeds``.
+            anything but their anchor's references, or models with active dropout modules and no
+            ``seeds``.
     """
     G = len(models)
     m0 = models[0]
@@ -273,12 +275,11 @@ def train_group_generic(
                             for k in bnames:
                                 Bc[k][pos_d] = bin_[k]
                     w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
-                    ce, lp, extra = step_terms(logits, h, yb, w, obj)
-                    loss_g = ce + obj.lambda_proto * lp + extra
+                    ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
                     if ref is not None:
                         for k in train_names:
                             if k in ref:
-                                loss_g = loss_g + 0.5 * obj.prox_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
+                                loss_g = loss_g + 0.5 * obj.anchor_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
                     if train_names:
                         gs = torch.autograd.grad(loss_g.sum(), [pin[k] for k in train_names], allow_unused=True)
                         for k, gr in zip(train_names, gs):

@@ -1,7 +1,8 @@
 """What a client minimises in a round and how: the optimizer settings (:class:`OptimConfig`), the
-objective (:class:`Objective`: phases, the prototype term, FedProx's term, an algorithm's own
-:class:`LossTerm`), the per-step loss terms every path computes (:func:`step_terms`) and the
-rule that parameters a user froze never train (:func:`respect_frozen`)."""
+objective (:class:`Objective`: phases, the method's :class:`LossTerm` s, a pull toward reference
+weights (:class:`WeightAnchor`), DP-SGD (:class:`DPSGD`)), the per-step loss every path computes
+(:func:`step_terms`) and the rule that parameters a user froze never train (:func:`respect_frozen`).
+The objective names no method: each method builds its own from these pieces (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.adam import adam as torch_adam
-
-from fedproto.prototypes import proto_loss
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
@@ -203,10 +202,10 @@ class Phase:
 
 
 class LossTerm:
-    """A term an algorithm adds to its clients' local loss, beside cross-entropy, FedProto's
-    prototype term and FedProx's proximal term (which are built in): the seam through which a
-    method with its own loss needs no engine change. Every training path calls it, so one term
-    trains alike on the sequential, batched and worker paths.
+    """A term an algorithm adds to its clients' local loss beside cross-entropy (FedProto's
+    prototype term is one, :class:`fedproto.algorithms.proto_term.ProtoTerm`): the seam through
+    which a method with its own loss needs no engine change. Every training path calls it, so one
+    term trains alike on the sequential, batched and worker paths.
 
     Subclasses implement :meth:`__call__` for a batch with any leading dimensions (one client:
     none; a batched group: (G,)), from the batch's outputs:
@@ -218,10 +217,29 @@ class LossTerm:
     Tensors the term holds (e.g. global per-class targets) must be moved by :meth:`to`; terms of two
     clients must compare equal with :meth:`same_as` to train in one batched computation (the
     default compares the attributes, tensors by value). Terms are pickled to worker processes, so
-    define them at module level. DP-SGD (``dp="full"``) refuses them (its loss must be per sample).
+    define them at module level. DP-SGD (``dp="full"``) refuses a term unless it sets
+    :attr:`per_sample` (its loss must be a mean of per-sample values).
     A term that returns another shape (one value per sample, or one scalar for a batched group)
     raises ``ValueError`` naming it (:func:`step_terms`); a plain number is added as it is.
+
+    A term that sets :attr:`reported` is reported apart: :meth:`parts` gives its weighted value and
+    its value before the weight, the mean of which over a round's steps is ``TrainResult.loss_proto``
+    (``loss_proto`` in ``metrics.jsonl``; the prototype term's); the other terms' weighted sum is
+    ``loss_terms``.
     """
+
+    reported: bool = False
+    """Report this term's unweighted value apart (:meth:`parts`; ``loss_proto``) instead of in ``loss_terms``."""
+
+    per_sample: bool = False
+    """The term is a weighted mean of per-sample values, so DP-SGD (per-sample gradients) may train it."""
+
+    def parts(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
+              w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted value, value before the weight), each of shape (...), for a :attr:`reported`
+        term. Default: the call's value twice."""
+        value = self(logits, h, y, w)
+        return value, value
 
     def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -251,33 +269,48 @@ class LossTerm:
 
 
 @dataclass
+class WeightAnchor:
+    """A pull of the trained parameters toward reference weights: ``mu / 2 x sum ||w - ref||²``
+    over the parameters a phase trains that have a reference (FedProx's proximal term, arXiv
+    1812.06127, eq. 2, with the round's global weights; FeSEM's, with the client's cluster centre).
+    It acts on the parameters, not on the batch's outputs, so it is a piece of the objective of its
+    own rather than a :class:`LossTerm`.
+
+    Attributes:
+        mu: the weight μ >= 0 (0: no pull).
+        ref: parameter name -> tensor of that parameter's shape; None where the batched paths carry
+            the references stacked (:func:`fedproto.training.stacked.stacked_refs`).
+    """
+
+    mu: float
+    ref: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
 class Objective:
-    """What a client minimizes in one round (configured by the algorithm).
+    """What a client minimizes in one round (configured by the algorithm; no field names a method).
 
     Attributes:
         phases: local epochs, in order (FedRep: head epochs, then body epochs).
-        lambda_proto: λ, weight of the prototype regularizer (0: none).
-        table: (C, d) global prototypes; mask: (C,) bool rows that exist.
-        form: distance form, see :func:`fedproto.prototypes.proto_loss`.
-        prox_mu: FedProx μ (0: none); prox_ref: name -> tensor of the global weights.
         collect: collect the embeddings of the last epoch's training passes per class
             (official code's local prototypes).
-        normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
-        dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
-        terms: the algorithm's own loss terms (:class:`LossTerm`), added to the loss as they are.
+        terms: the algorithm's loss terms (:class:`LossTerm`; FedProto's prototype term among
+            them), added to cross-entropy as they are.
+        anchor: a pull toward reference weights (:class:`WeightAnchor`), None: none.
+        dp_sgd: train with DP-SGD (:class:`DPSGD`, a training mode any method may choose;
+            sequential path only), None: plain SGD.
     """
 
     phases: list[Phase]
-    lambda_proto: float = 0.0
-    table: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    form: str = "mse"
-    prox_mu: float = 0.0
-    prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
-    normalize: bool = False
-    dp_sgd: DPSGD | None = None
     terms: tuple[LossTerm, ...] = ()
+    anchor: WeightAnchor | None = None
+    dp_sgd: DPSGD | None = None
+
+    @property
+    def anchor_mu(self) -> float:
+        """The anchor's μ (0 without an anchor)."""
+        return 0.0 if self.anchor is None else float(self.anchor.mu)
 
 
 @dataclass
@@ -293,19 +326,34 @@ class DPSGD:
 
 
 def on_device(obj: Objective, device: torch.device) -> Objective:
-    """``obj`` with its tensors (global prototypes, mask, FedProx reference) on ``device``; the
-    same object when they are there already (always on CPU)."""
+    """``obj`` with its tensors (the terms', the anchor's references) on ``device``; the same
+    object when they are there already (always on CPU)."""
     if device.type == "cpu":
         return obj
-    ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
-    return replace(obj, table=None if obj.table is None else obj.table.to(device),
-                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref,
-                   terms=tuple(t.to(device) for t in obj.terms))
+    anchor = obj.anchor
+    if anchor is not None and anchor.ref is not None:
+        anchor = WeightAnchor(anchor.mu, {k: v.to(device) for k, v in anchor.ref.items()})
+    return replace(obj, anchor=anchor, terms=tuple(t.to(device) for t in obj.terms))
+
+
+def _checked(t: LossTerm, value, ce: torch.Tensor, y: torch.Tensor):
+    """``value`` of term ``t`` if it is a number or a tensor of ``ce``'s shape, else ValueError."""
+    if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.shape == ce.shape):
+        got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"loss term {type(t).__name__} returned {got} for a batch of labels of shape "
+                         f"{tuple(y.shape)}: it must return shape {tuple(ce.shape)}, the weighted batch mean per "
+                         "leading index ((value * w).sum(-1) / w.sum(-1).clamp_min(1); see LossTerm)")
+    return value
 
 
 def step_terms(logits, h, y, w, obj: Objective):
-    """Cross-entropy (weighted mean), prototype loss and the sum of the algorithm's own terms
-    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...).
+    """The loss of one step for (..., B) batches, and its parts, each of shape (...).
+
+    Returns:
+        ``(ce, reported, extra, loss)``: cross-entropy (weighted mean); the :attr:`LossTerm.reported`
+        terms' values before their weights (the prototype term's: ``loss_proto``; 0 without one);
+        the other terms' weighted sum (``loss_terms``); and the loss without the
+        :class:`WeightAnchor`, ``ce + weighted reported terms + extra``.
 
     Raises:
         ValueError: a term returned something else than a number or a tensor of shape (...) (e.g.
@@ -313,20 +361,29 @@ def step_terms(logits, h, y, w, obj: Objective):
     """
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
-    if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
-        lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
-    else:
-        lp = torch.zeros_like(ce)
+    reported = weighted = None
     extra = torch.zeros_like(ce)
     for t in obj.terms:
-        value = t(logits, h, y, w)
-        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.shape == ce.shape):
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"loss term {type(t).__name__} returned {got} for a batch of labels of shape "
-                             f"{tuple(y.shape)}: it must return shape {tuple(ce.shape)}, the weighted batch mean per "
-                             "leading index ((value * w).sum(-1) / w.sum(-1).clamp_min(1); see LossTerm)")
-        extra = extra + value
-    return ce, lp, extra
+        if t.reported:
+            value, raw = t.parts(logits, h, y, w)
+            value, raw = _checked(t, value, ce, y), _checked(t, raw, ce, y)
+            weighted = value if weighted is None else weighted + value
+            reported = raw if reported is None else reported + raw
+        else:
+            extra = extra + _checked(t, t(logits, h, y, w), ce, y)
+    if reported is None:
+        reported = weighted = torch.zeros_like(ce)
+    return ce, reported, extra, ce + weighted + extra
+
+
+def anchor_loss(obj: Objective, named: dict[str, torch.Tensor]) -> torch.Tensor | float:
+    """``mu / 2 x sum ||w - ref||²`` of :attr:`Objective.anchor` over the parameters in ``named``
+    (one client's, name -> tensor) that train (``requires_grad``) and have a reference; 0.0
+    without an anchor (or with μ = 0, or no reference)."""
+    a = obj.anchor
+    if a is None or a.mu <= 0 or a.ref is None:
+        return 0.0
+    return 0.5 * a.mu * sum(((named[k] - a.ref[k]) ** 2).sum() for k in named if named[k].requires_grad)
 
 
 def frozen_params(model: nn.Module) -> frozenset[str]:
