@@ -40,3 +40,20 @@ def test_a_side_attribute_server_is_refused_naming_the_hook():
 def test_no_library_method_defines_a_side_attribute_hook():
     for name, cls in ALGORITHMS.items():
         assert not [h for h in LEGACY_HOOKS if hasattr(cls, h)], name
+
+
+def test_the_dp_seed_warning_comes_from_the_method(caplog):
+    """The engine logs the method's set-up warnings; it names no option of a method itself."""
+    from conftest import digits_config
+
+    from fedproto.simulation import Simulation
+
+    with caplog.at_level("WARNING"):
+        Simulation(digits_config(rounds=1, dp="prototypes", dp_reproducible_noise=True), out=False)
+    assert any("the privacy guarantee does not hold against anyone who knows the seed" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        Simulation(digits_config(rounds=1, dp_reproducible_noise=True), out=False)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("dp_reproducible_noise")] == [
+        "dp_reproducible_noise: ignored, it acts with dp prototypes or full only"]

@@ -32,6 +32,11 @@ class ServerPart:
         """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
         config and each client's (n_i,) training labels; called before round 1. Default: none."""
 
+    def setup_warnings(self, cfg: Any) -> list[str]:
+        """Warnings about this method's options the engine logs once before round 1, each one
+        sentence naming the option (default: none)."""
+        return []
+
     def divergence_hint(self, cfg: Any) -> str:
         """Options of this algorithm that can make training diverge, worded for the error the
         engine raises on a non-finite loss (default: none)."""

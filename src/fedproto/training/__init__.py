@@ -28,10 +28,12 @@ so momentum, or Adam's moments, do not carry across rounds); its lr is the round
 (:meth:`OptimConfig.lr_of_round`, the ``lr_schedule`` option).
 
 The package's modules: :mod:`~fedproto.training.objective` (what is minimised, with which
-optimizer), :mod:`~fedproto.training.plans` (each client's randomness of a round),
+optimizer), :mod:`~fedproto.training.terms` (loss terms, the weight anchor, the step's loss),
+:mod:`~fedproto.training.plans` (each client's randomness of a round),
 :mod:`~fedproto.training.sequential` (the reference loop and inference),
 :mod:`~fedproto.training.stacked` (the hand-written batched path) and
-:mod:`~fedproto.training.generic` (the generic batched path); their public names are importable
+:mod:`~fedproto.training.generic` (the generic batched path, with the dropout replay of
+:mod:`~fedproto.training.replay`); their public names are importable
 from ``fedproto.training``.
 """
 
