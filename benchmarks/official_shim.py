@@ -166,8 +166,8 @@ def main() -> None:
         sys.argv = [str(tree / "exps" / "federated_main.py"), *rest]
         runpy.run_path(sys.argv[0], run_name="__main__")
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print('{"official_wall_s": %.2f, "official_cpu_s": %.2f}'
-          % (time.perf_counter() - _START, usage.ru_utime + usage.ru_stime))
+    wall, cpu = time.perf_counter() - _START, usage.ru_utime + usage.ru_stime
+    print(f'{{"official_wall_s": {wall:.2f}, "official_cpu_s": {cpu:.2f}}}')
 
 
 if __name__ == "__main__":
