@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import positive
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def _timed(cmd: list[str], cwd: str) -> tuple[float, float, str]:
@@ -70,9 +71,9 @@ def model_share(run_dir: Path, threads: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--official", type=Path, default=None, help="checkout or bare git dir of the official code")
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--pairs", type=positive, default=3, help="official/fedproto pairs (default 3)")
+    parser.add_argument("--rounds", type=positive, default=20, help="rounds of each run (default 20)")
+    parser.add_argument("--threads", type=positive, default=1, help="torch threads of each run (default 1)")
     parser.add_argument("--share-only", action="store_true", help="fedproto runs and the matmul share only")
     args = parser.parse_args()
     if args.official is None and not args.share_only:
