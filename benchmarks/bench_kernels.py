@@ -15,11 +15,14 @@ a faster variant is also an exact one.
 * ``conv1-polyphase``: the first convolution at the 4 offsets of the 2x2 pooling window with
   stride 2, then an element-wise max: max-pool without the full-resolution map, its zero fill
   and its index tensor.
+* ``conv-relu-pool-fused``: the first convolution with its ReLU fused into oneDNN's kernel (a
+  post-op), then max-pooling, in one autograd function (bitwise the engine's gradients).
 * ``no-page-faults``: the engine in a process whose allocator keeps freed memory
   (``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``): large temporaries stop costing page
   faults and kernel zeroing.
-* ``compile`` (only with ``--compile``): ``torch.compile`` of the step (reported as not measured
-  where no C++ compiler is found).
+* ``compile`` (only with ``--compile``): ``torch.compile`` (inductor) of the engine's forward, the
+  backward compiled with it (reported as not measured where no C++ compiler is found); the time of
+  its first call (the compilation) is printed.
 
     python benchmarks/bench_kernels.py                 # G 20, B 8, threads: all cores
     python benchmarks/bench_kernels.py --threads 1 --groups 10
@@ -121,8 +124,43 @@ def fwd_conv1_polyphase(m0, P, X, G, noise, ctx):
     return _tail(P, _conv2(P, a, G), G, B, noise)
 
 
+class _ConvReluPool(torch.autograd.Function):
+    """Grouped convolution with the ReLU fused into oneDNN's kernel (a post-op), then 2x2
+    max-pooling; the backward masks the pooled gradient as ReLU after pooling does, so every
+    gradient is the engine's bit for bit (ReLU and max-pooling commute)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, G):
+        if x.dtype == torch.float32:
+            a = torch.ops.mkldnn._convolution_pointwise(x, w, b, [0, 0], [1, 1], [1, 1], G, "relu", [], "")
+        else:  # oneDNN has no float64 kernels: the same computation unfused
+            a = F.relu(F.conv2d(x, w, b, groups=G))
+        p, idx = torch.ops.aten.max_pool2d_with_indices(a, [2, 2], [2, 2])
+        ctx.save_for_backward(x, w, a, p, idx)
+        ctx.G = G
+        return p
+
+    @staticmethod
+    def backward(ctx, gp):
+        x, w, a, p, idx = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(gp, p, 0)
+        ga = torch.ops.aten.max_pool2d_with_indices_backward(g, a, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+        gx, gw, gb = torch.ops.aten.convolution_backward(ga, x, w, [w.shape[0]], [1, 1], [0, 0], [1, 1], False,
+                                                         [0, 0], ctx.G, [ctx.needs_input_grad[0], True, True])
+        return gx, gw, gb, None
+
+
+def fwd_fused(m0, P, X, G, noise, ctx):
+    B = X.shape[0]
+    xb = X.contiguous(memory_format=torch.channels_last)
+    w1 = P["conv1.weight"].reshape(-1, *P["conv1.weight"].shape[2:])
+    a = _ConvReluPool.apply(xb, w1, P["conv1.bias"].reshape(-1), G)
+    return _tail(P, _conv2(P, a, G), G, B, noise)
+
+
 VARIANTS = {"engine": fwd_engine, "nchw": fwd_nchw, "native": fwd_native, "conv2-unfold": fwd_conv2_unfold,
-            "conv1-patches": fwd_conv1_patches, "conv1-polyphase": fwd_conv1_polyphase}
+            "conv1-patches": fwd_conv1_patches, "conv1-polyphase": fwd_conv1_polyphase,
+            "conv-relu-pool-fused": fwd_fused}
 
 
 def grads(fwd, m0, P, X, y, noise, ctx):
@@ -140,14 +178,25 @@ def exactness(name: str, G: int, B: int) -> float:
     return max(((a - b).norm() / b.norm()).item() for a, b in zip(got, ref))
 
 
+def bitwise(name: str, G: int, B: int) -> bool:
+    """True when the variant's float32 gradients equal the engine's bit for bit."""
+    m0, P, X, y, noise = make_inputs(G, B)
+    ref = grads(fwd_engine, m0, P, X, y, noise, {})
+    got = grads(VARIANTS[name], m0, P, X, y, noise, {})
+    return all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (robust on a loaded machine, 1 thread)
+
+
 def time_step(fn, n: int) -> float:
     for _ in range(5):
         fn()
     ts = []
     for _ in range(n):
-        t = time.perf_counter()
+        t = CLOCK()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(CLOCK() - t)
     return statistics.median(ts)
 
 
@@ -155,7 +204,20 @@ def measure(name: str, G: int, B: int, n: int) -> float:
     m0, P, X, y, noise = make_inputs(G, B)
     ctx: dict = {}
     if name == "compile":
-        step = torch.compile(lambda: grads(fwd_engine, m0, P, X, y, noise, ctx))
+        fwd_c = torch.compile(fwd_engine, dynamic=False)
+
+        def step():
+            return grads(fwd_c, m0, P, X, y, noise, ctx)
+        t, c = time.perf_counter(), time.process_time()
+        step()
+        print(f"compile: first call (compilation) {time.perf_counter() - t:.1f} s wall, "
+              f"{time.process_time() - c:.1f} s CPU of this process")
+        if G > 1:  # the engine's group shrinks as clients run out of data: each new size recompiles
+            m1, P1, X1, y1, noise1 = make_inputs(G - 1, B)
+            t, c = time.perf_counter(), time.process_time()
+            grads(fwd_c, m1, P1, X1, y1, noise1, {})
+            print(f"compile: recompilation for {G - 1} clients {time.perf_counter() - t:.1f} s wall, "
+                  f"{time.process_time() - c:.1f} s CPU of this process")
     else:
         fwd = VARIANTS["engine" if name == "no-page-faults" else name]
 
@@ -172,11 +234,15 @@ def main() -> None:
     p.add_argument("--steps", type=positive, default=60, help="timed steps per measurement (default 60)")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--compile", action="store_true", help="also try torch.compile (needs a C++ compiler)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall (default) or the process's CPU time (meaningful with --threads 1)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.one:  # one measurement in this process (the allocator variant needs its own environment)
         print(json.dumps(measure(args.one, args.groups, args.batch, args.steps)))
         return
@@ -188,7 +254,8 @@ def main() -> None:
                 env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 30), MALLOC_TRIM_THRESHOLD_=str(1 << 31),
                            MALLOC_TOP_PAD_=str(1 << 28))
                 cmd = [sys.executable, __file__, "--one", name, "--groups", str(args.groups), "--batch",
-                       str(args.batch), "--steps", str(args.steps), "--threads", str(torch.get_num_threads())]
+                       str(args.batch), "--steps", str(args.steps), "--threads", str(torch.get_num_threads()),
+                       "--clock", args.clock]
                 times[name].append(json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True,
                                                              text=True).stdout.strip().splitlines()[-1]))
             else:
@@ -201,14 +268,16 @@ def main() -> None:
     base = statistics.median(times["engine"])
     nt = torch.get_num_threads()
     print(f"One grouped training step, {args.groups} clients x {args.batch} samples, {nt} "
-          f"thread{'s' if nt > 1 else ''}, median of {args.repeats} x {args.steps} steps (variants alternating):")
-    print("| variant | ms/step | vs engine | float64 gradient difference |\n|---|---|---|---|")
+          f"thread{'s' if nt > 1 else ''}, median of {args.repeats} x {args.steps} steps "
+          f"(variants alternating, {args.clock} clock):")
+    print("| variant | ms/step | vs engine | float64 gradient difference | float32 bitwise |\n|---|---|---|---|---|")
     out = {}
     for name in names:
         t = statistics.median(times[name])
         exact = exactness(name, args.groups, args.batch) if name in VARIANTS else 0.0
-        out[name] = {"ms": 1e3 * t, "ratio": base / t, "exact": exact}
-        print(f"| {name} | {1e3 * t:.2f} | {base / t:.2f}x | {exact:.1e} |")
+        same = bitwise(name, args.groups, args.batch) if name in VARIANTS else None
+        out[name] = {"ms": 1e3 * t, "ratio": base / t, "exact": exact, "float32_bitwise": same}
+        print(f"| {name} | {1e3 * t:.2f} | {base / t:.2f}x | {exact:.1e} | {'-' if same is None else same} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -25,6 +25,9 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_flower_sim.py", ["--clients", "0"], "--clients 0: give 1 or more"),
     ("bench_flower_sim.py", ["--actors", "1,x"], "--actors '1,x': give actor counts separated by commas"),
     ("bench_secagg.py", ["--rounds", "0"], "argument --rounds: 0 is less than 1"),
+    ("bench_official.py", ["--share-only", "--pairs", "0"], "argument --pairs: 0 is less than 1"),
+    ("bench_official.py", [], "--official is required"),
+    ("bench_kernels.py", ["--clock", "sun"], "argument --clock: invalid choice: 'sun'"),
 ])
 def test_bad_benchmark_arguments(script, args, says, tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120,
