@@ -12,8 +12,8 @@ from conftest import run_cli
 
 from fedproto.errors import ConfigError
 from fedproto.reproduce import plan_hetero, run_cell, run_hetero
+from fedproto.reproduce.hetero import write_hetero_table
 from fedproto.reproduce.parallel import Tally, check_jobs, run_side_by_side, thread_share
-from fedproto.reproduce.tables import write_table
 
 TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8", "model=projcnn:8-16,cnn"]
 SETS = {"clients": 4, "shots": 20, "stdev": 1, "test_shots": 8, "model": "projcnn:8-16,cnn", "threads": 1}
@@ -113,7 +113,7 @@ def test_reproduce_jobs_reports_a_cell_whose_process_dies_and_builds_the_rest(tm
     out = tmp_path / "dies"
     (out / "runs").mkdir(parents=True)
     cells = plan(out, 2, seeds=[1])
-    results = run_side_by_side(cells, out, after=lambda rs: write_table(out, rs, ["local", "fedproto"]), jobs=2,
+    results = run_side_by_side(cells, out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]), jobs=2,
                                run=always_die)
     # local ran beside the dying cell: it is run again alone (or found finished, if it was)
     assert [r.status for r in results][1] == "failed" and results[0].status in ("done", "skipped")
@@ -148,7 +148,7 @@ def test_reproduce_on_a_local_ray_cluster(serial, ray_cluster, capsys, monkeypat
     # the run folders brought back in the tasks' results (as from workers without a shared filesystem)
     out = tmp_path / "returned"
     (out / "runs").mkdir(parents=True)
-    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_table(out, rs, ["local", "fedproto"]),
+    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]),
                                ray="auto", return_files=True)
     assert [r.status for r in results] == ["done"] * 4
     assert table(out) == serial
@@ -159,7 +159,7 @@ def test_reproduce_on_a_local_ray_cluster(serial, ray_cluster, capsys, monkeypat
 def test_ray_retries_a_cell_whose_worker_died(serial, ray_cluster, tmp_path):
     out = tmp_path / "ray-retry"
     (out / "runs").mkdir(parents=True)
-    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_table(out, rs, ["local", "fedproto"]),
+    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]),
                                ray="auto", run=die_on_first_run)
     assert (out / "died-digits-n3-fedproto-s1-projcnn_8-16_cnn").is_file()  # the worker died once
     assert [r.status for r in results] == ["done"] * 4
