@@ -244,20 +244,24 @@ def run_side_by_side(cells: Sequence[Cell], out: Path, console=None, after: Call
         else:
             todo.append(i)
     width = len(str(len(cells)))
+    if jobs is not None:
+        check_jobs(jobs)
+    session = None
+    given = cells[0].cfg.threads if cells else 0
     if ray is not None:
         from fedproto.reproduce import raycells
 
-        session = raycells.connect(ray)
-        budget = cells[0].cfg.threads if cells and cells[0].cfg.threads else raycells.cluster_cpus()
-        jobs = budget if jobs is None else check_jobs(jobs)
+        raycells.require_ray()
+        session = raycells.connect(ray) if todo else None  # nothing to run: no cluster needed
+        cpus = raycells.cluster_cpus() if todo else 1
+        budget = given or cpus
+        jobs = budget if jobs is None else jobs
         threads = thread_share(budget, jobs)
-        at_once = max(1, min(len(todo), raycells.cluster_cpus() // threads))
-        where = f"Ray cluster ({raycells.cluster_cpus()} CPUs)"
+        at_once = max(1, min(len(todo), cpus // threads))
+        where = f"Ray cluster ({cpus} CPUs)"
     else:
-        session = None
         jobs = check_jobs(1 if jobs is None else jobs, len(todo))
-        budget = cells[0].cfg.threads if cells and cells[0].cfg.threads else available_cores()
-        threads = thread_share(budget, jobs)
+        threads = thread_share(given or available_cores(), jobs)
         at_once = jobs
         where = f"{jobs} local process{'es' * (jobs != 1)}"
     cells = with_threads(cells, threads)
