@@ -25,6 +25,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_flower_sim.py", ["--clients", "0"], "--clients 0: give 1 or more"),
     ("bench_flower_sim.py", ["--actors", "1,x"], "--actors '1,x': give actor counts separated by commas"),
     ("bench_secagg.py", ["--rounds", "0"], "argument --rounds: 0 is less than 1"),
+    ("grid_scaling.py", ["status.json", "--jobs", "2,0"], "--jobs '2,0': each slot count must be 1 or more"),
+    ("grid_scaling.py", ["missing.json"], "'missing.json': not a readable status.json"),
 ])
 def test_bad_benchmark_arguments(script, args, says, tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120,
