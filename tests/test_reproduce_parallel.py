@@ -153,6 +153,9 @@ def test_reproduce_on_a_local_ray_cluster(serial, ray_cluster, capsys, monkeypat
     assert [r.status for r in results] == ["done"] * 4
     assert table(out) == serial
     assert (out / "runs" / "digits-n3-fedproto-s2-projcnn_8-16_cnn" / "summary.json").is_file()
+    # a cell asking for more CPUs than any node has would wait for ever: refused
+    with pytest.raises(ConfigError, match="ask Ray for 4 CPUs .4 threads over 1 jobs. but the largest node has 2"):
+        run_side_by_side(plan(tmp_path / "big", 4), tmp_path / "big", ray="auto", jobs=1)
 
 
 @pytest.mark.slow

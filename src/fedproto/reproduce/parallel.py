@@ -257,6 +257,10 @@ def run_side_by_side(cells: Sequence[Cell], out: Path, console=None, after: Call
         budget = given or cpus
         jobs = budget if jobs is None else jobs
         threads = thread_share(budget, jobs)
+        if todo and threads > (most := raycells.largest_node_cpus()):
+            session.close()
+            raise ConfigError(f"each cell would ask Ray for {threads} CPUs ({budget} threads over {jobs} jobs) but "
+                              f"the largest node has {most}; raise --jobs or lower --threads")
         at_once = max(1, min(len(todo), cpus // threads))
         where = f"Ray cluster ({cpus} CPUs)"
     else:

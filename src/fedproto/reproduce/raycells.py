@@ -89,6 +89,12 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
+def largest_node_cpus() -> int:
+    """The CPUs of the connected cluster's largest live node: no task may ask for more."""
+    ray = require_ray()
+    return max([int(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [1])
+
+
 def _run_task(cell: Cell, token: str, run: Callable[[Cell], CellResult], return_files: bool) -> dict:
     """The Ray task: run one cell on a worker; returns its result and, where the worker does not
     see the driver's folder (or ``return_files``), the run folder's files (relative path -> bytes)."""
