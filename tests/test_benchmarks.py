@@ -28,6 +28,8 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
     ("bench_official.py", ["--share-only", "--pairs", "0"], "argument --pairs: 0 is less than 1"),
     ("bench_official.py", [], "--official is required"),
     ("bench_kernels.py", ["--clock", "sun"], "argument --clock: invalid choice: 'sun'"),
+    ("grid_scaling.py", ["status.json", "--jobs", "2,0"], "--jobs '2,0': each slot count must be 1 or more"),
+    ("grid_scaling.py", ["missing.json"], "'missing.json': not a readable status.json"),
 ])
 def test_bad_benchmark_arguments(script, args, says, tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=120,

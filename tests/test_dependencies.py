@@ -42,7 +42,7 @@ DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yam
 
 
 # which installs a module belongs to: the base install, or the base install plus an extra
-EXTRA_OF = {"flower": "flower", "secagg": "flower", "tensorboard.py": "tensorboard"}
+EXTRA_OF = {"flower": "flower", "secagg": "flower", "tensorboard.py": "tensorboard", "reproduce/raycells.py": "ray"}
 
 
 def _requirement_name(req: str) -> str:
@@ -81,7 +81,7 @@ def undeclared(src: Path = SRC) -> list[str]:
     problems = []
     for path in sorted(src.rglob("*.py")):
         sub = path.relative_to(src).parts[0]
-        extra = EXTRA_OF.get(sub)
+        extra = EXTRA_OF.get(path.relative_to(src).as_posix(), EXTRA_OF.get(sub))  # a file's own, else its folder's
         allowed = base | (extras.get(extra, set()) if extra else set())
         for top, line in third_party_imports(path).items():
             dist = DISTRIBUTION.get(top, top).lower().replace("_", "-")

@@ -420,11 +420,19 @@ def reproduce(
     sweep: Optional[str] = typer.Option(None, help="One-parameter sweep instead of the grid, e.g. lambda=0,0.5,1,2,4 "
                                                    "(fig. 4) or shots=10,25,50,100 (fig. 3)."),
     threads: Optional[int] = typer.Option(None, help="torch threads for every cell (same as --set threads=N; "
-                                                     "0: torch's default)"),
+                                                     "0: torch's default); with --jobs or --ray: the budget "
+                                                     "the cells running at once share"),
+    jobs: Optional[int] = typer.Option(None, help="Cells at once, each in its own process with its share of "
+                                                  "--threads (docs/reproducing.md)"),
+    ray: Optional[str] = typer.Option(None, help="Run each cell as a task on a Ray cluster: auto (this machine's "
+                                                 "cluster, or a new local one), local (a new local one) or the "
+                                                 "head's address; needs "
+                                                 "pip install \"fedproto[ray]\""),
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     try:
-        _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid)
+        _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid,
+                   side={"jobs": jobs, "ray": ray})
     except FedprotoError as e:  # run options worded as reproduce takes them (--set key=value)
         from fedproto.reproduce import set_message
 
@@ -436,7 +444,8 @@ def reproduce(
         raise typer.Exit(130) from None
 
 
-def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid="paper") -> None:
+def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid="paper",
+               side=None) -> None:
     from fedproto import reproduce as rp
 
     if grid not in rp.GRIDS:
@@ -455,7 +464,7 @@ def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, swee
         ds = rp.parse_list(datasets, rp.HETERO_DATASETS, "datasets", known_ds)
         ns = rp.parse_list(ways, rp.HETERO_WAYS, "ways", conv=int)
         ms = rp.parse_list(methods, list(rp.HETERO_METHODS), "methods", list(rp.HETERO_METHODS))
-        results = rp.run_hetero(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console)
+        results = rp.run_hetero(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console, **(side or {}))
         _finish(results, f"{out / 'table.md'} and {out / 'table.csv'}")
         return
     if sweep:
@@ -465,13 +474,14 @@ def _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, swee
         if len(ds) > 1 or len(ns) > 1:
             raise FedprotoError("--sweep runs one dataset and one ways value; give at most one of each")
         results, csv_path, png = rp.run_sweep(out, sweep, ds[0] if ds else None, ns[0] if ns else None,
-                                              ms or None, seed_list, rounds, sets, data_dir, console=console)
+                                              ms or None, seed_list, rounds, sets, data_dir, console=console,
+                                              **(side or {}))
         _finish(results, f"{csv_path} and {png}")
         return
     ds = rp.parse_list(datasets, rp.DEFAULT_DATASETS, "datasets", known_ds)
     ns = rp.parse_list(ways, rp.DEFAULT_WAYS, "ways", conv=int)
     ms = rp.parse_list(methods, list(rp.METHODS), "methods", list(rp.METHODS))
-    results = rp.run_grid(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console)
+    results = rp.run_grid(out, ds, ns, ms, seed_list, rounds, sets, data_dir, console=console, **(side or {}))
     _finish(results, f"{out / 'table.md'} and {out / 'table.csv'}")
 
 

@@ -21,6 +21,10 @@ from fedproto.results import _clean
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+"""The environment variables that size the thread pools of torch and the BLAS libraries; set in a
+cell's own process (``--jobs``, ``--ray``) before torch is imported there."""
+
 
 def comparable(cfg: dict) -> dict:
     """The result-relevant RunConfig fields of a config dict (stored config.json or a RunConfig dump).

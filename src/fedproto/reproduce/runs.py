@@ -53,18 +53,35 @@ log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
 
 def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[list], None] | None = None,
-              progress: bool = False) -> list[CellResult]:
-    """Run cells in order, print one line per cell, call ``after(results)`` after each."""
+              progress: bool = False, jobs: int | None = None, ray: str | None = None) -> list[CellResult]:
+    """Run cells, print one line per cell (with cells done / running / failed and the time left),
+    call ``after(results)`` after each. ``jobs`` (cells at once in local processes) or ``ray`` (a
+    Ray cluster: ``"auto"`` or an address) run them side by side
+    (:func:`fedproto.reproduce.parallel.run_side_by_side`); neither: one after the other in this
+    process.
+
+    Raises:
+        ConfigError: ``jobs`` below 1; ``ray`` without Ray installed or its cluster unreachable.
+    """
+    if jobs is not None or ray is not None:
+        from fedproto.reproduce.parallel import run_side_by_side
+
+        return run_side_by_side(cells, out, console, after, jobs=jobs, ray=ray)
+    from fedproto.reproduce.parallel import Tally
+
     results: list[CellResult] = []
     total = len(cells)
     width = len(str(total))
+    tally = Tally(total, 1)
     try:
         for i, cell in enumerate(cells, 1):
+            tally.start()
             r = run_cell(cell, progress=progress)
+            tally.end(r)
             results.append(r)
             if console is not None:
-                console.print(f"{escape(f'[{i:>{width}}/{total}]')} {escape(cell.name)}  {describe(r)}", markup=True,
-                              highlight=False, soft_wrap=True)
+                console.print(f"{escape(f'[{i:>{width}}/{total}]')} {escape(cell.name)}  {describe(r)}  "
+                              f"[dim]{escape(tally.line())}[/]", markup=True, highlight=False, soft_wrap=True)
             write_status(out, results)
             if after:
                 after(results)
@@ -89,24 +106,30 @@ def _make_out(out: Path) -> None:
 def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: Sequence[int] = DEFAULT_WAYS,
              methods: Sequence[str] = tuple(METHODS), seeds: Sequence[int] = DEFAULT_SEEDS,
              rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
-             console=None, progress: bool = False) -> list[CellResult]:
-    """Run the grid and write the tables; returns every cell's result."""
+             console=None, progress: bool = False, jobs: int | None = None,
+             ray: str | None = None) -> list[CellResult]:
+    """Run the grid and write the tables; returns every cell's result. ``jobs``, ``ray``: cells
+    side by side (:func:`run_cells`)."""
     out = Path(out)
     cells = plan_grid(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
     _make_out(out)
-    return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress)
+    return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress,
+                     jobs=jobs, ray=ray)
 
 
 def run_hetero(out: str | Path, datasets: Sequence[str] = HETERO_DATASETS, ways: Sequence[int] = HETERO_WAYS,
                methods: Sequence[str] = tuple(HETERO_METHODS), seeds: Sequence[int] = HETERO_SEEDS,
                rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
-               console=None, progress: bool = False) -> list[CellResult]:
+               console=None, progress: bool = False, jobs: int | None = None,
+               ray: str | None = None) -> list[CellResult]:
     """Run the model-heterogeneous grid (:func:`plan_hetero`) and write its tables
-    (:func:`write_hetero_table`); returns every cell's result."""
+    (:func:`write_hetero_table`); returns every cell's result. ``jobs``, ``ray``: cells side by
+    side (:func:`run_cells`)."""
     out = Path(out)
     cells = plan_hetero(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
     _make_out(out)
-    return run_cells(cells, out, console, after=lambda rs: write_hetero_table(out, rs, methods), progress=progress)
+    return run_cells(cells, out, console, after=lambda rs: write_hetero_table(out, rs, methods), progress=progress,
+                     jobs=jobs, ray=ray)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,14 +192,16 @@ def write_sweep(out: Path, param: str, fld: str, results: Sequence[CellResult]) 
 def run_sweep(out: str | Path, spec: str, dataset: str | None = None, ways: int | None = None,
               methods: Sequence[str] | None = None, seeds: Sequence[int] = DEFAULT_SEEDS,
               rounds: int | None = None, sets: dict | None = None, data_dir: str | None = None,
-              console=None, progress: bool = False) -> tuple[list[CellResult], Path, Path]:
-    """Run a one-parameter sweep; dataset/ways/methods default to the paper figure's setting."""
+              console=None, progress: bool = False, jobs: int | None = None,
+              ray: str | None = None) -> tuple[list[CellResult], Path, Path]:
+    """Run a one-parameter sweep; dataset/ways/methods default to the paper figure's setting.
+    ``jobs``, ``ray``: cells side by side (:func:`run_cells`)."""
     out = Path(out)
     param, fld, values = parse_sweep(spec)
     d_ds, d_n, d_m = SWEEP_DEFAULTS.get(fld, ("mnist", 3, ("fedproto",)))
     cells = plan_sweep(out, param, fld, values, dataset or d_ds, ways or d_n, list(methods or d_m), seeds, rounds,
                        sets, data_dir)
     _make_out(out)
-    results = run_cells(cells, out, console, progress=progress)
+    results = run_cells(cells, out, console, progress=progress, jobs=jobs, ray=ray)
     csv_path, png = write_sweep(out, param, fld, results)
     return results, csv_path, png

@@ -1,0 +1,169 @@
+"""`fedproto reproduce --jobs N` and `--ray`: cells side by side give the serial table, a dead
+worker is retried or reported, bad options are refused. Tiny grids on sklearn's digits."""
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from fedproto.errors import ConfigError
+from fedproto.reproduce import plan_hetero, run_cell, run_hetero
+from fedproto.reproduce.hetero import write_hetero_table
+from fedproto.reproduce.parallel import Tally, check_jobs, run_side_by_side, thread_share
+
+TINY = ["clients=4", "shots=20", "stdev=1", "test_shots=8", "model=projcnn:8-16,cnn"]
+SETS = {"clients": 4, "shots": 20, "stdev": 1, "test_shots": 8, "model": "projcnn:8-16,cnn", "threads": 1}
+GRID = ["reproduce", "--grid", "hetero", "--datasets", "digits", "--methods", "local,fedproto", "--seeds", "1,2",
+        "--rounds", "2"]
+
+
+def grid_args(out, *extra):
+    args = [*GRID, "--out", str(out), *extra]
+    for kv in TINY:
+        args += ["--set", kv]
+    return args
+
+
+def table(out):
+    """table.md, and table.csv without the wall-time column (how long a cell took is no result)."""
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    for r in rows:
+        r.pop("wall_s_per_seed")
+    return (out / "table.md").read_text(), rows
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    """The tiny grid's tables, its cells run one after the other in this process on one thread."""
+    out = tmp_path_factory.mktemp("serial")
+    results = run_hetero(out, ["digits"], [3], ["local", "fedproto"], [1, 2], 2, SETS)
+    assert [r.status for r in results] == ["done"] * 4
+    return table(out)
+
+
+def test_reproduce_jobs_gives_the_serial_table(serial, capsys, monkeypatch, tmp_path):
+    out = tmp_path / "jobs"
+    code, text = run_cli(grid_args(out, "--threads", "2", "--jobs", "2"), capsys, monkeypatch)
+    assert code == 0, text
+    assert "4 of 4 cells to run on 2 local processes, 1 thread each" in text
+    assert "4 cells: 4 run, 0 skipped, 0 failed" in text and "4 done, 0 running, 0 failed" in text
+    md, rows = table(out)
+    assert md == serial[0] and rows == serial[1]
+    assert [r["seeds"] for r in rows] == ["2", "2"]
+    for name in ("local", "fedproto"):  # each cell ran with its share of the budget: 2 threads / 2 jobs
+        conf = json.loads((out / "runs" / f"digits-n3-{name}-s1-projcnn_8-16_cnn" / "config.json").read_text())
+        assert conf["threads"] == 1
+    # again: every cell finished, so nothing runs (and --jobs 5 is clamped to the cells left)
+    code, text = run_cli(grid_args(out, "--threads", "2", "--jobs", "5"), capsys, monkeypatch)
+    assert code == 0 and "0 run, 4 skipped" in text and "0 of 4 cells to run on 1 local process" in text
+    assert table(out) == serial
+
+
+def test_reproduce_bad_jobs_and_missing_ray(capsys, monkeypatch, tmp_path):
+    for bad in ("0", "-1"):
+        code, text = run_cli(grid_args(tmp_path / "x", "--jobs", bad), capsys, monkeypatch)
+        assert code == 2 and f"--jobs {bad}: give the number of cells to run at once, 1 or more" in text
+    with pytest.raises(ConfigError, match="--jobs True"):
+        check_jobs(True)
+    assert check_jobs(7, 3) == 3 and check_jobs(2, 3) == 2 and check_jobs(4, 0) == 1
+    assert thread_share(8, 3) == 2 and thread_share(1, 2) == 1
+    monkeypatch.setitem(sys.modules, "ray", None)  # as without the extra
+    code, text = run_cli(grid_args(tmp_path / "y", "--ray", "auto"), capsys, monkeypatch)
+    assert code == 2 and 'pip install "fedproto[ray]"' in text
+
+
+def test_progress_tally_estimates_the_time_left():
+    from fedproto.reproduce.grid import CellResult
+
+    t = Tally(total=5, width=2)
+    t.start(), t.start()
+    assert t.line() == "0 done, 2 running, 0 failed, time left: after the first cell"
+    t.end(CellResult(None, "done", {}, "", 10.0))
+    t.end(CellResult(None, "failed", None, "x", 30.0))
+    t.end(CellResult(None, "skipped", {}))
+    # mean 20 s per cell run, 2 cells left, 2 at once: 20 s
+    assert t.left_s() == 20.0 and t.line() == "1 done, 0 running, 1 failed (1 skipped), about 20 s left"
+
+
+def die_on_first_run(cell):
+    """Runs a cell; the first run of the fedproto cells kills its own process (as the OOM killer
+    would), once per marker file next to the grid."""
+    marker = Path(cell.cfg.out_dir).parent / f"died-{cell.name}"
+    if cell.method == "fedproto" and cell.seed == 1 and not marker.exists():
+        marker.write_text("")
+        os._exit(9)
+    return run_cell(cell)
+
+
+def always_die(cell):
+    if cell.method == "fedproto" and cell.seed == 1:
+        os._exit(9)
+    return run_cell(cell)
+
+
+def plan(out, threads=1, seeds=(1, 2)):
+    return plan_hetero(out, ["digits"], [3], ["local", "fedproto"], list(seeds), 2, {**SETS, "threads": threads})
+
+
+def test_reproduce_jobs_reports_a_cell_whose_process_dies_and_builds_the_rest(tmp_path):
+    out = tmp_path / "dies"
+    (out / "runs").mkdir(parents=True)
+    cells = plan(out, 2, seeds=[1])
+    results = run_side_by_side(cells, out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]), jobs=2,
+                               run=always_die)
+    # local ran beside the dying cell: it is run again alone (or found finished, if it was)
+    assert [r.status for r in results][1] == "failed" and results[0].status in ("done", "skipped")
+    assert "process died before it finished, also when it ran alone" in results[1].message
+    assert [s["status"] for s in json.loads((out / "status.json").read_text())][1] == "failed"
+    md = (out / "table.md").read_text()  # the table is built from the rest and names the failed cell
+    assert "## Failed cells" in md and "digits-n3-fedproto-s1-projcnn_8-16_cnn" in md
+    rows = list(csv.DictReader((out / "table.csv").open()))
+    assert [(r["method"], r["seeds"], r["failed"]) for r in rows] == [("local", "1", "0"), ("fedproto", "0", "1")]
+
+
+@pytest.fixture
+def ray_cluster():
+    """A Ray cluster of this test's own on 127.0.0.1 with 2 CPUs (2 workers at once)."""
+    ray = pytest.importorskip("ray")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the tasks below run this module's functions
+    ray.init(address="local", num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_reproduce_on_a_local_ray_cluster(serial, ray_cluster, capsys, monkeypatch, tmp_path):
+    out = tmp_path / "ray"
+    code, text = run_cli(grid_args(out, "--threads", "2", "--ray", "auto"), capsys, monkeypatch)
+    assert code == 0, text
+    assert "4 of 4 cells to run on Ray cluster (2 CPUs), 1 thread each" in text
+    assert table(out) == serial
+    # the run folders brought back in the tasks' results (as from workers without a shared filesystem)
+    out = tmp_path / "returned"
+    (out / "runs").mkdir(parents=True)
+    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]),
+                               ray="auto", return_files=True)
+    assert [r.status for r in results] == ["done"] * 4
+    assert table(out) == serial
+    assert (out / "runs" / "digits-n3-fedproto-s2-projcnn_8-16_cnn" / "summary.json").is_file()
+    # a cell asking for more CPUs than any node has would wait for ever: refused
+    with pytest.raises(ConfigError, match="ask Ray for 4 CPUs .4 threads over 1 jobs. but the largest node has 2"):
+        run_side_by_side(plan(tmp_path / "big", 4), tmp_path / "big", ray="auto", jobs=1)
+
+
+@pytest.mark.slow
+def test_ray_retries_a_cell_whose_worker_died(serial, ray_cluster, tmp_path):
+    out = tmp_path / "ray-retry"
+    (out / "runs").mkdir(parents=True)
+    results = run_side_by_side(plan(out, 2), out, after=lambda rs: write_hetero_table(out, rs, ["local", "fedproto"]),
+                               ray="auto", run=die_on_first_run)
+    assert (out / "died-digits-n3-fedproto-s1-projcnn_8-16_cnn").is_file()  # the worker died once
+    assert [r.status for r in results] == ["done"] * 4
+    assert table(out) == serial
