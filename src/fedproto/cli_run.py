@@ -17,8 +17,6 @@ from rich.console import Console
 from rich.text import Text
 
 from fedproto.cli_common import HELP_OPTIONS, console, err_console
-from fedproto.config import build_config
-from fedproto.config_fields import CLI_DATASETS
 from fedproto.errors import ConfigError
 
 RUN_HELP = """Train with the in-process simulator and write a run directory.
@@ -75,6 +73,18 @@ class _RunCommand(click.Command):
         if not p.is_flag:
             cell.append(" " + p.make_metavar(ctx), style="bold yellow")
         return cell
+
+    @property
+    def params(self) -> list[click.Parameter]:  # type: ignore[override]
+        """The flags, built from the run options on first use: ``fedproto --help`` lists ``run``
+        without building them (nor importing the validated options)."""
+        if self._params is None:
+            self._params = _params()
+        return self._params
+
+    @params.setter
+    def params(self, value: list[click.Parameter] | None) -> None:
+        self._params = value or None
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         by_flag = {o: p for p in self.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
@@ -137,6 +147,7 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     )
     from rich.table import Table
 
+    from fedproto.config import build_config
     from fedproto.engine.setup import prepare
 
     # here, not at the top: fedproto.results imports numpy, which --help does not need
@@ -152,6 +163,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
     try:
         cfg = build_config(config, overrides)
     except ConfigError as e:  # the command line offers the datasets it runs (as its help does), not custom
+        from fedproto.config_fields import CLI_DATASETS
+
         if e.option == "dataset" and e.hint and e.value not in CLI_DATASETS:
             e.hint = f"choose one of {', '.join(CLI_DATASETS)}"
         raise
@@ -239,9 +252,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
                   f"wall time {summary['wall_time_s']:.1f} s; results in {out}", highlight=False, soft_wrap=True)
 
 
-def run_command() -> click.Command:
-    """``fedproto run`` as a click command whose options are generated from RunConfig's fields
-    (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
+def _params() -> list[click.Parameter]:
+    """``--config``, a flag per RunConfig field (:func:`fedproto.options.run_params`), ``--resume``, ``--quiet``."""
     from fedproto.options import run_params
 
     params = [
@@ -254,6 +266,13 @@ def run_command() -> click.Command:
                      help="No progress: no bar on a terminal, no per-round lines in a log."),
     ]
     params[-2].rich_help_panel, params[-1].rich_help_panel = "Execution", "Output"
-    return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
+    return params
+
+
+def run_command() -> click.Command:
+    """``fedproto run`` as a click command whose options are generated from RunConfig's fields
+    (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here.
+    The flags are built when first asked for (:attr:`_RunCommand.params`)."""
+    return _RunCommand("run", callback=_run, params=None, help=RUN_HELP,
                        short_help="Train with the in-process simulator and write a run directory.",
                        context_settings={"max_content_width": 100, **HELP_OPTIONS})

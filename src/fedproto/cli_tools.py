@@ -13,7 +13,6 @@ from typing import Optional
 import typer
 
 from fedproto.cli_common import console, err_console
-from fedproto.config import build_config
 from fedproto.errors import FedprotoError
 
 
@@ -79,6 +78,7 @@ def site_data(
                       f"({got['test_samples']}); one sample {got['shape']}, classes {got['classes']}",
                       highlight=False, soft_wrap=True)
         return
+    from fedproto.config import build_config
     from fedproto.reproduce import parse_sets
 
     cfg = build_config(config, parse_sets(set_, grid=False))
