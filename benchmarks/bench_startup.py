@@ -10,7 +10,9 @@ its children) of:
 * ``fedproto run --rounds 1 --eval-every 0 --threads 1`` on MNIST (the paper's setting; left out
   when MNIST is not found), with each figure's ratio to ``import torch``;
 * with ``--before SRC`` (another checkout's ``src``), the same fedproto commands on that code, in
-  the same interleaved loop.
+  the same interleaved loop;
+* MNIST loaded in a fresh process, decoded from its files and memory-mapped from the decoded-dataset
+  cache (``load_dataset(..., mapped=True)``, what a run does).
 
 The load average (``os.getloadavg``) before and after is printed beside the table. Then the modules
 with the largest cumulative import time in a run's start (``python -X importtime``, torch and numpy
@@ -125,6 +127,21 @@ def main() -> None:
             continue
         w, c = statistics.median(walls[label]), statistics.median(cpus[label])
         print(f"| `{label}` | {w:.3f} | {w / ref_wall:.2f} | {c:.3f} | {c / ref_cpu:.2f} |", flush=True)
+
+    load = ("import time, torch\nfrom fedproto.data.datasets import load_dataset\nt = time.perf_counter()\n"
+            "load_dataset('mnist', {root}download=False, mapped={mapped})\nprint(time.perf_counter() - t)")
+    root = f"{args.data_dir!r}, " if args.data_dir else ""
+    took: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for mapped in (False, True):
+            proc = subprocess.run([py, "-c", load.format(root=root, mapped=mapped)], env=env_for(SRC),
+                                  capture_output=True, text=True)
+            if proc.returncode == 0:
+                took[mapped].append(float(proc.stdout.split()[-1]))
+    if took[False] and took[True]:
+        print(f"\nMNIST loaded in a fresh process (median of {args.repeats}, alternating): decoded from its files "
+              f"{statistics.median(took[False]):.3f} s, memory-mapped from the decoded-dataset cache "
+              f"{statistics.median(took[True]):.3f} s (what `fedproto run` does)")
 
     run_code = "import fedproto.cli, fedproto.engine.setup, fedproto.simulation, fedproto.results"
     for title, src in (("this checkout", SRC), *((("before", args.before.resolve()),) if args.before else ())):
