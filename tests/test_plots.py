@@ -78,16 +78,17 @@ def test_plot_sweep_direct(tmp_path):
 
 
 def _capture_figures(monkeypatch):
-    """Keep every figure the plot functions save (and still write the PNG)."""
-    from fedproto import plots
+    """Keep every figure the plot functions save (and still write the PNG): they all save through
+    :func:`fedproto.plots.canvas.save_figure`."""
+    from fedproto.plots import canvas
 
-    figs, save = [], plots.save_figure
+    figs, save = [], canvas.save_figure
 
     def keep(fig, path):
         figs.append(fig)
         return save(fig, path)
 
-    monkeypatch.setattr(plots, "save_figure", keep)
+    monkeypatch.setattr(canvas, "save_figure", keep)
     return figs
 
 

@@ -37,18 +37,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "prototypes": ("src/fedproto/prototypes.py", ["tests/test_prototypes.py", "tests/test_core_math.py"]),
+    "prototypes": ("src/fedproto/prototypes/*", ["tests/test_prototypes.py", "tests/test_core_math.py"]),
     "privacy": ("src/fedproto/privacy.py", [
         "tests/test_privacy.py", "tests/test_core_math.py",
         # whole DP runs (seeded and secure noise, epsilon reported, BatchNorm refused): 10-80 s each
         "-k", "not differs_between_runs and not report_epsilon and not refuses_batchnorm and not plain_sgd"]),
-    "htmath": ("src/fedproto/htmath.py", ["tests/test_htmath.py", "tests/test_core_math.py"]),
+    "htmath": ("src/fedproto/htmath/*", ["tests/test_htmath.py", "tests/test_core_math.py"]),
     "partition": ("src/fedproto/data/partition.py", [
         "tests/test_data_partition.py", "tests/test_core_math.py",
         # the end-to-end runs (a simulation, 10,000 clients, FEMNIST's writers) take 6-50 s each
         "-k", "not 10000 and not end_to_end and not one_client_per_writer"]),
 }
-"""Module key -> (the file mutated, the fast tests run against its mutants)."""
+"""Module key -> (the file mutated, or the files of a package as a glob, and the fast tests run against its mutants)."""
 
 NOT_MUTATED = [r"^\s*raise ", r"\blog\.(debug|info|warning|error)\(", r"\bwarnings\.warn\("]
 """Lines whose statement mutmut leaves alone (``do_not_mutate_patterns``): messages to the user."""

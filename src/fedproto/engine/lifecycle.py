@@ -1,4 +1,4 @@
-"""One run lifecycle for every front end (docs/architecture.md, "One run lifecycle").
+"""One run lifecycle for every front end (docs/architecture.md, "Observer and Stage").
 
 The simulator (:class:`fedproto.simulation.Simulation`) and the Flower ServerApp
 (:class:`fedproto.flower.server_app.FlowerEngine`) build their observers with

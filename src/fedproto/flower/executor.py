@@ -20,47 +20,36 @@ kept. ``metrics.jsonl`` records per round which clients were ``sampled``, ``repl
 within about its heartbeat interval), ``timed_out`` (no reply within ``round-timeout``) and
 ``dropped`` (with the reason, by the loop's reply check).
 
-Size: about 500 lines: node discovery, the message exchange, retries and failure records of one
-transport, which change together.
+The executor's parts: the message exchange (:class:`fedproto.flower.exchange.MessageExchange`) and
+the membership of nodes (:class:`fedproto.flower.membership.NodeMembership`); the call path of a
+round on Flower: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import MessageType
 from flwr.serverapp import Grid
 
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm
 from fedproto.algorithms.base import Message as FedMessage
-from fedproto.algorithms.requirements import needs_one_size
 from fedproto.config import RunConfig
 from fedproto.engine.checks import unusable
 from fedproto.engine.executors.base import Executor, RoundReplies
 from fedproto.errors import ConfigError, TrainingError
 from fedproto.flower.common import (
-    CONFIG,
     MESSAGE,
     METRICS,
-    QUERY,
-    SCHEMA,
     FlowerOptions,
     from_record,
-    schema_problem,
-    to_record,
 )
+from fedproto.flower.exchange import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, MessageExchange
+from fedproto.flower.membership import NodeMembership
 from fedproto.training import TrainResult
-
-NODE_UNAVAILABLE = 5
-"""Flower's ``ErrorCode.NODE_UNAVAILABLE`` (``flwr.common.constant``): the SuperLink's error reply
-for a message to a node it has marked offline."""
-REPLY_UNAVAILABLE = 4
-"""Flower's ``ErrorCode.REPLY_MESSAGE_UNAVAILABLE``: the reply expired or was lost at the SuperLink."""
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +65,7 @@ RETRY_PAUSE_S = 2.0
 """Seconds between a round below ``min-replies`` and its retry (nodes may reconnect meanwhile)."""
 
 
-class FlowerExecutor(Executor):
+class FlowerExecutor(NodeMembership, MessageExchange, Executor):
     """The client side of a run on Flower SuperNodes, one client per node.
 
     Args:
@@ -129,246 +118,9 @@ class FlowerExecutor(Executor):
         dims = {i: int(self.info[i]["embedding-dim"]) for i in self.info}
         self.embedding_dim = cfg.embedding_dim if self.own_data else dims[min(dims)]
 
-    def _saw(self, cid: int, metrics) -> None:
-        """Note the instance keys of a reply of client ``cid`` (:data:`INSTANCE_KEYS`): a new
-        ``instance`` means its node restarted and lost the client's state (a fresh model), recorded
-        in :attr:`state_lost` and in the round's ``rejoined``; ``restored`` 1 means the node came back
-        with its state file (:mod:`fedproto.flower.node_state`)."""
-        if "instance" not in metrics:
-            return
-        inst, old = int(metrics["instance"]), self.instance.get(cid)
-        self.instance[cid] = inst
-        node = self.nodes.get(cid)
-        if old is not None and inst != old:
-            self.state_lost[cid] = self.round
-            self._restored.discard(cid)
-            self._rejoined[str(cid)] = "restarted without its state: a fresh model"
-            log.warning("round %d: client %d (node %s) restarted and lost its state (a fresh model from here on); "
-                        "clients.csv marks it (state_lost_round) and the headline accuracy leaves it out unless it "
-                        "trains in half the rounds from here", self.round, cid, node)
-        elif int(metrics.get("restored", 0)) and cid not in self._restored:
-            self._restored.add(cid)
-            self._rejoined[str(cid)] = "restarted with its state restored from its state file"
-            log.warning("round %d: client %d (node %s) restarted and reloaded its state from its state file",
-                        self.round, cid, node)
-
-    def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
-        """The clients the headline accuracy leaves out (summary.json ``left_out``), with why: those
-        whose node lost their state (:attr:`state_lost`) and that trained in fewer than
-        ``ceil(rounds / 2)`` rounds from then on (their model is mostly untrained)."""
-        need = -(-rounds // 2)
-        out = {}
-        for cid, r0 in sorted(self.state_lost.items()):
-            since = sum(1 for row in history if row["round"] >= r0 and cid in row.get("replied", ()))
-            if since < need:
-                out[cid] = (f"its node lost its state in round {r0}; it trained in {since} round(s) from then on, "
-                            f"fewer than {need}")
-        return out
-
-    def _config(self, entries: dict) -> dict:
-        """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)
-        and the message schema (:data:`fedproto.flower.common.SCHEMA`)."""
-        entries = {**entries, "run-key": self.run_key} if self.run_key else dict(entries)
-        entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.common.schema_problem)
-        return {CONFIG: ConfigRecord(entries)}
-
     def bind(self, algorithm: Algorithm) -> None:
         """The server side of the run's algorithm (its reply check decides a round's retries)."""
         self.algorithm = algorithm
-
-    # -- nodes ----------------------------------------------------------------------------------
-    def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], dict[int, str],
-                                                            list[int]]:
-        """Send, wait up to ``round_timeout``: (replies by node id, failures by node id (the node's
-        error), unavailable nodes by node id (the SuperLink's answer for a node it knows is gone:
-        no wait), node ids that did not reply in time).
-
-        A reply is matched to the message it answers (``reply_to_message_id``): an error reply the
-        SuperLink sends for an unavailable node carries the SuperLink's node id as its source, so
-        matching by source node recorded it as a timeout. A grid that sets no message
-        ids (a test double) is matched by source node."""
-        if not messages:
-            return {}, {}, {}, []
-        replies = self._send_and_receive(messages)
-        by_message = {rep.metadata.reply_to_message_id: rep for rep in replies if rep.metadata.reply_to_message_id}
-        by_node = {rep.metadata.src_node_id: rep for rep in replies}
-        ok, failed, unavailable, missing = {}, {}, {}, []
-        for m in messages:
-            nid = m.metadata.dst_node_id
-            rep = by_message.get(m.metadata.message_id) if m.metadata.message_id else None
-            if rep is None:
-                rep = by_node.get(nid)
-            if rep is None:
-                missing.append(nid)
-            elif rep.has_error():
-                err = rep.error
-                if err.code == NODE_UNAVAILABLE:
-                    unavailable[nid] = f"{err.reason} (code {err.code})"
-                elif err.code == REPLY_UNAVAILABLE:  # the reply expired or was lost at the SuperLink
-                    missing.append(nid)
-                else:
-                    failed[nid] = f"{err.reason} (code {err.code})"
-            else:
-                ok[nid] = rep
-        return ok, failed, unavailable, missing
-
-    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
-        """Push ``messages`` and pull their replies every ``poll_interval`` seconds until all are in
-        or ``round_timeout`` has passed. Flower's own ``Grid.send_and_receive`` waits a fixed 3 s
-        between pulls (flwr 1.42), which made every round last at least 3 s more than its slowest
-        node; a grid without push/pull (a test double) is asked with ``send_and_receive``."""
-        try:
-            pending = set(self._grid("push_messages", messages))
-        except NotImplementedError:
-            return list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
-        end = time.monotonic() + self.opts.round_timeout
-        out: list[Message] = []
-        while pending:
-            got = list(self._grid("pull_messages", pending))
-            out += got
-            pending -= {m.metadata.reply_to_message_id for m in got}
-            if not pending or time.monotonic() >= end:
-                break
-            time.sleep(min(self.opts.poll_interval, max(0.0, end - time.monotonic())))
-        return out
-
-    def _grid(self, method: str, *args):
-        """``self.grid.<method>(*args)`` (a call to the SuperLink) with a deadline of ``round_timeout``
-        seconds. Flower's ServerApp retries a SuperLink it cannot reach without end (flwr 1.42: no
-        ``max_time`` on its connection), so a SuperLink that died would hold the ServerApp in that
-        call until a SuperLink came back, and only then would the run end, with no record of why.
-
-        Raises:
-            TrainingError: no answer within ``round_timeout`` s (the call goes on in the background);
-                the run then stops and ``failure.json`` records it (:class:`FlowerEngine`).
-            whatever the grid raises (e.g. NotImplementedError from a grid without push/pull).
-        """
-        box: dict = {}
-
-        def call():
-            try:
-                box["value"] = getattr(self.grid, method)(*args)
-            except BaseException as e:  # raised again in the caller's thread
-                box["error"] = e
-
-        worker = threading.Thread(target=call, name=f"fedproto-grid-{method}", daemon=True)
-        worker.start()
-        worker.join(self.opts.round_timeout)
-        if worker.is_alive():
-            raise TrainingError(f"the SuperLink did not answer {method} within {self.opts.round_timeout:g} s "
-                                "(round-timeout; Flower keeps retrying it): it is down or unreachable. Start the "
-                                "SuperLink again and continue the run with resume-from (the command is in "
-                                "failure.json in the run folder)")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def _query_new(self, strict: bool = False) -> list[int]:
-        """Ask nodes not seen before who they are; returns the client ids that joined. A node
-        that fails the query (its own data or model refused, e.g. labels outside the classes) is
-        logged with its reason and not asked again. ``strict`` (the start): two nodes with one
-        client id raise ConfigError; later, a new node with a known client id is refused while
-        the client's node is still connected, and replaces it once that node is gone (the client
-        came back)."""
-        connected = set(self._grid("get_node_ids"))
-        for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
-            if self.nodes.get(cid) not in connected:
-                del self._duplicates[nid]
-                self.refused.pop(nid, None)
-        known = set(self.nodes.values()) | set(self.refused)
-        new = [nid for nid in connected if nid not in known]
-        if not new:
-            return []
-        ok, failed, unavailable, _ = self._exchange([Message(RecordDict(self._config({})), dst_node_id=nid,
-                                                             message_type=QUERY)
-                                                     for nid in new])
-        for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
-            log.warning("node %d is unavailable: %s", nid, why)
-        for nid, why in failed.items():
-            m = re.search(r"client-id=(\d+)", why)
-            self._refuse(nid, int(m.group(1)) if m else None, why)
-            log.warning("node %d refused: %s", nid, why)
-        if strict:
-            seen: dict[int, list[int]] = {}
-            for nid, rep in ok.items():
-                seen.setdefault(int(rep.content[CONFIG]["cid"]), []).append(nid)
-            dups = {c: sorted(v) for c, v in seen.items() if len(v) > 1}
-            if dups:
-                c, v = next(iter(dups.items()))
-                key = "client-id" if self.own_data else "partition-id"
-                raise ConfigError(f"nodes {v} all have {key}={c}; give each SuperNode its own {key}")
-        joined = []
-        for nid, rep in sorted(ok.items()):
-            info = dict(rep.content[CONFIG])
-            cid = int(info["cid"])
-            why = self._refusal(cid, info)
-            if why:
-                self._refuse(nid, cid, why)
-                log.warning("node %d (client %d) refused: %s", nid, cid, why)
-                continue
-            if cid in self.nodes and self.nodes[cid] != nid and self.nodes[cid] in connected:
-                key = "client-id" if self.own_data else "partition-id"
-                why = (f"{key}={cid} is already taken by node {self.nodes[cid]}, which is still connected; node "
-                       f"{nid} is refused while node {self.nodes[cid]} is there: give each SuperNode its own {key}")
-                self._refuse(nid, cid, why)
-                self._duplicates[nid] = cid
-                log.warning("node %d (client %d) refused: %s", nid, cid, why)
-                continue
-            if cid in self.nodes and self.nodes[cid] != nid:
-                log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
-            self.nodes[cid], self.info[cid] = nid, info
-            self._saw(cid, rep.content[METRICS] if METRICS in rep.content else {})
-            self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
-            joined.append(cid)
-        return joined
-
-    def _refuse(self, nid: int, cid: int | None, why: str) -> None:
-        self.refused[nid] = why
-        self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
-
-    def _refusal(self, cid: int, info: dict) -> str:
-        bad_schema = schema_problem(info.get("schema"), "node")
-        if bad_schema:
-            return bad_schema
-        m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
-        if not 0 <= cid < m:
-            return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
-        if self.own_data and d != self.cfg.embedding_dim and needs_one_size(self.cfg.algorithm):
-            return f"client {cid}'s embedding size is {d}, the run's embedding-dim is {self.cfg.embedding_dim}"
-        if not self.own_data and self.info and needs_one_size(self.cfg.algorithm):
-            d0 = int(next(iter(self.info.values()))["embedding-dim"])
-            if d != d0:
-                return f"client {cid}'s embedding size is {d}, the other clients' is {d0}"
-        bad = [c for c in info.get("classes", []) if not 0 <= int(c) < self.cfg.num_classes]
-        if bad:
-            return f"client {cid} has classes {bad[:5]} outside 0..{self.cfg.num_classes - 1}"
-        return ""
-
-    def _discover(self, wait_s: float) -> None:
-        m = self.cfg.clients
-        need = m if not self.own_data else self.opts.min_replies
-        deadline = time.monotonic() + wait_s
-        first = True
-        while True:
-            nids = list(self._grid("get_node_ids"))
-            self._query_new(strict=first)
-            first = False
-            if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
-                nid, why = next(iter(self.refused.items()))
-                raise TrainingError(f"node {nid} refused to join: {why}")
-            if len(self.nodes) >= m or time.monotonic() >= deadline:
-                break
-            if len(nids) < m:
-                log.warning("waiting up to %g s for %d SuperNodes (%d joined)", wait_s, m, len(self.nodes))
-            time.sleep(1.0)
-        if len(self.nodes) < need:
-            refused = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
-            which = "" if self.own_data else " (one per partition-id 0..clients-1)"
-            raise TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} "
-                                f"and needs {need}{which}: start the missing SuperNodes{refused}")
-        if len(self.nodes) < m:
-            log.warning("starting with %d of %d clients (%s); the others take part once they connect",
-                        len(self.nodes), m, sorted(self.nodes))
 
     # -- the executor ---------------------------------------------------------------------------
     def join_messages(self) -> dict[int, FedMessage]:
@@ -462,27 +214,6 @@ class FlowerExecutor(Executor):
         """Why the reply of ``cid`` would be dropped whole by the round's reply check ('' if usable)."""
         return unusable(self.algorithm, cid, reply, sent, self.embedding_dim)
 
-    def _send(self, kind: str, ids: Iterable[int], msgs: dict[int, FedMessage]):
-        """Send ``kind`` to the clients ``ids``: (replies by client id, failures by client id,
-        client ids that timed out). Failures and timeouts are logged."""
-        ids = [i for i in ids if i in self.nodes]
-        out = [Message(RecordDict({MESSAGE: to_record(msgs[i]),
-                                   **self._config({"round": self.round, "cid": i})}),
-                       dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
-               for i in ids]
-        ok, failed, unavailable, missing = self._exchange(out)
-        cid_of = {self.nodes[i]: i for i in ids}
-        for nid, why in failed.items():
-            log.warning("round %d (%s): client %d (node %d) failed: %s", self.round, kind, cid_of[nid], nid, why)
-        for nid, why in unavailable.items():
-            log.warning("round %d (%s): client %d (node %d) is unavailable: %s", self.round, kind, cid_of[nid], nid,
-                        why)
-        for nid in missing:
-            log.warning("round %d (%s): client %d (node %d) sent no reply within %g s", self.round, kind,
-                        cid_of[nid], nid, self.opts.round_timeout)
-        return ({cid_of[n]: r for n, r in ok.items()}, {cid_of[n]: w for n, w in failed.items()},
-                {cid_of[n]: w for n, w in unavailable.items()}, [cid_of[n] for n in missing])
-
     def client_report(self, cid: int) -> dict:
         """The node's own report from its evaluate reply (:meth:`Algorithm.client_report` runs there),
         plus ``state_lost_round`` (the round its node came back without the client's state; empty if never)."""
@@ -527,3 +258,6 @@ class FlowerExecutor(Executor):
                          "train_samples": info.get("train-samples"), "test_samples": info.get("test-samples"),
                          "params": int(info["params"]) if "params" in info else None})
         return rows
+
+
+__all__ = ["INSTANCE_KEYS", "NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "REPORT_KEYS", "RETRY_PAUSE_S", "FlowerExecutor"]

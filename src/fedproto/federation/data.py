@@ -1,0 +1,249 @@
+"""A client's data as the engine holds them: a map-style ``Dataset`` read item by item
+(:class:`LazyInputs`), its labels (:func:`dataset_labels`), and each split checked before round 1,
+every error naming the client. Importable from :mod:`fedproto.federation`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedproto.data.inputs import as_inputs, as_leaf, cast_floats, finite, is_structure, tree_map, tree_zip
+from fedproto.errors import DataError, first_line
+
+
+def _pair(item: Any, i: int) -> tuple[Any, Any]:
+    """Item ``i`` of a Dataset as ``(x, y)``; raises DataError when it is not a pair."""
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        return item[0], item[1]
+    what = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+    raise DataError(f"item {i} of the Dataset is {what}, not an (x, y) pair; make its __getitem__ return "
+                    "(input, label)")
+
+
+def _as_input(x: Any, i: int) -> Any:
+    """Input ``x`` of item ``i`` as the model takes it: a tensor or array as a tensor (floating values
+    as float32, integer token ids kept), a dict, tuple or list of them with its structure kept
+    (:func:`fedproto.data.inputs.as_inputs`); raises DataError naming its type and the fix."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return as_leaf(x)
+    kind = f"{type(x).__module__}.{type(x).__qualname__}"
+    if type(x).__module__.split(".")[0] == "PIL":
+        raise DataError(f"item {i}'s input is a PIL image ({kind}), not a tensor; give the Dataset a tensor "
+                        "transform, e.g. transform=torchvision.transforms.ToTensor() (then Normalize)")
+    if is_structure(x):
+        try:
+            return tree_map(as_leaf, x)
+        except TypeError as e:
+            raise DataError(f"item {i}'s input is a {type(x).__name__} holding {e}; give the Dataset a transform "
+                            "whose dicts, tuples or lists hold tensors or arrays only") from None
+    raise DataError(f"item {i}'s input is a {kind}, not a tensor, an array, or a dict, tuple or list of them; give "
+                    "the Dataset a transform that returns tensors")
+
+
+class LazyInputs:
+    """A map-style ``Dataset`` read as inputs ``x``: ``len()``, and ``x[LongTensor]``, ``x[i:j]``
+    give the batch of those items' inputs, read item by item (the dataset's transforms run on every
+    read): tensors stacked, dicts, tuples and lists of tensors stacked leaf by leaf (their structure
+    and integer dtypes kept), or, with ``collate``, ``collate([inputs of the items])`` (e.g.
+    :func:`fedproto.data.inputs.pad_collate` for variable-length sequences). The engine trains such
+    clients on the sequential path.
+
+    Raises (on reading):
+        DataError: an item is not an ``(x, y)`` pair, its input is not a tensor, an array or a
+            structure of them (a PIL image: the message says to add a tensor transform), or the
+            items' inputs have different shapes and no ``collate`` is given.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset, collate: Any = None):
+        self.dataset = dataset
+        self.collate = collate
+        self.dtype: torch.dtype | None = None  # floating leaves cast on reading (float64 checks)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def to(self, dtype: torch.dtype | None = None) -> LazyInputs:
+        """Cast the floating leaves of what is read to ``dtype`` (integer leaves keep theirs); returns self."""
+        self.dtype = dtype
+        return self
+
+    def __getitem__(self, idx) -> Any:
+        if isinstance(idx, slice):
+            idx = range(*idx.indices(len(self)))
+        elif isinstance(idx, torch.Tensor):
+            idx = idx.tolist()
+        raw = [_pair(self.dataset[int(i)], int(i))[0] for i in idx]
+        if self.collate is not None:
+            batch = self.collate(raw)
+        else:
+            items = [_as_input(x, int(i)) for x, i in zip(raw, idx)]
+            try:
+                batch = tree_zip(torch.stack, items) if items else torch.zeros(0)
+            except (RuntimeError, ValueError) as e:
+                raise DataError(f"the items' inputs differ in shape or structure ({first_line(e)[:160]}); for "
+                                "variable-length sequences give Client(..., collate=fedproto.data.inputs.pad_collate) "
+                                "(pads them and adds an attention mask) or your own collate function") from None
+        return batch if self.dtype is None else cast_floats(batch, self.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self[0:1]
+        return (len(self), *first.shape[1:]) if isinstance(first, torch.Tensor) else (len(self),)
+
+
+PROBE_ITEMS = 8
+"""Items of a Dataset batched once before round 1, so that inputs of different shapes (variable-length
+sequences without a collate function) are refused before training, naming the fix."""
+
+LABEL_CHECKS = 32
+"""Items read to confirm a torchvision dataset's ``targets`` equal the labels it yields (see :func:`dataset_labels`)."""
+
+
+def _yields_its_targets(ds: torch.utils.data.Dataset) -> bool:
+    """True when ``ds`` is a torchvision dataset whose ``__getitem__`` is torchvision's own (its label
+    is ``targets[i]`` passed through ``target_transform``) with no ``target_transform``."""
+    get = getattr(type(ds), "__getitem__", None)
+    return (str(getattr(get, "__module__", "")).startswith("torchvision.datasets")
+            and getattr(ds, "target_transform", None) is None and getattr(ds, "targets", None) is not None)
+
+
+def _label_value(y: Any, i: int) -> Any:
+    if isinstance(y, (torch.Tensor, np.ndarray)):
+        if (y.size if isinstance(y, np.ndarray) else y.numel()) == 1:
+            return y.reshape(()).item()
+        raise ValueError(f"item {i}'s label has shape {tuple(y.shape)}; give one integer class id per item")
+    return y
+
+
+def _label_array(values: Sequence[Any]) -> np.ndarray:
+    """``values`` as an array; of dtype object when some are not numbers, so that the first of
+    those can be named (numpy would turn the numbers into strings)."""
+    if all(isinstance(v, (int, float, np.integer, np.floating)) for v in values):
+        return np.asarray(values)
+    return np.asarray(values, dtype=object)
+
+
+def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
+    """The labels a map-style Dataset yields, ``ds[i][1]`` for every i, as an array (n,).
+
+    Every item is read (its transforms run once), except for a torchvision dataset read by
+    torchvision's own ``__getitem__`` without a ``target_transform`` (MNIST, CIFAR10,
+    ImageFolder...): its ``targets`` are used once they equal the labels of
+    :data:`LABEL_CHECKS` items spread over the dataset. A ``targets`` attribute is never trusted
+    otherwise: a ``target_transform`` or a ``__getitem__`` that changes the label decides.
+
+    Raises:
+        DataError: an item is not an ``(x, y)`` pair.
+        ValueError: a label is a tensor of more than one value.
+    """
+    n = len(ds)
+    if _yields_its_targets(ds) and len(ds.targets) == n:
+        targets = _label_array([_label_value(t, i) for i, t in enumerate(ds.targets)])
+        idx = np.unique(np.linspace(0, n - 1, min(n, LABEL_CHECKS)).round().astype(np.int64)) if n else []
+        if all(_label_value(_pair(ds[int(i)], int(i))[1], int(i)) == targets[i] for i in idx):
+            return targets
+    return _label_array([_label_value(_pair(ds[i], i)[1], i) for i in range(n)])
+
+
+_ID_HINT = ("map each class to an id 0..C-1 (e.g. {name: i for i, name in enumerate(sorted(names))}, or "
+            "torchvision's class_to_idx)")
+
+
+def _labels(split: Any) -> torch.Tensor:
+    """Integer labels (n,) of a split; raises ValueError/DataError with the offending value."""
+    if isinstance(split, torch.utils.data.Dataset):
+        raw = dataset_labels(split)
+    else:
+        y = split[1]
+        raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
+               _label_array([_label_value(v, i) for i, v in enumerate(y)]) if isinstance(y, (list, tuple)) else
+               np.asarray(y))
+    if raw.dtype.kind in "fuO" and raw.size:  # values int64 cannot hold (inf, 1e20, 2**70) would wrap around
+        flat = raw.reshape(-1)
+        num = [isinstance(v, (int, float, np.integer, np.floating)) for v in flat] if raw.dtype.kind == "O" else True
+        with np.errstate(invalid="ignore"):
+            fits = np.array([not n or -2**63 <= v < 2**63 for n, v in zip(num, flat)], bool) if raw.dtype.kind == "O" \
+                else (flat >= -2**63) & (flat < 2**63)
+        if not fits.all():
+            j = int(np.flatnonzero(~fits)[0])
+            v = flat[j].item() if isinstance(flat[j], np.generic) else flat[j]
+            raise ValueError(f"label {v!r} (item {j}) is not a class id; give integer class ids 0..C-1")
+    if raw.dtype.kind == "f" and raw.size and not np.array_equal(raw, np.round(raw)):
+        bad = raw.reshape(-1)[np.flatnonzero(raw.reshape(-1) != np.round(raw.reshape(-1)))[0]]
+        raise ValueError(f"labels with fractions (e.g. {bad:g}); give integer class ids")
+    if raw.dtype.kind == "O" and raw.size:  # mixed kinds: find the first that is not a whole number
+        flat = raw.reshape(-1)
+        j = next((j for j, v in enumerate(flat) if not isinstance(v, (int, np.integer))
+                  and not (isinstance(v, (float, np.floating)) and float(v).is_integer())), None)
+        if j is not None:
+            raise ValueError(f"label {flat[j]!r} (item {j}) is a {type(flat[j]).__name__}, not an integer class id; "
+                             f"{_ID_HINT}")
+        raw = flat.astype(np.int64).reshape(raw.shape)
+    if raw.dtype.kind not in "iuf" and raw.size:
+        v = raw.reshape(-1)[0]
+        v = v.item() if isinstance(v, np.generic) else v
+        raise ValueError(f"label {v!r} (item 0) is a {type(v).__name__}, not an integer class id; {_ID_HINT}")
+    return torch.as_tensor(raw.astype(np.int64))
+
+
+def _memory_inputs(x: Any, n_labels: int) -> Any:
+    """In-memory inputs as the engine holds them: a dict, or a tuple/list of tensors or arrays that is
+    not one row per label (e.g. ``(ids, mask)``), as :class:`~fedproto.data.inputs.Inputs`; anything
+    else as one tensor (floating values float32, integer values kept)."""
+    arrays = isinstance(x, (tuple, list)) and x and all(isinstance(v, (torch.Tensor, np.ndarray, dict)) for v in x)
+    if isinstance(x, dict) or (arrays and len(x) != n_labels):
+        return as_inputs(x)
+    return as_leaf(x if isinstance(x, (torch.Tensor, np.ndarray)) else np.asarray(x))
+
+
+def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = None) -> tuple[Any, torch.Tensor]:
+    """(inputs, labels) of one split, checked; raises DataError naming the client."""
+    if isinstance(split, torch.utils.data.IterableDataset):
+        raise DataError(f"client {cid}: {what} is an IterableDataset ({type(split).__name__}), read in order only; "
+                        "fedproto reads items by index: give a map-style Dataset (__len__ and __getitem__), or "
+                        "collect its items into (x, y) tensors")
+    if isinstance(split, torch.utils.data.Dataset):
+        if not hasattr(type(split), "__len__"):
+            raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
+                            "__len__ (fedproto reads its items by index)")
+        x = LazyInputs(split, collate)
+        try:  # a few items batched as training batches them: inputs of different shapes need a collate function
+            x[0 : min(len(x), PROBE_ITEMS)]
+        except DataError as e:
+            raise e.prefixed(f"client {cid}: {what}: ") from None
+    elif isinstance(split, (tuple, list)) and len(split) == 2:
+        try:
+            x = _memory_inputs(split[0], len(split[1]) if hasattr(split[1], "__len__") else -1)
+        except (TypeError, ValueError) as e:
+            raise DataError(f"client {cid}: cannot read its {what} inputs ({first_line(e)[:200]}); give a tensor or "
+                            "array (n, ...), or a dict, tuple or list of them, each with one row per sample") from None
+    else:
+        raise DataError(f"client {cid}: {what} is a {type(split).__name__}; give (x, y) tensors or arrays, or a "
+                        "map-style torch Dataset of (x, y) items")
+    try:
+        y = _labels(split)
+    except DataError as e:
+        raise e.prefixed(f"client {cid}: {what}: ") from None
+    except ValueError as e:
+        raise DataError(f"client {cid}: cannot read {what} labels as integers: {e}") from None
+    except (TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+        raise DataError(f"client {cid}: cannot read {what} labels ({type(e).__name__}: {str(e)[:160]}); its "
+                        "items must be (x, y) pairs with integer labels") from None
+    if len(y) == 0:
+        raise DataError(f"client {cid}: its {what} data is empty; give every client at least one sample")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DataError(f"client {cid}: {what} has {len(x)} inputs but labels of shape {tuple(y.shape)}; give one "
+                        "integer label per input")
+    bad = (y < 0) | (y >= num_classes)
+    if bool(bad.any()):
+        raise DataError(f"client {cid}: {what} label {int(y[bad][0])} is outside 0..{num_classes - 1} "
+                        f"(num_classes={num_classes}); relabel, or raise num_classes")
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        n = int((~torch.isfinite(x)).flatten(1).any(1).sum())
+        raise DataError(f"client {cid}: {n} {what} input(s) hold NaN or infinite values; clean or drop them")
+    if not isinstance(x, (torch.Tensor, LazyInputs)) and not finite(x):
+        raise DataError(f"client {cid}: {what} inputs hold NaN or infinite values; clean or drop them")
+    return x, y

@@ -1,0 +1,174 @@
+"""Who takes part in a run on Flower: the nodes that join (asked who they are once, refused with a
+reason), the discovery at the start, and clients whose node restarted (with or without their
+state).
+
+:class:`NodeMembership` is a part of :class:`~fedproto.flower.executor.FlowerExecutor`, not an
+executor of its own: it reads and keeps the attributes the executor sets (``nodes``, ``info``,
+``joins``, ``refused``, ``refusals``, ``instance``, ``state_lost``, ``cfg``, ``opts``, ``round``)
+and sends through :class:`~fedproto.flower.exchange.MessageExchange`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from flwr.app import Message, RecordDict
+
+from fedproto.algorithms.requirements import needs_one_size
+from fedproto.errors import ConfigError, TrainingError
+from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, schema_problem
+
+log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
+
+
+class NodeMembership:
+    """Nodes joining, refused, discovered and restarted (a part of
+    :class:`~fedproto.flower.executor.FlowerExecutor`)."""
+
+    def _saw(self, cid: int, metrics) -> None:
+        """Note the instance keys of a reply of client ``cid`` (:data:`INSTANCE_KEYS`): a new
+        ``instance`` means its node restarted and lost the client's state (a fresh model), recorded
+        in :attr:`state_lost` and in the round's ``rejoined``; ``restored`` 1 means the node came back
+        with its state file (:mod:`fedproto.flower.node_state`)."""
+        if "instance" not in metrics:
+            return
+        inst, old = int(metrics["instance"]), self.instance.get(cid)
+        self.instance[cid] = inst
+        node = self.nodes.get(cid)
+        if old is not None and inst != old:
+            self.state_lost[cid] = self.round
+            self._restored.discard(cid)
+            self._rejoined[str(cid)] = "restarted without its state: a fresh model"
+            log.warning("round %d: client %d (node %s) restarted and lost its state (a fresh model from here on); "
+                        "clients.csv marks it (state_lost_round) and the headline accuracy leaves it out unless it "
+                        "trains in half the rounds from here", self.round, cid, node)
+        elif int(metrics.get("restored", 0)) and cid not in self._restored:
+            self._restored.add(cid)
+            self._rejoined[str(cid)] = "restarted with its state restored from its state file"
+            log.warning("round %d: client %d (node %s) restarted and reloaded its state from its state file",
+                        self.round, cid, node)
+
+    def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
+        """The clients the headline accuracy leaves out (summary.json ``left_out``), with why: those
+        whose node lost their state (:attr:`state_lost`) and that trained in fewer than
+        ``ceil(rounds / 2)`` rounds from then on (their model is mostly untrained)."""
+        need = -(-rounds // 2)
+        out = {}
+        for cid, r0 in sorted(self.state_lost.items()):
+            since = sum(1 for row in history if row["round"] >= r0 and cid in row.get("replied", ()))
+            if since < need:
+                out[cid] = (f"its node lost its state in round {r0}; it trained in {since} round(s) from then on, "
+                            f"fewer than {need}")
+        return out
+
+    def _query_new(self, strict: bool = False) -> list[int]:
+        """Ask nodes not seen before who they are; returns the client ids that joined. A node
+        that fails the query (its own data or model refused, e.g. labels outside the classes) is
+        logged with its reason and not asked again. ``strict`` (the start): two nodes with one
+        client id raise ConfigError; later, a new node with a known client id is refused while
+        the client's node is still connected, and replaces it once that node is gone (the client
+        came back)."""
+        connected = set(self._grid("get_node_ids"))
+        for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
+            if self.nodes.get(cid) not in connected:
+                del self._duplicates[nid]
+                self.refused.pop(nid, None)
+        known = set(self.nodes.values()) | set(self.refused)
+        new = [nid for nid in connected if nid not in known]
+        if not new:
+            return []
+        ok, failed, unavailable, _ = self._exchange([Message(RecordDict(self._config({})), dst_node_id=nid,
+                                                             message_type=QUERY)
+                                                     for nid in new])
+        for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
+            log.warning("node %d is unavailable: %s", nid, why)
+        for nid, why in failed.items():
+            m = re.search(r"client-id=(\d+)", why)
+            self._refuse(nid, int(m.group(1)) if m else None, why)
+            log.warning("node %d refused: %s", nid, why)
+        if strict:
+            seen: dict[int, list[int]] = {}
+            for nid, rep in ok.items():
+                seen.setdefault(int(rep.content[CONFIG]["cid"]), []).append(nid)
+            dups = {c: sorted(v) for c, v in seen.items() if len(v) > 1}
+            if dups:
+                c, v = next(iter(dups.items()))
+                key = "client-id" if self.own_data else "partition-id"
+                raise ConfigError(f"nodes {v} all have {key}={c}; give each SuperNode its own {key}")
+        joined = []
+        for nid, rep in sorted(ok.items()):
+            info = dict(rep.content[CONFIG])
+            cid = int(info["cid"])
+            why = self._refusal(cid, info)
+            if why:
+                self._refuse(nid, cid, why)
+                log.warning("node %d (client %d) refused: %s", nid, cid, why)
+                continue
+            if cid in self.nodes and self.nodes[cid] != nid and self.nodes[cid] in connected:
+                key = "client-id" if self.own_data else "partition-id"
+                why = (f"{key}={cid} is already taken by node {self.nodes[cid]}, which is still connected; node "
+                       f"{nid} is refused while node {self.nodes[cid]} is there: give each SuperNode its own {key}")
+                self._refuse(nid, cid, why)
+                self._duplicates[nid] = cid
+                log.warning("node %d (client %d) refused: %s", nid, cid, why)
+                continue
+            if cid in self.nodes and self.nodes[cid] != nid:
+                log.warning("client %d is back on node %d (was node %d)", cid, nid, self.nodes[cid])
+            self.nodes[cid], self.info[cid] = nid, info
+            self._saw(cid, rep.content[METRICS] if METRICS in rep.content else {})
+            self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
+            joined.append(cid)
+        return joined
+
+    def _refuse(self, nid: int, cid: int | None, why: str) -> None:
+        self.refused[nid] = why
+        self.refusals.append({"node_id": nid, "client_id": cid, "reason": why, "round": self.round})
+
+    def _refusal(self, cid: int, info: dict) -> str:
+        bad_schema = schema_problem(info.get("schema"), "node")
+        if bad_schema:
+            return bad_schema
+        m, d = self.cfg.clients, int(info.get("embedding-dim", -1))
+        if not 0 <= cid < m:
+            return f"client-id={cid} is outside 0..{m - 1} (the run config has clients={m}); raise clients or renumber"
+        if self.own_data and d != self.cfg.embedding_dim and needs_one_size(self.cfg.algorithm):
+            return f"client {cid}'s embedding size is {d}, the run's embedding-dim is {self.cfg.embedding_dim}"
+        if not self.own_data and self.info and needs_one_size(self.cfg.algorithm):
+            d0 = int(next(iter(self.info.values()))["embedding-dim"])
+            if d != d0:
+                return f"client {cid}'s embedding size is {d}, the other clients' is {d0}"
+        bad = [c for c in info.get("classes", []) if not 0 <= int(c) < self.cfg.num_classes]
+        if bad:
+            return f"client {cid} has classes {bad[:5]} outside 0..{self.cfg.num_classes - 1}"
+        return ""
+
+    def _discover(self, wait_s: float) -> None:
+        m = self.cfg.clients
+        need = m if not self.own_data else self.opts.min_replies
+        deadline = time.monotonic() + wait_s
+        first = True
+        while True:
+            nids = list(self._grid("get_node_ids"))
+            self._query_new(strict=first)
+            first = False
+            if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
+                nid, why = next(iter(self.refused.items()))
+                raise TrainingError(f"node {nid} refused to join: {why}")
+            if len(self.nodes) >= m or time.monotonic() >= deadline:
+                break
+            if len(nids) < m:
+                log.warning("waiting up to %g s for %d SuperNodes (%d joined)", wait_s, m, len(self.nodes))
+            time.sleep(1.0)
+        if len(self.nodes) < need:
+            refused = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
+            which = "" if self.own_data else " (one per partition-id 0..clients-1)"
+            raise TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} "
+                                f"and needs {need}{which}: start the missing SuperNodes{refused}")
+        if len(self.nodes) < m:
+            log.warning("starting with %d of %d clients (%s); the others take part once they connect",
+                        len(self.nodes), m, sorted(self.nodes))
+
+
+__all__ = ["NodeMembership"]
