@@ -16,6 +16,7 @@ from conftest import flat_weights, float64_sim
 from fedproto.algorithms import ALGORITHMS, FedAvg, FedProx, FedRep, FeSEM, Local
 from fedproto.algorithms.base import ClientState
 from fedproto.algorithms.fedavg import weights_message
+from fedproto.algorithms.state import ServerState
 from fedproto.config import build_config
 from fedproto.errors import ConfigError
 from fedproto.models.base import count_parameters
@@ -130,7 +131,7 @@ def test_fedprox_term_reaches_the_gradient(batched):
         alg = FedProx(10, opt, 1, prox_mu=m_)
         states = [ClientState(i, m, np.arange(10)) for i, m in enumerate(models)]
         objs = [alg.objective(s, ref) for s in states]
-        assert (objs[0].prox_mu > 0, objs[0].prox_ref is not None) == (m_ > 0, m_ > 0)
+        assert (objs[0].anchor_mu > 0, objs[0].anchor is not None) == (m_ > 0, m_ > 0)
         before = _dist(models[0], ref)
         if batched:
             plans = [_plan(m, len(x), o, opt, i) for i, (m, x, o) in enumerate(zip(models, xs, objs))]
@@ -209,7 +210,7 @@ def test_fedavg_aggregation_is_sample_weighted():
         {"w/a": np.zeros((2, 3), np.float32), "w/b": np.full(4, 10.0, np.float32), "n": np.array([10])},
         {"w/a": np.ones((2, 3), np.float32), "w/b": np.zeros(4, np.float32), "n": np.array([90])},
     ]
-    out = alg.aggregate(1, dict(enumerate(msgs)))
+    out = alg.aggregate(1, dict(enumerate(msgs))).message
     assert set(out) == {"w/a", "w/b"}
     assert out["w/a"].dtype == np.float32
     np.testing.assert_allclose(out["w/a"], 0.9)
@@ -218,12 +219,14 @@ def test_fedavg_aggregation_is_sample_weighted():
 
 def test_fesem_assigns_nearest_centre_and_averages_members():
     alg = FeSEM(10, OptimConfig(), clusters=2)
-    alg.centres = {"w/a": np.array([[0.0, 0.0], [10.0, 10.0]], np.float32)}
-    alg.assign = np.zeros(4, np.int64)
+    before = ServerState({"w/a": np.array([[0.0, 0.0], [10.0, 10.0]], np.float32), "assign": np.zeros(4, np.int64)})
     pts = [(1.0, 0.0), (9.0, 9.0), (6.0, 6.0), (0.0, 2.0)]  # (6, 6) is nearer to (10, 10)
     ns = [1, 1, 3, 1]
     msgs = [{"w/a": np.array(p, np.float32), "n": np.array([n])} for p, n in zip(pts, ns)]
-    out = alg.aggregate(1, dict(enumerate(msgs)))
+    state = alg.aggregate(1, dict(enumerate(msgs)), before)
+    out = state.message
+    np.testing.assert_allclose(state.checkpoint["last_distances"][2], [72.0, 32.0])  # (6,6) to each centre
+    assert before.message["assign"].tolist() == [0, 0, 0, 0]  # the previous state is left as it was
     np.testing.assert_array_equal(out["assign"], [0, 1, 1, 0])
     np.testing.assert_allclose(out["w/a"][0], [0.5, 1.0])
     np.testing.assert_allclose(out["w/a"][1], [(9 + 18) / 4, (9 + 18) / 4])
@@ -255,7 +258,7 @@ def test_fesem_initial_centres_and_prepare_pick_own_centre():
 
 def test_local_sends_nothing():
     alg = Local(10, OptimConfig())
-    assert alg.aggregate(1, {0: {}, 1: {}}) == {}
+    assert alg.aggregate(1, {0: {}, 1: {}}) == ServerState({})
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedprox", "fedper", "fedrep", "fesem"])

@@ -178,7 +178,7 @@ def test_lambda_warmup_is_sent_and_used():
     # a smaller λ in rounds 2-4 pulls less: the prototype loss the clients see stays larger
     assert warm.history[1]["loss_ce"] != plain.history[1]["loss_ce"]
     obj = warm.setup.algorithm.objective(warm.setup.states[0], {**warm.message, "lambda": np.array([0.25], np.float32)})
-    assert obj.lambda_proto == 0.25
+    assert [type(t).__name__ for t in obj.terms] == ["ProtoTerm"] and obj.terms[0].weight == 0.25
 
 
 def _msg(classes, protos, counts):

@@ -543,7 +543,7 @@ def test_weight_sharing_keeps_each_clients_frozen_body(digits, algorithm, caplog
         assert all(torch.equal(w[0], x) for x in w[1:])  # one global trainable part after the download
     if algorithm == "fedprox":  # the proximal term covers the trained parameters (frozen ones have no reference)
         obj = alg.local_objective(states[0], alg.downlink(sim.message, 0))
-        assert obj.prox_mu == 0.1 and set(obj.prox_ref) == set(shared)
+        assert obj.anchor.mu == 0.1 and set(obj.anchor.ref) == set(shared)
 
 
 def test_nothing_left_to_share_is_warned(digits, caplog):

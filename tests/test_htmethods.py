@@ -10,6 +10,7 @@ from conftest import flat_weights, float64_sim
 
 from fedproto.algorithms import ALGORITHMS, FD, FedGH, FedTGP, LGFedAvg
 from fedproto.algorithms.lgfedavg import head_message
+from fedproto.algorithms.state import ServerState
 from fedproto.config import build_config
 from fedproto.engine.loop import Observer
 from fedproto.htmath import lg_aggregate, tgp_generate, tgp_init
@@ -135,7 +136,8 @@ def test_fedtgp_broadcasts_the_generators_prototypes_and_fedgh_its_head():
     np.testing.assert_allclose(sim.message["protos"], want, rtol=1e-3, atol=1e-4)
     assert np.abs(want - tgp_generate(state).numpy()).max() > 1e-2  # the step moved them
     sim = _run("fedgh", rounds=2)
-    np.testing.assert_array_equal(sim.message["head/weight"], sim.setup.algorithm.head_w.astype(np.float32))
+    np.testing.assert_array_equal(sim.message["head/weight"], sim.loop.server.checkpoint["head_w"].astype(np.float32))
+    assert np.isfinite(sim.history[-1]["server_loss"]) and sim.history[-1]["server_loss"] > 0
     # the client trained from the global head: its head moved away from it in its local epoch
     assert not np.allclose(head_message(sim.setup.states[0].model)["head/weight"], sim.message["head/weight"])
 
@@ -254,7 +256,8 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, algorithm):
         # the generator trained away from its initial state, so a resume that lost it would differ
         assert not np.allclose(a["w1"], tgp_init(C, D, seed=cfg.seed)["w1"])
     else:
-        assert np.array_equal(whole.setup.algorithm.head_w, resumed.setup.algorithm.head_w)
+        a, b = whole.loop.server.checkpoint, resumed.loop.server.checkpoint
+        assert np.array_equal(a["head_w"], b["head_w"]) and np.array_equal(a["head_b"], b["head_b"])
 
 
 def test_fedgh_keeps_the_upload_order_in_the_papers_regime_and_shuffles_as_the_reference_otherwise():
@@ -269,8 +272,8 @@ def test_fedgh_keeps_the_upload_order_in_the_papers_regime_and_shuffles_as_the_r
     w0, b0 = rng.normal(size=(5, 4)).astype(np.float32), np.zeros(5, np.float32)
     for epochs, batch, shuffle in ((1, 1, False), (3, 2, True), (1, 2, True)):
         gh = FedGH(5, OptimConfig(), server_epochs=epochs, server_batch_size=batch, server_lr=0.5, seed=7)
-        gh.head_w, gh.head_b = w0.copy(), b0.copy()
-        got = gh.aggregate(2, msgs)
+        before = ServerState({"head/weight": w0.copy(), "head/bias": b0.copy()})
+        got = gh.aggregate(2, msgs, before).message
         want_w, _, _ = fedgh_train_head([m["classes"] for m in msgs.values()], [m["protos"] for m in msgs.values()],
                                         w0, b0, epochs, 0.5, batch, shuffle=shuffle, seed=7 * 100_003 + 2)
         other_w, _, _ = fedgh_train_head([m["classes"] for m in msgs.values()], [m["protos"] for m in msgs.values()],

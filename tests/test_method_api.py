@@ -55,7 +55,7 @@ class PullProto(FedProto):
         if "protos" in message and len(message["classes"]) and self.options.pull_weight > 0:
             table, mask = prototype_table(message["classes"], message["protos"], self.num_classes,
                                           message["protos"].shape[1])
-            obj.terms = (PullTerm(self.options.pull_weight, table, mask),)
+            obj.terms = (*obj.terms, PullTerm(self.options.pull_weight, table, mask),)
         return obj
 
 

@@ -67,7 +67,7 @@ class EveryHook(FedProto):
     def objective(self, state, message):
         self._count(state, "objective")
         obj = super().objective(state, message)
-        obj.terms = (Shrink(),)
+        obj.terms = (*obj.terms, Shrink(),)
         return obj
 
     def local_objective(self, state, message):
@@ -109,7 +109,7 @@ class DivergingProto(FedProto):
 
     def objective(self, state, message):
         obj = super().objective(state, message)
-        obj.terms = (NaNTerm(),)
+        obj.terms = (*obj.terms, NaNTerm(),)
         return obj
 
 

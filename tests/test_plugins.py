@@ -51,7 +51,7 @@ class CenterProto(FedProto):
             return obj
         table, mask = prototype_table(message["classes"], message["protos"], self.num_classes,
                                       message["protos"].shape[1])
-        obj.terms = (CenterTerm(self.options.center_weight, table, mask),)
+        obj.terms = (*obj.terms, CenterTerm(self.options.center_weight, table, mask),)
         return obj
 
 
@@ -315,7 +315,7 @@ def test_a_loss_term_of_the_wrong_shape_is_named(term, mode, want):
 
         def objective(self, state, message):
             obj = super().objective(state, message)
-            obj.terms = (term(),)
+            obj.terms = (*obj.terms, term(),)
             return obj
 
     register_algorithm(WrongTerm)

@@ -12,6 +12,7 @@ import torch
 from conftest import digits_config
 
 from fedproto.algorithms.base import Algorithm
+from fedproto.algorithms.proto_term import ProtoTerm
 from fedproto.engine.executors.local import client_step
 from fedproto.engine.seeding import client_rng
 from fedproto.errors import ConfigError
@@ -72,7 +73,7 @@ def test_dp_sgd_with_full_batches_and_no_noise_is_plain_sgd():
     plan = make_plan(12, [Phase(3)], opt, {}, 0.0, np.random.default_rng(0))
     table = torch.randn(10, 16, dtype=torch.float64)
     mask = torch.ones(10, dtype=torch.bool)
-    kw = dict(phases=[Phase(3)], lambda_proto=0.5, table=table, mask=mask)
+    kw = dict(phases=[Phase(3)], terms=(ProtoTerm(0.5, table, mask),))
     r1 = train_client(m1, x, y, plan, Objective(**kw), opt)
     r2 = train_client(m2, x, y, plan_p, Objective(**kw, dp_sgd=DPSGD(0.0, 1e9, 12)), opt)
     for (n, a), b in zip(m1.named_parameters(), m2.parameters()):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import digits_config, needs_cifar
 
+from fedproto.algorithms.proto_term import ProtoTerm
 from fedproto.config import build_config
 from fedproto.models.cnn import PaperCNN
 from fedproto.models.resnet import ResNet18
@@ -19,6 +20,7 @@ from fedproto.training import (
     Objective,
     OptimConfig,
     Phase,
+    WeightAnchor,
     augment_batch,
     make_plan,
     train_client,
@@ -86,7 +88,7 @@ def test_batched_matches_sequential(form):
     ref = [copy.deepcopy(m) for m in models]
     opt = OptimConfig()
     table, mask = prototype_table(np.arange(7), np.random.default_rng(1).random((7, 50), dtype=np.float32), 10, 50)
-    obj = Objective([Phase(2)], lambda_proto=1.0, table=table, mask=mask, form=form, collect=True)
+    obj = Objective([Phase(2)], collect=True, terms=(ProtoTerm(1.0, table, mask, form),))
     plans = _plans(models, xs, obj, opt)
     seq = [train_client(ref[g], xs[g], ys[g], plans[g], obj, opt) for g in range(4)]
     bat = train_group(models, xs, ys, plans, obj, opt)
@@ -109,7 +111,7 @@ def test_batched_prox_and_head_only_phase_match_sequential():
     ref = [copy.deepcopy(m) for m in models]
     opt = OptimConfig()
     obj = Objective([Phase(1, trains=lambda n: n.startswith("fc2.")),
-                     Phase(1, trains=lambda n: not n.startswith("fc2."))], prox_mu=0.5, prox_ref=ref_w)
+                     Phase(1, trains=lambda n: not n.startswith("fc2."))], anchor=WeightAnchor(0.5, ref_w))
     plans = _plans(models, xs, obj, opt)
     for g in range(3):
         train_client(ref[g], xs[g], ys[g], plans[g], obj, opt)
@@ -186,11 +188,12 @@ def test_batched_path_reads_folded_plans_as_the_sequential_path():
 
 def test_group_refuses_objectives_that_differ():
     """train_group must not apply the first client's objective to all: objectives that differ
-    in anything but the FedProx reference are refused."""
+    in anything but the anchor's references are refused (here λ, the prototype term's weight)."""
     models, xs, ys = _clients(2)
     opt = OptimConfig()
-    a = Objective([Phase(1)], lambda_proto=1.0)
-    b = Objective([Phase(1)], lambda_proto=0.5)
+    table, mask = prototype_table(np.arange(3), np.ones((3, 50), np.float32), 10, 50)
+    a = Objective([Phase(1)], terms=(ProtoTerm(1.0, table, mask),))
+    b = Objective([Phase(1)], terms=(ProtoTerm(0.5, table, mask),))
     plans = _plans(models, xs, a, opt)
     with pytest.raises(ValueError, match="client 1 of the group has another objective"):
         train_group(models, xs, ys, plans, a, opt, [a, b])
@@ -269,7 +272,7 @@ def test_augmented_batched_matches_sequential_on_cifar_sized_cnn():
     ref = [copy.deepcopy(m) for m in models]
     opt = OptimConfig(augment=True)
     table, mask = prototype_table(np.arange(6), np.random.default_rng(1).random((6, 50), dtype=np.float32), 10, 50)
-    obj = Objective([Phase(2)], lambda_proto=1.0, table=table, mask=mask, collect=True)
+    obj = Objective([Phase(2)], collect=True, terms=(ProtoTerm(1.0, table, mask),))
     plans = [make_plan(len(x), obj.phases, opt, m.noise_widths(), m.dropout, np.random.default_rng([7, g]))
              for g, (m, x) in enumerate(zip(models, xs))]
     seq = [train_client(ref[g], xs[g], ys[g], plans[g], obj, opt) for g in range(G)]

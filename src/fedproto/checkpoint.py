@@ -6,8 +6,8 @@ holds, after round r:
 
 * ``round``: r; ``config``: :meth:`RunConfig.result_fields` of the run;
 * ``message``: the server message that round r + 1 starts from (global prototypes or weights);
-* ``server_state``: the algorithm's own server-side state (:meth:`Algorithm.server_state`, e.g.
-  FeSEM's cluster centres);
+* ``server_state``: the algorithm's own server-side state (``ServerState.checkpoint`` of the
+  round's aggregation, e.g. FedGH's head as trained);
 * ``clients``: per client, the model's ``state_dict`` and ``ClientState.extra``;
 * ``history``: the metrics rows of rounds 1..r; ``totals``, ``train_time_s``, ``wall_time_s``.
 

@@ -16,6 +16,12 @@ works at run time with :func:`register` (e.g. in a notebook or a test).
 Plug-ins are loaded once, the first time an algorithm or the option set is looked up; a plug-in
 that fails to load, or whose name or ``Options`` :func:`register` refuses, is logged and skipped,
 so it cannot break the built-in methods.
+
+The library's own methods are declared the same way, in fedproto's own ``pyproject.toml``
+(:func:`builtin_entry_points`); their names are read from the package metadata without loading
+them (``fedproto --help`` imports no torch) and their classes are imported on first use. They do
+not depend on :data:`NO_ENTRY_POINTS` nor on :func:`scope`: both leave out the other
+distributions' entry points only.
 """
 
 from __future__ import annotations
@@ -63,8 +69,57 @@ CLI_NAMES = ("config", "resume", "quiet", "help")
 PLUGINS: dict[str, Any] = {}
 """Algorithm classes registered from outside the library, by name (:func:`register`)."""
 
-BUILTIN = ("fedproto", "local", "fedavg", "fedprox", "fedper", "fedrep", "fesem", "fedtgp", "fd", "fedgh", "lgfedavg")
-"""The library's own methods (:data:`fedproto.algorithms.ALGORITHMS`)."""
+
+
+def _pyproject_entry_points() -> list[tuple[str, str]]:
+    """The :data:`GROUP` entries of fedproto's ``pyproject.toml`` beside the sources (a source tree);
+    [] where there is none (an installed wheel) or it cannot be read."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: no TOML reader in the standard library
+        return []
+    try:
+        project = tomllib.loads(path.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, ValueError):
+        return []
+    if project.get("name") != "fedproto":
+        return []
+    return list(project.get("entry-points", {}).get(GROUP, {}).items())
+
+
+def builtin_entry_points() -> list[tuple[str, str]]:
+    """``(name, "module:Class")`` of the library's own methods: the :data:`GROUP` entry points of
+    fedproto's own ``pyproject.toml``, read without importing anything. In a source tree (the file
+    beside the sources, e.g. an editable install) from that file, in its order (also when the
+    installed metadata is older than the file); else from the installed distribution's metadata
+    (where setuptools writes them in alphabetical order).
+
+    Raises:
+        RuntimeError: neither declares any method (fedproto's metadata is broken: reinstall it with
+            ``pip install -e .`` in its folder).
+    """
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    found = _pyproject_entry_points()
+    if not found:
+        try:
+            found = [(ep.name, ep.value) for ep in distribution("fedproto").entry_points if ep.group == GROUP]
+        except PackageNotFoundError:
+            found = []
+    if not found:
+        raise RuntimeError(f"fedproto's package metadata declares no method in the {GROUP!r} entry-point group; "
+                           "reinstall fedproto (pip install -e . in its folder, or pip install fedproto)")
+    return found
+
+
+BUILTIN_ENTRY_POINTS = tuple(builtin_entry_points())
+"""``(name, "module:Class")`` of the library's methods (:func:`builtin_entry_points`)."""
+
+BUILTIN = tuple(name for name, _ in BUILTIN_ENTRY_POINTS)
+"""The library's own methods (:data:`fedproto.algorithms.ALGORITHMS`), by name, in declaration order."""
 
 
 def version() -> int:
@@ -153,7 +208,8 @@ def unregister(name: str) -> None:
 
 
 def load_plugins() -> None:
-    """Register the algorithms of the ``fedproto.algorithms`` entry-point group (once per process)."""
+    """Register the algorithms of the ``fedproto.algorithms`` entry-point group that other
+    distributions declare (once per process; the library's own are :data:`BUILTIN`)."""
     global _loaded
     if _loaded:
         return
@@ -162,7 +218,10 @@ def load_plugins() -> None:
         return
     from importlib.metadata import entry_points
 
+    own = set(BUILTIN_ENTRY_POINTS)
     for ep in entry_points(group=GROUP):
+        if (ep.name, ep.value) in own:  # fedproto's own declaration of a built-in
+            continue
         try:
             register(ep.load())
         except Exception as e:  # a broken plug-in must not break the library's own methods

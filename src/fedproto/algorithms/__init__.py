@@ -1,9 +1,10 @@
 """Algorithms on the shared engine, by name.
 
-``ALGORITHMS`` maps the name of each of the library's methods to its class. Other algorithms are
-declared in the ``fedproto.algorithms`` entry-point group or registered at run time with
-:func:`register_algorithm` (:mod:`fedproto.plugins`). :func:`get_algorithm` is how
-the engine finds any of them.
+``ALGORITHMS`` maps the name of each of the library's methods to its class. The library's methods
+are declared in the ``fedproto.algorithms`` entry-point group of fedproto's own ``pyproject.toml``
+(:data:`fedproto.plugins.BUILTIN_ENTRY_POINTS`), as other packages declare theirs; algorithms are
+also registered at run time with :func:`register_algorithm` (:mod:`fedproto.plugins`).
+:func:`get_algorithm` is how the engine finds any of them.
 """
 
 from __future__ import annotations
@@ -11,22 +12,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_CLASSES = {  # name -> (module, class); imported on first use: this package's import stays torch-free
-    "FedProto": "fedproto", "Local": "local", "FedAvg": "fedavg", "FedProx": "fedprox", "FedPer": "fedper",
-    "FedRep": "fedrep", "FeSEM": "fesem", "FedTGP": "fedtgp", "FD": "fd", "FedGH": "fedgh", "LGFedAvg": "lgfedavg",
-}
 _BASE = ("Algorithm", "ClientData", "ClientState", "Message", "message_size")
 
 
 def __getattr__(name: str) -> Any:
     """The method classes, the base names and ``ALGORITHMS``, imported when first asked for (the
     options of :mod:`fedproto.algorithms.options` are read by ``fedproto run --help`` without torch)."""
-    if name in _CLASSES:
-        return getattr(importlib.import_module(f"fedproto.algorithms.{_CLASSES[name]}"), name)
+    from fedproto.plugins import BUILTIN_ENTRY_POINTS
+
+    classes = {value.partition(":")[2]: value.partition(":")[0] for _, value in BUILTIN_ENTRY_POINTS}
+    if name in classes:
+        return getattr(importlib.import_module(classes[name]), name)
     if name in _BASE:
         return getattr(importlib.import_module("fedproto.algorithms.base"), name)
     if name == "ALGORITHMS":
-        table = {cls.name: cls for cls in (__getattr__(n) for n in _CLASSES)}
+        table = {n: __getattr__(value.partition(":")[2]) for n, value in BUILTIN_ENTRY_POINTS}
         globals()["ALGORITHMS"] = table
         return table
     raise AttributeError(f"module 'fedproto.algorithms' has no attribute {name!r}")

@@ -31,6 +31,7 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.options import FDOptions
 from fedproto.algorithms.requirements import LABEL_SPACE
+from fedproto.algorithms.state import ServerState
 from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
 from fedproto.training import LossTerm, Objective, OptimConfig, Phase, TrainResult, predict
 
@@ -91,12 +92,12 @@ class FD(Algorithm):
         return protos_problem({"classes": reply["classes"], "protos": reply["logits"], "counts": reply["counts"]},
                               self.num_classes, self.num_classes).replace("protos", "logits")
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Per-class mean of the clients' mean logits (unweighted, PFLlib)."""
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """Per-class mean of the clients' mean logits (unweighted, PFLlib) as the next message."""
         msgs = [m for m in messages.values() if m]
         c, z, _ = fd_global_logits([m["classes"] for m in msgs], [m["logits"] for m in msgs],
                                    [m["counts"] for m in msgs], self.num_classes)
-        return {"classes": c, "logits": z.astype(np.float32)}
+        return ServerState({"classes": c, "logits": z.astype(np.float32)})
 
     # -- client ---------------------------------------------------------------------------------
     def objective(self, state: ClientState, message: Message) -> Objective:

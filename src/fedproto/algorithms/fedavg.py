@@ -47,6 +47,7 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, architecture_groups
+from fedproto.algorithms.state import ServerState
 from fedproto.errors import ConfigError
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
@@ -259,9 +260,9 @@ class FedAvg(Algorithm):
         and finite values, plus its sample count ``n``: one positive whole number."""
         return weights_problem(reply, sent)
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Sample-weighted average (weights n_i / sum n)."""
-        return weighted_average(list(messages.values()))
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """Sample-weighted average (weights n_i / sum n) as the next message; nothing else kept."""
+        return ServerState(weighted_average(list(messages.values())))
 
     # -- client ---------------------------------------------------------------------------------
     def load_global(self, state: ClientState, message: Message) -> None:

@@ -39,6 +39,7 @@ from fedproto.algorithms.lgfedavg import (
 )
 from fedproto.algorithms.options import FedGHOptions
 from fedproto.algorithms.requirements import ONE_EMBEDDING
+from fedproto.algorithms.state import ServerState
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
@@ -77,7 +78,6 @@ class FedGH(Algorithm):
 
     name = "fedgh"
     Options = FedGHOptions
-    server_state_keys = ("head_w", "head_b")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, server_epochs: int = 1,
                  server_lr: float = 0.01, server_batch_size: int = 1, seed: int = 0):
@@ -86,9 +86,6 @@ class FedGH(Algorithm):
         self.seed = seed
         # the paper's regime (one pass, one pair per step) keeps the upload order; any other shuffles as the reference
         self.shuffles = server_epochs > 1 or server_batch_size > 1
-        self.head_w: np.ndarray | None = None
-        self.head_b: np.ndarray | None = None
-        self.last_loss = float("nan")
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FedGH:
@@ -106,27 +103,45 @@ class FedGH(Algorithm):
     def initial_message_from(self, joins: dict[int, Message]) -> Message:
         """The lowest id's initial head, after :func:`~fedproto.algorithms.lgfedavg.check_heads`."""
         check_heads(joins, self.name)
-        first = joins[min(joins)]
-        self.head_w = np.asarray(first["head/weight"], np.float32)
-        self.head_b = np.asarray(first["head/bias"], np.float32)
-        return dict(first)
+        return dict(joins[min(joins)])
 
     def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
         """See :func:`protos_problem`."""
         return protos_problem(reply, self.num_classes, embedding_dim)
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """Train the global head on the round's prototypes (:func:`fedproto.htmath.fedgh_train_head`)."""
-        msgs = list(messages.values())
-        w, b, info = fedgh_train_head([m["classes"] for m in msgs], [m["protos"] for m in msgs], self.head_w,
-                                      self.head_b, self.server_epochs, self.server_lr, self.server_batch_size,
-                                      shuffle=self.shuffles, seed=self.seed * 100_003 + round)
-        self.head_w, self.head_b, self.last_loss = w, b, info["loss"]
-        return {"head/weight": w.astype(np.float32), "head/bias": b.astype(np.float32)}
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """Train the global head on the round's prototypes (:func:`fedproto.htmath.fedgh_train_head`),
+        from the head the previous ``state`` holds (its checkpoint's ``head_w`` (C, d) and ``head_b``
+        (C,) as trained; before round 1 the initial message's float32 head).
 
-    def round_metrics(self) -> dict[str, float]:
-        """``server_loss``: the head training's mean loss in its last epoch."""
-        return {"server_loss": self.last_loss}
+        Returns:
+            The head (float32) as the message, ``server_loss`` (the head training's mean loss in its
+            last epoch) as the round's metric, the head as trained in the checkpoint.
+
+        Raises:
+            ValueError: ``state`` is None (the server holds no head to start from).
+        """
+        if state is None:
+            raise ValueError("FedGH.aggregate needs the previous ServerState (its head); pass the initial "
+                             "message's: ServerState(initial_message)")
+        w0, b0 = state.checkpoint.get("head_w"), state.checkpoint.get("head_b")
+        if w0 is None or b0 is None:
+            w0 = np.asarray(state.message["head/weight"], np.float32)
+            b0 = np.asarray(state.message["head/bias"], np.float32)
+        msgs = list(messages.values())
+        w, b, info = fedgh_train_head([m["classes"] for m in msgs], [m["protos"] for m in msgs], w0, b0,
+                                      self.server_epochs, self.server_lr, self.server_batch_size,
+                                      shuffle=self.shuffles, seed=self.seed * 100_003 + round)
+        return ServerState({"head/weight": w.astype(np.float32), "head/bias": b.astype(np.float32)},
+                           metrics={"server_loss": info["loss"]}, checkpoint={"head_w": w, "head_b": b})
+
+    def resume_state(self, message: Message, checkpoint: dict) -> ServerState:
+        """The state after a checkpoint's round: its message and its head as trained.
+
+        Raises:
+            KeyError: the checkpoint holds no ``head_w`` or ``head_b``.
+        """
+        return ServerState(message, checkpoint={"head_w": checkpoint["head_w"], "head_b": checkpoint["head_b"]})
 
     # -- client ---------------------------------------------------------------------------------
     def prepare(self, state: ClientState, message: Message) -> None:

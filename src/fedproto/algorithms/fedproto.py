@@ -33,6 +33,7 @@ from fedproto.algorithms.proto_steps import (
     proto_round,
     prototype_files,
 )
+from fedproto.algorithms.proto_term import ProtoTerm
 from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.state import ServerState
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
@@ -204,14 +205,12 @@ class FedProto(ProtoServerChecks, Algorithm):
     def objective(self, state: ClientState, message: Message) -> Objective:
         table, mask = self._table(message)
         lam = float(np.asarray(message["lambda"]).reshape(-1)[0]) if "lambda" in message else self.lambda_proto
+        terms = (ProtoTerm(lam, table, mask, self.distance, self.proto_normalize),) if table is not None and lam > 0 \
+            else ()
         return Objective(
             phases=[Phase(self.local_epochs)],
-            lambda_proto=lam if table is not None else 0.0,
-            table=table,
-            mask=mask,
-            form=self.distance,
             collect=self.proto_source == "last_epoch" and self.dp == "off",
-            normalize=self.proto_normalize,
+            terms=terms,
             dp_sgd=DPSGD(self.dp_noise, self.dp_grad_clip, self.opt.batch_size) if self.dp == "full" else None,
         )
 

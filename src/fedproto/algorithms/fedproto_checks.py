@@ -113,6 +113,16 @@ class ProtoServerChecks:
                                   option="min_proto_samples", value=self.min_proto_samples,
                                   hint=f"use {opt('min_proto_samples', most)} or less")
 
+    def setup_warnings(self, cfg) -> list[str]:
+        """``dp_reproducible_noise``: ignored without ``dp``; under ``dp`` the noise no longer
+        protects against whoever knows the seed."""
+        if not self.dp_reproducible_noise:
+            return []
+        if self.dp == "off":
+            return ["dp_reproducible_noise: ignored, it acts with dp prototypes or full only"]
+        return ["dp_reproducible_noise: the DP noise is drawn from the run's seed, so the privacy guarantee does not "
+                "hold against anyone who knows the seed (use it for reproducible experiments only)"]
+
     def divergence_hint(self, cfg) -> str:
         from fedproto.errors import opt
 

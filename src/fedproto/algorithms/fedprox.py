@@ -5,8 +5,8 @@ same personalized evaluation) plus a proximal term in every local step:
 
     loss = CE + mu/2 * ||w - w_global||²
 
-where ``w_global`` are the weights the client received this round (``Objective.prox_mu`` /
-``Objective.prox_ref``, applied by both training paths to the parameters being trained, so the
+where ``w_global`` are the weights the client received this round (the objective's
+:class:`~fedproto.training.WeightAnchor`, applied by every training path to the parameters being trained, so the
 term reaches the gradient: mu * (w - w_global)). ``mu`` is the run option ``prox_mu`` (default
 0.01, one of the values of the FedProx paper's grid {0.001, 0.01, 0.1, 1}; mu = 0 is FedAvg).
 Note: the FedProto official code's FedProx function computes this term between state-dict copies,
@@ -23,7 +23,7 @@ import torch
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg
 from fedproto.algorithms.options import FedProxOptions
-from fedproto.training import Objective, OptimConfig, Phase
+from fedproto.training import Objective, OptimConfig, Phase, WeightAnchor
 
 
 class FedProx(FedAvg):
@@ -63,4 +63,4 @@ class FedProx(FedAvg):
         if self.prox_mu == 0 or any(name not in ref for name in trained):
             # mu = 0, or no global weights to stay close to (cannot happen after initial_message)
             return Objective(phases=phases)
-        return Objective(phases=phases, prox_mu=self.prox_mu, prox_ref=ref)
+        return Objective(phases=phases, anchor=WeightAnchor(self.prox_mu, ref))

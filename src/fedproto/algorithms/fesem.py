@@ -32,6 +32,7 @@ import numpy as np
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
 from fedproto.algorithms.options import FeSEMOptions
+from fedproto.algorithms.state import ServerState
 from fedproto.errors import ConfigError
 from fedproto.training import OptimConfig
 
@@ -57,15 +58,15 @@ class FeSEM(FedAvg):
     Args:
         num_classes, opt, local_epochs: as :class:`FedAvg`. clusters: K >= 1.
         seed: draws the K clients whose initial weights seed the centres.
-    Attributes (server state): centres: key -> (K, *shape) float32; assign: (m,) int64 cluster of
-        each client; last_distances: (m, K) squared distances of the latest E-step.
+    Server state (:class:`~fedproto.algorithms.state.ServerState`): the message holds the centres,
+    ``w/<name>`` -> (K, *shape) float32, and ``assign`` (m,) int64, the cluster of each client; the
+    checkpoint adds ``last_distances`` (m, K), the squared distances of the latest E-step.
     """
 
     name = "fesem"
     Options = FeSEMOptions
     global_protocol = ("global: the centre of the client's cluster after the last round's aggregation (E- and "
                        "M-step), before any local training, on the client's own test set")
-    server_state_keys = ("centres", "assign", "last_distances")
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0):
         super().__init__(num_classes, opt, local_epochs)
@@ -73,16 +74,10 @@ class FeSEM(FedAvg):
             raise ValueError(f"fesem_clusters must be >= 1, got {clusters}")
         self.clusters = int(clusters)
         self.seed = int(seed)
-        self.centres: dict[str, np.ndarray] = {}
-        self.assign = np.zeros(0, np.int64)
-        self.last_distances: np.ndarray | None = None
 
     @classmethod
     def from_config(cls, cfg, embedding_dim: int) -> FeSEM:
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed)
-
-    def _message(self) -> Message:
-        return {**self.centres, ASSIGN_KEY: self.assign.copy()}
 
     # -- server ---------------------------------------------------------------------------------
     def initial_message_from(self, joins: dict[int, Message]) -> Message:
@@ -98,31 +93,35 @@ class FeSEM(FedAvg):
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, 0xFE5E]))
         seeds = sorted(int(i) for i in rng.choice(m, K, replace=False))
         msgs = [joins[c] for c in cids]
-        self.centres = {k: np.stack([msgs[i][k] for i in seeds]) for k in msgs[0] if k.startswith(WEIGHT_PREFIX)}
-        self.assign = np.zeros(max(cids) + 1, np.int64)
-        d = centre_distances(msgs, self.centres)
-        self.assign[cids] = d.argmin(1)
-        self.last_distances = d
-        return self._message()
+        centres = {k: np.stack([msgs[i][k] for i in seeds]) for k in msgs[0] if k.startswith(WEIGHT_PREFIX)}
+        assign = np.zeros(max(cids) + 1, np.int64)
+        assign[cids] = centre_distances(msgs, centres).argmin(1)
+        return {**centres, ASSIGN_KEY: assign}
 
-    def _grow(self, cid: int) -> None:
-        """Room in ``assign`` for a client id not seen at the start (a late joiner: cluster 0 until
-        its first reply is assigned)."""
-        if cid >= len(self.assign):
-            self.assign = np.concatenate([self.assign, np.zeros(cid + 1 - len(self.assign), np.int64)])
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """E-step (nearest centre) then M-step (sample-weighted average per cluster), from the
+        centres and assignment of the previous ``state``'s message; clients not heard from this
+        round keep their assignment (a client id not seen before starts in cluster 0).
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """E-step (nearest centre) then M-step (sample-weighted average per cluster); clients not
-        heard from this round keep their assignment."""
+        Returns:
+            The new centres and assignment as the message; ``last_distances`` (m, K) in the checkpoint.
+
+        Raises:
+            ValueError: ``state`` is None (no centres to start from).
+        """
+        if state is None:
+            raise ValueError("FeSEM.aggregate needs the previous ServerState (its centres); pass the initial "
+                             "message's: ServerState(initial_message)")
+        centres = {k: v for k, v in state.message.items() if k.startswith(WEIGHT_PREFIX)}
+        assign = np.asarray(state.message[ASSIGN_KEY], np.int64).copy()
         cids = list(messages)
         messages = list(messages.values())
-        if cids:
-            self._grow(max(cids))
-        d = centre_distances(messages, self.centres)
+        if cids and max(cids) >= len(assign):
+            assign = np.concatenate([assign, np.zeros(max(cids) + 1 - len(assign), np.int64)])
+        d = centre_distances(messages, centres)
         a = d.argmin(1)
-        self.assign[cids] = a
-        self.last_distances = d
-        new = {k: v.copy() for k, v in self.centres.items()}
+        assign[cids] = a
+        new = {k: np.array(v, copy=True) for k, v in centres.items()}
         for k in range(self.clusters):
             members = [messages[j] for j in np.flatnonzero(a == k)]
             if not members:
@@ -130,8 +129,7 @@ class FeSEM(FedAvg):
             avg = weighted_average(members)
             for key in new:
                 new[key][k] = avg[key]
-        self.centres = new
-        return self._message()
+        return ServerState({**new, ASSIGN_KEY: assign}, checkpoint={"last_distances": d})
 
     def downlink(self, message: Message, cid: int) -> Message:
         """The part of the server message client ``cid`` needs: its centre, ``w/<name>``: shape."""

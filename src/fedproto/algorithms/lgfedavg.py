@@ -32,6 +32,7 @@ import torch
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
 from fedproto.algorithms.requirements import ONE_EMBEDDING
+from fedproto.algorithms.state import ServerState
 from fedproto.errors import ConfigError
 from fedproto.htmath import lg_aggregate
 from fedproto.models.base import ProtoModel
@@ -151,12 +152,12 @@ class LGFedAvg(Algorithm):
         """See :func:`head_reply_problem`."""
         return head_reply_problem(reply, sent)
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        """The sample-weighted mean of the heads (:func:`fedproto.htmath.lg_aggregate`)."""
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """The sample-weighted mean of the heads (:func:`fedproto.htmath.lg_aggregate`) as the next message."""
         msgs = list(messages.values())
         heads = [{k: v for k, v in m.items() if k.startswith(HEAD_PREFIX)} for m in msgs]
         out = lg_aggregate(heads, [float(m[COUNT_KEY][0]) for m in msgs])
-        return {k: v.astype(np.float32) for k, v in out.items()}
+        return ServerState({k: v.astype(np.float32) for k, v in out.items()})
 
     def prepare(self, state: ClientState, message: Message) -> None:
         """Load the global head into the client model."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fedproto.algorithms.base import Algorithm, Message
 from fedproto.algorithms.options import NoOptions
 from fedproto.algorithms.requirements import NOTHING
+from fedproto.algorithms.state import ServerState
 
 
 class Local(Algorithm):
@@ -23,5 +24,6 @@ class Local(Algorithm):
     Options = NoOptions
     shares_weights = False
 
-    def aggregate(self, round: int, messages: dict[int, Message]) -> Message:
-        return {}
+    def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
+        """Nothing to combine: the empty message."""
+        return ServerState({})

@@ -24,11 +24,12 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import Field, model_validator
 
 from fedproto.errors import ConfigError, opt
-from fedproto.plugins import AlgorithmOptions
+from fedproto.plugins import BUILTIN_ENTRY_POINTS, AlgorithmOptions
 
-__all__ = ["BUILTIN_OPTIONS", "AlgorithmOptions", "FDOptions", "FedGHOptions", "FedPerOptions", "FedProtoOptions",
-           "FedProxOptions", "FedRepOptions", "FedTGPOptions", "FeSEMOptions", "NoOptions", "ProtoClientOptions",
-           "WeightsOptions", "options_of", "owners"]
+__all__ = ["BUILTIN_OPTIONS", "AlgorithmOptions", "FDOptions", "FedAvgOptions", "FedGHOptions", "FedPerOptions",
+           "FedProtoOptions", "FedProxOptions", "FedRepOptions", "FedTGPOptions", "FeSEMOptions", "LGFedAvgOptions",
+           "LocalOptions", "NoOptions", "ProtoClientOptions", "WeightsOptions", "builtin_options", "options_of",
+           "owners"]
 
 
 class NoOptions(AlgorithmOptions):
@@ -228,12 +229,22 @@ class FDOptions(AlgorithmOptions):
                                   "PFLlib: 1)")
 
 
-BUILTIN_OPTIONS: dict[str, type[AlgorithmOptions]] = {
-    "fedproto": FedProtoOptions, "local": NoOptions, "fedavg": WeightsOptions, "fedprox": FedProxOptions,
-    "fedper": FedPerOptions, "fedrep": FedRepOptions, "fesem": FeSEMOptions, "fedtgp": FedTGPOptions,
-    "fd": FDOptions, "fedgh": FedGHOptions, "lgfedavg": WeightsOptions,
-}
-"""The options of each of the library's methods, by name (each method's ``Options``)."""
+LocalOptions = NoOptions
+FedAvgOptions = WeightsOptions
+LGFedAvgOptions = WeightsOptions
+"""The options of the methods that have none of their own (aliases, named after the method's class)."""
+
+
+def builtin_options() -> dict[str, type[AlgorithmOptions]]:
+    """The options of each of the library's methods, by name: for the method whose entry point is
+    ``module:Class`` (:data:`fedproto.plugins.BUILTIN_ENTRY_POINTS`), ``ClassOptions`` of this module
+    (the class's ``Options``: ``tests/test_method_api.py`` checks they agree). Read without importing
+    the methods, so ``fedproto run --help`` stays torch-free."""
+    return {name: globals()[f"{value.partition(':')[2]}Options"] for name, value in BUILTIN_ENTRY_POINTS}
+
+
+BUILTIN_OPTIONS: dict[str, type[AlgorithmOptions]] = builtin_options()
+"""The options of each of the library's methods, by name (:func:`builtin_options`)."""
 
 
 def options_of(algorithm: str) -> type[AlgorithmOptions]:

@@ -24,13 +24,18 @@ class ServerPart:
     runs before aggregating (:meth:`reply_problem`, :meth:`reply_problems`, :meth:`message_problem`),
     what the summary says (:meth:`eval_protocols`, :meth:`summary_entries`) and the checks and
     words of a whole federation (:meth:`check_setup`, :meth:`divergence_hint`, :meth:`attack_fix`,
-    :meth:`blowup_causes`). A method whose :meth:`aggregate` returns its message alone gives the
-    rest with :meth:`round_metrics`, :meth:`server_state` and :meth:`write_results`.
+    :meth:`blowup_causes`). Nothing the engine reads is kept on ``self``: what a round produced
+    is the returned state.
     """
 
     def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
         """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
         config and each client's (n_i,) training labels; called before round 1. Default: none."""
+
+    def setup_warnings(self, cfg: Any) -> list[str]:
+        """Warnings about this method's options the engine logs once before round 1, each one
+        sentence naming the option (default: none)."""
+        return []
 
     def divergence_hint(self, cfg: Any) -> str:
         """Options of this algorithm that can make training diverge, worded for the error the
@@ -100,45 +105,22 @@ class ServerPart:
                 message's before round 1; after a resume :meth:`resume_state`'s).
         Returns:
             A :class:`~fedproto.algorithms.state.ServerState` (the next message, the round's
-            metrics entries, health alerts, the checkpoint, run-folder files), or the next message
-            alone (then :meth:`round_metrics` and :meth:`server_state` give the rest).
+            metrics entries, health alerts, the checkpoint, run-folder files), or, for a method with
+            nothing else to keep, the next message alone (a plain dict; see
+            :func:`~fedproto.algorithms.state.as_state`).
         """
         raise NotImplementedError
 
     def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
         """The :class:`~fedproto.algorithms.state.ServerState` after a checkpoint's round, from its
         server message and its ``server_state`` (the ``checkpoint`` a :meth:`aggregate` returned).
-        Default: :meth:`load_server_state`, then the message and the checkpoint as they are.
-        Raises ``KeyError`` when the checkpoint lacks what the method needs."""
-        self.load_server_state(checkpoint)
+        Default: the message and the checkpoint as they are. A method that needs entries of the
+        checkpoint raises ``KeyError`` when they are missing."""
         return ServerState(message, checkpoint=dict(checkpoint))
-
-    server_state_keys: tuple[str, ...] = ()
-    """For a method whose :meth:`aggregate` returns its message alone: attributes the server keeps
-    between rounds besides the message (saved in checkpoints)."""
-
-    def server_state(self) -> dict[str, Any]:
-        """The server-side state a checkpoint needs (numpy arrays, dicts of them, or None)."""
-        return {k: getattr(self, k) for k in self.server_state_keys}
-
-    def load_server_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`server_state` (from a checkpoint). Raises ``KeyError`` on a missing key."""
-        for k in self.server_state_keys:
-            setattr(self, k, state[k])
 
     def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
         """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
         the run's options and the final per-client metrics (default: none)."""
-        return {}
-
-    def write_results(self, run_dir: Any, message: Message) -> None:
-        """Write this algorithm's own result files into the finished run's folder
-        (:class:`fedproto.results.RunDir`; FedProto: ``prototypes.npz``) from the final server
-        message (default: none)."""
-
-    def round_metrics(self) -> dict[str, float]:
-        """For a method whose :meth:`aggregate` returns its message alone: extra numbers of the
-        last aggregation for the round's metrics row (default: none)."""
         return {}
 
     def broadcast(self, round: int, message: Message) -> Message:

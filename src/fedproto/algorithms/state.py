@@ -4,8 +4,8 @@
 server message and everything else the round produced on the server (its entries of the metrics
 row, health alerts, what a checkpoint must keep to resume, the run folder's files). The engine
 keeps the last one (``RoundLoop.server``), hands it back to the next ``aggregate`` and reads
-nothing else from the algorithm object. A method may still return its message alone (a plain
-``dict``): :func:`server_update` wraps it, with ``round_metrics()`` and ``server_state()``.
+nothing else from the algorithm object. A method with nothing but a message to keep may return
+the message alone (a plain ``dict``): :func:`server_update` wraps it as ``ServerState(message)``.
 
 Torch-free (numpy only).
 """
@@ -69,12 +69,37 @@ def takes_state(aggregate: Any) -> bool:
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def server_update(algorithm: Any, round: int, messages: dict[int, Message], previous: ServerState) -> ServerState:
-    """``algorithm.aggregate(round, messages, previous)`` as a :class:`ServerState`. A method whose
-    ``aggregate(round, messages)`` returns the message alone gets its metrics from
-    ``round_metrics()`` and its checkpoint from ``server_state()``."""
-    fn = algorithm.aggregate
-    out = fn(round, messages, previous) if takes_state(fn) else fn(round, messages)
+LEGACY_HOOKS = ("round_metrics", "server_state", "server_state_keys", "load_server_state", "write_results")
+"""Side-attribute hooks of an older server API that the engine no longer reads: metrics, the
+checkpoint and result files are :class:`ServerState` fields now (docs/architecture.md)."""
+
+
+def as_state(algorithm: Any, out: Any) -> ServerState:
+    """What ``algorithm.aggregate`` returned, as a :class:`ServerState`: the state itself, or a
+    plain message wrapped as ``ServerState(message)`` (no metrics, alerts, checkpoint or files).
+
+    Raises:
+        TypeError: ``out`` is neither, or it is a plain message from an algorithm that defines one
+            of :data:`LEGACY_HOOKS` (its metrics or checkpoint would be lost in silence): the error
+            names the hook and says to return a ``ServerState`` instead.
+    """
     if isinstance(out, ServerState):
         return out
-    return ServerState(dict(out), metrics=dict(algorithm.round_metrics()), checkpoint=algorithm.server_state())
+    if not isinstance(out, dict):
+        raise TypeError(f"{type(algorithm).__name__}.aggregate returned {type(out).__name__}: return a "
+                        "fedproto.algorithms.state.ServerState (or the next message, a dict of numpy arrays)")
+    legacy = [h for h in LEGACY_HOOKS if hasattr(algorithm, h)]
+    if legacy:
+        raise TypeError(f"{type(algorithm).__name__}.aggregate returned its message alone and the class defines "
+                        f"{', '.join(legacy)}, which fedproto no longer reads: return ServerState(message, "
+                        "metrics=..., checkpoint=..., files=...) from aggregate and read the previous one from its "
+                        "state argument (docs/architecture.md, 'Server strategy')")
+    return ServerState(dict(out))
+
+
+def server_update(algorithm: Any, round: int, messages: dict[int, Message], previous: ServerState) -> ServerState:
+    """``algorithm.aggregate(round, messages, previous)`` (``aggregate(round, messages)`` where it
+    takes no state) as a :class:`ServerState` (:func:`as_state`)."""
+    fn = algorithm.aggregate
+    out = fn(round, messages, previous) if takes_state(fn) else fn(round, messages)
+    return as_state(algorithm, out)

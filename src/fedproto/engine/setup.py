@@ -236,11 +236,9 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     if unused:
         log.warning("%s ignores %s: %s", cfg.algorithm, ", ".join(unused), "; ".join(
             f"{k} acts on {', '.join(users[k])} only" for k in unused))
-    if cfg.dp_reproducible_noise:
-        log.warning("dp_reproducible_noise: %s", "ignored, it acts with dp prototypes or full only" if cfg.dp == "off"
-                    else "the DP noise is drawn from the run's seed, so the privacy guarantee does not hold against "
-                         "anyone who knows the seed (use it for reproducible experiments only)")
     alg = build_algorithm(cfg, d)
+    for warning in alg.setup_warnings(cfg):  # the method's words about its options (FedProto: the DP noise's seed)
+        log.warning("%s", warning)
     if whole:
         alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
     if needs == ONE_ARCHITECTURE:

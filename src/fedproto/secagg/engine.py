@@ -110,7 +110,7 @@ class SecureServer:
         """
         from dataclasses import replace
 
-        from fedproto.algorithms.state import ServerState
+        from fedproto.algorithms.state import as_state
 
         rnd = self._session.last
         cids = sorted(messages)
@@ -123,8 +123,7 @@ class SecureServer:
             total = total + messages[i][KEY]
         total = codecs.decode(total - rnd.masks)
         out = self._codec.aggregate(round, total, cids, rnd.sent, state)
-        if not isinstance(out, ServerState):  # a method whose aggregate returns its message alone
-            out = ServerState(dict(out), metrics=dict(self._alg.round_metrics()), checkpoint=self._alg.server_state())
+        out = as_state(self._alg, out)  # a method whose aggregate returns its message alone
         return replace(out, metrics={**out.metrics, **self.secagg_metrics()})
 
     def secagg_metrics(self) -> dict:

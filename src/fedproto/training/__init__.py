@@ -20,17 +20,20 @@ All draw their randomness (batch order, dropout masks and, with ``OptimConfig.au
 crop offsets and flips of :func:`augment_batch`) from the same per-client plan
 (:func:`make_plan`), so they give the same weights up to float rounding.
 
-Loss per step and client (eq. 7): mean cross-entropy over the batch + ``lambda_proto`` x
-:func:`fedproto.prototypes.proto_loss` + ``prox_mu``/2 x ||w - w_ref||² (FedProx).
+Loss per step and client (eq. 7): mean cross-entropy over the batch + the method's loss terms
+(:class:`LossTerm`; FedProto's: λ x :func:`fedproto.prototypes.proto_loss`) + ``mu``/2 x
+||w - w_ref||² of a :class:`WeightAnchor` (FedProx, FeSEM) (:func:`step_terms`, :func:`anchor_loss`).
 The optimizer is created anew at each call (official code: a fresh ``torch.optim.SGD`` per round,
 so momentum, or Adam's moments, do not carry across rounds); its lr is the round's
 (:meth:`OptimConfig.lr_of_round`, the ``lr_schedule`` option).
 
 The package's modules: :mod:`~fedproto.training.objective` (what is minimised, with which
-optimizer), :mod:`~fedproto.training.plans` (each client's randomness of a round),
+optimizer), :mod:`~fedproto.training.terms` (loss terms, the weight anchor, the step's loss),
+:mod:`~fedproto.training.plans` (each client's randomness of a round),
 :mod:`~fedproto.training.sequential` (the reference loop and inference),
 :mod:`~fedproto.training.stacked` (the hand-written batched path) and
-:mod:`~fedproto.training.generic` (the generic batched path); their public names are importable
+:mod:`~fedproto.training.generic` (the generic batched path, with the dropout replay of
+:mod:`~fedproto.training.replay`); their public names are importable
 from ``fedproto.training``.
 """
 
@@ -54,7 +57,9 @@ from fedproto.training.objective import (  # noqa: F401
     Objective,
     OptimConfig,
     Phase,
+    WeightAnchor,
     adam_step_stacked,
+    anchor_loss,
     frozen_batchnorms,
     frozen_params,
     has_batchnorm,
@@ -93,7 +98,8 @@ from fedproto.training.stacked import (  # noqa: F401
 __all__ = [
     "ADAM_BETAS", "ADAM_EPS", "AUGMENT_PAD", "DPSGD", "EMBED_NORM_LIMIT", "EVAL_TRAIN_NORM_RATIO", "LR_SCHEDULES",
     "LossTerm", "OPTIMIZERS", "Objective", "OptimConfig", "Phase", "Plan", "StackedPhase", "TrainResult",
-    "TrainsOnly", "adam_step_stacked", "augment_batch", "batch_key", "can_batch", "embed_all", "frozen_batchnorms",
+    "TrainsOnly", "WeightAnchor", "adam_step_stacked", "anchor_loss", "augment_batch", "batch_key", "can_batch",
+    "embed_all", "frozen_batchnorms",
     "frozen_params", "generic_batch_problem", "generic_key", "has_batchnorm", "make_optimizer", "make_plan",
     "min_batch", "embedding_norm_max", "on_device", "poisson_plan", "portable_objective", "predict", "respect_frozen",
     "stack_plans", "stacked_refs", "stacked_state", "step_terms", "train_client", "train_group",

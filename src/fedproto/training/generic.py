@@ -1,15 +1,14 @@
 """The generic batched path (:func:`train_group_generic`): clients of any one architecture as one
 computation, through the grouped (fx-traced) layers where the model is made of standard layers,
 else ``torch.func`` (``functional_call`` under ``vmap``), with BatchNorm statistics per client and
-dropout masks replayed from each client's seed.
+dropout masks replayed from each client's seed (:mod:`fedproto.training.replay`).
 
-Size: about 430 lines, one path (its keys, its checks, its training loop and write-back), kept in
-one module so the path reads top to bottom."""
+One path (its keys, its checks, its training loop and write-back), kept in one module so it reads
+top to bottom; the dropout replay it uses lives in :mod:`fedproto.training.replay`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,16 +29,12 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
+from fedproto.training.replay import FEATURE_DROPOUT, Functional, dropout_calls, dropout_modules, replay_masks
 from fedproto.training.sequential import embedding_norm_max, set_train_modes
 from fedproto.training.stacked import stack_plans, stacked_refs, train_stacked
 
 # ----------------------------------------------------------------------------------------------
 # Client-batched path for any model (torch.func): the same computation as train_client, G clients at once.
-
-_FEATURE_DROPOUT = {nn.Dropout1d: 3, nn.Dropout2d: 4, nn.Dropout3d: 5}
-"""Dropout modules that zero whole channels, with the input rank they are replayed for (torch's
-``make_feature_noise``: a mask of shape (N, C, 1, ...))."""
-
 
 def _plain(v) -> bool:
     """True for values that describe a module's configuration in :func:`generic_key` (numbers,
@@ -71,7 +66,7 @@ def generic_key(model: nn.Module) -> tuple | None:
     for name, m in model.named_modules():
         if "forward" in vars(m):
             return None
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) not in (nn.Dropout, *_FEATURE_DROPOUT):
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and type(m) not in (nn.Dropout, *FEATURE_DROPOUT):
             return None
         attrs = tuple(sorted((k, v) for k, v in vars(m).items() if _plain(v)))
         hooks = tuple(len(getattr(m, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -80,110 +75,6 @@ def generic_key(model: nn.Module) -> tuple | None:
     params = tuple((n, tuple(p.shape), p.dtype, str(p.device), p.requires_grad) for n, p in model.named_parameters())
     bufs = tuple((n, tuple(b.shape), b.dtype) for n, b in model.named_buffers())
     return ("generic", tuple(mods), params, bufs)
-
-
-def _dropout_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The torch dropout modules of ``model`` that are active in training (p > 0), by name."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-
-
-@dataclass
-class _DropCall:
-    """One dropout module's call in a forward pass: its name, p, the shape of one sample's mask
-    ((*sample_shape) or (C, 1, ...) for channel dropout) and the dtype it draws in."""
-
-    name: str
-    p: float
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[_DropCall]:
-    """The dropout calls of one forward pass of ``model`` on one sample ``x1`` (1, ...), in call order
-    (eval mode, no gradient; the model's flags and state are left as they were).
-
-    Raises:
-        ValueError: a dropout module called more than once per pass, or a channel dropout given an
-            input of another rank than it is meant for (its masks could not be replayed).
-    """
-    calls: list[_DropCall] = []
-    handles = []
-    for name, m in _dropout_modules(model):
-        def hook(mod, args, _name=name):
-            x = args[0]
-            if any(c.name == _name for c in calls):
-                raise ValueError(f"dropout {_name!r} is called more than once per forward pass")
-            rank = _FEATURE_DROPOUT.get(type(mod))
-            if rank is not None and x.dim() != rank:
-                raise ValueError(f"{type(mod).__name__} {_name!r} got a {x.dim()}-d input")
-            shape = tuple(x.shape[1:]) if rank is None else (x.shape[1],) + (1,) * (x.dim() - 2)
-            calls.append(_DropCall(_name, float(mod.p), shape, x.dtype))
-        handles.append(m.register_forward_pre_hook(hook))
-    flags = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(x1)
-    finally:
-        for h in handles:
-            h.remove()
-        for m, f in flags.items():
-            m.training = f
-    return calls
-
-
-def _replay_masks(calls: Sequence[_DropCall], counts: Sequence[torch.Tensor], seed: int) -> list[list[dict]]:
-    """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
-    CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
-    :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
-    ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
-    ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
-    gen = torch.Generator().manual_seed(int(seed))
-    out = []
-    for cnt in counts:
-        steps = []
-        for c in cnt.tolist():
-            masks = {}
-            for call in calls:
-                if call.p >= 1.0:
-                    masks[call.name] = torch.zeros((c, *call.shape), dtype=call.dtype)
-                    continue
-                m = torch.empty((c, *call.shape), dtype=call.dtype).bernoulli_(1.0 - call.p, generator=gen)
-                masks[call.name] = m.div_(1.0 - call.p)
-            steps.append(masks)
-        out.append(steps)
-    return out
-
-
-class _Functional:
-    """``model`` run as a function of stacked weights under ``torch.func.vmap``: ``functional_call``
-    with a client's parameters and buffers, its dropout modules reading the client's masks from
-    :attr:`masks` (set inside the vmapped function) instead of drawing from torch's generator.
-    Use as a context manager: the dropout modules' ``forward`` is replaced on the instance meanwhile."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        self.masks: dict[str, torch.Tensor] = {}
-        self._drops = _dropout_modules(model)
-
-    def __enter__(self):
-        for name, m in self._drops:
-            m.forward = (lambda x, _n=name: x * self.masks[_n])
-        return self
-
-    def __exit__(self, *exc):
-        for _, m in self._drops:
-            del m.forward
-
-    def forward(self, params, buffers, x, masks, noise):
-        self.masks = masks
-        try:
-            return torch.func.functional_call(self.model, {**params, **buffers}, (x, noise or None))
-        finally:
-            self.masks = {}
-
-    def __call__(self, params, buffers, x, masks, noise):
-        return torch.func.vmap(self.forward, in_dims=(0, 0, 0, 0, 0))(params, buffers, x, masks, noise)
 
 
 def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
@@ -201,7 +92,7 @@ def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
         return "no training samples"
     flags = {m: m.training for m in model.modules()}
     try:
-        calls = _dropout_calls(model, x[:1])
+        calls = dropout_calls(model, x[:1])
         params = {k: torch.stack([p.detach()] * 2).requires_grad_(True) for k, p in model.named_parameters()}
         buffers = {k: torch.stack([b.detach()] * 2) for k, b in model.named_buffers()}
         p0 = next(model.parameters())
@@ -210,7 +101,7 @@ def generic_batch_problem(model: ProtoModel, x: torch.Tensor) -> str | None:
         masks = {d.name: torch.ones((2, c, *d.shape), dtype=d.dtype, device=p0.device) for d in calls}
         noise = {k: torch.ones(2, c, w, dtype=p0.dtype, device=p0.device) for k, w in model.noise_widths().items()}
         model.train()
-        with _Functional(model) as f:
+        with Functional(model) as f:
             logits, h = f(params, buffers, xb, masks, noise)
         loss = logits.sum() + h.sum()
         torch.autograd.grad(loss, [p for p in params.values()], allow_unused=True)
@@ -246,7 +137,7 @@ def train_group_generic(
       ``frozen_eval`` does not train run in eval mode; frozen parameters (:func:`frozen_params`)
       are not updated and keep their flags;
     * dropout modules (``nn.Dropout``, ``nn.Dropout1d/2d/3d``) take per-client masks replayed from
-      torch's CPU generator seeded with the client's ``seeds[g]`` (:func:`_replay_masks`), the masks
+      torch's CPU generator seeded with the client's ``seeds[g]`` (:func:`replay_masks`), the masks
       the sequential path draws after ``torch.manual_seed(seeds[g])``; explicit masks
       (:meth:`ProtoModel.noise_widths`) come from the plans as on every path;
     * SGD with momentum and weight decay as ``torch.optim.SGD``, Adam/AdamW with ``torch.optim.adam.adam``
@@ -268,7 +159,8 @@ def train_group_generic(
             (dicts, tuples of tensors) of one structure, passed to the model as they are; ys: per client
             labels (n_g,).
         plans: per client plans with the same phase structure (:func:`make_plan`).
-        obj: the shared objective; objs: optional per-client objectives (for ``prox_ref`` only).
+        obj: the shared objective; objs: optional per-client objectives (for their anchor's
+            references only, :class:`WeightAnchor`).
         opt: optimizer settings (:class:`OptimConfig`).
         seeds: per client seed of torch's generator on the sequential path
             (:func:`fedproto.engine.seeding.client_seed`); needed when the models hold active dropout
@@ -278,7 +170,8 @@ def train_group_generic(
         One :class:`TrainResult` per client, as :func:`train_client` would give.
     Raises:
         ValueError: models with different :func:`generic_key`, per-client objectives that differ in
-            anything but ``prox_ref``, or models with active dropout modules and no ``seeds``.
+            anything but their anchor's references, or models with active dropout modules and no
+            ``seeds``.
     """
     G = len(models)
     m0 = models[0]
@@ -296,11 +189,11 @@ def train_group_generic(
     dev = next(m0.parameters()).device
     obj = on_device(obj, dev)
     ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
-    calls = _dropout_calls(m0, move(xs[0][:1], dev)) if _dropout_modules(m0) else []
+    calls = dropout_calls(m0, move(xs[0][:1], dev)) if dropout_modules(m0) else []
     if calls and seeds is None:
         raise ValueError("models with dropout modules need the clients' torch seeds (seeds=) to draw the "
                          "sequential path's masks")
-    masks = [_replay_masks(calls, [(w > 0).sum(1) for w in pl.weight], seeds[g]) if calls else None
+    masks = [replay_masks(calls, [(w > 0).sum(1) for w in pl.weight], seeds[g]) if calls else None
              for g, pl in enumerate(plans)]
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
     Bf = {k: torch.stack([dict(m.named_buffers())[k] for m in models]).clone() for k in bnames}
@@ -328,7 +221,7 @@ def train_group_generic(
                 for k, p in m.named_parameters():
                     p.copy_(P[k][g])
         return out
-    with _Functional(m0) as fn:
+    with Functional(m0) as fn:
         for pi, ph in enumerate(obj.phases):
             for m in models:  # the modes the sequential path leaves each model in
                 set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
@@ -382,12 +275,11 @@ def train_group_generic(
                             for k in bnames:
                                 Bc[k][pos_d] = bin_[k]
                     w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
-                    ce, lp, extra = step_terms(logits, h, yb, w, obj)
-                    loss_g = ce + obj.lambda_proto * lp + extra
+                    ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
                     if ref is not None:
                         for k in train_names:
                             if k in ref:
-                                loss_g = loss_g + 0.5 * obj.prox_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
+                                loss_g = loss_g + 0.5 * obj.anchor_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
                     if train_names:
                         gs = torch.autograd.grad(loss_g.sum(), [pin[k] for k in train_names], allow_unused=True)
                         for k, gr in zip(train_names, gs):

@@ -1,21 +1,21 @@
 """What a client minimises in a round and how: the optimizer settings (:class:`OptimConfig`), the
-objective (:class:`Objective`: phases, the prototype term, FedProx's term, an algorithm's own
-:class:`LossTerm`), the per-step loss terms every path computes (:func:`step_terms`) and the
-rule that parameters a user froze never train (:func:`respect_frozen`)."""
+objective (:class:`Objective`: phases, the method's :class:`LossTerm` s, a pull toward reference
+weights (:class:`WeightAnchor`), DP-SGD (:class:`DPSGD`)), the per-step loss every path computes
+(:func:`step_terms`; the terms, the anchor and the step's loss live in :mod:`fedproto.training.terms`
+and are importable from here too) and the rule that parameters a user froze never train (:func:`respect_frozen`).
+The objective names no method: each method builds its own from these pieces (docs/architecture.md)."""
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.optim.adam import adam as torch_adam
 
-from fedproto.prototypes import proto_loss
+from fedproto.training.terms import LossTerm, WeightAnchor, anchor_loss, step_terms  # noqa: F401
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
@@ -202,82 +202,31 @@ class Phase:
     frozen_eval: bool = False
 
 
-class LossTerm:
-    """A term an algorithm adds to its clients' local loss, beside cross-entropy, FedProto's
-    prototype term and FedProx's proximal term (which are built in): the seam through which a
-    method with its own loss needs no engine change. Every training path calls it, so one term
-    trains alike on the sequential, batched and worker paths.
-
-    Subclasses implement :meth:`__call__` for a batch with any leading dimensions (one client:
-    none; a batched group: (G,)), from the batch's outputs:
-
-        term(logits (..., B, C), h (..., B, d), y (..., B) int64, w (..., B)) -> (...)
-
-    where ``w`` weighs the samples (1, or 0 on padding); return the weighted mean over the batch,
-    ``(value * w).sum(-1) / w.sum(-1).clamp_min(1)``, already multiplied by the term's weight.
-    Tensors the term holds (e.g. global per-class targets) must be moved by :meth:`to`; terms of two
-    clients must compare equal with :meth:`same_as` to train in one batched computation (the
-    default compares the attributes, tensors by value). Terms are pickled to worker processes, so
-    define them at module level. DP-SGD (``dp="full"``) refuses them (its loss must be per sample).
-    A term that returns another shape (one value per sample, or one scalar for a batched group)
-    raises ``ValueError`` naming it (:func:`step_terms`); a plain number is added as it is.
-    """
-
-    def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def to(self, device: torch.device) -> LossTerm:
-        """This term with its tensors on ``device`` (a new object where any moved)."""
-        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor) and v.device != device}
-        if not moved:
-            return self
-        out = copy.copy(self)
-        vars(out).update(moved)
-        return out
-
-    def same_as(self, other: LossTerm) -> bool:
-        """True when ``other`` is the same term (type and attributes; tensors compared by value)."""
-        if type(other) is not type(self) or vars(self).keys() != vars(other).keys():
-            return False
-        for k, a in vars(self).items():
-            b = vars(other)[k]
-            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                        and bool(torch.equal(a.cpu(), b.cpu()))):
-                    return False
-            elif a != b:
-                return False
-        return True
-
-
 @dataclass
 class Objective:
-    """What a client minimizes in one round (configured by the algorithm).
+    """What a client minimizes in one round (configured by the algorithm; no field names a method).
 
     Attributes:
         phases: local epochs, in order (FedRep: head epochs, then body epochs).
-        lambda_proto: λ, weight of the prototype regularizer (0: none).
-        table: (C, d) global prototypes; mask: (C,) bool rows that exist.
-        form: distance form, see :func:`fedproto.prototypes.proto_loss`.
-        prox_mu: FedProx μ (0: none); prox_ref: name -> tensor of the global weights.
         collect: collect the embeddings of the last epoch's training passes per class
             (official code's local prototypes).
-        normalize: L2-normalize embeddings and global prototypes inside the prototype loss.
-        dp_sgd: train with DP-SGD (:class:`DPSGD`; sequential path only), None: plain SGD.
-        terms: the algorithm's own loss terms (:class:`LossTerm`), added to the loss as they are.
+        terms: the algorithm's loss terms (:class:`LossTerm`; FedProto's prototype term among
+            them), added to cross-entropy as they are.
+        anchor: a pull toward reference weights (:class:`WeightAnchor`), None: none.
+        dp_sgd: train with DP-SGD (:class:`DPSGD`, a training mode any method may choose;
+            sequential path only), None: plain SGD.
     """
 
     phases: list[Phase]
-    lambda_proto: float = 0.0
-    table: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
-    form: str = "mse"
-    prox_mu: float = 0.0
-    prox_ref: dict[str, torch.Tensor] | None = None
     collect: bool = False
-    normalize: bool = False
-    dp_sgd: DPSGD | None = None
     terms: tuple[LossTerm, ...] = ()
+    anchor: WeightAnchor | None = None
+    dp_sgd: DPSGD | None = None
+
+    @property
+    def anchor_mu(self) -> float:
+        """The anchor's μ (0 without an anchor)."""
+        return 0.0 if self.anchor is None else float(self.anchor.mu)
 
 
 @dataclass
@@ -293,40 +242,14 @@ class DPSGD:
 
 
 def on_device(obj: Objective, device: torch.device) -> Objective:
-    """``obj`` with its tensors (global prototypes, mask, FedProx reference) on ``device``; the
-    same object when they are there already (always on CPU)."""
+    """``obj`` with its tensors (the terms', the anchor's references) on ``device``; the same
+    object when they are there already (always on CPU)."""
     if device.type == "cpu":
         return obj
-    ref = {k: v.to(device) for k, v in obj.prox_ref.items()} if obj.prox_ref is not None else None
-    return replace(obj, table=None if obj.table is None else obj.table.to(device),
-                   mask=None if obj.mask is None else obj.mask.to(device), prox_ref=ref,
-                   terms=tuple(t.to(device) for t in obj.terms))
-
-
-def step_terms(logits, h, y, w, obj: Objective):
-    """Cross-entropy (weighted mean), prototype loss and the sum of the algorithm's own terms
-    (:attr:`Objective.terms`) for (..., B) batches, each of shape (...).
-
-    Raises:
-        ValueError: a term returned something else than a number or a tensor of shape (...) (e.g.
-            one value per sample, or one mean over a batched group's clients), naming the term.
-    """
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-    ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
-    if obj.lambda_proto > 0 and obj.table is not None and bool(obj.mask.any()):
-        lp = proto_loss(h, y, obj.table, obj.mask, obj.form, w, obj.normalize)
-    else:
-        lp = torch.zeros_like(ce)
-    extra = torch.zeros_like(ce)
-    for t in obj.terms:
-        value = t(logits, h, y, w)
-        if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.shape == ce.shape):
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"loss term {type(t).__name__} returned {got} for a batch of labels of shape "
-                             f"{tuple(y.shape)}: it must return shape {tuple(ce.shape)}, the weighted batch mean per "
-                             "leading index ((value * w).sum(-1) / w.sum(-1).clamp_min(1); see LossTerm)")
-        extra = extra + value
-    return ce, lp, extra
+    anchor = obj.anchor
+    if anchor is not None and anchor.ref is not None:
+        anchor = WeightAnchor(anchor.mu, {k: v.to(device) for k, v in anchor.ref.items()})
+    return replace(obj, anchor=anchor, terms=tuple(t.to(device) for t in obj.terms))
 
 
 def frozen_params(model: nn.Module) -> frozenset[str]:

@@ -14,6 +14,7 @@ from fedproto.training.objective import (
     Objective,
     OptimConfig,
     Phase,
+    anchor_loss,
     frozen_batchnorms,
     frozen_params,
     make_optimizer,
@@ -81,9 +82,11 @@ def _train_client(
     if obj.dp_sgd is not None:
         from opacus import GradSampleModule
 
-        if obj.prox_mu > 0 or (obj.lambda_proto > 0 and obj.form == "l2") or obj.terms:
-            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not FedProx's proximal term, "
-                             "the 'l2' distance (a batch prototype) or an algorithm's own loss terms")
+        batch_terms = [type(t).__name__ for t in obj.terms if not t.per_sample]
+        if obj.anchor_mu > 0 or batch_terms:
+            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not a pull toward reference "
+                             f"weights (anchor mu={obj.anchor_mu}) nor loss terms that are not per sample "
+                             f"({', '.join(batch_terms) or 'none'}; e.g. FedProto's 'l2' distance, a batch prototype)")
         net = gsm = GradSampleModule(model, loss_reduction="mean")
         # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
@@ -115,12 +118,9 @@ def _train_client(
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
             with torch.set_grad_enabled(optim is not None):
                 logits, h = (net if optim is not None else model)(xb, nb)
-                ce, lp, extra = step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-                loss = ce + obj.lambda_proto * lp + extra
-                if obj.prox_mu > 0 and obj.prox_ref is not None:
-                    loss = loss + 0.5 * obj.prox_mu * sum(
-                        ((named[k] - obj.prox_ref[k]) ** 2).sum() for k in named if named[k].requires_grad
-                    )
+                ce, lp, extra, loss = step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
+                if obj.anchor_mu > 0 and obj.anchor.ref is not None:
+                    loss = loss + anchor_loss(obj, named)
             if optim is not None:
                 optim.zero_grad(set_to_none=True)
                 loss.backward()

@@ -15,6 +15,7 @@ from fedproto.training.objective import (
     Objective,
     OptimConfig,
     Phase,
+    WeightAnchor,
     adam_step_stacked,
     frozen_params,
     on_device,
@@ -46,19 +47,12 @@ def can_batch(models: Sequence[ProtoModel]) -> bool:
 
 
 def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
-    """True if two objectives agree in all but ``prox_ref`` (see :func:`train_group`); phases are
-    compared by what they train among ``names``."""
-    def same_tensor(x, y):
-        return (x is None and y is None) or (x is not None and y is not None and x.shape == y.shape
-                                             and bool(torch.equal(x.cpu(), y.cpu())))
-
+    """True if two objectives agree in all but their anchors' references (see :func:`train_group`);
+    phases are compared by what they train among ``names``, terms with :meth:`LossTerm.same_as`."""
     def phases(o):  # what each phase trains, by parameter name (the predicates are new functions each round)
         return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in names)) for p in o.phases]
 
-    return (phases(a) == phases(b)
-            and a.lambda_proto == b.lambda_proto and a.form == b.form and a.prox_mu == b.prox_mu
-            and a.collect == b.collect and a.normalize == b.normalize
-            and same_tensor(a.table, b.table) and same_tensor(a.mask, b.mask)
+    return (phases(a) == phases(b) and a.anchor_mu == b.anchor_mu and a.collect == b.collect
             and len(a.terms) == len(b.terms) and all(t.same_as(u) for t, u in zip(a.terms, b.terms)))
 
 
@@ -91,10 +85,10 @@ class TrainsOnly:
 def portable_objective(obj: Objective, names: Sequence[str]) -> Objective:
     """``obj`` with each phase's ``trains`` predicate replaced by a :class:`TrainsOnly` over
     ``names`` (what the batched engine asks it), so that it pickles (FedRep's predicates are
-    closures); ``prox_ref`` dropped (the batched engine takes references stacked)."""
+    closures); the anchor's references dropped (the batched engine takes them stacked)."""
     phases = [Phase(p.epochs, None if p.trains is None else TrainsOnly(k for k in names if p.trains(k)),
                     p.frozen_eval) for p in obj.phases]
-    return replace(obj, phases=phases, prox_ref=None)
+    return replace(obj, phases=phases, anchor=None if obj.anchor is None else WeightAnchor(obj.anchor.mu))
 
 
 @dataclass
@@ -164,13 +158,14 @@ def train_group(
         plans: per client plans with the same phase structure.
         obj: the shared objective (global prototypes are the same for all clients of a round).
         opt: optimizer settings (:class:`OptimConfig`).
-        objs: optional per-client objectives, used only for their ``prox_ref`` (FeSEM/FedProx
-            reference weights may differ per client); everything else must equal ``obj``'s.
+        objs: optional per-client objectives, used only for their anchor's references
+            (:class:`WeightAnchor`: FeSEM/FedProx reference weights may differ per client);
+            everything else must equal ``obj``'s.
     Returns:
         One :class:`TrainResult` per client, as :func:`train_client` would give.
     Raises:
-        ValueError: per-client objectives that differ from ``obj`` in anything but ``prox_ref``, or
-            models whose frozen parameters (:func:`frozen_params`) differ (they cannot share one
+        ValueError: per-client objectives that differ from ``obj`` in anything but their anchor's
+            references, or models whose frozen parameters (:func:`frozen_params`) differ (they cannot share one
             batched computation).
     """
     names = models[0].batch_params
@@ -198,18 +193,19 @@ def train_group(
 
 
 def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequence[str], G: int):
-    """FedProx/FeSEM reference weights of G clients stacked per name ((G, *shape); None without a
-    proximal term), after checking that the per-client objectives ``objs`` agree with ``obj`` in
+    """The anchor's reference weights (:class:`WeightAnchor`) of G clients stacked per name
+    ((G, *shape); None without an anchor), after checking that the per-client objectives ``objs`` agree with ``obj`` in
     all else (:func:`train_group`'s ValueError)."""
     for g, o in enumerate(objs or ()):
         if not _same_objective(o, obj, names):
-            raise ValueError(f"client {g} of the group has another objective than the group's (phases, lambda, "
-                             "global prototypes, distance or FedProx mu differ); train it in another group")
-    if obj.prox_mu <= 0:
+            raise ValueError(f"client {g} of the group has another objective than the group's (phases, loss "
+                             "terms such as the global prototypes and λ, or the anchor's mu differ); train it in "
+                             "another group")
+    if obj.anchor_mu <= 0:
         return None
     src = objs if objs is not None else [obj] * G
     # frozen parameters (never trained, never sent) have no reference
-    return {k: torch.stack([o.prox_ref[k] for o in src]) for k in names if k in src[0].prox_ref}
+    return {k: torch.stack([o.anchor.ref[k] for o in src]) for k in names if k in src[0].anchor.ref}
 
 
 def train_stacked(
@@ -229,8 +225,8 @@ def train_stacked(
         P: name -> (G, *shape) stacked parameters (:attr:`ProtoModel.batch_params`).
         X: (N, Cin, H, W) inputs holding every client's samples; Y: (N,) labels.
         phases: one :class:`StackedPhase` per phase of ``obj`` (:func:`stack_plans`).
-        obj: the objective (its ``prox_ref`` is not used: ``ref`` holds the stacked references).
-        ref: name -> (G, *shape) FedProx/FeSEM reference weights, or None.
+        obj: the objective (its anchor's references are not used: ``ref`` holds them stacked).
+        ref: name -> (G, *shape) reference weights of the anchor (:class:`WeightAnchor`), or None.
     Returns:
         One :class:`TrainResult` per client.
     """
@@ -284,11 +280,10 @@ def train_stacked(
             w = weight[s][cur]
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
             logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
-            ce, lp, extra = step_terms(logits, h, yb, w, obj)
-            loss_g = ce + obj.lambda_proto * lp + extra
+            ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
             if refc is not None:
                 for k in refc:
-                    loss_g = loss_g + 0.5 * obj.prox_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
+                    loss_g = loss_g + 0.5 * obj.anchor_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
             gs = torch.autograd.grad(loss_g.sum(), [Pc[k] for k in train_names], allow_unused=True) if train_names \
                 else ()  # () : all frozen
             stepped = [k for k, g in zip(train_names, gs) if g is not None]  # torch.optim skips a None gradient

@@ -44,6 +44,5 @@ class RunFolder(Observer):
             rd.write_models(self.models())
         for name, arrays in loop.server.files.items():  # the method's own files (FedProto: prototypes.npz)
             rd.write_arrays(name, arrays)
-        loop.algorithm.write_results(rd, loop.message)
         rd.checkpoint.unlink(missing_ok=True)  # finished: nothing left to resume
         rd.finish()
