@@ -452,3 +452,19 @@ def test_config_json_says_where_the_data_came_from(capsys, monkeypatch, tmp_path
     source = json.loads((tmp_path / "m" / "config.json").read_text())["data_source"]
     assert source["kind"] == "files" and source["data_dir"] is None and source["FEDPROTO_DATA"] == DATA
     assert source["searched"][0] == DATA
+
+
+def test_an_unknown_dataset_is_answered_with_the_datasets_the_help_lists(capsys, monkeypatch, tmp_path):
+    """The command line offers the datasets its help lists (custom, for your own clients, is built
+    from Python and refused here); Python's build_config offers custom as well."""
+    from fedproto.config import RunConfig, build_config
+    from fedproto.data.registry import DATASETS
+    from fedproto.errors import ConfigError
+
+    listed = RunConfig.model_fields["dataset"].description.removeprefix("Dataset: ").split(" | ")
+    assert sorted(listed) == sorted(n for n in DATASETS if n != "custom")
+    code, text = run_cli(["run", "--out-dir", str(tmp_path), "--dataset", "foo"], capsys, monkeypatch)
+    assert code == 2 and f"unknown dataset 'foo'; choose one of {', '.join(listed)}" in text, text
+    assert "custom" not in text
+    with pytest.raises(ConfigError, match="custom"):
+        build_config(overrides={"dataset": "foo"})

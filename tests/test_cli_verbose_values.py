@@ -3,6 +3,8 @@ option (``--name -v``, ``--label-column -v``) or after ``--`` it stays where it 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from conftest import run_cli
 
@@ -27,3 +29,21 @@ def test_a_csv_label_column_named_like_the_verbose_flag(tmp_path, capsys, monkey
     assert code == 0, text
     with np.load(tmp_path / "s" / "train.npz") as z:
         assert sorted(z["y"].tolist()) == [0, 1]
+
+
+def test_verbose_among_short_switches_given_together():
+    """``-qv``: ``-q`` is run's, ``-v`` the root's; taken apart only where every other letter is the
+    command's own switch, and never as an option's value."""
+    group = command()
+    assert _hoist_verbose(["run", "-qv", "--rounds", "1"], group) == ["-v", "run", "-q", "--rounds", "1"]
+    assert _hoist_verbose(["run", "-vq"], group) == ["-v", "run", "-q"]
+    assert _hoist_verbose(["run", "--name", "-qv"], group) == ["run", "--name", "-qv"]
+    assert _hoist_verbose(["run", "-xv"], group) == ["run", "-xv"]  # not run's switch: click refuses it
+
+
+def test_quiet_and_verbose_together_reach_their_commands(capsys, monkeypatch):
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.WARNING)  # restored after the test
+    code, text = run_cli(["run", "-qv", "--dataset", "imagenet"], capsys, monkeypatch)
+    assert code == 2 and "unknown dataset 'imagenet'" in text and "No such option" not in text, text
+    assert root.level == logging.INFO

@@ -179,6 +179,8 @@ def test_every_function_and_class_the_architecture_page_cites_is_defined():
         head, *rest = token.split(".")
         if head in EXTERNAL:
             continue
+        if not rest and head in short:  # a module by its name (the layers table: cli_run)
+            continue
         if head in classes:
             ok = not rest or rest[0] in _members(head)
         elif rest and f"fedproto.{token}" in modules:

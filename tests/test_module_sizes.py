@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedproto"
 LIMIT = 400
 """The most lines a module may hold."""
 
-STILL_OVER = {"cli.py", "config.py"}
+STILL_OVER: set[str] = set()
 """Modules (relative to src/fedproto) still over :data:`LIMIT`, each to be split by responsibility."""
 
 

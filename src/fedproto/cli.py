@@ -4,40 +4,32 @@ Every :class:`~fedproto.config.RunConfig` field is a flag; ``--config FILE`` rea
 first, flags override it. Any :class:`~fedproto.errors.FedprotoError` ends the program with one
 message on stderr and exit code 2, before training when the cause is the configuration or data.
 
-Size: about 470 lines: the commands (run, reproduce, plot, onboard, ...) and their output tables;
-each command is short.
+This module holds the command group, ``reproduce`` and the entry point :func:`main`; ``run`` is in
+:mod:`fedproto.cli_run`, ``plot``, ``site-data`` and ``onboard`` in :mod:`fedproto.cli_tools`, the
+consoles in :mod:`fedproto.cli_common` (docs/architecture.md, "Module map": ``cli``). A command
+imports what it needs when it runs: ``--help`` loads no torch, numpy or result tables.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import re
 import signal
 import sys
-import time
-import zipfile
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
 import click
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.text import Text
 
-from fedproto.config import build_config
+from fedproto.cli_common import HELP_OPTIONS, _error, console, err_console
+from fedproto.cli_run import RUN_HELP, run_command
+from fedproto.cli_tools import onboard, plot, site_data
 from fedproto.errors import FedprotoError
 
-HELP_OPTIONS = {"help_option_names": ["--help", "-h"]}
-"""-h works like --help in every command."""
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   context_settings=HELP_OPTIONS, help="Federated prototype learning (FedProto, arXiv 2105.00243).")
-# markup off: messages carry paths and "[...]" text; markup is asked for where it is used; emoji off:
-# user values such as "cuda:abc" or "x:fire:y" are printed as typed, not as emoji
-err_console = Console(stderr=True, markup=False, emoji=False)
-console = Console(markup=False, emoji=False)
 
 
 def _version(value: bool) -> None:
@@ -59,344 +51,9 @@ def _root(
         logging.getLogger().setLevel(logging.INFO)
 
 
-RUN_HELP = """Train with the in-process simulator and write a run directory.
-
-Every run option below can also be set in the --config TOML file: its key is the option's field
-name, the first flag without the leading dashes ('-' or '_' between words), and a switch is
-true or false there (--drop-last/--keep-last: drop_last = false; --no-download: download =
-false). Flags override the file. Defaults marked "per dataset" are the paper's for the dataset
-chosen. The options page of the docs (docs/options.md) lists every key."""
-
-
-class _RunCommand(click.Command):
-    """``fedproto run``: its help in titled panels like the other commands' (each option's
-    ``rich_help_panel``, from :data:`fedproto.options.PANELS`), laid out for its many options: flags
-    and value in one column, the help beside them; refuses an option given twice (under one flag or
-    two, e.g. --lambda-proto and --lambda), which click would settle silently by taking the last."""
-
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from rich.padding import Padding
-        from rich.panel import Panel
-        from rich.table import Table
-
-        out = Console(markup=False, emoji=False, highlight=False)  # the terminal's width, or $COLUMNS
-        out.print(Text.assemble(("\n Usage: ", "yellow"), (f"{ctx.command_path} [OPTIONS]", "bold"), "\n"))
-        for paragraph in (self.help or "").split("\n\n"):
-            out.print(Padding(Text(" ".join(paragraph.split())), (0, 1, 1, 1)))
-        panels: dict[str, list[click.Option]] = {}
-        for p in self.get_params(ctx):
-            if isinstance(p, click.Option) and not p.hidden:
-                panels.setdefault(getattr(p, "rich_help_panel", None) or "Options", []).append(p)
-        if "Options" in panels:  # --config and --help first, as typer puts its default panel
-            panels = {"Options": panels.pop("Options"), **panels}
-        cells = {p.name: self._flags_cell(p, ctx) for ps in panels.values() for p in ps}
-        longest = max(len(w) for c in cells.values() for w in c.plain.split())
-        width = min(max(len(c.plain) for c in cells.values()), max(longest, int(0.38 * out.width)))
-        for title, params in panels.items():
-            table = Table(box=None, show_header=False, expand=True, padding=(0, 2, 0, 0), pad_edge=False)
-            table.add_column(width=width, overflow="fold")
-            table.add_column(ratio=1)
-            for p in params:
-                table.add_row(cells[p.name], Text(p.help or ""))
-            out.print(Panel(table, title=title, title_align="left", border_style="dim"))
-
-    @staticmethod
-    def _flags_cell(p: click.Option, ctx: click.Context) -> Text:
-        """``--flag, --alias METAVAR`` or ``--switch / --no-switch``, styled as typer styles them."""
-        cell = Text()
-        for i, f in enumerate(p.opts):
-            cell.append(", " if i else "")
-            cell.append(f, style="bold cyan")
-        for f in p.secondary_opts:
-            cell.append(" / ")
-            cell.append(f, style="bold magenta")
-        if not p.is_flag:
-            cell.append(" " + p.make_metavar(ctx), style="bold yellow")
-        return cell
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        by_flag = {o: p for p in self.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
-        seen: dict[str, str] = {}
-        i = 0
-        while i < len(args):
-            token = args[i]
-            if token == "--":
-                break
-            name, eq, _ = token.partition("=") if token.startswith("--") else (token, "", "")
-            p = by_flag.get(name)
-            if p is not None:
-                if p.name in seen and not (p.is_flag and seen[p.name] == name):  # -q -q: harmless
-                    twice = (f"{name} is given twice" if seen[p.name] == name
-                             else f"{seen[p.name]} and {name} both set {p.name}")
-                    raise click.UsageError(f"{twice}; give it once", ctx)
-                seen[p.name] = name
-                if not p.is_flag and not eq:
-                    i += 1  # its value, which may look like a flag
-            i += 1
-        return super().parse_args(ctx, args)
-
-
-def _python_only(config: Optional[Path], overrides: dict) -> str:
-    """How the user set ``dataset = custom`` or ``classes`` (Python-only: own clients come from
-    ``federate``), by flag or in the ``--config`` file; '' when neither is set. A file that cannot
-    be read is left to :func:`~fedproto.config.build_config`, which reports it."""
-    if overrides.get("dataset") == "custom":
-        return "--dataset custom"
-    if "classes" in overrides:
-        return "--classes"
-    if config is None:
-        return ""
-    from fedproto.config import normal_key
-    from fedproto.options import tomllib
-
-    try:
-        data = tomllib.loads(Path(config).read_text(encoding="utf-8-sig"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
-        return ""
-    run = data.get("run") if isinstance(data.get("run"), dict) else {}
-    keys = {normal_key(k): v for k, v in {**data, **run}.items()}
-    if keys.get("dataset") == "custom" and "dataset" not in overrides:
-        return f'dataset = "custom" in {str(config)!r}'
-    if "classes" in keys:
-        return f"classes in {str(config)!r}"
-    return ""
-
-
-def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
-    """``fedproto run``: the flags of every RunConfig field (None: not given) -> one run."""
-    overrides = {k: v for k, v in fields.items() if v is not None}
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.table import Table
-
-    from fedproto.engine.setup import prepare
-
-    # here, not at the top: fedproto.results imports numpy, which --help does not need
-    from fedproto.results import PREVIOUS, RunDir, round_line
-    from fedproto.results import pct as _pct
-    from fedproto.simulation import Simulation
-
-    named = _python_only(config, overrides)
-    if named:  # Python-only options: say so before what they would need
-        from fedproto.errors import ConfigError
-
-        raise ConfigError(f"{named} is for your own clients, built from Python with fedproto.federation.federate("
-                          "clients, num_classes, ...); the command line runs mnist, femnist, cifar10, digits (each "
-                          "with its own classes)")
-    cfg = build_config(config, overrides)
-    if cfg.tensorboard:  # a missing extra stops the run before its folder (and any parent) is made
-        from fedproto.tensorboard import require_tensorboard
-
-        require_tensorboard()
-    out = Path(cfg.out_dir) / cfg.run_name()
-    run_dir = RunDir(out)  # fails early (exit 2) if the folder cannot be written; clears nothing yet
-    try:
-        setup = prepare(cfg, progress=not quiet)
-    except BaseException:
-        run_dir.discard_if_unused()  # a failed set-up leaves no empty folder and loses no earlier run
-        raise
-    show = not quiet and console.is_terminal
-    plain = not quiet and not (show and err_console.is_terminal)  # a log file, CI: one line per evaluated round
-    started = time.perf_counter()
-    progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
-    with progress:
-        task = progress.add_task("rounds", total=cfg.rounds, info="")
-
-        def on_round(row):
-            info = f"loss {row['loss_ce']:.3f}" if row.get("loss_ce") is not None else ""
-            if "acc_mean" in row:
-                info += f"  acc {_pct(row['acc_mean'])}"
-            progress.update(task, advance=1, info=info)
-            if plain and "acc_mean" in row:
-                print(round_line(row, cfg.rounds, time.perf_counter() - started), file=sys.stderr, flush=True)
-
-        sim = Simulation(cfg, setup=setup, out=run_dir, on_round=on_round)
-        if resume and run_dir.checkpoint.is_file():
-            err_console.print(f"resuming from the checkpoint in {out}")
-        try:
-            summary = sim.run(resume=resume)
-        except KeyboardInterrupt:
-            progress.stop()
-            saved = ""
-            if run_dir.checkpoint.is_file():
-                saved = ("; it holds a checkpoint: continue with the same command"
-                         + ("" if resume else " plus --resume"))
-            if (out / "summary.json").is_file():  # the engine has logged that the earlier run is back
-                err_console.print(f"interrupted after round {len(sim.history)}")
-            else:
-                if saved and (out / PREVIOUS).is_dir():
-                    saved += f"; the earlier finished run waits in {out / PREVIOUS} until this one finishes"
-                err_console.print(f"interrupted after round {len(sim.history)}; partial metrics in {out} "
-                                  f"(no summary.json: the run did not finish){saved}")
-            raise typer.Exit(130) from None
-    part = {"fewshot": f"ways {cfg.ways}, shots {cfg.shots}", "natural": "one client per writer",
-            "dirichlet": f"Dirichlet alpha {cfg.alpha:g}"}[cfg.partition]
-    table = Table(title=f"{cfg.algorithm} on {cfg.dataset}: {summary['clients']} clients, {part}, "
-                        f"{cfg.rounds} round{'' if cfg.rounds == 1 else 's'} (per-client test sets)")
-    table.add_column("inference")
-    from fedproto.engine.summary import over_clients
-
-    table.add_column(f"accuracy % (mean ± std over {over_clients(summary)} clients)", justify="right")
-    for key, label in (("acc", "classifier"), ("acc_global", "classifier, global model (before local training)"),
-                       ("acc_proto", "nearest prototype (eq. 4)")):
-        if key in summary["accuracy"]:
-            a = summary["accuracy"][key]
-            table.add_row(label, f"{_pct(a['mean'])} ± {_pct(a['std'])}")
-        if key in summary.get("accuracy_trained", {}):
-            a = summary["accuracy_trained"][key]
-            table.add_row(f"{label}, the {summary['clients_trained']} clients that trained",
-                          f"{_pct(a['mean'])} ± {_pct(a['std'])}")
-        if key in summary.get("accuracy_honest", {}):
-            a = summary["accuracy_honest"][key]
-            table.add_row(f"{label}, honest clients", f"{_pct(a['mean'])} ± {_pct(a['std'])}")
-    full = summary.get("accuracy_full_test")
-    if full:
-        for key, label in (("acc", "classifier"), ("acc_proto", "nearest prototype")):
-            if key in full:
-                table.add_row(f"{label}, full test split", f"{_pct(full[key]['mean'])} ± {_pct(full[key]['std'])}")
-        table.add_row("ensemble (mean softmax), full test split", _pct(full["ensemble_softmax"]))
-        table.add_row("ensemble (vote), full test split", _pct(full["ensemble_vote"]))
-    console.print(table)
-    if "privacy" in summary:
-        pv = summary["privacy"]
-        console.print(f"privacy ({pv['mode']}, noise {pv['noise_multiplier']:g}): epsilon {pv['epsilon_max']:.3g} "
-                      f"at delta {pv['delta']:g} (largest over clients; {pv['neighbouring']})",
-                      highlight=False, soft_wrap=True)
-    ppr = summary["params_per_round"]
-    console.print(f"params per round: up {ppr['up']:.0f}, down {ppr['down']:.0f}; "
-                  f"wall time {summary['wall_time_s']:.1f} s; results in {out}", highlight=False, soft_wrap=True)
-
-
-@app.command()
-def plot(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `fedproto run` or `fedproto reproduce`."),
-    max_per_client: int = typer.Option(200, min=0, help="t-SNE: at most this many test samples per client (0: all)."),
-    tsne: bool = typer.Option(True, "--tsne/--no-tsne", help="Also draw the t-SNE (fig. 2) when embeddings exist."),
-):
-    """Draw curves.png (accuracy and losses per round) and tsne.png (fig. 2) into RUN_DIR."""
-    from fedproto.plots import EMBEDDINGS_FILE, TooFewPoints, plot_curves, plot_tsne_run
-
-    if not run_dir.is_dir():
-        what = "is a file, not a folder" if run_dir.exists() else "does not exist"
-        raise FedprotoError(f"run directory {str(run_dir)!r} {what}; pass a folder written by `fedproto run`")
-    with _damaged_files(run_dir):
-        console.print(str(plot_curves(run_dir)), highlight=False, soft_wrap=True)
-    if not tsne:
-        return
-    if not (run_dir / EMBEDDINGS_FILE).is_file():  # prototypes, when the method has them, are drawn as stars
-        err_console.print(f"no t-SNE: {run_dir} has no {EMBEDDINGS_FILE} (written at the end of a finished "
-                          "`fedproto run`)", highlight=False, soft_wrap=True)
-        return
-    err_console.print(f"t-SNE of the test embeddings (at most {max_per_client or 'all'} per client): this takes a "
-                      "while, up to a minute or two on a CPU (--no-tsne skips it)", highlight=False, soft_wrap=True)
-    try:
-        with err_console.status("t-SNE", spinner="dots") if err_console.is_terminal else nullcontext(), \
-                _damaged_files(run_dir):
-            path = plot_tsne_run(run_dir, max_per_client=max_per_client or None)
-    except TooFewPoints as e:
-        err_console.print(f"no t-SNE: {e} (curves.png was written)", highlight=False, soft_wrap=True)
-        return
-    console.print(str(path), highlight=False, soft_wrap=True)
-
-
-@app.command("site-data")
-def site_data(
-    out: Path = typer.Argument(..., help="Where the data files go: OUT/site<i>/ per client of the run's partition, "
-                               "or OUT/ itself with --from."),
-    from_: Optional[Path] = typer.Option(None, "--from", help="A site's own data: a folder with one sub-folder of "
-                                         "images per class, a .npz with x and y, or a .csv with a label column."),
-    test_fraction: float = typer.Option(0.2, help="--from: share of each class held out as the test split."),
-    normalize: str = typer.Option("standardize", help="--from: standardize (train mean and std), mnist, cifar10 "
-                                  "(those loaders' constants, for images in [0, 1]) or none."),
-    label_column: str = typer.Option("label", help="--from a .csv: the label column."),
-    class_names: Optional[str] = typer.Option(None, help="--from: the run's class names in id order (comma-"
-                                              "separated), when labels are names rather than class ids."),
-    seed: int = typer.Option(0, help="--from: the seed of the train/test split."),
-    config: Optional[Path] = typer.Option(None, "--config", help="The run's options (TOML): dataset, clients, ways, "
-                                          "shots, seed... (without --from)."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="A run option as key=value (repeatable; without "
-                                             "--from), e.g. --set dataset=mnist --set clients=3."),
-    client_ids: Optional[str] = typer.Option(None, help="Only these clients of the partition (comma-separated ids)."),
-):
-    """Write a site's train.npz and test.npz for a Flower SuperNode (docs/flower.md, "Node data")."""
-    from fedproto import sitedata
-
-    if from_ is not None:
-        if config is not None or set_ or client_ids:
-            raise FedprotoError("--from writes one site from its own files; --config, --set and --client-ids choose "
-                                "clients of a run's partition: give one or the other")
-        names = [n.strip() for n in class_names.split(",")] if class_names else None
-        got = sitedata.write_site_from(from_, out, test_fraction, normalize, label_column, seed, names)
-        console.print(f"wrote {got['train']} ({got['train_samples']} samples) and {got['test']} "
-                      f"({got['test_samples']}); one sample {got['shape']}, classes {got['classes']}",
-                      highlight=False, soft_wrap=True)
-        return
-    from fedproto.reproduce import parse_sets
-
-    cfg = build_config(config, parse_sets(set_, grid=False))
-    ids = None
-    if client_ids:
-        try:
-            ids = [int(v) for v in client_ids.split(",")]
-        except ValueError:
-            raise FedprotoError(f"--client-ids {client_ids!r}: give whole numbers separated by commas, e.g. 0,1,2") \
-                from None
-    for folder in sitedata.write_partition_sites(cfg, out, ids):
-        console.print(str(folder), highlight=False, soft_wrap=True)
-
-
-@contextmanager
-def _damaged_files(run_dir: Path):
-    """Turn what a damaged or foreign run folder raises (bad JSON, missing keys, wrong types or
-    shapes, unreadable files) into one FedprotoError naming the folder."""
-    try:
-        yield
-    except FedprotoError:
-        raise
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG):
-            raise FedprotoError(f"cannot plot {str(run_dir)!r}: {e.strerror} ({e.filename}); the run's files are "
-                                "fine, free space or fix the permissions and run `fedproto plot` again") from None
-        raise FedprotoError(f"cannot plot {str(run_dir)!r}: cannot read its files "
-                            f"({e.strerror}: {e.filename})") from None
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, EOFError, zipfile.BadZipFile) as e:
-        raise FedprotoError(f"cannot plot {str(run_dir)!r}: its files are damaged or not written by fedproto "
-                            f"({type(e).__name__}: {e}); run `fedproto run` again to rewrite them") from None
-
-
-@app.command()
-def onboard(
-    run_dir: str = typer.Argument(..., help="A finished fedproto run directory"),
-    clients: int = typer.Option(5, help="New clients to draw (the run's n-way k-shot protocol, unused samples)"),
-    epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x "
-                                               "local epochs)"),
-    seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
-    data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
-    threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
-):
-    """Onboard new clients: train each with the run's global prototypes and without (local only)."""
-    from rich.table import Table
-
-    from fedproto.onboarding import onboard as do_onboard
-    from fedproto.results import pct as _pct
-
-    s = do_onboard(run_dir, clients, epochs, seed, data_dir, threads=threads)
-    table = Table(title=f"{s['clients']} new clients, {s['epochs']} local epochs each (per-client test sets)")
-    table.add_column("training")
-    table.add_column("classifier acc. %", justify="right")
-    table.add_column("nearest-prototype acc. % (eq. 4)", justify="right")
-    names = {"prototypes": f"with the global prototypes (λ = {s['lambda_proto']:g})", "local": "local only (λ = 0)"}
-    for arm, v in s["arms"].items():
-        table.add_row(names[arm], *(f"{_pct(v[k]['mean'])} ± {_pct(v[k]['std'])}" for k in ("acc", "acc_proto")))
-    console.print(table)
-    console.print(f"results in {Path(run_dir) / 'onboard'}", highlight=False, soft_wrap=True)
+app.command()(plot)
+app.command("site-data")(site_data)
+app.command()(onboard)
 
 
 @app.command()
@@ -495,26 +152,6 @@ def _finish(results, wrote: str) -> None:
         raise typer.Exit(1)
 
 
-def run_command() -> click.Command:
-    """``fedproto run`` as a click command whose options are generated from RunConfig's fields
-    (:func:`fedproto.options.run_params`): a field added to RunConfig is a flag with no edit here."""
-    from fedproto.options import run_params
-
-    params = [
-        click.Option(["config", "--config"], type=click.Path(path_type=Path), default=None, metavar="FILE",
-                     help="TOML file with run options (flags override it)."),
-        *run_params(),
-        click.Option(["resume", "--resume"], is_flag=True, default=False,
-                     help="Continue from the run directory's checkpoint, if it has one (same options required)."),
-        click.Option(["quiet", "--quiet", "-q"], is_flag=True, default=False,
-                     help="No progress: no bar on a terminal, no per-round lines in a log."),
-    ]
-    params[-2].rich_help_panel, params[-1].rich_help_panel = "Execution", "Output"
-    return _RunCommand("run", callback=_run, params=params, help=RUN_HELP,
-                       short_help="Train with the in-process simulator and write a run directory.",
-                       context_settings={"max_content_width": 100, **HELP_OPTIONS})
-
-
 def command() -> click.Group:
     """The whole command line as a click group: the typer app's commands and ``run``."""
     group = typer.main.get_command(app)
@@ -523,29 +160,33 @@ def command() -> click.Group:
     return group
 
 
-def _error(message: str) -> None:
-    """Print ``error: message`` on stderr and exit with code 2."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True, markup=True)
-    sys.exit(2)
-
-
 VERBOSE = ("-v", "--verbose")
+_SHORT = re.compile(r"-[A-Za-z]{2,}")
+"""Short switches given together (``-qv``)."""
 
 
 def _hoist_verbose(args: list[str], group: click.Group | None = None) -> list[str]:
     """``-v``/``--verbose`` anywhere before ``--`` (``fedproto run -v`` as well as ``fedproto -v run``):
     moved to the front, where the root command reads it; not the value of an option that takes one
-    (``--name -v``: ``group``'s commands say which options take a value)."""
+    (``--name -v``: ``group``'s commands say which options take a value). Short switches given
+    together are taken apart where ``-v`` is among them and the others are the command's own
+    (``fedproto run -qv``: ``-q`` for ``run``, ``-v`` for the root)."""
     end = args.index("--") if "--" in args else len(args)
     takes_value: set[str] = set()
     sub = next((a for a in args[:end] if group is not None and a in group.commands), None)
     if sub is not None:
         takes_value = {o for p in group.commands[sub].params if isinstance(p, click.Option) and not p.is_flag
                        and not p.count for o in p.opts}
+    flags = set() if sub is None else {o[1] for p in group.commands[sub].params if isinstance(p, click.Option)
+                                       and (p.is_flag or p.count) for o in p.opts if len(o) == 2 and o[0] == "-"}
     found, rest, i = [], [], 0
     while i < end:
         if args[i] in VERBOSE:
             found.append(args[i])
+        elif _SHORT.fullmatch(args[i]) and "v" in args[i] and set(args[i][1:]) - {"v"} <= flags:
+            found.append("-v")  # -qv, -vq: the command's own short switches, with -v among them
+            others = args[i][1:].replace("v", "")
+            rest.extend([f"-{others}"] if others else [])
         else:
             rest.append(args[i])
             if args[i] in takes_value and i + 1 < end:  # its value, whatever it looks like
@@ -596,3 +237,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["HELP_OPTIONS", "RUN_HELP", "app", "command", "console", "err_console", "main", "run_command"]

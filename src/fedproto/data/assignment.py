@@ -58,3 +58,18 @@ class Partition:
             out["train_samples_distinct"] = int(distinct)
             out["train_samples_shared"] = bool(distinct < out["train_samples_total"])
         return out
+
+
+def indices_by_class(labels: np.ndarray, num_classes: int) -> list[np.ndarray]:
+    """The sample indices of each label, in ascending order: ``[np.flatnonzero(labels == c) for c in
+    range(num_classes)]``, from one stable sort instead of a pass over the samples per label.
+
+    Args:
+        labels: (N,) integer labels in ``0..num_classes-1`` (class ids, or the client of each sample).
+        num_classes: the number of labels C.
+    Returns:
+        C int64 arrays; array ``c`` holds the indices ``i`` with ``labels[i] == c``, ascending.
+    """
+    labels = np.asarray(labels)
+    order = np.argsort(labels, kind="stable").astype(np.int64, copy=False)
+    return np.split(order, np.cumsum(np.bincount(labels, minlength=num_classes))[:-1])

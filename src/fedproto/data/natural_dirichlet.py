@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 
-from fedproto.data.assignment import Partition
+from fedproto.data.assignment import Partition, indices_by_class
 from fedproto.errors import PartitionError, opt
 
 log = logging.getLogger("fedproto.data.partition")
@@ -157,7 +157,7 @@ def dirichlet_partition(
                              f"training samples, the train split has {len(train_y)}; lower the clients or the "
                              "minimum")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xD1A1]))
-    by_class = [np.flatnonzero(train_y == c) for c in range(num_classes)]
+    by_class = indices_by_class(train_y, num_classes)
     smallest = (0, 0)
     for _ in range(max_tries):
         owner = np.empty(len(train_y), np.int64)
@@ -176,10 +176,11 @@ def dirichlet_partition(
             f"alpha={alpha} with {num_clients} clients: in {max_tries} draws some client always held fewer than "
             f"{min_samples} training samples (last: client {smallest[0]} with {smallest[1]}); raise alpha, lower "
             "the minimum, or use fewer clients")
-    test_by_class = [np.flatnonzero(test_y == c) for c in range(num_classes)]
+    test_by_class = indices_by_class(test_y, num_classes)
+    by_owner = indices_by_class(owner, num_clients)
     train_idx, test_idx, classes, shots = [], [], [], []
     for i in range(num_clients):
-        tr = np.flatnonzero(owner == i)
+        tr = by_owner[i]
         cnt = np.bincount(train_y[tr], minlength=num_classes)
         cls = np.flatnonzero(cnt)
         total = test_shots * len(cls)

@@ -34,7 +34,7 @@ from typing import Literal
 
 import numpy as np
 
-from fedproto.data.assignment import Partition
+from fedproto.data.assignment import Partition, indices_by_class
 from fedproto.errors import PartitionError, opt
 
 log = logging.getLogger(__name__)
@@ -217,9 +217,8 @@ def fewshot_partition(
             f"{int(test_avail.min())}-{int(test_avail.max())} samples per class){_femnist_note(dataset)}"
         )
 
-    by_class = [np.flatnonzero(train_y == j) for j in range(num_classes)]
-    by_class = [rng.permutation(ix) for ix in by_class]
-    test_by_class = [np.flatnonzero(test_y == j) for j in range(num_classes)]
+    by_class = [rng.permutation(ix) for ix in indices_by_class(train_y, num_classes)]
+    test_by_class = indices_by_class(test_y, num_classes)
     cursor = np.zeros(num_classes, np.int64)
     train_idx, test_idx, shots_out = [], [], []
     for c, ki in zip(classes, k):
