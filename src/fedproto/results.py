@@ -145,8 +145,7 @@ class RunDir:
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
         # ".." resolved by name (os.path.abspath), so "new/../run" creates (and may remove) "run" alone
-        self._abs = Path(os.path.abspath(self.path))
-        top = self._abs  # the outermost folder this object creates (removed again if unused)
+        self._abs = top = Path(os.path.abspath(self.path))  # top: the outermost folder created here
         while not top.parent.exists():
             top = top.parent
         self._created_top = top
