@@ -182,3 +182,28 @@ def test_an_installed_plugin_package_stays_out_of_the_library_scope(monkeypatch)
             assert plugins.algorithm_names() == [*plugins.BUILTIN, "installedproto"]
             assert "installed_x" in config_model().model_fields
         assert plugins.algorithm_names() == list(plugins.BUILTIN) and config_model() is RunConfig
+
+
+class MeanMetricProto(FedProto):
+    """FedProto whose server step reports a round metric whose name ends in ``_mean``."""
+
+    name = "meanmetric"
+
+    def aggregate(self, round, messages, state=None):
+        out = super().aggregate(round, messages, state)
+        out.metrics["spread_mean"] = 1.5  # a method's own number, not an accuracy
+        return out
+
+
+def test_a_plugin_metric_ending_in_mean_is_not_taken_for_an_accuracy(tmp_path):
+    register_algorithm(MeanMetricProto)
+    try:
+        cfg = build_config(overrides={**SMALL, "algorithm": "meanmetric"})
+        Simulation(cfg, out=tmp_path / "run").run()
+    finally:
+        plugins.unregister("meanmetric")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["spread_mean"] for r in rows] == [1.5, 1.5, 1.5]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert list(summary["accuracy"]) == ["acc", "acc_proto"]  # the evaluated keys, nothing else
+    assert summary["accuracy"]["acc"]["mean"] == rows[-1]["acc_mean"]

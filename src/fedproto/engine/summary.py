@@ -63,6 +63,13 @@ def describe_test_set(cfg: RunConfig) -> str:
                          "class proportions"}[cfg.partition]
 
 
+def _evaluated(per_client: list[dict], last: dict) -> list[str]:
+    """The keys the final evaluation measured (a ``_mean``/``_std`` pair in the last metrics row), in
+    the order the clients report them."""
+    keys = dict.fromkeys(k for m in per_client for k in m)
+    return [k for k in keys if f"{k}_mean" in last and f"{k}_std" in last]
+
+
 def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[dict], per_client: list[dict],
                   totals: dict, wall: float, train_time: float) -> dict:
     """The summary of a run from its metrics rows and final per-client metrics.
@@ -93,8 +100,8 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
         "shots": cfg.shots if fewshot else None,
         "seed": cfg.seed,
         "test_set": describe_test_set(cfg),
-        "accuracy": {k.removesuffix("_mean"): {"mean": last[k], "std": last[k.replace("_mean", "_std")]}
-                     for k in last if k.endswith("_mean")},
+        # the evaluated keys only: a method's own round metric may end in "_mean" too
+        "accuracy": {k: {"mean": last[f"{k}_mean"], "std": last[f"{k}_std"]} for k in _evaluated(per_client, last)},
         "evaluation": alg.eval_protocols(),  # which protocol each accuracy key is
         "params_per_round": {"up": totals["up_params"] / cfg.rounds, "down": totals["down_params"] / cfg.rounds},
         "bytes_total": {"up": totals["up_bytes"], "down": totals["down_bytes"]},
