@@ -68,6 +68,8 @@ def test_a_registered_algorithm_gets_its_option_and_leaves_again(centerproto):
     assert get_algorithm("centerproto") is CenterProto
     with pytest.raises(ConfigError, match=r"center_weight.*less than or equal to 100"):
         build_config(overrides={**SMALL, "algorithm": "centerproto", "center_weight": 1000.0})
+    with pytest.raises(ConfigError, match="unknown option 'centre_weight'; did you mean 'center_weight'"):
+        build_config(overrides={**SMALL, "algorithm": "centerproto", "centre_weight": 0.25})  # a plug-in's too
     # another algorithm's run ignores it, and says so only when it is set
     assert "center_weight" not in build_config(overrides=SMALL).result_fields()
     assert "center_weight" in cfg.result_fields() and "center_weight0.25" in cfg.run_name()

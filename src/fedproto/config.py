@@ -200,7 +200,7 @@ def _aliases() -> dict[str, str]:
     return out
 
 
-register_option_names(lambda: RunConfig.model_fields)
+register_option_names(lambda: config_model().model_fields)  # the plug-ins' options too
 
 
 KEY_ALIASES = _aliases()

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fedproto.data.registry import DATASETS as REGISTRY
 from fedproto.models.names import MODEL_NAMES
+from fedproto.plugins import BUILTIN
 
 CLI_DATASETS = tuple(n for n in REGISTRY if n != "custom")
 """The datasets the command line runs (``custom`` holds your own clients, built from Python)."""
@@ -89,8 +90,8 @@ class CommonFields(BaseModel):
                                     "holds this many training samples")
     augment: bool = Field(False, description="Random crop (pad 4) and horizontal flip at train time (CIFAR-10)")
     # method and model
-    algorithm: str = Field("fedproto", description="fedproto | local | fedavg | fedprox | fedper | fedrep | fesem | "
-                           "fedtgp | fd | fedgh | lgfedavg")
+    algorithm: str = Field("fedproto", description=" | ".join(BUILTIN) + ", or the name of an installed plug-in "
+                           "(its options are listed under Algorithm plug-ins)")
     model: str = Field(None, validate_default=False, description=" | ".join(MODEL_NAMES).replace("[,...]", "")
                        + ", or a comma list of these, one per client in turn")
     pretrained: Optional[str] = Field(None, description="ResNet18 state dict file (torchvision layout) loaded "
