@@ -67,6 +67,7 @@ def test_reproduce_bad_jobs_and_missing_ray(capsys, monkeypatch, tmp_path):
     for bad in ("0", "-1"):
         code, text = run_cli(grid_args(tmp_path / "x", "--jobs", bad), capsys, monkeypatch)
         assert code == 2 and f"--jobs {bad}: give the number of cells to run at once, 1 or more" in text
+        assert not (tmp_path / "x").exists()  # refused: no folder left behind
     with pytest.raises(ConfigError, match="--jobs True"):
         check_jobs(True)
     assert check_jobs(7, 3) == 3 and check_jobs(2, 3) == 2 and check_jobs(4, 0) == 1
@@ -167,3 +168,17 @@ def test_ray_retries_a_cell_whose_worker_died(serial, ray_cluster, tmp_path):
     assert (out / "died-digits-n3-fedproto-s1-projcnn_8-16_cnn").is_file()  # the worker died once
     assert [r.status for r in results] == ["done"] * 4
     assert table(out) == serial
+
+
+def test_reproduce_refuses_a_ray_address_where_nothing_answers(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("kept")
+    code, text = run_cli(grid_args(tmp_path / "mine", "--ray", f"127.0.0.1:{port}"), capsys, monkeypatch)
+    assert code == 2 and f"--ray '127.0.0.1:{port}': nothing answers at 127.0.0.1:{port}" in text
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]

@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -90,9 +91,37 @@ def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[l
     return results
 
 
-def _make_out(out: Path) -> None:
-    """Create OUT and OUT/runs; refuse an OUT whose runs/, table or status paths are not files/folders
-    of the right kind (raises ConfigError before any cell runs)."""
+@contextlib.contextmanager
+def _make_out(out: Path) -> Iterator[None]:
+    """Create OUT and OUT/runs for the block; refuse an OUT whose runs/, table or status paths are not
+    files/folders of the right kind (raises ConfigError before any cell runs). A block refused with a
+    ConfigError before any cell ran (a bad ``--jobs``, an unreachable ``--ray``) leaves no folder it
+    created (only empty folders are removed)."""
+    top = out.absolute()
+    while not top.parent.exists():
+        top = top.parent
+    new = not (out / "runs").exists()
+    _create_out(out)
+    try:
+        yield
+    except ConfigError:
+        if new:
+            status = out / "status.json"
+            if status.is_file() and status.read_text().strip() in ("", "[]"):
+                status.unlink()
+            d = out.absolute() / "runs"
+            while True:  # runs/, then OUT and the parents created for it, as far as they are empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+                if d == top:
+                    break
+                d = d.parent
+        raise
+
+
+def _create_out(out: Path) -> None:
     try:
         (out / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -112,9 +141,9 @@ def run_grid(out: str | Path, datasets: Sequence[str] = DEFAULT_DATASETS, ways: 
     side by side (:func:`run_cells`)."""
     out = Path(out)
     cells = plan_grid(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
-    _make_out(out)
-    return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress,
-                     jobs=jobs, ray=ray)
+    with _make_out(out):
+        return run_cells(cells, out, console, after=lambda rs: write_table(out, rs, methods), progress=progress,
+                         jobs=jobs, ray=ray)
 
 
 def run_hetero(out: str | Path, datasets: Sequence[str] = HETERO_DATASETS, ways: Sequence[int] = HETERO_WAYS,
@@ -127,9 +156,9 @@ def run_hetero(out: str | Path, datasets: Sequence[str] = HETERO_DATASETS, ways:
     side (:func:`run_cells`)."""
     out = Path(out)
     cells = plan_hetero(out, datasets, ways, methods, seeds, rounds, sets, data_dir)
-    _make_out(out)
-    return run_cells(cells, out, console, after=lambda rs: write_hetero_table(out, rs, methods), progress=progress,
-                     jobs=jobs, ray=ray)
+    with _make_out(out):
+        return run_cells(cells, out, console, after=lambda rs: write_hetero_table(out, rs, methods),
+                         progress=progress, jobs=jobs, ray=ray)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,7 +230,7 @@ def run_sweep(out: str | Path, spec: str, dataset: str | None = None, ways: int 
     d_ds, d_n, d_m = SWEEP_DEFAULTS.get(fld, ("mnist", 3, ("fedproto",)))
     cells = plan_sweep(out, param, fld, values, dataset or d_ds, ways or d_n, list(methods or d_m), seeds, rounds,
                        sets, data_dir)
-    _make_out(out)
-    results = run_cells(cells, out, console, progress=progress, jobs=jobs, ray=ray)
+    with _make_out(out):
+        results = run_cells(cells, out, console, progress=progress, jobs=jobs, ray=ray)
     csv_path, png = write_sweep(out, param, fld, results)
     return results, csv_path, png
