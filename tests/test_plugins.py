@@ -119,6 +119,10 @@ class _NoDefault(plugins.AlgorithmOptions):
     need_x: float = Field(description="x")
 
 
+class _BadDefault(plugins.AlgorithmOptions):
+    weird_weight: float = Field("notafloat", description="x")  # pydantic does not check defaults itself
+
+
 class _ProxClash(plugins.AlgorithmOptions):
     prox_mu: float = Field(0.1, description="x")
 
@@ -130,6 +134,8 @@ def _named_option(name: str) -> type:
 
 @pytest.mark.parametrize("cls, match", [
     (_plugin("nodef", _NoDefault), "option 'need_x' of algorithm 'nodef' has no default"),
+    (_plugin("baddef", _BadDefault), "option 'weird_weight' of algorithm 'baddef' has the default 'notafloat': "
+                                     "Input should be a valid number"),
     # these were accepted and then: --config took the TOML file's place, lambda set lambda_proto, round-timeout
     # was the Flower server's, --quiet / --resume stopped `fedproto run` with a usage error
     (_plugin("pconfig", _named_option("config")), r"option 'config', which is a flag of fedproto run \(--config\)"),
@@ -335,3 +341,20 @@ def test_the_run_commands_own_parameters_are_the_reserved_names():
 
     own = {p.name for p in run_command().params} - set(RunConfig.model_fields)
     assert own | {"help"} == set(plugins.CLI_NAMES)  # --help: click adds it to every command
+
+
+def test_a_plugin_with_hooks_of_the_old_server_api_is_refused_at_registration():
+    """An aggregate returning its message alone beside round_metrics/server_state_keys would lose
+    its metrics and checkpoint: refused when registered, before any run folder exists."""
+
+    class OldServer(FedProto):
+        name = "oldserver"
+        server_state_keys = ("head",)
+
+        def round_metrics(self):
+            return {}
+
+    with pytest.raises(ConfigError, match="'oldserver' defines round_metrics, server_state_keys, which fedproto "
+                                          "no longer reads"):
+        register_algorithm(OldServer)
+    assert "oldserver" not in plugins.PLUGINS

@@ -84,7 +84,7 @@ def reproduce(
     ray: Optional[str] = typer.Option(None, help="Run each cell as a task on a Ray cluster: auto (this machine's "
                                                  "cluster, or a new local one), local (a new local one) or the "
                                                  "head's address; needs "
-                                                 "pip install \"fedproto[ray]\""),
+                                                 "pip install \"fedproto\\[ray]\""),
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
     try:

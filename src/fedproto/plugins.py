@@ -127,6 +127,11 @@ def version() -> int:
     return _version
 
 
+LEGACY_HOOKS = ("round_metrics", "server_state", "server_state_keys", "load_server_state", "write_results")
+"""Side-attribute hooks of an older server API that the engine no longer reads: metrics, the
+checkpoint and run-folder files now come back from ``aggregate`` in one ``ServerState``."""
+
+
 def register(cls: Any) -> None:
     """Register an algorithm class under ``cls.name`` (a second registration of a name replaces
     the first, e.g. a notebook cell run again).
@@ -151,6 +156,11 @@ def register(cls: Any) -> None:
         raise ConfigError(f"algorithm name {name!r} must be lowercase letters, digits, '-' and '_', starting with a "
                           "letter (it is typed after --algorithm and starts run folder names), e.g. "
                           f"{re.sub(r'[^a-z0-9_-]+', '_', name.lower()).strip('_') or 'myalgo'!r}")
+    legacy = [h for h in LEGACY_HOOKS if hasattr(cls, h)]
+    if legacy:
+        raise ConfigError(f"algorithm {name!r} defines {', '.join(legacy)}, which fedproto no longer reads (its "
+                          "metrics or checkpoint would be lost): return ServerState(message, metrics=..., "
+                          "checkpoint=..., files=...) from aggregate instead (docs/architecture.md)")
     options = getattr(cls, "Options", None)
     if options is not None:
         _check_options(name, options)
@@ -186,6 +196,13 @@ def _check_options(name: str, options: Any) -> None:
         if k in mine and field.is_required():
             raise ConfigError(f"option {k!r} of algorithm {name!r} has no default; give it one "
                               f"({k}: ... = Field(<default>, description=...)): every run has all options")
+    given = {k: f.default for k, f in options.model_fields.items() if k in mine and f.default_factory is None}
+    try:  # a default of the wrong type would break this algorithm's runs and warn in every other run
+        options(**given)
+    except ValueError as e:  # pydantic's ValidationError
+        err = e.errors()[0] if hasattr(e, "errors") else {"loc": ("?",), "input": "?", "msg": str(e)}
+        raise ConfigError(f"option {err['loc'][0]!r} of algorithm {name!r} has the default {err['input']!r}: "
+                          f"{err['msg']}; fix its Field default") from None
     taken = {k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES}
     for check in NAME_CHECKS:  # the run options' names (fedproto.config adds its check when imported)
         taken.update(check())

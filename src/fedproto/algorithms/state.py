@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from fedproto.plugins import LEGACY_HOOKS
+
 Message = dict[str, np.ndarray]
 
 
@@ -69,9 +71,6 @@ def takes_state(aggregate: Any) -> bool:
     return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-LEGACY_HOOKS = ("round_metrics", "server_state", "server_state_keys", "load_server_state", "write_results")
-"""Side-attribute hooks of an older server API that the engine no longer reads: metrics, the
-checkpoint and result files are :class:`ServerState` fields now (docs/architecture.md)."""
 
 
 def as_state(algorithm: Any, out: Any) -> ServerState:
@@ -80,7 +79,7 @@ def as_state(algorithm: Any, out: Any) -> ServerState:
 
     Raises:
         TypeError: ``out`` is neither, or it is a plain message from an algorithm that defines one
-            of :data:`LEGACY_HOOKS` (its metrics or checkpoint would be lost in silence): the error
+            of :data:`~fedproto.plugins.LEGACY_HOOKS` (its metrics or checkpoint would be lost in silence): the error
             names the hook and says to return a ``ServerState`` instead.
     """
     if isinstance(out, ServerState):
