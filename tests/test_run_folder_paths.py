@@ -49,7 +49,8 @@ def test_sigterm_ends_a_run_with_exit_code_143(capsys, monkeypatch, tmp_path):
         raise AssertionError("the handler did not run")
 
     before = signal.getsignal(signal.SIGTERM)
-    try:
+    before_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background
+    try:  # job of a shell starts with SIGINT ignored, and Python keeps it so)
         monkeypatch.setattr(Simulation, "run", stopped)
         args = ["run", "--dataset", "digits", "--rounds", "2", "--threads", "1", "--out-dir", str(tmp_path)]
         code, text = run_cli(args, capsys, monkeypatch)
@@ -59,3 +60,4 @@ def test_sigterm_ends_a_run_with_exit_code_143(capsys, monkeypatch, tmp_path):
         assert code == 130 and "interrupted after round 0" in text, text
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
