@@ -145,3 +145,13 @@ def test_an_output_path_that_is_a_file_is_refused_and_kept(tmp_path, capsys, mon
     code, text = run_cli(["site-data", str(tmp_path / "site"), "--from", str(tmp_path / "d.npz")], capsys, monkeypatch)
     assert code == 2 and "is a file; give a folder" in text and "site" in text, text
     assert (tmp_path / "site").read_text() == "mine"
+
+
+def test_a_negative_seed_is_refused_on_the_command_line_and_in_python(tmp_path, capsys, monkeypatch):
+    np.savez(tmp_path / "d.npz", x=np.ones((4, 2)), y=np.array([0, 0, 1, 1]))
+    code, text = run_cli(["site-data", str(tmp_path / "site"), "--from", str(tmp_path / "d.npz"), "--seed", "-5"],
+                         capsys, monkeypatch)
+    assert code == 2 and "'--seed': -5 is not in the range x>=0" in text, text
+    with pytest.raises(ConfigError, match=r"seed -5: give a whole number, 0 or more"):
+        write_site_from(tmp_path / "d.npz", tmp_path / "site2", seed=-5)
+    assert not (tmp_path / "site").exists() and not (tmp_path / "site2").exists()

@@ -58,7 +58,7 @@ def site_data(
     label_column: str = typer.Option("label", help="--from a .csv: the label column."),
     class_names: Optional[str] = typer.Option(None, help="--from: the run's class names in id order (comma-"
                                               "separated), when labels are names rather than class ids."),
-    seed: int = typer.Option(0, help="--from: the seed of the train/test split."),
+    seed: int = typer.Option(0, min=0, help="--from: the seed of the train/test split (0 or more)."),
     config: Optional[Path] = typer.Option(None, "--config", help="The run's options (TOML): dataset, clients, ways, "
                                           "shots, seed... (without --from)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="A run option as key=value (repeatable; without "
@@ -117,7 +117,7 @@ def onboard(
     clients: int = typer.Option(5, help="New clients to draw (the run's n-way k-shot protocol, unused samples)"),
     epochs: Optional[int] = typer.Option(None, help="Local epochs per new client (default: the run's rounds x "
                                                "local epochs)"),
-    seed: Optional[int] = typer.Option(None, help="Seed of the new clients (default: the run's)"),
+    seed: Optional[int] = typer.Option(None, min=0, help="Seed of the new clients (default: the run's)"),
     data_dir: Optional[str] = typer.Option(None, help="Dataset folder (default: the run's look-up order)"),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: the run's setting)"),
 ):

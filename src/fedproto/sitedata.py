@@ -224,6 +224,8 @@ def _split(y, test_fraction: float, seed: int):
     one left for train)."""
     import numpy as np
 
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError(f"seed {seed!r}: give a whole number, 0 or more (e.g. seed=0)")
     rng = np.random.default_rng(seed)
     test = []
     for c in np.unique(y):
