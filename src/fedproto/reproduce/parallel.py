@@ -300,6 +300,13 @@ def run_side_by_side(cells: Sequence[Cell], out: Path, console=None, after: Call
                     report(ev[1], ev[2])
         elif after:
             after([results[k] for k in sorted(results)])
+    except KeyboardInterrupt:  # cells that finished while their results were on the way are on disk
+        for i in todo:
+            if i not in results and (s := finished(cells[i])) is not None:
+                results[i] = CellResult(cells[i], "done", s)
+        if after and results:
+            after([results[k] for k in sorted(results)])
+        raise
     finally:
         write_status(out, [results[k] for k in sorted(results)])
         if session is not None:
