@@ -47,6 +47,20 @@ def _stack_uploads(
     return c, out, np.concatenate(owner)
 
 
+def check_server_training(epochs: int, lr: float, batch_size: int) -> None:
+    """The checks of a server-side training loop's settings (FedTGP's generator, FedGH's head).
+
+    Raises:
+        ValueError: ``epochs`` < 0, ``lr`` not above 0, ``batch_size`` < 1 (naming the value).
+    """
+    if epochs < 0:
+        raise ValueError(f"server epochs {epochs}: give 0 or more")
+    if not lr > 0:
+        raise ValueError(f"server lr {lr}: give a positive step size")
+    if batch_size < 1:
+        raise ValueError(f"server batch size {batch_size}: give 1 or more")
+
+
 def class_centers(
     classes: Sequence[np.ndarray],
     values: Sequence[np.ndarray],

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedproto.htmath.common import _stack_uploads, class_centers
+from fedproto.htmath.common import _stack_uploads, check_server_training, class_centers
 
 TGP_KEYS: tuple[str, ...] = ("embedding", "w1", "b1", "w2", "b2")
 """The parameters of FedTGP's generator of global prototypes, in this order (:func:`tgp_init`)."""
@@ -166,12 +166,7 @@ def tgp_server_train(
         ValueError: epochs < 0, lr or τ not above 0, batch_size < 1, prototypes whose size is
             not the generator's d, counts that do not match the rows, and the upload shape errors.
     """
-    if epochs < 0:
-        raise ValueError(f"server epochs {epochs}: give 0 or more")
-    if not lr > 0:
-        raise ValueError(f"server lr {lr}: give a positive step size")
-    if batch_size < 1:
-        raise ValueError(f"server batch size {batch_size}: give 1 or more")
+    check_server_training(epochs, lr, batch_size)
     cls, rows, _ = _stack_uploads(classes, protos, num_classes, "tgp_server_train")
     if counts is not None:
         n = sum(len(np.asarray(c).reshape(-1)) for c in counts)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedproto.htmath.common import _stack_uploads
+from fedproto.htmath.common import _stack_uploads, check_server_training
 
 # ----------------------------------------------------------------------------------------------
 # FedGH: a global head trained on the server on the clients' prototypes (arXiv 2303.13137)
@@ -53,12 +53,7 @@ def fedgh_train_head(
         ValueError: epochs < 0, lr not above 0, batch_size < 1, a head that is not (C, d) and
             (C,), prototypes of another size than d, and the upload shape errors.
     """
-    if epochs < 0:
-        raise ValueError(f"server epochs {epochs}: give 0 or more")
-    if not lr > 0:
-        raise ValueError(f"server lr {lr}: give a positive step size")
-    if batch_size < 1:
-        raise ValueError(f"server batch size {batch_size}: give 1 or more")
+    check_server_training(epochs, lr, batch_size)
     W = torch.tensor(np.asarray(weight)).requires_grad_(True)
     b = torch.tensor(np.asarray(bias)).requires_grad_(True)
     if W.ndim != 2 or b.shape != (W.shape[0],):
