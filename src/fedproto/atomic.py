@@ -37,3 +37,26 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
     atomic_write(path, lambda f: f.write(data))
+
+
+def outermost_new(path: str | Path) -> Path:
+    """The outermost folder that creating ``path`` would create (``path`` itself when its parent
+    exists), absolute, with ``..`` resolved by name (``os.path.abspath``: ``new/../run`` is ``run``)."""
+    top = Path(os.path.abspath(path))
+    while not top.parent.exists():
+        top = top.parent
+    return top
+
+
+def remove_empty_folders(path: str | Path, top: Path) -> None:
+    """Remove ``path`` and its parents up to ``top`` (from :func:`outermost_new`), as far as they are
+    empty: a set-up that failed leaves no folder it created, and never removes a file."""
+    d = Path(os.path.abspath(path))
+    while True:
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            return
+        if d == top or d.parent == d:
+            return
+        d = d.parent

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedproto.atomic import atomic_write, atomic_write_bytes
+from fedproto.atomic import atomic_write, atomic_write_bytes, outermost_new, remove_empty_folders
 
 if TYPE_CHECKING:
     import torch
@@ -145,10 +145,8 @@ class RunDir:
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
         # ".." resolved by name (os.path.abspath), so "new/../run" creates (and may remove) "run" alone
-        self._abs = top = Path(os.path.abspath(self.path))  # top: the outermost folder created here
-        while not top.parent.exists():
-            top = top.parent
-        self._created_top = top
+        self._abs = Path(os.path.abspath(self.path))
+        self._created_top = outermost_new(self.path)
         self._begun = False
         try:
             self._abs.mkdir(parents=True, exist_ok=True)
@@ -268,15 +266,7 @@ class RunDir:
         """Remove the folder if this object created it and no run began in it (set-up failed), and the
         parent folders it created for it, as far as they are empty."""
         if self._created and not self._begun:
-            d = self._abs
-            while True:
-                try:
-                    d.rmdir()  # only when empty
-                except OSError:
-                    return
-                if d == self._created_top or d.parent == d:
-                    return
-                d = d.parent
+            remove_empty_folders(self._abs, self._created_top)
 
     # Every writer below raises ConfigError (naming the file) instead of OSError, e.g. on a full disk.
     def write_config(self, cfg: dict) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
+from fedproto.atomic import outermost_new, remove_empty_folders
 from fedproto.errors import ConfigError
 from fedproto.reproduce.cells import (
     run_cell,
@@ -97,9 +98,7 @@ def _make_out(out: Path) -> Iterator[None]:
     files/folders of the right kind (raises ConfigError before any cell runs). A block refused with a
     ConfigError before any cell ran (a bad ``--jobs``, an unreachable ``--ray``) leaves no folder it
     created (only empty folders are removed)."""
-    top = out.absolute()
-    while not top.parent.exists():
-        top = top.parent
+    top = outermost_new(out)
     new = not (out / "runs").exists()
     _create_out(out)
     try:
@@ -109,15 +108,7 @@ def _make_out(out: Path) -> Iterator[None]:
             status = out / "status.json"
             if status.is_file() and status.read_text().strip() in ("", "[]"):
                 status.unlink()
-            d = out.absolute() / "runs"
-            while True:  # runs/, then OUT and the parents created for it, as far as they are empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
-                if d == top:
-                    break
-                d = d.parent
+            remove_empty_folders(out / "runs", top)  # runs/, then OUT and the parents created for it
         raise
 
 
