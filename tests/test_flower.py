@@ -450,6 +450,47 @@ def test_a_node_sending_nan_prototypes_is_dropped_and_logged(tmp_path, caplog):
     assert sorted(protos["classes"].tolist()) == [0, 1, 2, 3, 4, 5]
 
 
+def test_messages_expire_with_their_round_and_an_expired_one_is_not_run(tmp_path, caplog):
+    """The nodes kept starting ClientApps for a run that had stopped: Flower's default ttl is
+    12 hours. Every message now lives the exchange's deadline plus TTL_MARGIN (the SuperLink drops
+    it after that), and a ClientApp that gets one late refuses it before any handler runs."""
+    from flwr.app import ConfigRecord
+
+    from fedproto.flower.client_app import EXPIRY, MessageExpired
+    from fedproto.flower.common import FlowerOptions
+    from fedproto.flower.exchange import TTL_MARGIN
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(**{"rounds": 2})
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    ttls: list = []
+    grid.on_send = lambda g, kind, group: ttls.append(kind)
+    orig = grid.send_and_receive
+
+    def keep(messages, *, timeout=None):
+        ttls.extend(m.metadata.ttl for m in messages)
+        return orig(messages, timeout=timeout)
+
+    grid.send_and_receive = keep
+    FlowerEngine(run_config(uc), grid, out=tmp_path / "run", options=FlowerOptions(round_timeout=45)).run()
+    assert [k for k in ttls if isinstance(k, str)] == ["query", "train", "train", "evaluate"]
+    assert [t for t in ttls if not isinstance(t, str)] == [45 + TTL_MARGIN] * 12  # 3 nodes x 4 exchanges
+    assert EXPIRY["at"] > time.time() + 40  # the last message's expiry, noted for the executor's child
+
+    late = Message(RecordDict({"fedproto.config": ConfigRecord({"round": 2})}), dst_node_id=1000,
+                   message_type="train", ttl=75)
+    late.metadata.__dict__["_created_at"] = time.time() - 200  # sent 200 s ago, expired 125 s ago
+    called = []
+    with pytest.raises(MessageExpired, match=r"the train message of round 2 expired 12[5-9]\.\d s before it "
+                                             r"reached the ClientApp .* not run"):
+        client_app.drop_expired(late, grid.contexts[1000], lambda m, c: called.append(m))
+    assert called == [] and "a train message of round 2 expired" in caplog.text
+    fresh = Message(RecordDict({"fedproto.config": ConfigRecord({"round": 2})}), dst_node_id=1000,
+                    message_type="train", ttl=75)
+    client_app.drop_expired(fresh, grid.contexts[1000], lambda m, c: called.append(m))
+    assert called == [fresh] and EXPIRY["at"] == pytest.approx(fresh.metadata.created_at + 75)
+
+
 def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_path):
     folders = write_node_folders(tmp_path)
     uc = _own_config(**{"rounds": 3})
@@ -768,10 +809,11 @@ def test_deployment_of_three_own_data_nodes_on_localhost_gives_the_python_api_nu
 @pytest.mark.slow
 def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and_rejoins_with_its_state(tmp_path):
     """On 127.0.0.1 with TLS and SuperNode authentication: node 1 runs under
-    ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, its restarts are refused while the
-    SuperLink still holds it online ("Failed to activate SuperNode", up to 60 s), then it activates
-    (same key, same node id), reloads its state file (same instance, restored 1) and takes part
-    again; the run finishes. Several minutes (the heartbeat's 60 s and Flower's per-message cost)."""
+    ``python -m fedproto.flower.supervise``; SIGKILLed in round 2, the supervisor deactivates its
+    node id at the SuperLink (signed with its key), so its restart is let in at once, not refused
+    for up to 60 s until its heartbeat expires ("Failed to activate SuperNode", Flower exit code
+    305, before); it activates under the same node id, reloads its state file (same instance,
+    restored 1) and takes part again; the run finishes."""
     import os
     import signal
     import threading
@@ -807,8 +849,9 @@ def test_an_authenticated_node_killed_mid_run_is_restarted_by_its_supervisor_and
     logs = res.stdout + res.stderr
     assert "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:] + node_log[-3000:]
     assert len(fed.supernode_pids("node1")) >= 2, node_log[-3000:]  # restarted
-    assert "Failed to activate SuperNode" in node_log  # refused while the SuperLink held it online
-    assert "Flower exit code 305" in node_log and "restart 1 in 1 s" in node_log
+    assert "(Fleet API DeactivateNode): it can rejoin at once" in node_log and "restart 1 in 1 s" in node_log
+    assert "Failed to activate SuperNode" not in node_log  # not refused: the heartbeat was not waited for
+    assert node_log.count("SuperNode ID:") == 2
     run_dir = next(out.glob("*/summary.json")).parent
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     missed = [r["round"] for r in rows if 1 not in r["replied"]]

@@ -19,7 +19,8 @@ SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registere
 what it was told. ``--kill N@R`` kills node N once round R has started (its metrics row will
 name it failed or timed out). ``--restart`` runs every SuperNode under ``python -m
 fedproto.flower.supervise`` (restarted 2, 4, 8, 10, 10... s after a failure), so a killed node comes
-back (under ``--auth`` once the SuperLink has marked it offline, up to 60 s).
+back (under ``--auth`` the supervisor first deactivates it at the SuperLink, so it is let in at once);
+with ``--kill`` it prints how long after the kill the node was activated and trained again.
 ``--misbehave N:KIND`` makes node N corrupt what it sends (``nan``; ``scale``, ``random``, ``flip``
 with fedproto.attacks).
 """
@@ -150,7 +151,10 @@ def main() -> None:
                 os.kill(fed.supernode_pids(f"node{node}")[-1], signal.SIGKILL)
             else:
                 fed.kill(f"node{node}")
-            print(f"killed node{node} during round {at} ({time.perf_counter() - t0:.1f} s)")
+            killed = time.perf_counter()
+            print(f"killed node{node} during round {at} ({killed - t0:.1f} s)")
+            if args.restart:
+                watch_rejoin(fed, out, node, killed, runner)
         runner.join()
         if args.unregistered:
             intruder.wait(60) if intruder.poll() is None else None
@@ -200,6 +204,23 @@ def compare(out: Path, data: Path, args) -> None:
         if key in got["accuracy"]:
             a, b = got["accuracy"][key]["mean"], want["accuracy"][key]["mean"]
             print(f"{key}: deployment {a:.6f}, simulator {b:.6f}")
+
+
+def watch_rejoin(fed: LocalFederation, out: Path, node: int, killed: float, runner: threading.Thread) -> None:
+    """After node ``node`` was killed at ``killed`` (perf_counter): print when its SuperNode was
+    activated again (its second ``SuperNode ID`` log line) and when a round it trained in was logged."""
+    active = trained = None
+    logged = rounds_logged(out)
+    while runner.is_alive() and trained is None:
+        if active is None and fed.log(f"node{node}").count("SuperNode ID:") >= 2:
+            active = time.perf_counter() - killed
+            print(f"node{node} activated again {active:.1f} s after the kill")
+        files = sorted(out.glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+        rows = [json.loads(x) for x in files[-1].read_text().splitlines()[logged:]] if files else []
+        if active is not None and any(node in r.get("replied", []) for r in rows):
+            trained = time.perf_counter() - killed
+            print(f"node{node} trained again (its reply in a logged round) {trained:.1f} s after the kill")
+        time.sleep(0.2)
 
 
 def rounds_logged(out: Path) -> int:

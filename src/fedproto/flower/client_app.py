@@ -31,6 +31,7 @@ nothing under ``full``; the node logs what it keeps (its accuracy, and its ε un
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,41 @@ from fedproto.privacy import deployment_fields
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"
 
-app = ClientApp()
 log = logging.getLogger(__name__)
+EXPIRY: dict[str, float] = {}
+"""``{"at": t}``: when the message this process is running expires (``created_at + ttl``, Unix
+seconds), set by :func:`drop_expired`; the executor's child reads it to end a ClientApp that
+outlives its message (:mod:`fedproto.flower.prefork`)."""
+
+
+class MessageExpired(RuntimeError):
+    """A message reached the ClientApp after its ``ttl``: its round is over and no reply is awaited."""
+
+
+def drop_expired(msg: Message, context: Context, call_next) -> Message:
+    """Flower mod around every handler: refuse a message past its ``created_at + ttl`` (Unix
+    seconds; the server sets ``ttl`` to the exchange's deadline plus
+    :data:`fedproto.flower.exchange.TTL_MARGIN`) without running it, and note its expiry in
+    :data:`EXPIRY`.
+
+    Raises:
+        MessageExpired: naming the message type, its round and how long ago it expired (Flower
+            sends the node's error as the reply, which the SuperLink drops as expired).
+    """
+    meta = msg.metadata
+    at = float(meta.created_at) + float(meta.ttl)
+    EXPIRY["at"] = at
+    late = time.time() - at
+    if late > 0:
+        rnd = msg.content[CONFIG].get("round", "?") if CONFIG in msg.content else "?"
+        log.warning("a %s message of round %s expired %.1f s ago: not run", meta.message_type, rnd, late)
+        raise MessageExpired(f"the {meta.message_type} message of round {rnd} expired {late:.1f} s before it "
+                             "reached the ClientApp (its round's deadline passed; the server no longer waits): "
+                             "not run")
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[drop_expired])
 
 
 @dataclass

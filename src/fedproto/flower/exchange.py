@@ -26,6 +26,12 @@ NODE_UNAVAILABLE = 5
 for a message to a node it has marked offline."""
 REPLY_UNAVAILABLE = 4
 """Flower's ``ErrorCode.REPLY_MESSAGE_UNAVAILABLE``: the reply expired or was lost at the SuperLink."""
+TTL_MARGIN = 30.0
+"""Seconds a message lives beyond the deadline of its exchange (its Flower ``ttl`` is the deadline
+plus this): room for the clocks of the ServerApp's, the SuperLink's and the node's machines to
+differ. After that nobody waits for its reply, so the SuperLink no longer hands it out (flwr drops
+an expired message instead of delivering it) and a node that gets it late does not run it
+(:func:`fedproto.flower.common.expired`)."""
 log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
 
 
@@ -39,6 +45,16 @@ class MessageExchange:
         entries = {**entries, "run-key": self.run_key} if self.run_key else dict(entries)
         entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.common.schema_problem)
         return {CONFIG: ConfigRecord(entries)}
+
+    def _message(self, config: dict, dst: int, kind: str, content: dict | None = None,
+                 group: str | None = None) -> Message:
+        """One Flower message to node ``dst``: ``content`` records plus the config record
+        (:meth:`_config` of ``config``), with a ``ttl`` of the next exchange's deadline plus
+        :data:`TTL_MARGIN` seconds, so that a message whose round is over (the run stopped, the node
+        came back late) is never delivered or run. Flower's default ``ttl`` is 12 hours: the nodes
+        kept starting ClientApps for a run that had stopped."""
+        return Message(RecordDict({**(content or {}), **self._config(config)}), dst_node_id=dst, message_type=kind,
+                       ttl=self.deadline.seconds() + TTL_MARGIN, group_id=group)
 
     def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], dict[int, str],
                                                             list[int]]:
@@ -133,9 +149,8 @@ class MessageExchange:
         """Send ``kind`` to the clients ``ids``: (replies by client id, failures by client id,
         client ids that timed out). Failures and timeouts are logged."""
         ids = [i for i in ids if i in self.nodes]
-        out = [Message(RecordDict({MESSAGE: to_record(msgs[i]),
-                                   **self._config({"round": self.round, "cid": i})}),
-                       dst_node_id=self.nodes[i], message_type=kind, group_id=str(self.round))
+        out = [self._message({"round": self.round, "cid": i}, self.nodes[i], kind, {MESSAGE: to_record(msgs[i])},
+                             str(self.round))
                for i in ids]
         ok, failed, unavailable, missing = self._exchange(out)
         cid_of = {self.nodes[i]: i for i in ids}
@@ -151,4 +166,4 @@ class MessageExchange:
                 {cid_of[n]: w for n, w in unavailable.items()}, [cid_of[n] for n in missing])
 
 
-__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "MessageExchange"]
+__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "TTL_MARGIN", "MessageExchange"]

@@ -14,8 +14,6 @@ import logging
 import re
 import time
 
-from flwr.app import Message, RecordDict
-
 from fedproto.algorithms.requirements import needs_one_size
 from fedproto.errors import ConfigError, TrainingError
 from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, schema_problem
@@ -79,9 +77,7 @@ class NodeMembership:
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, unavailable, _ = self._exchange([Message(RecordDict(self._config({})), dst_node_id=nid,
-                                                             message_type=QUERY)
-                                                     for nid in new])
+        ok, failed, unavailable, _ = self._exchange([self._message({}, nid, QUERY) for nid in new])
         for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
             log.warning("node %d is unavailable: %s", nid, why)
         for nid, why in failed.items():

@@ -24,7 +24,11 @@ so the numbers are those of the default path.
 
 It polls the Runtime API with Flower's ``AcquireTask`` call (the one ``flower-superexec`` makes),
 every ``--poll-interval`` seconds (0.1 by default; a local HTTP call). It needs ``os.fork``
-(Linux, macOS); each child watches the executor's process and exits if the executor dies.
+(Linux, macOS); each child watches the executor's process and exits if the executor dies, and
+ends itself once its message has expired by :data:`CHILD_GRACE` seconds (or after
+:data:`CHILD_FIRST_LIMIT` seconds without having got its message): its reply can no longer be
+accepted, and a SuperLink that died would otherwise hold it in Flower's retries for as long as
+the SuperNode waits.
 Changing a node's data files while it runs is noticed (the kept arrays are keyed by each file's
 size and modification time); its ``--node-config`` should match the SuperNode's, but a mismatch
 only costs speed (the ClientApp reads what the SuperNode's node config names).
@@ -40,6 +44,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,6 +55,13 @@ FLOWER_VERSIONS = ("1.42.",)
 """Flower versions whose Runtime API this executor was written against."""
 CLIENTAPP = "flwr-clientapp"
 """Flower's task type of a ClientApp run (``flwr.supercore.constant.TaskType.CLIENT_APP``)."""
+
+CHILD_GRACE = 30.0
+"""Seconds a child may run past its message's expiry (``created_at + ttl``: the server's deadline
+plus :data:`fedproto.flower.exchange.TTL_MARGIN`) before it ends itself."""
+CHILD_FIRST_LIMIT = 600.0
+"""Seconds a child may run before its ClientApp has seen its message (Flower fetching the
+message, the context and the app from the SuperNode) before it ends itself."""
 
 log = logging.getLogger("fedproto.flower.prefork")
 
@@ -169,6 +181,7 @@ def _runtime_client(address: str, insecure: bool, root_certificates: str | None,
 def _run_child(address: str, token: str, insecure: bool, root_certificates: str | None, parent: int) -> None:
     """In the forked child: Flower's ClientApp entry for ``token``; never returns."""
     code = 1
+    _start_watchdog()
     try:
         from flwr.supercore.tls import validate_and_resolve_root_certificates
         from flwr.supernode.runtime.run_clientapp import run_clientapp
@@ -185,6 +198,33 @@ def _run_child(address: str, token: str, insecure: bool, root_certificates: str 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _start_watchdog(grace: float | None = None, first_limit: float | None = None, tick: float = 1.0) -> None:
+    """In a child: a daemon thread that ends the process (exit status 124, with a log line) once
+    its message expired ``grace`` s ago (:data:`fedproto.flower.client_app.EXPIRY`), or
+    ``first_limit`` s after the start when the ClientApp never saw its message."""
+    from fedproto.flower.client_app import EXPIRY
+
+    EXPIRY.clear()  # the message of this child, not one the executor knew before the fork
+    grace = CHILD_GRACE if grace is None else grace
+    first_limit = CHILD_FIRST_LIMIT if first_limit is None else first_limit
+    started = time.time()
+
+    def watch() -> None:
+        while True:
+            time.sleep(tick)
+            at = EXPIRY.get("at")
+            limit = at + grace if at is not None else started + first_limit
+            if time.time() > limit:
+                why = (f"its message expired {time.time() - at:.0f} s ago" if at is not None
+                       else f"it got no message within {first_limit:g} s")
+                log.error("ClientApp process %d ends itself: %s (no reply can be accepted now)", os.getpid(), why)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(124)
+
+    threading.Thread(target=watch, name="fedproto-prefork-watchdog", daemon=True).start()
 
 
 def serve(address: str, insecure: bool = False, root_certificates: str | None = None,

@@ -1,4 +1,4 @@
-"""Keep a SuperNode running: restart ``flower-supernode`` with backoff when it fails.
+"""Keep a SuperNode running: restart ``flower-supernode`` when it fails, and bring it back at once.
 
     python -m fedproto.flower.supervise [--backoff 5] [--max-backoff 60] [--max-restarts N] -- \\
         flower-supernode --superlink 10.0.0.1:9092 --root-certificates ca.crt \\
@@ -17,20 +17,33 @@ a graceful stop on SIGTERM or SIGINT included). Its own ``--max-retries``/``--ma
 do not help: they retry only transport errors and HTTP 502/503/504. (Without authentication a
 restarted SuperNode makes a new key and gets a new node id, and is not refused.)
 
+**Deactivation, so that the node is back within seconds.** A SuperNode that stops cleanly tells the
+SuperLink itself (Flower's Fleet API ``DeactivateNode``, signed with the node's key). One that
+was killed cannot, so the supervisor does it for it: it reads the node id from the SuperNode's
+``SuperNode ID: <id>`` log line, and when the SuperNode died (a signal or a failure after it was
+activated) it sends ``DeactivateNode`` for that id to the same ``--superlink``, over the same TLS
+(``--root-certificates``/``--insecure``) and signed with the same ``--auth-supernode-private-key``
+(:func:`deactivate_node`: Flower's own HTTP client and request signing; the SuperLink accepts it
+only from the holder of the node's key). The SuperLink then marks the node offline at once
+(the server records the round's message to it as ``unavailable``, no wait), and the restarted
+SuperNode is activated on its first try instead of after the 37.5-60 s heartbeat. When the
+deactivation fails (the SuperLink unreachable, another Flower), the restart falls back to retrying
+until the heartbeat expires, as below.
+
 This supervisor is the portable equivalent of a systemd unit with ``Restart=on-failure``: it
 runs the command (its output passed on to stdout, where the supervisor reads Flower's ``Exit
-Code: <code>`` line), and when it fails (a non-zero exit status, or killed by a signal) starts it
-again after ``backoff`` seconds, doubling the wait up to ``max-backoff`` (back to ``backoff`` once
-a start has run ``stable`` seconds). A start refused because the SuperLink still holds the node
-online (Flower exit code 305, :data:`RETRY_STEADY`) is retried every ``backoff`` seconds without
-doubling: that refusal ends by itself when the dead node's heartbeat expires (37.5-60 s after it
-died, the floor Flower 1.42 sets), and a doubled wait (5, 10, 20, 40 s) would let the node come
-back up to 40 s after that. With the defaults a node killed at any time is back within about
-60 s + ``backoff`` + its start-up time. It stops, with the command's exit status, when the command exits
-0 or with a Flower exit code in :data:`NO_RESTART` (a configuration error a restart cannot fix),
-after ``max-restarts`` restarts, or when it is itself stopped (SIGTERM or SIGINT, passed on to the
-command). It logs every start (with the pid) and every restart (with the exit status, Flower's
-exit code and Flower's meaning of it) on stderr.
+Code: <code>`` and ``SuperNode ID: <id>`` lines), and when it fails (a non-zero exit status, or
+killed by a signal) starts it again after ``backoff`` seconds, doubling the wait up to
+``max-backoff`` (back to ``backoff`` once a start has run ``stable`` seconds, or after a
+deactivation). A start refused because the SuperLink still holds the node online (Flower exit
+code 305, :data:`RETRY_STEADY`) is retried every ``backoff`` seconds without doubling: that
+refusal ends by itself when the dead node's heartbeat expires (37.5-60 s after it died, the floor
+Flower 1.42 sets when the deactivation could not be sent), and a doubled wait (5, 10, 20, 40 s)
+would let the node come back up to 40 s after that. It stops, with the command's exit status,
+when the command exits 0 or with a Flower exit code in :data:`NO_RESTART` (a configuration error
+a restart cannot fix), after ``max-restarts`` restarts, or when it is itself stopped (SIGTERM or
+SIGINT, passed on to the command). It logs every start (with the pid), every deactivation and
+every restart (with the exit status, Flower's exit code and Flower's meaning of it) on stderr.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ the wait: 305, the SuperLink refused to activate the node (still online under it
 the SuperLink not reachable yet), a state that ends by itself within a minute."""
 
 _EXIT_LINE = re.compile(r"Exit Code: (\d+)")
+_NODE_LINE = re.compile(r"SuperNode ID: (\d+)")
 
 
 def exit_meaning(status: int, flower_code: int | None = None) -> str:
@@ -130,7 +144,8 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
             if max_restarts is not None and restarts >= max_restarts:
                 _say(f"{what}; giving up after {restarts} restart(s)")
                 return 128 - code if code < 0 else code
-            if time.monotonic() - started >= stable or flower in RETRY_STEADY:
+            deactivated = "node" in seen and _deactivate_after_death(command, seen["node"], what)
+            if time.monotonic() - started >= stable or flower in RETRY_STEADY or deactivated:
                 wait = backoff
             restarts += 1
             _say(f"{what}; restart {restarts} in {wait:g} s")
@@ -152,6 +167,81 @@ def _pump(stream, seen: dict[str, int]) -> None:
         sys.stdout.flush()
         if m := _EXIT_LINE.search(line):
             seen["code"] = int(m.group(1))
+        elif m := _NODE_LINE.search(line):
+            seen["node"] = int(m.group(1))
+
+
+def command_flag(command: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag value`` or ``--flag=value``, the last one given) in ``command``,
+    or None."""
+    found = None
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            found = command[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1:]
+    return found
+
+
+def deactivate_node(superlink: str, node_id: int, private_key: str, root_certificates: str | None = None,
+                    insecure: bool = False, timeout: float = 10.0) -> None:
+    """Tell the SuperLink at ``superlink`` (``host:port`` of its Fleet API) that the authenticated
+    node ``node_id`` is gone, as the SuperNode itself does when it stops cleanly: Flower's Fleet API
+    ``DeactivateNode``, signed with the node's private key (an OpenSSH EC key, the file given to
+    ``flower-supernode --auth-supernode-private-key``) by Flower's own HTTP client
+    (``flwr.supernode.fleet_http_client``, ``NodeAuthHttpInterceptor``; flwr 1.42). The SuperLink
+    marks the node offline at once; it can be activated again by the next start of its SuperNode.
+
+    Args:
+        root_certificates: the CA file of the SuperLink's TLS certificate (``--root-certificates``);
+            None with ``insecure`` (no TLS) or for a certificate the system trusts.
+        timeout: seconds for the one HTTP call (no retries).
+    Raises:
+        ValueError: the key file is not an EC private key in OpenSSH format, naming the file.
+        OSError: the key file cannot be read.
+        httpx.HTTPError: the SuperLink refused (401: the key does not belong to ``node_id``; 412: the
+            node was not online) or could not be reached.
+    """
+    from pathlib import Path
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.proto.fleet_pb2 import DeactivateNodeRequest
+    from flwr.supernode.fleet_http_client import FleetHttpClient
+    from flwr.supernode.node_auth_http_interceptor import NodeAuthHttpInterceptor
+
+    try:
+        key = load_ssh_private_key(Path(private_key).expanduser().read_bytes(), None)
+    except ValueError as e:
+        raise ValueError(f"{private_key}: not an OpenSSH private key ({e})") from e
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{private_key}: not an elliptic-curve key (Flower's node keys are EC keys)")
+    certs = None if insecure else (str(Path(root_certificates).expanduser()) if root_certificates else None)
+    with FleetHttpClient.from_server_address(superlink, insecure, certs,
+                                             interceptors=[NodeAuthHttpInterceptor(key, key.public_key())]) as client:
+        client._client.timeout = timeout  # noqa: SLF001 - one call, no long wait on a SuperLink that is down
+        client.DeactivateNode(DeactivateNodeRequest(node_id=node_id))
+
+
+def _deactivate_after_death(command: Sequence[str], node_id: int, what: str) -> bool:
+    """After the SuperNode of ``command`` died, :func:`deactivate_node` its ``node_id`` when the
+    command authenticates (``--auth-supernode-private-key``). True when the SuperLink took it."""
+    key = command_flag(command, "--auth-supernode-private-key")
+    if not key:
+        return False  # without authentication the restart gets a new node id: nothing to free
+    superlink = command_flag(command, "--superlink") or "127.0.0.1:9092"
+    try:
+        deactivate_node(superlink, node_id, key, command_flag(command, "--root-certificates"),
+                        insecure="--insecure" in command)
+    except Exception as e:  # noqa: BLE001 - the fallback (wait for the heartbeat to expire) still works
+        if getattr(getattr(e, "response", None), "status_code", None) == 412:  # not online: nothing to free
+            _say(f"{what}; node {node_id} is already offline at {superlink}")
+            return True
+        _say(f"{what}; could not deactivate node {node_id} at {superlink} ({type(e).__name__}: {str(e)[:200]}): "
+             "the restart waits until the SuperLink's heartbeat for it expires (up to 60 s)")
+        return False
+    _say(f"{what}; deactivated node {node_id} at {superlink} (Fleet API DeactivateNode): it can rejoin at once")
+    return True
 
 
 def _why(status: int, flower_code: int | None) -> str:
@@ -190,4 +280,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["NO_RESTART", "RETRY_STEADY", "exit_meaning", "main", "supervise"]
+__all__ = ["NO_RESTART", "RETRY_STEADY", "command_flag", "deactivate_node", "exit_meaning", "main", "supervise"]

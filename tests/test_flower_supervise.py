@@ -1,0 +1,145 @@
+"""The supervisor frees a killed SuperNode's node id at the SuperLink (Flower's Fleet API
+``DeactivateNode``, signed with the node's key), so that its restart is let in at once instead of
+after the 37.5-60 s heartbeat. Here against a stand-in Fleet API on 127.0.0.1 that checks the
+signature as Flower's SuperLink does; the slow deployment test does it against a real SuperLink."""
+
+import base64
+import http.server
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("flwr")
+pytestmark = pytest.mark.flower
+
+
+class _FleetStandIn(http.server.BaseHTTPRequestHandler):
+    """Answers ``/v1/fleet/deactivate-node`` as the SuperLink would: 200 for a request signed by
+    the key of ``node_id`` (``server.keys``), 401 for another key, 412 when the node is not online."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        from flwr.common.constant import TIMESTAMP_HEADER
+        from flwr.proto.fleet_pb2 import DeactivateNodeRequest
+        from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
+        from flwr.supercore.primitives.asymmetric import bytes_to_public_key, verify_signature
+
+        body = self.rfile.read(int(self.headers["content-length"]))
+        req = DeactivateNodeRequest()
+        req.ParseFromString(body)
+        pub = base64.b64decode(self.headers[FLEET_HTTP_PUBLIC_KEY_HEADER])
+        signed = verify_signature(bytes_to_public_key(pub), self.headers[TIMESTAMP_HEADER].encode("ascii"),
+                                  base64.b64decode(self.headers[FLEET_HTTP_SIGNATURE_HEADER]))
+        self.server.calls.append((self.path, req.node_id, signed))
+        if not signed or self.server.keys.get(req.node_id) != pub:
+            status = 401
+        elif req.node_id not in self.server.online:
+            status = 412
+        else:
+            self.server.online.discard(req.node_id)
+            status = 200
+        self.send_response(status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture
+def fleet():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FleetStandIn)
+    server.calls, server.keys, server.online = [], {}, set()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def _node_key(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    path = tmp_path / "site0.key"
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                       serialization.NoEncryption()))
+    return path, public_key_to_bytes(key.public_key())
+
+
+def test_deactivate_node_signs_with_the_node_key_and_names_a_bad_key(tmp_path, fleet):
+    from fedproto.flower.supervise import command_flag, deactivate_node
+
+    key, pub = _node_key(tmp_path)
+    fleet.keys[77], fleet.online = pub, {77}
+    address = f"127.0.0.1:{fleet.server_address[1]}"
+    deactivate_node(address, 77, str(key), insecure=True)
+    assert fleet.calls == [("/v1/fleet/deactivate-node", 77, True)] and fleet.online == set()
+    import httpx
+
+    with pytest.raises(httpx.HTTPStatusError, match="412"):  # no longer online
+        deactivate_node(address, 77, str(key), insecure=True)
+    with pytest.raises(httpx.HTTPStatusError, match="401"):  # another node's id: the key does not match
+        deactivate_node(address, 78, str(key), insecure=True)
+    (tmp_path / "bad.key").write_text("not a key")
+    with pytest.raises(ValueError, match=r"bad.key: not an OpenSSH private key"):
+        deactivate_node(address, 77, str(tmp_path / "bad.key"), insecure=True)
+    cmd = ["flower-supernode", "--superlink=10.0.0.1:9092", "--auth-supernode-private-key", "k", "--insecure"]
+    assert (command_flag(cmd, "--superlink"), command_flag(cmd, "--auth-supernode-private-key"),
+            command_flag(cmd, "--root-certificates")) == ("10.0.0.1:9092", "k", None)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
+def test_a_killed_node_is_deactivated_and_restarted_at_once(tmp_path, fleet, capsys):
+    """A SuperNode that logged its id and was then killed: the supervisor deactivates that id
+    with the node's key and restarts it after ``backoff`` (not doubled); with the Fleet API
+    unreachable it says so and still restarts (the heartbeat then frees the node); without a key
+    (no authentication) it sends nothing."""
+    from fedproto.flower.supervise import supervise
+
+    key, pub = _node_key(tmp_path)
+    fleet.keys[4242], fleet.online = pub, {4242}
+    body = (f'n=$(( $(cat {tmp_path}/starts 2>/dev/null || echo 0) + 1 )); echo $n > {tmp_path}/starts; '
+            'if [ $n -le 2 ]; then echo "INFO :      SuperNode ID: 4242"; kill -9 $$; fi; exit 0')
+    flags = ["--superlink", f"127.0.0.1:{fleet.server_address[1]}", "--insecure", "--auth-supernode-private-key",
+             str(key)]
+    assert supervise(["sh", "-c", body, "flower-supernode", *flags], backoff=0.1, max_backoff=5) == 0
+    err = capsys.readouterr().err
+    assert fleet.calls == [("/v1/fleet/deactivate-node", 4242, True)] * 2
+    assert f"deactivated node 4242 at 127.0.0.1:{fleet.server_address[1]} (Fleet API DeactivateNode)" in err
+    assert "node 4242 is already offline" in err  # the second kill: the stand-in had it offline already
+    assert "restart 1 in 0.1 s" in err and "restart 2 in 0.1 s" in err  # no doubling after a deactivation
+
+    (tmp_path / "starts").unlink()
+    fleet.calls.clear()
+    flags[1] = "127.0.0.1:9"  # nothing listens there
+    assert supervise(["sh", "-c", body, "flower-supernode", *flags], backoff=0.1, max_backoff=5) == 0
+    err = capsys.readouterr().err
+    assert "could not deactivate node 4242 at 127.0.0.1:9 (ConnectError" in err and "restart 2 in 0.2 s" in err
+    (tmp_path / "starts").unlink()
+    assert supervise(["sh", "-c", body, "flower-supernode", "--insecure"], backoff=0.1) == 0
+    assert fleet.calls == [] and "deactivat" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("expired", [True, False])
+def test_an_executor_child_ends_itself_once_its_message_expired(expired):
+    """After the SuperLink died, one of the executor's children hung 12 minutes in Flower's
+    retries. A child now ends itself (status 124) once its message expired ``grace`` s ago, or
+    ``first_limit`` s after its start when it never saw its message."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    note = "EXPIRY['at'] = time.time() - 1; " if expired else ""
+    code = ("import time; from fedproto.flower.prefork import _start_watchdog; "
+            "from fedproto.flower.client_app import EXPIRY; "
+            f"_start_watchdog(grace=0.2, first_limit=60 if {expired} else 0.5, tick=0.05); {note}time.sleep(30)")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": src}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 124, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 25  # not the 30 s sleep
+    why = "its message expired 1 s ago" if expired else "it got no message within 0.5 s"
+    assert f"ends itself: {why} (no reply can be accepted now)" in p.stderr
