@@ -1206,11 +1206,15 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
     grid = LocalGrid(uc, node_configs=node_configs(folders))
     grid.on_send = superlink_dies
     run = tmp_path / "run"
+    eng = FlowerEngine(run_config(uc), grid, out=run)
+    eng.run_cfg = uc  # as the ServerApp's main sets it
     with pytest.raises(RuntimeError, match="SuperLink went away"):
-        FlowerEngine(run_config(uc), grid, out=run).run()
+        eng.run()
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
-    assert failure["checkpoint"] and f"resume-from='{run}'" in failure["resume"]
+    assert failure["checkpoint"] and failure["resume"] == f"flwr run '{run.absolute() / 'resume-app'}' --stream"
+    app_cfg = tomllib.loads((run / "resume-app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert app_cfg == {**uc, "resume-from": str(run.absolute()), "wait-nodes": 180.0}
     assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
     assert not (run / "summary.json").exists()
 
@@ -1224,6 +1228,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert not (run / "failure.json").exists() and not (run / "checkpoint.pt").exists()
+    assert not (run / "resume-app").exists()  # the stopped run's record goes with failure.json
     assert all(r["rejoined"] == {str(i): "restarted with its state restored from its state file" for i in range(3)}
                for r in rows[2:3])
     for key in want["accuracy"]:
@@ -1278,12 +1283,15 @@ def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes
         assert failure["rounds_completed"] == len(stopped) and stopped in ([1], [1, 2]), (failure, stopped)
         assert failure["checkpoint"] and (run_dir / "checkpoint.pt").is_file()
         assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == len(stopped)
-        assert f"resume-from='{run_dir}'" in failure["resume"]
-        assert all(f"{kv} " in failure["resume"] for kv in ("rounds=4", "seed=7", f"out-dir='{out}'"))
+        assert failure["resume"] == f"flwr run '{run_dir.absolute() / 'resume-app'}' --stream"
+        resume_app = tomllib.loads((run_dir / "resume-app" / "pyproject.toml").read_text())
+        assert {k: resume_app["tool"]["flwr"]["app"]["config"][k] for k in ("rounds", "seed", "out-dir",
+                                                                            "resume-from", "wait-nodes")} == \
+            {"rounds": 4, "seed": 7, "out-dir": str(out), "resume-from": str(run_dir.absolute()), "wait-nodes": 180.0}
         assert not (run_dir / "summary.json").exists()
         starts = {f"node{i}": len(fed.supernode_pids(f"node{i}")) for i in range(3)}
         fed.start_superlink(name="superlink2")
-        res = fed.flwr_run(app, {**overrides, "resume-from": str(run_dir), "wait-nodes": 180}, timeout=900)
+        res = fed.run_printed(failure["resume"], timeout=900)  # as printed: no placeholder to fill in
         restarted = {i for i in range(3) if len(fed.supernode_pids(f"node{i}")) > 1}
         first.join(60)  # the first flwr run (its stream retries the SuperLink, then sees its run finished)
         logs = {name: fed.log(name) for name in fed.procs}
@@ -1521,6 +1529,32 @@ def test_a_signal_to_the_server_app_writes_failure_json_before_flowers_handler(t
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "Stopped")
     assert failure["message"] == "the ServerApp process got SIGTERM" and failure["checkpoint"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pathspec's, inside Flower's FAB build
+def test_the_resume_app_holds_every_option_of_the_stopped_run_and_flower_builds_it(tmp_path):
+    """failure.json's command had placeholders (``<app folder> <connection>``): it is now
+    ``flwr run '<run folder>/resume-app' --stream``, an app whose config is the stopped run's
+    whole run config with ``resume-from`` (absolute) and ``wait-nodes`` >= 180 s; Flower validates
+    and builds it as it would the user's own app."""
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.common.config import validate_fields_in_config
+
+    from fedproto.flower.server_app import write_resume_app
+
+    cfg = {"rounds": 4, "lr": 0.05, "out-dir": "/r uns/a", "name": "it's \\ \"q\"", "tensorboard": False,
+           "resume-from": "", "wait-nodes": 60.0}
+    run = tmp_path / "run s"
+    run.mkdir()
+    app = write_resume_app(run, cfg)
+    assert app == run.absolute() / "resume-app"
+    text = tomllib.loads((app / "pyproject.toml").read_text())
+    assert text["tool"]["flwr"]["app"]["config"] == {**cfg, "resume-from": str(run.absolute()), "wait-nodes": 180.0}
+    ok, errors, warnings = validate_fields_in_config(text)
+    assert ok and errors == [] and warnings == [], (errors, warnings)
+    assert len(build_fab_from_disk(app)) > 100  # a FAB, as `flwr run` builds it
+    assert tomllib.loads((write_resume_app(run, {**cfg, "wait-nodes": 600}) / "pyproject.toml").read_text())[
+        "tool"]["flwr"]["app"]["config"]["wait-nodes"] == 600.0
 
 
 def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_parses_it():

@@ -85,8 +85,9 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
                 "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
-                "tensorboard")
-"""Files (and the ``tensorboard`` folder of event files) a run writes. A new run in the same folder never
+                "tensorboard", "resume-app")
+"""Files (and the ``tensorboard`` folder of event files, the ``resume-app`` folder of a stopped
+Flower run: :func:`fedproto.flower.server_app.write_resume_app`) a run writes. A new run in the same folder never
 mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to
 :data:`PREVIOUS` until the new one finishes, an unfinished one is removed."""
 

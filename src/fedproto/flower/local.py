@@ -256,6 +256,22 @@ class LocalFederation:
             args += ["--federation-config", config_arg(fed)]
         return subprocess.run(args, env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout)
 
+    def run_printed(self, command: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+        """Run a ``flwr ...`` command as fedproto printed it (``failure.json``'s ``resume``), with
+        this federation's ``FLWR_HOME`` (its default connection is this SuperLink) and Flower's
+        ``flwr`` beside this Python. Returns the finished process (stdout and stderr as text).
+
+        Raises:
+            ValueError: ``command`` does not start with ``flwr``.
+        """
+        import shlex
+
+        args = shlex.split(command)
+        if args[:1] != ["flwr"]:
+            raise ValueError(f"not a flwr command: {command!r}")
+        return subprocess.run([self.commands["flwr"], *args[1:]], env=self.env, cwd=self.workdir,
+                              capture_output=True, text=True, timeout=timeout)
+
     def stop(self) -> None:
         """Stop every process started here (SIGTERM, then SIGKILL after 10 s); never raises."""
         for p in self.procs.values():

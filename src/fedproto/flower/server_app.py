@@ -108,10 +108,10 @@ class FlowerEngine:
                                        run_folder=tensorboard_observers(cfg, self.run_dir))
         self.loop = RoundLoop(cfg, server, self.executor, self.executor.embedding_dim, observers)
 
-    resume_config = ""
-    """The stopped run's run config as ``key=value `` pairs, put before ``resume-from`` in
-    ``failure.json``'s command (the ServerApp sets it from the Flower run config: every key, so the
-    command gives the options of the stopped run whatever its ``--run-config`` was)."""
+    run_cfg: dict = {}
+    """The Flower run config as the SuperLink gave it (the ServerApp's ``main`` sets it): every
+    key, so that the resume app (:func:`write_resume_app`) has the options of the stopped run
+    whatever its ``--run-config`` was."""
 
     def _run_key(self) -> str:
         """The run's key (the nodes' state files belong to it): a resumed run's own, read from its
@@ -185,6 +185,18 @@ class FlowerEngine:
         finally:
             rd.release()
 
+    def _resume_command(self) -> str:
+        """The command that continues this run: ``flwr run <run folder>/resume-app --stream``
+        (:func:`write_resume_app`), or, when that folder cannot be written (or the engine has no
+        Flower run config), the ``--run-config`` form for the user's own app folder."""
+        try:
+            if self.run_cfg:  # else an engine built without Flower's run config (in-process): no app to write
+                return f"flwr run '{write_resume_app(self.run_dir.path, self.run_cfg)}' --stream"
+        except OSError as err:
+            log.warning("cannot write the resume app in %s: %s", self.run_dir.path, err)
+            return (f'flwr run <app folder> --stream --run-config "{resume_config(self.run_cfg)}'
+                    f'resume-from=\'{self.run_dir.path.absolute()}\'"')
+
     def _record_failure(self, e: BaseException) -> None:
         """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
         first record, e.g. the signal that stopped the run, is kept)."""
@@ -195,14 +207,53 @@ class FlowerEngine:
         record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "checkpoint": self.run_dir.checkpoint.is_file(),
-                  "resume": f'flwr run <app folder> <connection> --stream --run-config "{self.resume_config}'
-                            f'resume-from=\'{self.run_dir.path.absolute()}\'"'}
+                  "resume": self._resume_command()}
         try:
             atomic_write_json(self.run_dir.path / "failure.json", record)
         except OSError as err:  # never hide the run's own error behind this one
             log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
         log.error("fedproto: the run stopped in round %d (%s); rounds 1..%d are in %s%s", done + 1, type(e).__name__,
                   done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
+
+
+RESUME_APP = "resume-app"
+"""The folder, inside a stopped run's folder, of the Flower App that continues it (:func:`write_resume_app`)."""
+RESUME_WAIT_NODES = 180.0
+"""The least ``wait-nodes`` (s) of a resumed run: after a SuperLink restart the SuperNodes need about
+a minute to reconnect (Flower's retries with backoff)."""
+
+
+def write_resume_app(run_dir: Path, run_cfg: dict) -> Path:
+    """Write ``<run_dir>/resume-app/pyproject.toml``: a Flower App with fedproto's components whose
+    ``[tool.flwr.app.config]`` is the stopped run's run config (every key, as the SuperLink gave it
+    to the ServerApp) with ``resume-from`` set to ``run_dir`` (absolute) and ``wait-nodes`` at least
+    :data:`RESUME_WAIT_NODES`, so that ``flwr run <run_dir>/resume-app --stream`` continues the run
+    as printed (the checkpoint's options are the run's; ``wait-nodes`` is not a run option).
+
+    Returns:
+        The app folder (absolute).
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    from fedproto.atomic import atomic_write_bytes
+    from fedproto.config import toml_value
+
+    app_dir = run_dir.absolute() / RESUME_APP
+    cfg = {k: v for k, v in run_cfg.items() if k not in ("resume-from", "resume_from", "wait-nodes", "wait_nodes")}
+    wait = max(float(run_cfg.get("wait-nodes", run_cfg.get("wait_nodes", 0.0)) or 0.0), RESUME_WAIT_NODES)
+    cfg.update({"resume-from": str(run_dir.absolute()), "wait-nodes": wait})
+    lines = ["# Written by the fedproto ServerApp when its run stopped: `flwr run <this folder> --stream` continues",
+             "# the run from its checkpoint (docs/flower.md, 'A server restart loses nothing').",
+             "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
+             "[project]", 'name = "fedproto-resume"', 'version = "0.1.0"',
+             'description = "Continues a stopped fedproto run from its checkpoint"', 'license = "MIT"',
+             'dependencies = ["fedproto[flower]"]', "", "[tool.hatch.build.targets.wheel]", 'packages = ["."]', "",
+             "[tool.flwr.app]", 'publisher = "fedproto"', "", "[tool.flwr.app.components]",
+             'serverapp = "fedproto.flower.server_app:app"', 'clientapp = "fedproto.flower.client_app:app"', "",
+             "[tool.flwr.app.config]", *(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in cfg.items())]
+    app_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(app_dir / "pyproject.toml", ("\n".join(lines) + "\n").encode("utf-8"))
+    return app_dir
 
 
 def resume_config(run_cfg: dict) -> str:
@@ -263,7 +314,7 @@ def main(grid: Grid, context: Context) -> None:
         opts = FlowerOptions.from_user_config(context.run_config)
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
         engine = FlowerEngine(cfg, grid, out=out, options=opts)
-        engine.resume_config = resume_config(context.run_config)
+        engine.run_cfg = dict(context.run_config)
         if opts.resume_from:
             out = engine.run_dir.path
         with failure_on_signal(engine):
