@@ -47,3 +47,21 @@ def test_quiet_and_verbose_together_reach_their_commands(capsys, monkeypatch):
     code, text = run_cli(["run", "-qv", "--dataset", "imagenet"], capsys, monkeypatch)
     assert code == 2 and "unknown dataset 'imagenet'" in text and "No such option" not in text, text
     assert root.level == logging.INFO
+
+
+def test_verbose_prints_each_round_line_once(tmp_path):
+    """Under ``-v`` the engine's logger writes the round line, and the command wrote it again."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    for flags in (["-v"], []):
+        p = subprocess.run([sys.executable, "-m", "fedproto", *flags, "run", "--dataset", "digits", "--rounds", "2",
+                            "--eval-every", "1", "--threads", "1", "--out-dir", str(tmp_path)],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        text = p.stdout + p.stderr
+        assert text.count("round 1/2: loss ce") == 1 and text.count("round 2/2: loss ce") == 1, text[-3000:]

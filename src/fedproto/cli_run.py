@@ -6,6 +6,7 @@ result files, never Flower, plotting or TensorBoard unless the options ask for t
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -181,6 +182,8 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         raise
     show = not quiet and console.is_terminal
     plain = not quiet and not (show and err_console.is_terminal)  # a log file, CI: one line per evaluated round
+    # under -v the engine's logger writes that line already (fedproto.simulation at INFO): not twice
+    plain = plain and not logging.getLogger("fedproto.simulation").isEnabledFor(logging.INFO)
     started = time.perf_counter()
     progress = Progress(TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=not show)
