@@ -205,6 +205,7 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning(monkeypatch, capl
     eps = [EP("broken", broken), EP("clash", lambda: _plugin("clash", _ProxClash)), EP("fine", lambda: _plugin("fine"))]
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: eps if group == plugins.GROUP else [])
     monkeypatch.setattr(plugins, "_loaded", False)
+    monkeypatch.setattr(plugins, "BROKEN", {})
     monkeypatch.delenv(plugins.NO_ENTRY_POINTS, raising=False)  # this test is about loading installed plug-ins
     try:
         with caplog.at_level("WARNING", logger="fedproto.plugins"):
@@ -214,6 +215,16 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning(monkeypatch, capl
         assert "'clash' (pkg.clash:X) could not be loaded: ConfigError: algorithm 'clash' declares the option " \
                "'prox_mu'" in caplog.text
         assert build_config(overrides={**SMALL, "algorithm": "fedprox"}).prox_mu == 0.01
+        # asked for by name: not "unknown algorithm" but what went wrong (it was called unknown)
+        from fedproto.algorithms import get_algorithm
+
+        for ask in (lambda: build_config(overrides={**SMALL, "algorithm": "broken"}), lambda: get_algorithm("broken")):
+            with pytest.raises(ConfigError, match=r"algorithm 'broken' is an installed plug-in that could not be "
+                                                  r"loaded \(pkg.broken:X: ImportError: No module named 'pkg'\)") as e:
+                ask()
+            assert "fix or reinstall the package that declares it" in e.value.hint
+        with pytest.raises(ConfigError, match=r"unknown algorithm 'brokn'"):
+            build_config(overrides={**SMALL, "algorithm": "brokn"})
     finally:
         plugins.unregister("fine")
 

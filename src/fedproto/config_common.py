@@ -83,11 +83,10 @@ class CommonConfig(CommonFields):
         if self.dataset not in DATASETS:
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
                               hint=f"choose one of {', '.join(DATASETS)}")
-        from fedproto.plugins import algorithm_names
+        from fedproto.plugins import algorithm_names, unknown_algorithm
 
         if self.algorithm not in algorithm_names():
-            raise ConfigError(f"unknown algorithm {self.algorithm!r}", option="algorithm", value=self.algorithm,
-                              hint=f"choose one of {', '.join(algorithm_names())}")
+            raise unknown_algorithm(self.algorithm)
         from fedproto.errors import ModelError
         from fedproto.models.zoo import check_model_name
 

@@ -67,6 +67,8 @@ CLI_NAMES = ("config", "resume", "quiet", "help")
 """Parameters of ``fedproto run`` that are no run option (no plug-in option may take their names)."""
 
 PLUGINS: dict[str, Any] = {}
+BROKEN: dict[str, str] = {}
+"""Installed plug-ins (entry-point name) that could not be loaded, and why (``Type: message``)."""
 """Algorithm classes registered from outside the library, by name (:func:`register`)."""
 
 
@@ -242,6 +244,7 @@ def load_plugins() -> None:
         try:
             register(ep.load())
         except Exception as e:  # a broken plug-in must not break the library's own methods
+            BROKEN[ep.name] = f"{ep.value}: {type(e).__name__}: {e}"
             log.warning("algorithm plug-in %r (%s) could not be loaded: %s: %s", ep.name, ep.value,
                         type(e).__name__, e)
 
@@ -254,8 +257,9 @@ def scope(entry_points: bool = False) -> Iterator[None]:
     library's test suite runs inside ``scope()``, so an installed plug-in package changes none of
     its results (no option, flag or name of a plug-in appears in them)."""
     global _loaded, _version
-    saved, was_loaded = dict(PLUGINS), _loaded
+    saved, was_loaded, broken = dict(PLUGINS), _loaded, dict(BROKEN)
     PLUGINS.clear()
+    BROKEN.clear()
     _loaded = not entry_points
     _version += 1
     try:
@@ -263,8 +267,25 @@ def scope(entry_points: bool = False) -> Iterator[None]:
     finally:
         PLUGINS.clear()
         PLUGINS.update(saved)
+        BROKEN.clear()
+        BROKEN.update(broken)
         _loaded = was_loaded
         _version += 1
+
+
+def unknown_algorithm(name: str):
+    """The :class:`~fedproto.errors.ConfigError` for an ``algorithm`` that is not registered: it
+    lists the names there are, and for an installed plug-in that failed to load (:data:`BROKEN`)
+    says so with the reason instead of calling the name unknown."""
+    from fedproto.errors import ConfigError
+
+    if name in BROKEN:
+        return ConfigError(f"algorithm {name!r} is an installed plug-in that could not be loaded ({BROKEN[name]})",
+                           option="algorithm", value=name,
+                           hint="fix or reinstall the package that declares it (entry-point group "
+                                f"{GROUP!r}), or choose one of {', '.join(algorithm_names())}")
+    return ConfigError(f"unknown algorithm {name!r}", option="algorithm", value=name,
+                       hint=f"choose one of {', '.join(algorithm_names())}")
 
 
 def algorithm_names() -> list[str]:

@@ -39,14 +39,10 @@ def get_algorithm(name: str) -> Any:
     Raises:
         ConfigError: no algorithm has that name (the error lists those there are).
     """
-    from fedproto.plugins import PLUGINS, algorithm_names
+    from fedproto.plugins import PLUGINS, algorithm_names, unknown_algorithm
 
-    names = algorithm_names()
-    if name not in names:
-        from fedproto.errors import ConfigError
-
-        raise ConfigError(f"unknown algorithm {name!r}", option="algorithm", value=name,
-                          hint=f"choose one of {', '.join(names)}")
+    if name not in algorithm_names():
+        raise unknown_algorithm(name)
     return __getattr__("ALGORITHMS").get(name) or PLUGINS[name]
 
 
