@@ -216,8 +216,6 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning(monkeypatch, capl
                "'prox_mu'" in caplog.text
         assert build_config(overrides={**SMALL, "algorithm": "fedprox"}).prox_mu == 0.01
         # asked for by name: not "unknown algorithm" but what went wrong (it was called unknown)
-        from fedproto.algorithms import get_algorithm
-
         for ask in (lambda: build_config(overrides={**SMALL, "algorithm": "broken"}), lambda: get_algorithm("broken")):
             with pytest.raises(ConfigError, match=r"algorithm 'broken' is an installed plug-in that could not be "
                                                   r"loaded \(pkg.broken:X: ImportError: No module named 'pkg'\)") as e:
