@@ -27,7 +27,9 @@ the format version, the dataset name and the source files' signature) in the fir
 **Validity.** An entry belongs to the source files it was decoded from: their resolved paths,
 sizes and modification times (ns) are part of its key and repeated in its ``meta.json``, which is
 compared on every load; a changed source file gives a new key (a new entry). An entry whose files
-cannot be read or do not match ``meta.json`` (shape, dtype) is decoded again and replaced.
+cannot be read or do not match ``meta.json`` (shape, dtype, and each file's size and modification
+time as written: a file rewritten in place, even at the same size, counts as damaged) is decoded
+again and replaced, with one warning.
 
 **Concurrency.** Writers serialise on an exclusive lock file (``fcntl.flock``, where the platform
 has it) so that processes starting together decode once; the entry is written into a temporary
@@ -149,7 +151,8 @@ def load_or_decode(name: str, sources: Sequence[tuple], decode: Callable[[], Dat
             stack.enter_context(_locked(root / f".{entry.name}.lock"))
         except OSError as e:
             return _uncached(name, root, e, decode)
-        found = _read(entry, sources, make)  # another process wrote it while this one waited for the lock
+        # another process wrote it while this one waited for the lock (the damage, if any, was reported above)
+        found = _read(entry, sources, make, warn=False)
         if found is not None:
             return found
         ds = decode()
@@ -230,19 +233,31 @@ def _uncached(name: str, root: Path, error: OSError, decode: Callable[[], Datase
     return decode()
 
 
-def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset]) -> Dataset | None:
-    """The mapped dataset of ``entry`` if it is complete and belongs to ``sources``, else None."""
+def _stamp(path: Path) -> list[int]:
+    """``[size in bytes, modification time in ns]`` of a file."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset], warn: bool = True) -> Dataset | None:
+    """The mapped dataset of ``entry`` if it is complete, unchanged since it was written, and
+    belongs to ``sources``, else None (with a warning naming why, unless ``warn`` is False)."""
     meta_path = entry / "meta.json"
     if not meta_path.is_file():
         return None
     try:
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT or meta.get("sources") != [list(s) for s in sources]:
-            log.warning("fedproto: ignoring the decoded-dataset cache entry %s: it belongs to other source files",
-                        entry)
+            if warn:
+                log.warning("fedproto: ignoring the decoded-dataset cache entry %s: it belongs to other source files",
+                            entry)
             return None
         arrays = {}
+        stamps = meta.get("files", {})  # entries written before the stamps were kept have none
         for k, (shape, dtype) in meta["arrays"].items():
+            if k in stamps and _stamp(entry / f"{k}.npy") != stamps[k]:
+                raise ValueError(f"{k}.npy was changed after it was written (size, modification time: "
+                                 f"{_stamp(entry / f'{k}.npy')}, meta.json says {stamps[k]})")
             a = np.load(entry / f"{k}.npy", mmap_mode="c", allow_pickle=False)
             if list(a.shape) != shape or str(a.dtype) != dtype:
                 raise ValueError(f"{k}.npy holds {a.dtype} {a.shape}, meta.json says {dtype} {shape}")
@@ -255,8 +270,9 @@ def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset]) -
                        train_groups=arrays.get("train_groups"), test_groups=arrays.get("test_groups"),
                        group_names=meta.get("group_names"), **tensors)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        log.warning("fedproto: the decoded-dataset cache entry %s cannot be read (%s: %s); decoding again",
-                    entry, type(e).__name__, str(e)[:200])
+        if warn:
+            log.warning("fedproto: the decoded-dataset cache entry %s cannot be read (%s: %s); decoding again",
+                        entry, type(e).__name__, str(e)[:200])
         return None
 
 
@@ -265,6 +281,7 @@ def _write(entry: Path, ds: Dataset, sources: Sequence[tuple]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
     try:
         arrays: dict[str, list] = {}
+        stamps: dict[str, list[int]] = {}
         for k in ARRAYS:
             v = getattr(ds, k)
             if v is None:
@@ -275,8 +292,9 @@ def _write(entry: Path, ds: Dataset, sources: Sequence[tuple]) -> None:
                 f.flush()
                 os.fsync(f.fileno())
             arrays[k] = [list(a.shape), str(a.dtype)]
+            stamps[k] = _stamp(tmp / f"{k}.npy")  # a rename keeps both
         meta = {"format": FORMAT, "name": ds.name, "num_classes": ds.num_classes, "class_names": list(ds.class_names),
-                "group_names": ds.group_names, "arrays": arrays, "sources": [list(s) for s in sources]}
+                "group_names": ds.group_names, "arrays": arrays, "sources": [list(s) for s in sources], "files": stamps}
         (tmp / "meta.json").write_text(json.dumps(meta))
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700: other users of a shared cache folder read it too
         if entry.exists():  # an unreadable or foreign entry: move it aside, then drop it
