@@ -170,6 +170,7 @@ def test_ray_retries_a_cell_whose_worker_died(serial, ray_cluster, tmp_path):
     assert table(out) == serial
 
 
+@pytest.mark.extras
 def test_reproduce_refuses_a_ray_address_where_nothing_answers(capsys, monkeypatch, tmp_path):
     pytest.importorskip("ray")
     import socket

@@ -11,6 +11,7 @@ from fedproto.errors import ConfigError
 from fedproto.tensorboard import TensorBoardObserver
 
 HAS_TB = importlib.util.find_spec("tensorboard") is not None
+pytestmark = pytest.mark.extras  # CI runs them where the tensorboard extra is installed
 
 ROWS = [
     {"round": 1, "loss_ce": 1.5, "loss_proto": None, "lr": 0.01, "up_bytes": 100, "sampled": [0, 2],
