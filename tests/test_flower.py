@@ -1186,7 +1186,7 @@ def test_a_restarted_client_is_detected_recorded_and_not_silently_scored(keep_st
     assert "client 1 (node 1001) restarted and lost its state" in caplog.text
 
 
-def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path):
+def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round_kept(tmp_path, caplog):
     """The SuperLink goes away in round 3 of 4. The server has written a checkpoint
     after every round and writes failure.json (the round, the error, the resume command). A new
     SuperLink (new Flower run id, new node contexts, nodes restarted: their state comes from their
@@ -1213,6 +1213,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
     assert failure["checkpoint"] and failure["resume"] == f"flwr run '{run.absolute() / 'resume-app'}' --stream"
+    assert "flwr uses the default connection of FLWR_HOME/config.toml" in failure["resume_note"]
     app_cfg = tomllib.loads((run / "resume-app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_cfg == {**uc, "resume-from": str(run.absolute()), "wait-nodes": 180.0}
     assert [r["round"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [1, 2]
@@ -1224,7 +1225,10 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
         grid.contexts[nid] = Context(run_id=2, node_id=nid, node_config=c.node_config, state=RecordDict(),
                                      run_config=c.run_config)
     resumed = {**uc, "resume-from": str(run)}
-    got = FlowerEngine(run_config(resumed), grid, options=FlowerOptions.from_user_config(resumed)).run()
+    with caplog.at_level("WARNING"):
+        got = FlowerEngine(run_config(resumed), grid, options=FlowerOptions.from_user_config(resumed)).run()
+    # the nodes join the resumed run before its first round (the drill saw "round 0" in the log)
+    assert "at the start: client 1 (node 1001) restarted and reloaded its state from its state file" in caplog.text
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert not (run / "failure.json").exists() and not (run / "checkpoint.pt").exists()

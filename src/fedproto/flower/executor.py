@@ -129,7 +129,10 @@ class FlowerExecutor(NodeMembership, MessageExchange, Executor):
         return dict(sorted(self.joins.items()))
 
     def available(self, round: int) -> list[int]:
-        """The connected clients (new nodes are asked who they are first)."""
+        """The connected clients (new nodes are asked who they are first, as part of round
+        ``round``: a restart or refusal found now is logged and recorded under it, also in the
+        first round of a resumed run)."""
+        self.round = round
         self._query_new()
         return sorted(self.nodes)
 

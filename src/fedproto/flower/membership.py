@@ -39,14 +39,19 @@ class NodeMembership:
             self.state_lost[cid] = self.round
             self._restored.discard(cid)
             self._rejoined[str(cid)] = "restarted without its state: a fresh model"
-            log.warning("round %d: client %d (node %s) restarted and lost its state (a fresh model from here on); "
+            log.warning("%s: client %d (node %s) restarted and lost its state (a fresh model from here on); "
                         "clients.csv marks it (state_lost_round) and the headline accuracy leaves it out unless it "
-                        "trains in half the rounds from here", self.round, cid, node)
+                        "trains in half the rounds from here", self._when(), cid, node)
         elif int(metrics.get("restored", 0)) and cid not in self._restored:
             self._restored.add(cid)
             self._rejoined[str(cid)] = "restarted with its state restored from its state file"
-            log.warning("round %d: client %d (node %s) restarted and reloaded its state from its state file",
-                        self.round, cid, node)
+            log.warning("%s: client %d (node %s) restarted and reloaded its state from its state file",
+                        self._when(), cid, node)
+
+    def _when(self) -> str:
+        """``round r``, or, while the nodes join (before the first round of this process, also the
+        first of a resumed run), ``at the start``: the metrics row of the next round records it."""
+        return f"round {self.round}" if self.round else "at the start"
 
     def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
         """The clients the headline accuracy leaves out (summary.json ``left_out``), with why: those

@@ -207,7 +207,10 @@ class FlowerEngine:
         record = {"round": done + 1, "rounds_completed": done, "error": type(e).__name__,
                   "message": str(e)[:2000], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "checkpoint": self.run_dir.checkpoint.is_file(),
-                  "resume": self._resume_command()}
+                  "resume": self._resume_command(),
+                  "resume_note": "run it where the run folder is (or copy its resume-app folder), after starting the "
+                                 "SuperLink again; flwr uses the default connection of FLWR_HOME/config.toml "
+                                 "([superlink] default = ...): for another, put its name after the app folder"}
         try:
             atomic_write_json(self.run_dir.path / "failure.json", record)
         except OSError as err:  # never hide the run's own error behind this one

@@ -2,7 +2,7 @@
 
     python -m fedproto.flower.supervise [--backoff 5] [--max-backoff 60] [--max-restarts N] -- \\
         flower-supernode --superlink 10.0.0.1:9092 --root-certificates ca.crt \\
-        --auth-supernode-private-key site0.key --node-config 'client-id=0 data="/data/site0" model="cnn"'
+        --auth-supernode-private-key node0 --node-config 'client-id=0 data="/data/site0" model="cnn"'
 
 Why it is needed (Flower 1.42): a SuperNode that dies without deactivating (killed, a crash, a
 power cut) stays *online* in the SuperLink until its heartbeat expires: the SuperLink keeps a node
