@@ -87,6 +87,11 @@ def test_deactivate_node_signs_with_the_node_key_and_names_a_bad_key(tmp_path, f
     cmd = ["flower-supernode", "--superlink=10.0.0.1:9092", "--auth-supernode-private-key", "k", "--insecure"]
     assert (command_flag(cmd, "--superlink"), command_flag(cmd, "--auth-supernode-private-key"),
             command_flag(cmd, "--root-certificates")) == ("10.0.0.1:9092", "k", None)
+    # an option where a value should be, or an empty value, is no value
+    assert command_flag(["--root-certificates", "--insecure"], "--root-certificates") is None
+    assert command_flag(["--superlink="], "--superlink") is None
+    with pytest.raises(FileNotFoundError, match=r"the root certificates '/nonexistent/ca.crt' are not a file"):
+        deactivate_node(address, 77, str(key), root_certificates="/nonexistent/ca.crt")
 
 
 @pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
@@ -108,7 +113,8 @@ def test_a_killed_node_is_deactivated_and_restarted_at_once(tmp_path, fleet, cap
     assert fleet.calls == [("/v1/fleet/deactivate-node", 4242, True)] * 2
     assert f"deactivated node 4242 at 127.0.0.1:{fleet.server_address[1]} (Fleet API DeactivateNode)" in err
     assert "node 4242 is already offline" in err  # the second kill: the stand-in had it offline already
-    assert "restart 1 in 0.1 s" in err and "restart 2 in 0.1 s" in err  # no doubling after a deactivation
+    # a node that keeps crashing still backs off (a reset after every deactivation made a fast crash loop)
+    assert "restart 1 in 0.1 s" in err and "restart 2 in 0.2 s" in err
 
     (tmp_path / "starts").unlink()
     fleet.calls.clear()
@@ -143,3 +149,61 @@ def test_an_executor_child_ends_itself_once_its_message_expired(expired):
     assert time.monotonic() - t0 < 25  # not the 30 s sleep
     why = "its message expired 1 s ago" if expired else "it got no message within 0.5 s"
     assert f"ends itself: {why} (no reply can be accepted now)" in p.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX shell")
+def test_the_supervisor_deactivates_before_giving_up_and_survives_a_dead_stdout(tmp_path, fleet):
+    """From the breaker: giving up (--max-restarts) skipped the deactivation, so the dead node
+    stayed online up to 60 s; a stdout that fails (a full disk, a closed pipe) killed the thread
+    that drains the SuperNode's output, and both hung once the pipe was full."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fedproto.flower.supervise import supervise
+
+    key, pub = _node_key(tmp_path)
+    fleet.keys[5], fleet.online = pub, {5}
+    flags = ["--superlink", f"127.0.0.1:{fleet.server_address[1]}", "--insecure", "--auth-supernode-private-key",
+             str(key)]
+    assert supervise(["sh", "-c", 'echo "SuperNode ID: 5"; kill -9 $$', "x", *flags], backoff=0.1,
+                     max_restarts=0) == 137
+    assert fleet.calls == [("/v1/fleet/deactivate-node", 5, True)]
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    chatty = 'echo "SuperNode ID: 4"; i=0; while [ $i -lt 5000 ]; do echo "a log line $i"; i=$((i+1)); done; exit 0'
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "fedproto.flower.supervise", "--", "sh", "-c", chatty],
+                           env={**os.environ, "PYTHONPATH": src}, stdout=full, stderr=subprocess.PIPE, text=True,
+                           timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "cannot pass the command's output on (OSError" in p.stderr and "not restarting" in p.stderr
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_the_supervisor_passes_sighup_on_and_refuses_what_it_cannot_run(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    p = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", "--", "sh", "-c",
+                          f"echo $$ > {tmp_path}/pid; exec sleep 60"], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(20) == 0
+    child = int((tmp_path / "pid").read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in Path(f"/proc/{child}/status").read_text().lower()
+    assert "stopped by SIGHUP" in p.stderr.read()
+    for cmd, why in ((["/"], "Permission denied"), (["--backoff", "inf", "--", "true"], "both finite"),
+                     (["--stable", "-1", "--", "true"], "stable=-1.0 must be >= 0")):
+        r = subprocess.run([sys.executable, "-m", "fedproto.flower.supervise", *cmd], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr

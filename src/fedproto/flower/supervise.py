@@ -34,8 +34,8 @@ This supervisor is the portable equivalent of a systemd unit with ``Restart=on-f
 runs the command (its output passed on to stdout, where the supervisor reads Flower's ``Exit
 Code: <code>`` and ``SuperNode ID: <id>`` lines), and when it fails (a non-zero exit status, or
 killed by a signal) starts it again after ``backoff`` seconds, doubling the wait up to
-``max-backoff`` (back to ``backoff`` once a start has run ``stable`` seconds, or after a
-deactivation). A start refused because the SuperLink still holds the node online (Flower exit
+``max-backoff`` (back to ``backoff`` once a start has run ``stable`` seconds: a node that keeps
+crashing backs off even when each crash is deactivated). A start refused because the SuperLink still holds the node online (Flower exit
 code 305, :data:`RETRY_STEADY`) is retried every ``backoff`` seconds without doubling: that
 refusal ends by itself when the dead node's heartbeat expires (37.5-60 s after it died, the floor
 Flower 1.42 sets when the deactivation could not be sent), and a doubled wait (5, 10, 20, 40 s)
@@ -49,6 +49,8 @@ every restart (with the exit status, Flower's exit code and Flower's meaning of 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import re
 import signal
 import subprocess
@@ -66,6 +68,9 @@ RETRY_STEADY = (305,)
 """Flower exit codes of ``flower-supernode`` retried every ``backoff`` seconds, without doubling
 the wait: 305, the SuperLink refused to activate the node (still online under its old heartbeat, or
 the SuperLink not reachable yet), a state that ends by itself within a minute."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that stop the supervisor, passed on to the command first (SIGHUP: the terminal closed)."""
 
 _EXIT_LINE = re.compile(r"Exit Code: (\d+)")
 _NODE_LINE = re.compile(r"SuperNode ID: (\d+)")
@@ -100,17 +105,22 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
         max_restarts: give up after this many restarts (None: never).
     Returns:
         The exit code to exit with: the command's last code (128 + the signal's number when it
-        was killed by a signal), or 0 when this supervisor was stopped by SIGTERM or SIGINT.
+        was killed by a signal), or 0 when this supervisor was stopped by SIGTERM, SIGINT or
+        SIGHUP (:data:`STOP_SIGNALS`, passed on to the command).
     Raises:
-        ValueError: an empty command, ``backoff`` <= 0, ``max_backoff`` < ``backoff`` or
-            ``max_restarts`` < 0, naming the value.
-        FileNotFoundError: the program does not exist.
+        ValueError: an empty command, ``backoff`` <= 0, ``max_backoff`` < ``backoff``, either not
+            finite, ``stable`` < 0 or not finite, or ``max_restarts`` < 0, naming the value.
+        OSError: the program cannot be started (FileNotFoundError: it does not exist;
+            PermissionError: a folder or a file without execute permission).
     """
     if not command:
         raise ValueError("no command to supervise: give it after --, e.g. "
                          "-- flower-supernode --superlink HOST:PORT ...")
-    if not backoff > 0 or not max_backoff >= backoff:
-        raise ValueError(f"backoff={backoff!r} must be > 0 and max_backoff={max_backoff!r} >= backoff")
+    if not 0 < backoff < math.inf or not backoff <= max_backoff < math.inf:
+        raise ValueError(f"backoff={backoff!r} must be > 0 and max_backoff={max_backoff!r} >= backoff, both finite "
+                         "(seconds)")
+    if not 0 <= stable < math.inf:
+        raise ValueError(f"stable={stable!r} must be >= 0 and finite (seconds)")
     if max_restarts is not None and max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be >= 0 (or None: no limit)")
     stop = {"signal": None}
@@ -121,7 +131,7 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     try:
         wait, restarts = backoff, 0
         while True:
@@ -137,15 +147,17 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
             flower = seen.get("code")
             what = f"{command[0]} exited with status {code}{_why(code, flower)}"
             if stop["signal"] is not None:
+                _say(f"{what}; stopped by {signal.Signals(stop['signal']).name}")
                 return 0
             if code == 0 or flower in NO_RESTART:
                 _say(f"{what}; not restarting")
                 return code
+            if "node" in seen:  # it died after it was activated: free its node id (also when giving up)
+                _deactivate_after_death(command, seen["node"], what)
             if max_restarts is not None and restarts >= max_restarts:
                 _say(f"{what}; giving up after {restarts} restart(s)")
                 return 128 - code if code < 0 else code
-            deactivated = "node" in seen and _deactivate_after_death(command, seen["node"], what)
-            if time.monotonic() - started >= stable or flower in RETRY_STEADY or deactivated:
+            if time.monotonic() - started >= stable or flower in RETRY_STEADY:
                 wait = backoff
             restarts += 1
             _say(f"{what}; restart {restarts} in {wait:g} s")
@@ -161,10 +173,20 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
 
 
 def _pump(stream, seen: dict[str, int]) -> None:
-    """Pass the command's output on to stdout, noting the last Flower ``Exit Code: <code>``."""
+    """Pass the command's output on to stdout, noting the last Flower ``Exit Code: <code>`` and
+    ``SuperNode ID: <id>``. Reads to the end whatever happens to stdout (a full disk, a closed
+    pipe: the output is then dropped, said once on stderr), so that the command never blocks on a
+    full pipe."""
+    passing = True
     for line in stream:
-        sys.stdout.write(line)
-        sys.stdout.flush()
+        if passing:
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except (OSError, ValueError) as e:
+                passing = False
+                with contextlib.suppress(OSError, ValueError):
+                    _say(f"cannot pass the command's output on ({type(e).__name__}: {e}); dropping it from here on")
         if m := _EXIT_LINE.search(line):
             seen["code"] = int(m.group(1))
         elif m := _NODE_LINE.search(line):
@@ -173,12 +195,12 @@ def _pump(stream, seen: dict[str, int]) -> None:
 
 def command_flag(command: Sequence[str], flag: str) -> str | None:
     """The value of ``flag`` (``--flag value`` or ``--flag=value``, the last one given) in ``command``,
-    or None."""
+    or None (also for an empty value or one that is itself an option, ``--flag --other``)."""
     found = None
     for i, arg in enumerate(command):
-        if arg == flag and i + 1 < len(command):
+        if arg == flag and i + 1 < len(command) and not command[i + 1].startswith("--"):
             found = command[i + 1]
-        elif arg.startswith(flag + "="):
+        elif arg.startswith(flag + "=") and arg[len(flag) + 1:]:
             found = arg[len(flag) + 1:]
     return found
 
@@ -197,8 +219,10 @@ def deactivate_node(superlink: str, node_id: int, private_key: str, root_certifi
             None with ``insecure`` (no TLS) or for a certificate the system trusts.
         timeout: seconds for the one HTTP call (no retries).
     Raises:
-        ValueError: the key file is not an EC private key in OpenSSH format, naming the file.
-        OSError: the key file cannot be read.
+        ValueError: the key file is not an EC private key in OpenSSH format (or has a password),
+            naming the file.
+        OSError: the key file cannot be read; FileNotFoundError naming ``root_certificates`` when
+            that is not a file.
         httpx.HTTPError: the SuperLink refused (401: the key does not belong to ``node_id``; 412: the
             node was not online) or could not be reached.
     """
@@ -212,11 +236,13 @@ def deactivate_node(superlink: str, node_id: int, private_key: str, root_certifi
 
     try:
         key = load_ssh_private_key(Path(private_key).expanduser().read_bytes(), None)
-    except ValueError as e:
-        raise ValueError(f"{private_key}: not an OpenSSH private key ({e})") from e
+    except (ValueError, TypeError) as e:  # TypeError: a password-protected key
+        raise ValueError(f"{private_key}: not an OpenSSH private key without a password ({e})") from e
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{private_key}: not an elliptic-curve key (Flower's node keys are EC keys)")
     certs = None if insecure else (str(Path(root_certificates).expanduser()) if root_certificates else None)
+    if certs is not None and not Path(certs).is_file():
+        raise FileNotFoundError(f"the root certificates {certs!r} are not a file")
     with FleetHttpClient.from_server_address(superlink, insecure, certs,
                                              interceptors=[NodeAuthHttpInterceptor(key, key.public_key())]) as client:
         client._client.timeout = timeout  # noqa: SLF001 - one call, no long wait on a SuperLink that is down
@@ -271,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         return supervise(command, args.backoff, args.max_backoff, args.max_restarts, args.stable)
-    except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
+    except (ValueError, OSError) as e:  # OSError: a program that cannot run (a folder, no exec permission)
+        parser.error(f"{command[0] if command else 'the command'}: {e}" if isinstance(e, OSError) else str(e))
     return 2
 
 
@@ -280,4 +306,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["NO_RESTART", "RETRY_STEADY", "command_flag", "deactivate_node", "exit_meaning", "main", "supervise"]
+__all__ = ["NO_RESTART", "RETRY_STEADY", "STOP_SIGNALS", "command_flag", "deactivate_node", "exit_meaning", "main", "supervise"]
