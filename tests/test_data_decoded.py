@@ -142,6 +142,27 @@ def test_a_changed_source_file_gets_a_new_entry_and_a_damaged_entry_is_decoded_a
         fourth = load_dataset("femnist", tmp_path, mapped=True)
     assert caplog.text.count("train_x.npy was changed after it was written") == 1, caplog.text
     _same(fourth, plain)
+    # a meta.json that is not an object (it crashed every later load with an AttributeError)
+    del fourth
+    for bad in ("null", "[]", '{"format": 1, "arrays": []}'):
+        newest = max((cache / e for e in _entries(cache)), key=lambda p: p.stat().st_mtime_ns)
+        (newest / "meta.json").write_text(bad)
+        clear_dataset_cache()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fedproto.data.decoded"):
+            again = load_dataset("femnist", tmp_path, mapped=True)
+        assert caplog.text.count("cannot be read") == 1, caplog.text
+        _same(again, plain)
+        del again
+
+
+def test_a_relative_cache_folder_is_made_absolute_and_an_unknown_home_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(decoded.DECODED_ENV, "relcache")
+    assert decoded.cache_root([("/x/a", 1, 1)]) == tmp_path / "relcache"
+    monkeypatch.setenv(decoded.DECODED_ENV, "~nosuchuser_fedproto/x")
+    with pytest.raises(DataError, match=r"FEDPROTO_DECODED_CACHE='~nosuchuser_fedproto/x': .*give a folder without"):
+        decoded.cache_root([("/x/a", 1, 1)])
 
 
 def test_processes_loading_at_once_decode_once_and_agree(tmp_path):

@@ -100,7 +100,13 @@ def cache_root(sources: Sequence[tuple]) -> Path | None:
     if env.lower() == "off":
         return None
     if env:
-        return Path(env).expanduser()
+        try:  # absolute: read_rows reads the files by path, also after a chdir
+            return Path(env).expanduser().absolute()
+        except RuntimeError as e:  # "~user" of a user that does not exist
+            from fedproto.errors import DataError
+
+            raise DataError(f"{DECODED_ENV}={env!r}: {e}; give a folder without '~', e.g. an absolute path, "
+                            "or off") from None
     try:  # the folder holding every source file (FEMNIST's train/ and test/: the femnist/ folder)
         folder = Path(os.path.commonpath([str(Path(str(s[0])).parent) for s in sources]))
     except ValueError:  # files on different drives
@@ -247,6 +253,8 @@ def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset], w
         return None
     try:
         meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("arrays"), dict):
+            raise ValueError("meta.json is not an object with an 'arrays' object")
         if meta.get("format") != FORMAT or meta.get("sources") != [list(s) for s in sources]:
             if warn:
                 log.warning("fedproto: ignoring the decoded-dataset cache entry %s: it belongs to other source files",
@@ -269,7 +277,7 @@ def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset], w
         return make(name=meta["name"], num_classes=int(meta["num_classes"]), class_names=list(meta["class_names"]),
                        train_groups=arrays.get("train_groups"), test_groups=arrays.get("test_groups"),
                        group_names=meta.get("group_names"), **tensors)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         if warn:
             log.warning("fedproto: the decoded-dataset cache entry %s cannot be read (%s: %s); decoding again",
                         entry, type(e).__name__, str(e)[:200])
