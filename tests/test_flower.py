@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import shlex
 import threading
 import time
 from pathlib import Path
@@ -489,6 +490,10 @@ def test_messages_expire_with_their_round_and_an_expired_one_is_not_run(tmp_path
                     message_type="train", ttl=75)
     client_app.drop_expired(fresh, grid.contexts[1000], lambda m, c: called.append(m))
     assert called == [fresh] and EXPIRY["at"] == pytest.approx(fresh.metadata.created_at + 75)
+    for ttl in (float("nan"), float("inf")):  # no expiry known (a NaN turned the child's watchdog off silently)
+        fresh.metadata.__dict__["_ttl"] = ttl
+        client_app.drop_expired(fresh, grid.contexts[1000], lambda m, c: called.append(m))
+        assert called[-1] is fresh and EXPIRY["at"] == float("inf")
 
 
 def test_a_node_that_drops_out_is_recorded_and_takes_part_again_when_back(tmp_path):
@@ -1212,7 +1217,7 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
         eng.run()
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
-    assert failure["checkpoint"] and failure["resume"] == f"flwr run '{run.absolute() / 'resume-app'}' --stream"
+    assert failure["checkpoint"] and failure["resume"] == f"flwr run {shlex.quote(str(run.absolute() / 'resume-app'))} --stream"
     assert "flwr uses the default connection of FLWR_HOME/config.toml" in failure["resume_note"]
     app_cfg = tomllib.loads((run / "resume-app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_cfg == {**uc, "resume-from": str(run.absolute()), "wait-nodes": 180.0}
@@ -1287,7 +1292,7 @@ def test_a_superlink_killed_mid_run_is_restarted_and_the_resume_command_finishes
         assert failure["rounds_completed"] == len(stopped) and stopped in ([1], [1, 2]), (failure, stopped)
         assert failure["checkpoint"] and (run_dir / "checkpoint.pt").is_file()
         assert load_checkpoint(run_dir / "checkpoint.pt")["round"] == len(stopped)
-        assert failure["resume"] == f"flwr run '{run_dir.absolute() / 'resume-app'}' --stream"
+        assert failure["resume"] == f"flwr run {shlex.quote(str(run_dir.absolute() / 'resume-app'))} --stream"
         resume_app = tomllib.loads((run_dir / "resume-app" / "pyproject.toml").read_text())
         assert {k: resume_app["tool"]["flwr"]["app"]["config"][k] for k in ("rounds", "seed", "out-dir",
                                                                             "resume-from", "wait-nodes")} == \
@@ -1559,6 +1564,16 @@ def test_the_resume_app_holds_every_option_of_the_stopped_run_and_flower_builds_
     assert len(build_fab_from_disk(app)) > 100  # a FAB, as `flwr run` builds it
     assert tomllib.loads((write_resume_app(run, {**cfg, "wait-nodes": 600}) / "pyproject.toml").read_text())[
         "tool"]["flwr"]["app"]["config"]["wait-nodes"] == 600.0
+    # from the breaker: a DEL character made invalid TOML; a value Flower cannot hold is refused, nothing written
+    odd = {"s": "a\x7fb\x00c\n\"'\\", "k y": 1, "nan": float("nan"), "wait-nodes": float("nan")}
+    got = tomllib.loads((write_resume_app(run, odd) / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert got["s"] == odd["s"] and got["k y"] == 1 and got["wait-nodes"] == 180.0 and got["nan"] != got["nan"]
+    before = (app / "pyproject.toml").read_bytes()
+    for bad, why in (({"x": None}, "x=None: a Flower run config holds bools, numbers and strings only"),
+                     ({"x": [1]}, "x=\\[1\\]"), ({"x": "\ud800"}, "cannot be written as TOML")):
+        with pytest.raises(ValueError, match=why):
+            write_resume_app(run, bad)
+        assert (app / "pyproject.toml").read_bytes() == before
 
 
 def test_the_resume_command_gives_every_option_of_the_stopped_run_as_flower_parses_it():
@@ -1795,3 +1810,24 @@ def test_secagg_with_dp_sends_only_the_masked_noised_sums_on_flower(tmp_path, mo
     assert dp["epsilon_client_max"] == pytest.approx(epsilon([(1.0 / np.sqrt(2), 1.0, 2)], 1e-5))
     protos = np.load(tmp_path / "run" / "prototypes.npz")  # classes 0..5, each from its 2 holders' noised sums
     assert protos["classes"].tolist() == [0, 1, 2, 3, 4, 5] and np.isfinite(protos["protos"]).all()
+
+
+def test_the_fallback_resume_command_is_one_shell_word_per_argument(tmp_path, monkeypatch):
+    """When the resume app cannot be written, the command for the user's own app folder is printed:
+    it broke in a shell on a value with a single quote, and would have run a ``$(...)`` in a value.
+    (A value holding both quotes cannot be given by ``--run-config`` at all: Flower's parser takes
+    no escaped quote; the resume app holds it.)"""
+    from flwr.common.config import parse_config_args
+
+    from fedproto.flower import server_app
+
+    def unwritable(*a):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(server_app, "write_resume_app", unwritable)
+    eng = server_app.FlowerEngine.__new__(server_app.FlowerEngine)
+    eng.run_cfg = {"data-dir": "it's x", "note": "a$(id) `b`", "rounds": 4}
+    eng.run_dir = type("R", (), {"path": tmp_path / "ru n's"})()
+    args = shlex.split(eng._resume_command())
+    assert args[:5] == ["flwr", "run", "YOUR_APP_FOLDER", "--stream", "--run-config"] and len(args) == 6
+    assert parse_config_args([args[5]]) == {**eng.run_cfg, "resume-from": str((tmp_path / "ru n's").absolute())}

@@ -223,6 +223,8 @@ def test_a_plugin_that_fails_to_load_is_skipped_with_a_warning(monkeypatch, capl
             assert "fix or reinstall the package that declares it" in e.value.hint
         with pytest.raises(ConfigError, match=r"unknown algorithm 'brokn'"):
             build_config(overrides={**SMALL, "algorithm": "brokn"})
+        with pytest.raises(ConfigError, match=r"unknown algorithm 'fedprot'; did you mean 'fedproto'\? choose one"):
+            build_config(overrides={**SMALL, "algorithm": "fedprot"})
     finally:
         plugins.unregister("fine")
 

@@ -131,8 +131,8 @@ def toml_value(value: Any) -> str:
 
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str) and not isinstance(value, RawValue):
-        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str) and not isinstance(value, RawValue):  # JSON's escapes are TOML's, but for DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if value != value else ("inf" if value > 0 else "-inf")
     if isinstance(value, (list, tuple)):

@@ -284,8 +284,12 @@ def unknown_algorithm(name: str):
                            option="algorithm", value=name,
                            hint="fix or reinstall the package that declares it (entry-point group "
                                 f"{GROUP!r}), or choose one of {', '.join(algorithm_names())}")
+    import difflib
+
+    near = difflib.get_close_matches(str(name), algorithm_names(), n=1)
     return ConfigError(f"unknown algorithm {name!r}", option="algorithm", value=name,
-                       hint=f"choose one of {', '.join(algorithm_names())}")
+                       hint=(f"did you mean {near[0]!r}? " if near else "")
+                       + f"choose one of {', '.join(algorithm_names())}")
 
 
 def algorithm_names() -> list[str]:

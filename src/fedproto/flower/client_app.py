@@ -31,6 +31,7 @@ nothing under ``full``; the node logs what it keeps (its accuracy, and its ε un
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -80,14 +81,20 @@ def drop_expired(msg: Message, context: Context, call_next) -> Message:
     """Flower mod around every handler: refuse a message past its ``created_at + ttl`` (Unix
     seconds; the server sets ``ttl`` to the exchange's deadline plus
     :data:`fedproto.flower.exchange.TTL_MARGIN`) without running it, and note its expiry in
-    :data:`EXPIRY`.
+    :data:`EXPIRY` (infinite for a message whose ``created_at`` or ``ttl`` is missing or not a
+    finite number: it runs, and the executor's child does not end itself for it).
 
     Raises:
         MessageExpired: naming the message type, its round and how long ago it expired (Flower
             sends the node's error as the reply, which the SuperLink drops as expired).
     """
     meta = msg.metadata
-    at = float(meta.created_at) + float(meta.ttl)
+    try:
+        at = float(meta.created_at) + float(meta.ttl)
+    except (TypeError, ValueError):
+        at = math.nan
+    if not math.isfinite(at) and at != math.inf:  # no expiry known: run it, never ended for it
+        at = math.inf
     EXPIRY["at"] = at
     late = time.time() - at
     if late > 0:

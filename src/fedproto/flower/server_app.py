@@ -189,13 +189,16 @@ class FlowerEngine:
         """The command that continues this run: ``flwr run <run folder>/resume-app --stream``
         (:func:`write_resume_app`), or, when that folder cannot be written (or the engine has no
         Flower run config), the ``--run-config`` form for the user's own app folder."""
+        import shlex
+
         try:
             if self.run_cfg:  # else an engine built without Flower's run config (in-process): no app to write
-                return f"flwr run '{write_resume_app(self.run_dir.path, self.run_cfg)}' --stream"
-        except OSError as err:
+                return f"flwr run {shlex.quote(str(write_resume_app(self.run_dir.path, self.run_cfg)))} --stream"
+        except (OSError, ValueError) as err:
             log.warning("cannot write the resume app in %s: %s", self.run_dir.path, err)
-            return (f'flwr run <app folder> --stream --run-config "{resume_config(self.run_cfg)}'
-                    f'resume-from=\'{self.run_dir.path.absolute()}\'"')
+        overrides = resume_config({**self.run_cfg, "resume-from": None}) + \
+            f"resume-from={json.dumps(str(self.run_dir.path.absolute()))}"
+        return f"flwr run YOUR_APP_FOLDER --stream --run-config {shlex.quote(overrides)}"
 
     def _record_failure(self, e: BaseException) -> None:
         """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
@@ -237,14 +240,28 @@ def write_resume_app(run_dir: Path, run_cfg: dict) -> Path:
         The app folder (absolute).
     Raises:
         OSError: the folder cannot be written.
+        ValueError: a value that is not a bool, number or string (Flower's run configs hold only
+            those), naming its key, or a text TOML cannot hold; nothing is written then.
     """
+    import math
+    import tomllib
+
     from fedproto.atomic import atomic_write_bytes
     from fedproto.config import toml_value
 
     app_dir = run_dir.absolute() / RESUME_APP
-    cfg = {k: v for k, v in run_cfg.items() if k not in ("resume-from", "resume_from", "wait-nodes", "wait_nodes")}
-    wait = max(float(run_cfg.get("wait-nodes", run_cfg.get("wait_nodes", 0.0)) or 0.0), RESUME_WAIT_NODES)
-    cfg.update({"resume-from": str(run_dir.absolute()), "wait-nodes": wait})
+    cfg = {str(k): v for k, v in run_cfg.items()
+           if k not in ("resume-from", "resume_from", "wait-nodes", "wait_nodes")}
+    bad = {k: v for k, v in cfg.items() if not isinstance(v, (bool, int, float, str))}
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise ValueError(f"run config {k}={v!r}: a Flower run config holds bools, numbers and strings only")
+    try:
+        wait = float(run_cfg.get("wait-nodes", run_cfg.get("wait_nodes", 0.0)) or 0.0)
+    except (TypeError, ValueError):
+        wait = 0.0
+    cfg.update({"resume-from": str(run_dir.absolute()),
+                "wait-nodes": max(wait, RESUME_WAIT_NODES) if math.isfinite(wait) else RESUME_WAIT_NODES})
     lines = ["# Written by the fedproto ServerApp when its run stopped: `flwr run <this folder> --stream` continues",
              "# the run from its checkpoint (docs/flower.md, 'A server restart loses nothing').",
              "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
@@ -254,8 +271,14 @@ def write_resume_app(run_dir: Path, run_cfg: dict) -> Path:
              "[tool.flwr.app]", 'publisher = "fedproto"', "", "[tool.flwr.app.components]",
              'serverapp = "fedproto.flower.server_app:app"', 'clientapp = "fedproto.flower.client_app:app"', "",
              "[tool.flwr.app.config]", *(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in cfg.items())]
+    text = "\n".join(lines) + "\n"
+    try:  # what is written must read back: never a file flwr run cannot parse
+        tomllib.loads(text)
+        data = text.encode("utf-8")
+    except (tomllib.TOMLDecodeError, UnicodeError) as e:
+        raise ValueError(f"the run config cannot be written as TOML ({e})") from None
     app_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(app_dir / "pyproject.toml", ("\n".join(lines) + "\n").encode("utf-8"))
+    atomic_write_bytes(app_dir / "pyproject.toml", data)
     return app_dir
 
 
