@@ -468,3 +468,15 @@ def test_an_unknown_dataset_is_answered_with_the_datasets_the_help_lists(capsys,
     assert "custom" not in text
     with pytest.raises(ConfigError, match="custom"):
         build_config(overrides={"dataset": "foo"})
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1.0"])
+def test_a_bad_number_in_the_config_file_is_named_as_its_line(value, capsys, monkeypatch, tmp_path):
+    """``lr = nan`` was named as the flag ``--lr nan`` (NaN is not equal to itself), ``inf`` as its line."""
+    from conftest import run_cli
+
+    f = tmp_path / "c.toml"
+    f.write_text(f"lr = {value}\n")
+    code, out = run_cli(["run", "--config", str(f), "--dataset", "digits", "--out-dir", str(tmp_path / "runs")],
+                        capsys, monkeypatch)
+    assert code == 2 and f"lr = {value} in '{f}'" in out and "--lr" not in out, out

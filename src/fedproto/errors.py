@@ -60,6 +60,8 @@ def same_value(a: Any, b: Any) -> bool:
         x, y = _decode(_encode(a)), _decode(_encode(b))
     except (TypeError, ValueError):
         return False
+    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:  # NaN is NaN here (nan != nan)
+        return True
     return x == y and isinstance(x, bool) == isinstance(y, bool)
 
 
