@@ -36,6 +36,12 @@ def test_partition_sites_hold_the_simulators_clients(tmp_path, capsys, monkeypat
         assert np.array_equal(z["x"], w["x"]) and np.array_equal(z["y"], w["y"])
     with pytest.raises(ConfigError, match=r"client id\(s\) \[3\] are not among the run's 3 clients"):
         write_partition_sites(cfg, tmp_path / "x", [3])
+    small = [a for k, v in (("dataset", "digits"), ("clients", 3), ("ways", 2), ("shots", 10), ("stdev", 0),
+                            ("test_shots", 5)) for a in ("--set", f"{k}={v}")]
+    code, text = run_cli(["site-data", str(tmp_path / "twice"), *small, "--client-ids", "1,1"], capsys, monkeypatch)
+    assert code == 0 and text.count("site1") == 1, text  # written once
+    code, text = run_cli(["site-data", str(tmp_path / "none"), *small, "--client-ids", ""], capsys, monkeypatch)
+    assert code == 2 and "--client-ids '': give whole numbers" in text and not (tmp_path / "none").exists(), text
 
 
 def test_a_csv_is_split_per_class_and_standardised_with_the_train_statistics(tmp_path):

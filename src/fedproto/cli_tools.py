@@ -83,12 +83,13 @@ def site_data(
 
     cfg = build_config(config, parse_sets(set_, grid=False))
     ids = None
-    if client_ids:
+    if client_ids is not None:
         try:
             ids = [int(v) for v in client_ids.split(",")]
         except ValueError:
             raise FedprotoError(f"--client-ids {client_ids!r}: give whole numbers separated by commas, e.g. 0,1,2") \
                 from None
+        ids = list(dict.fromkeys(ids))  # each site once, in the order given
     for folder in sitedata.write_partition_sites(cfg, out, ids):
         console.print(str(folder), highlight=False, soft_wrap=True)
 
