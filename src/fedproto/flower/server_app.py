@@ -244,6 +244,7 @@ def write_resume_app(run_dir: Path, run_cfg: dict) -> Path:
             those), naming its key, or a text TOML cannot hold; nothing is written then.
     """
     import math
+
     import tomllib
 
     from fedproto.atomic import atomic_write_bytes
