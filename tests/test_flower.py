@@ -1217,7 +1217,8 @@ def test_a_run_stopped_by_a_lost_superlink_resumes_on_a_new_one_with_every_round
         eng.run()
     failure = json.loads((run / "failure.json").read_text())
     assert (failure["round"], failure["rounds_completed"], failure["error"]) == (3, 2, "RuntimeError")
-    assert failure["checkpoint"] and failure["resume"] == f"flwr run {shlex.quote(str(run.absolute() / 'resume-app'))} --stream"
+    app_dir = str(run.absolute() / "resume-app")
+    assert failure["checkpoint"] and failure["resume"] == f"flwr run {shlex.quote(app_dir)} --stream"
     assert "flwr uses the default connection of FLWR_HOME/config.toml" in failure["resume_note"]
     app_cfg = tomllib.loads((run / "resume-app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert app_cfg == {**uc, "resume-from": str(run.absolute()), "wait-nodes": 180.0}

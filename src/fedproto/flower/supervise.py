@@ -35,15 +35,16 @@ runs the command (its output passed on to stdout, where the supervisor reads Flo
 Code: <code>`` and ``SuperNode ID: <id>`` lines), and when it fails (a non-zero exit status, or
 killed by a signal) starts it again after ``backoff`` seconds, doubling the wait up to
 ``max-backoff`` (back to ``backoff`` once a start has run ``stable`` seconds: a node that keeps
-crashing backs off even when each crash is deactivated). A start refused because the SuperLink still holds the node online (Flower exit
-code 305, :data:`RETRY_STEADY`) is retried every ``backoff`` seconds without doubling: that
-refusal ends by itself when the dead node's heartbeat expires (37.5-60 s after it died, the floor
-Flower 1.42 sets when the deactivation could not be sent), and a doubled wait (5, 10, 20, 40 s)
-would let the node come back up to 40 s after that. It stops, with the command's exit status,
-when the command exits 0 or with a Flower exit code in :data:`NO_RESTART` (a configuration error
-a restart cannot fix), after ``max-restarts`` restarts, or when it is itself stopped (SIGTERM or
-SIGINT, passed on to the command). It logs every start (with the pid), every deactivation and
-every restart (with the exit status, Flower's exit code and Flower's meaning of it) on stderr.
+crashing backs off even when each crash is deactivated). A start refused because the SuperLink
+still holds the node online (Flower exit code 305, :data:`RETRY_STEADY`) is retried every
+``backoff`` seconds without doubling: that refusal ends by itself when the dead node's heartbeat
+expires (37.5-60 s after it died, the floor Flower 1.42 sets when the deactivation could not be
+sent), and a doubled wait (5, 10, 20, 40 s) would let the node come back up to 40 s after that.
+It stops, with the command's exit status, when the command exits 0 or with a Flower exit code in
+:data:`NO_RESTART` (a configuration error a restart cannot fix), after ``max-restarts`` restarts,
+or when it is itself stopped (SIGTERM, SIGINT or SIGHUP, passed on to the command). It logs every
+start (with the pid), every deactivation and every restart (with the exit status, Flower's exit
+code and Flower's meaning of it) on stderr.
 """
 
 from __future__ import annotations
@@ -306,4 +307,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["NO_RESTART", "RETRY_STEADY", "STOP_SIGNALS", "command_flag", "deactivate_node", "exit_meaning", "main", "supervise"]
+__all__ = ["NO_RESTART", "RETRY_STEADY", "STOP_SIGNALS", "command_flag", "deactivate_node", "exit_meaning", "main",
+           "supervise"]
