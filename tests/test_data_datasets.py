@@ -350,3 +350,16 @@ def test_kept_client_folders_are_decoded_once_and_again_when_a_file_changes(tmp_
     finally:
         fo.keep_decoded(False)
     assert fo.kept_folders() is None
+
+
+def test_a_missing_data_folder_while_downloading_is_said_and_left_uncreated(tmp_path, monkeypatch, caplog):
+    """From a new user: ``--data-dir /typo`` with ``FEDPROTO_DATA`` set trained on that copy without a
+    word (downloading allowed, the folder is where a download would go)."""
+    import logging
+
+    monkeypatch.setenv("FEDPROTO_DATA", str(_shared("mnist").parent))
+    with caplog.at_level(logging.WARNING, logger="fedproto.data.datasets"):
+        ds = load_dataset("mnist", root=tmp_path / "typo", download=True, progress=False)
+    assert len(ds.train_y) == 60000
+    assert f"data folder '{tmp_path / 'typo'}' does not exist: mnist is read from $FEDPROTO_DATA" in caplog.text
+    assert not (tmp_path / "typo").exists()

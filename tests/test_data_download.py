@@ -83,6 +83,11 @@ def test_download_file_all_mirrors_fail(http_root, tmp_path: Path) -> None:
     assert str(dest) in msg  # where to put the file by hand
     assert not dest.exists()
     assert leftovers(dest.parent, set()) == []
+    # the folders it made for the file are gone again (an offline run left an empty data/mnist/)
+    deep = tmp_path / "new" / "data" / "mnist" / "blob.bin"
+    with pytest.raises(DataError):
+        dl.download_file(urls, deep, md5="0" * 32, progress=False)
+    assert not (tmp_path / "new").exists()
 
 
 def test_download_file_cleans_up_on_keyboard_interrupt(

@@ -22,6 +22,7 @@ Cached datasets are shared: do not modify their tensors in place.
 
 from __future__ import annotations
 
+import logging
 import contextvars
 import functools
 import importlib
@@ -167,6 +168,10 @@ def load_dataset(
         if not r.exists() and (not download or key == "femnist"):
             raise DataError(f"data folder {str(r)!r} does not exist; pass an existing folder to {opt('data_dir')}, "
                             "or leave it out to search $FEDPROTO_DATA and the user cache")
+        if not r.exists():  # a typo would otherwise fall through to another copy without a word
+            logging.getLogger(__name__).warning(
+                "data folder %r does not exist: %s is read from $%s or the user cache if one holds it, else "
+                "downloaded into %r", str(r), key, DATA_ENV, str(r))
     if key in LOADABLE:
         module, _, function = DATASETS[key].loader.partition(":")
         token = _MAPPED.set((name, None if root is None else str(root), download, decode_in_child) if mapped else None)

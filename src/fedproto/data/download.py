@@ -146,11 +146,26 @@ def download_file(
 
     Raises:
         DataError: every mirror failed (the message lists each URL with its error and
-            where to place the file by hand), or ``dest``'s folder cannot be written.
+            where to place the file by hand), or ``dest``'s folder cannot be written. The
+            folders the call created are removed again when nothing landed in them.
     """
     dest = Path(dest)
     if not urls:
         raise DataError(f"No download URL given for {dest.name}; place the file at {dest} by hand.")
+    from fedproto.atomic import outermost_new, remove_empty_folders
+
+    new = None if dest.parent.exists() else outermost_new(dest.parent)  # removed again if nothing lands in it
+    try:
+        return _download(urls, dest, md5, decompressed_md5, progress, timeout)
+    except BaseException:
+        if new is not None:
+            remove_empty_folders(dest.parent, new)
+        raise
+
+
+def _download(urls: list[str], dest: Path, md5: str | None, decompressed_md5: bool, progress: bool,
+              timeout: float) -> Path:
+    """:func:`download_file` after its checks (the folder it creates is its caller's to remove)."""
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
