@@ -22,10 +22,10 @@ Cached datasets are shared: do not modify their tensors in place.
 
 from __future__ import annotations
 
-import logging
 import contextvars
 import functools
 import importlib
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
