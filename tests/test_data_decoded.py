@@ -129,31 +129,38 @@ def test_a_changed_source_file_gets_a_new_entry_and_a_damaged_entry_is_decoded_a
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
     # a file rewritten in place at the same size (flipped bytes): not read as data, decoded again
     del third
-    newest = max((cache / e for e in _entries(cache)), key=lambda p: p.stat().st_mtime_ns)
+    newest = _newest(cache)
     size = (newest / "train_x.npy").stat().st_size
     with open(newest / "train_x.npy", "r+b") as f:
         f.seek(size - 8)
         f.write(b"\xff" * 8)
     os.utime(newest / "train_x.npy", ns=(time.time_ns(), time.time_ns() + 10**9))  # a write a second later
     assert (newest / "train_x.npy").stat().st_size == size
-    clear_dataset_cache()
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fedproto.data.decoded"):
-        fourth = load_dataset("femnist", tmp_path, mapped=True)
+    fourth = _load_again(tmp_path, caplog)
     assert caplog.text.count("train_x.npy was changed after it was written") == 1, caplog.text
     _same(fourth, plain)
     # a meta.json that is not an object (it crashed every later load with an AttributeError)
     del fourth
     for bad in ("null", "[]", '{"format": 1, "arrays": []}'):
-        newest = max((cache / e for e in _entries(cache)), key=lambda p: p.stat().st_mtime_ns)
-        (newest / "meta.json").write_text(bad)
-        clear_dataset_cache()
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="fedproto.data.decoded"):
-            again = load_dataset("femnist", tmp_path, mapped=True)
+        (_newest(cache) / "meta.json").write_text(bad)
+        again = _load_again(tmp_path, caplog)
         assert caplog.text.count("cannot be read") == 1, caplog.text
         _same(again, plain)
         del again
+
+
+def _newest(cache: Path) -> Path:
+    """The cache entry written last."""
+    return max((cache / e for e in _entries(cache)), key=lambda p: p.stat().st_mtime_ns)
+
+
+def _load_again(root: Path, caplog):
+    """FEMNIST from ``root`` through the disk cache, as a new process would (the in-process cache
+    and the captured log cleared first; the cache's warnings captured)."""
+    clear_dataset_cache()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedproto.data.decoded"):
+        return load_dataset("femnist", root, mapped=True)
 
 
 def test_a_relative_cache_folder_is_made_absolute_and_an_unknown_home_is_named(tmp_path, monkeypatch):

@@ -82,21 +82,52 @@ def test_supervise_restarts_a_failed_node_with_backoff_and_stops_when_told(tmp_p
         supervise(["true"], backoff=0)
 
 
+def _supervised(args: list[str], started: Path):
+    """``python -m fedproto.flower.supervise ARGS`` (this checkout's fedproto), once the file
+    ``started`` (written by the supervised command) exists; stderr piped."""
+    import subprocess
+    import time
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    p = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", *args],
+                         env={**os.environ, "PYTHONPATH": src}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    return p
+
+
 @pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
 def test_supervise_passes_sigterm_on_and_does_not_restart(tmp_path):
+    import signal
+
+    p = _supervised(["--backoff", "0.05", "--",
+                     *_script(tmp_path, "trap 'kill $!; exit 0' TERM; sleep 30 >/dev/null 2>&1 & wait")],
+                    tmp_path / "starts")
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 0
+    assert (tmp_path / "starts").read_text().strip() == "1"
+    assert "restart" not in p.stderr.read()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_the_supervisor_passes_sighup_on_and_refuses_what_it_cannot_run(tmp_path):
     import signal
     import subprocess
     import time
 
     src = str(Path(__file__).resolve().parents[1] / "src")
-    p = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", "--backoff", "0.05", "--",
-                          *_script(tmp_path, "trap 'kill $!; exit 0' TERM; sleep 30 >/dev/null 2>&1 & wait")],
-                         env={**os.environ, "PYTHONPATH": src}, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while not (tmp_path / "starts").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    env = {**os.environ, "PYTHONPATH": src}
+    p = _supervised(["--", "sh", "-c", f"echo $$ > {tmp_path}/pid; exec sleep 60"], tmp_path / "pid")
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(20) == 0
+    child = int((tmp_path / "pid").read_text())
     time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(10) == 0
-    assert (tmp_path / "starts").read_text().strip() == "1"
-    assert "restart" not in p.stderr.read()
+    assert not Path(f"/proc/{child}").exists() or "zombie" in Path(f"/proc/{child}/status").read_text().lower()
+    assert "stopped by SIGHUP" in p.stderr.read()
+    for cmd, why in ((["/"], "Permission denied"), (["--backoff", "inf", "--", "true"], "both finite"),
+                     (["--stable", "-1", "--", "true"], "stable=-1.0 must be >= 0")):
+        r = subprocess.run([sys.executable, "-m", "fedproto.flower.supervise", *cmd], env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -263,9 +263,10 @@ def _read(entry: Path, sources: Sequence[tuple], make: Callable[..., Dataset], w
         arrays = {}
         stamps = meta.get("files", {})  # entries written before the stamps were kept have none
         for k, (shape, dtype) in meta["arrays"].items():
-            if k in stamps and _stamp(entry / f"{k}.npy") != stamps[k]:
+            now = _stamp(entry / f"{k}.npy") if k in stamps else None
+            if now is not None and now != stamps[k]:
                 raise ValueError(f"{k}.npy was changed after it was written (size, modification time: "
-                                 f"{_stamp(entry / f'{k}.npy')}, meta.json says {stamps[k]})")
+                                 f"{now}, meta.json says {stamps[k]})")
             a = np.load(entry / f"{k}.npy", mmap_mode="c", allow_pickle=False)
             if list(a.shape) != shape or str(a.dtype) != dtype:
                 raise ValueError(f"{k}.npy holds {a.dtype} {a.shape}, meta.json says {dtype} {shape}")

@@ -31,7 +31,7 @@ TTL_MARGIN = 30.0
 plus this): room for the clocks of the ServerApp's, the SuperLink's and the node's machines to
 differ. After that nobody waits for its reply, so the SuperLink no longer hands it out (flwr drops
 an expired message instead of delivering it) and a node that gets it late does not run it
-(:func:`fedproto.flower.common.expired`)."""
+(:func:`fedproto.flower.client_app.drop_expired`)."""
 log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
 
 

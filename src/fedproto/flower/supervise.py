@@ -250,12 +250,12 @@ def deactivate_node(superlink: str, node_id: int, private_key: str, root_certifi
         client.DeactivateNode(DeactivateNodeRequest(node_id=node_id))
 
 
-def _deactivate_after_death(command: Sequence[str], node_id: int, what: str) -> bool:
+def _deactivate_after_death(command: Sequence[str], node_id: int, what: str) -> None:
     """After the SuperNode of ``command`` died, :func:`deactivate_node` its ``node_id`` when the
-    command authenticates (``--auth-supernode-private-key``). True when the SuperLink took it."""
+    command authenticates (``--auth-supernode-private-key``), saying on stderr how it went."""
     key = command_flag(command, "--auth-supernode-private-key")
     if not key:
-        return False  # without authentication the restart gets a new node id: nothing to free
+        return  # without authentication the restart gets a new node id: nothing to free
     superlink = command_flag(command, "--superlink") or "127.0.0.1:9092"
     try:
         deactivate_node(superlink, node_id, key, command_flag(command, "--root-certificates"),
@@ -263,12 +263,11 @@ def _deactivate_after_death(command: Sequence[str], node_id: int, what: str) -> 
     except Exception as e:  # noqa: BLE001 - the fallback (wait for the heartbeat to expire) still works
         if getattr(getattr(e, "response", None), "status_code", None) == 412:  # not online: nothing to free
             _say(f"{what}; node {node_id} is already offline at {superlink}")
-            return True
+            return
         _say(f"{what}; could not deactivate node {node_id} at {superlink} ({type(e).__name__}: {str(e)[:200]}): "
              "the restart waits until the SuperLink's heartbeat for it expires (up to 60 s)")
-        return False
+        return
     _say(f"{what}; deactivated node {node_id} at {superlink} (Fleet API DeactivateNode): it can rejoin at once")
-    return True
 
 
 def _why(status: int, flower_code: int | None) -> str:
