@@ -89,10 +89,23 @@ def _events(folder):
     return [(e.step, e.value) for e in acc.Scalars("loss_ce")]
 
 
+def _steps_per_file(folder, tag="loss_ce"):
+    """{event file name: [step of every ``tag`` scalar event in it]}, read raw (nothing hidden, nothing purged)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = {}
+    for f in sorted(folder.iterdir()):
+        if "tfevents" in f.name:
+            out[f.name] = [ev.step for ev in EventFileLoader(str(f)).Load()
+                           if ev.HasField("summary") and any(v.tag == tag for v in ev.summary.value)]
+    return out
+
+
 @pytest.mark.skipif(not HAS_TB, reason="needs the tensorboard extra: pip install \"fedproto[tensorboard]\"")
-def test_tensorboard_resume_logs_each_round_once(tmp_path):
-    """Interrupted after round 3 with a checkpoint after round 2: the resumed run runs round 3 again, and
-    TensorBoard shows rounds 1-4 once each, with metrics.jsonl's values (round 3 from the resumed run)."""
+def test_tensorboard_resume_that_redoes_a_round_logs_it_once(tmp_path, caplog):
+    """Checkpoint every 2 rounds, stopped after round 3, resumed: round 3 is run again from round 2's
+    checkpoint. Was: step 3 stayed in the first event file too (TensorBoard warned and dropped 12 scalars).
+    Now every step is in exactly one event file, with metrics.jsonl's values, and no plot of the old rows is left."""
     from fedproto.config import build_config
     from fedproto.results import read_metrics
     from fedproto.simulation import Simulation
@@ -109,13 +122,42 @@ def test_tensorboard_resume_logs_each_round_once(tmp_path):
     run = tmp_path / "run"
     with pytest.raises(Stop):
         Simulation(cfg, out=run, on_round=stop_at_3).run()
-    assert [s for s, _ in _events(run / "tensorboard")] == [1, 2, 3]  # round 3 was logged before the stop
+    before = _steps_per_file(run / "tensorboard")
+    assert list(before.values()) == [[1, 2, 3]]  # round 3 was logged before the stop
+    assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
+    (run / "curves.png").write_bytes(b"a plot of rounds 1-3")  # `fedproto plot` drawn from the stopped run
+
     Simulation(cfg, out=run).run(resume=True)
     rows = read_metrics(run)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
-    got = _events(run / "tensorboard")
+    after = _steps_per_file(run / "tensorboard")
+    assert len(after) == 2
+    old, new = (after[name] for name in sorted(after))
+    assert old == [1, 2] and new == [3, 4]
+    assert sorted(s for steps in after.values() for s in steps) == [1, 2, 3, 4]
+    assert not (run / "curves.png").exists()
+    with caplog.at_level("WARNING"):
+        got = _events(run / "tensorboard")
+    assert "Purging" not in caplog.text  # nothing for TensorBoard to drop
     assert [s for s, _ in got] == [1, 2, 3, 4]
     assert [v for _, v in got] == [pytest.approx(r["loss_ce"], rel=1e-6) for r in rows]
+
+
+@pytest.mark.skipif(not HAS_TB, reason="needs the tensorboard extra: pip install \"fedproto[tensorboard]\"")
+def test_purge_events_keeps_the_steps_before_the_first_redone_one(tmp_path):
+    from fedproto.tensorboard import purge_events
+
+    tb = TensorBoardObserver(tmp_path)
+    for r in range(1, 6):
+        tb.on_round({"round": r, "loss_ce": float(r)})
+    tb.close()
+    assert purge_events(tmp_path / "tensorboard", 3) == 3
+    assert list(_steps_per_file(tmp_path / "tensorboard").values()) == [[1, 2]]
+    assert purge_events(tmp_path / "tensorboard", 1) == 2  # nothing left: the file goes
+    assert _steps_per_file(tmp_path / "tensorboard") == {}
+    assert purge_events(tmp_path / "missing", 1) == 0
+    with pytest.raises(ValueError, match="first_step must be a round number >= 1, got 0"):
+        purge_events(tmp_path / "tensorboard", 0)
 
 
 @pytest.mark.skipif(not HAS_TB, reason="needs the tensorboard extra: pip install \"fedproto[tensorboard]\"")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,60 @@ def require_tensorboard() -> None:
         ConfigError: the ``tensorboard`` package is not installed (names the extra to install).
     """
     _summary_writer()
+
+
+def purge_events(log_dir: str | Path, first_step: int) -> int:
+    """Remove from the event files in ``log_dir`` every scalar event at a step ``>= first_step`` (the rounds a
+    resumed run runs again), rewriting each file atomically; a file left with no summary is deleted.
+
+    Args:
+        log_dir: a run's ``tensorboard/`` folder (missing: nothing to do).
+        first_step: the first redone round (>= 1).
+    Returns:
+        The number of events removed.
+    Raises:
+        ValueError: ``first_step`` is below 1.
+        ConfigError: the ``tensorboard`` package is not installed.
+    """
+    if isinstance(first_step, bool) or not isinstance(first_step, numbers.Integral) or first_step < 1:
+        raise ValueError(f"purge_events: first_step must be a round number >= 1, got {first_step!r}")
+    log_dir = Path(log_dir)
+    if not log_dir.is_dir():
+        return 0
+    _summary_writer()
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    removed = 0
+    for f in sorted(p for p in log_dir.iterdir() if p.is_file() and "tfevents" in p.name):
+        kept, dropped, summaries = [], 0, 0
+        for raw in RawEventFileLoader(str(f)).Load():
+            ev = Event.FromString(raw)
+            if ev.step >= first_step and (ev.HasField("summary") or ev.HasField("session_log")):
+                dropped += 1
+                continue
+            summaries += ev.HasField("summary")
+            kept.append(raw)
+        if not dropped:
+            continue
+        removed += dropped
+        if not summaries:
+            f.unlink()
+            continue
+        fd, tmp = tempfile.mkstemp(dir=log_dir, prefix=".purge-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                w = RecordWriter(out)
+                for raw in kept:
+                    w.write(raw)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, f)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return removed
 
 
 class TensorBoardObserver(Observer):
@@ -122,8 +178,11 @@ class TensorBoardObserver(Observer):
     # the round loop's hooks (fedproto.engine.loop.Observer)
     def start(self, loop) -> None:
         """A resumed run (``loop.start_round`` > 1) purges the events at and after its first round: the
-        interrupted process may have logged rounds after its last checkpoint, which are run again."""
+        interrupted process may have logged rounds after its last checkpoint, which are run again: they are
+        removed from the old event files (:func:`purge_events`) before this process writes them again."""
         self.purge_step = loop.start_round if loop.start_round > 1 else None
+        if self.purge_step is not None:
+            purge_events(self.log_dir, self.purge_step)
 
     def round_done(self, loop, row: dict[str, Any]) -> None:
         self.on_round(row)
