@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from pydantic import Field
 
 from fedproto import plugins
 from fedproto.algorithms import FedProto, register_algorithm
+from fedproto.algorithms.options import FedProtoOptions
 from fedproto.algorithms.proto_steps import Rows
 from fedproto.config import build_config
 from fedproto.engine.observers.checkpoints import check_options
@@ -89,6 +91,55 @@ def test_plugin_options_are_in_the_run_name_and_checked_on_resume(pullproto, cap
     with caplog.at_level(logging.WARNING):
         prepare(other, progress=False)
     assert "fedavg ignores pull_weight: pull_weight acts on pullproto only" in caplog.text
+
+
+class FiftyOptions(FedProtoOptions):
+    """FedProto's options with other defaults for two it inherits."""
+
+    lambda_proto: Optional[float] = Field(50.0, ge=0.0, le=1e6, description="λ (this method: 50)")
+    proto_momentum: float = Field(0.5, ge=0.0, lt=1.0, description="server prototype momentum (this method: 0.5)")
+
+
+class FiftyProto(FedProto):
+    name = "fiftyproto"
+    Options = FiftyOptions
+
+
+def test_a_plugin_default_for_an_inherited_option_is_used(tmp_path, capsys, monkeypatch):
+    from conftest import run_cli
+
+    from fedproto.options import help_text
+
+    register_algorithm(FiftyProto)
+    try:
+        cfg = build_config(overrides={**SMALL, "algorithm": "fiftyproto", "rounds": 2})
+        given = build_config(overrides={**SMALL, "algorithm": "fiftyproto", "rounds": 2, "lambda_proto": 1.0})
+        plain = build_config(overrides={**SMALL, "algorithm": "fedproto", "rounds": 2})
+        assert (cfg.lambda_proto, cfg.lam, cfg.proto_momentum) == (50.0, 50.0, 0.5)
+        assert (given.lambda_proto, given.proto_momentum) == (1.0, 0.5)  # a given value still wins
+        assert (plain.lambda_proto, plain.lam, plain.proto_momentum) == (None, 1.0, 0.0)  # FedProto keeps its own
+        # the method's defaults keep the short name; λ = 1 given is another run, in another folder
+        assert cfg.run_name() == "fiftyproto-digits-n3-k20-s1234-m4-r2-lr0.05-eval_every0"
+        assert given.run_name() == cfg.run_name() + "-lambda1"
+        assert cfg.result_fields()["lambda_proto"] == 50.0 and cfg.result_fields()["proto_momentum"] == 0.5
+        # a checkpoint written with λ at FedProto's default (as before this fix) is refused, naming λ
+        old = {**cfg.model_dump(mode="json"), "lambda_proto": None, "proto_momentum": 0.0}
+        with pytest.raises(CheckpointMismatch, match=r"lambda_proto: None there, 50\.0 now"):
+            check_options(cfg, {"config": old}, "checkpoint.pt")
+        assert help_text("lambda_proto").endswith("(default: per dataset: mnist 1, femnist 1, cifar10 0.1, digits 1; "
+                                                  "fiftyproto 50)")
+        assert help_text("proto_momentum").endswith("(default: 0; fiftyproto 0.5)")
+        code, out = run_cli(["run", "--help"], capsys, monkeypatch)
+        assert code == 0 and "fiftyproto 0.5" in " ".join(out.split())
+        sim = Simulation(cfg, out=tmp_path / "run")
+        assert sim.setup.algorithm.options.lambda_proto == 50.0 and sim.setup.algorithm.lambda_proto == 50.0
+        sim.run()
+    finally:
+        plugins.unregister("fiftyproto")
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["lambda_proto"] == 50.0 and stored["proto_momentum"] == 0.5
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lambda"] for r in rows] == [0.0, 50.0]  # no global prototype in round 1, then the method's λ
 
 
 class CountPowerOptions(plugins.AlgorithmOptions):

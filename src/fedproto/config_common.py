@@ -50,6 +50,38 @@ def result_fields_in(cfg: dict, fields: dict) -> dict[str, Any]:
     return out
 
 
+def method_defaults(algorithm: Any, fields: dict) -> dict[str, Any]:
+    """The defaults that ``algorithm``'s own options (:func:`fedproto.algorithms.options.options_of`)
+    give to run options other than the run options' defaults: a plug-in whose ``Options`` subclass
+    ``FedProtoOptions`` with ``lambda_proto = Field(50.0, ...)`` runs with λ = 50 unless λ is given.
+    The run's config then holds that value (its name, config.json, the resume check all see it).
+
+    Args:
+        algorithm: the run's algorithm name (anything else: no defaults).
+        fields: the run options' fields (``model_fields`` of :func:`fedproto.config.config_model`).
+    Returns:
+        ``{field: default}`` of the fields whose default the method changes ({} for the library's methods).
+    """
+    from fedproto.plugins import BUILTIN, PLUGINS
+
+    if not isinstance(algorithm, str) or algorithm in BUILTIN or algorithm not in PLUGINS:
+        return {}
+    from fedproto.algorithms.options import options_of
+
+    out = {}
+    for k, info in options_of(algorithm).model_fields.items():
+        if k in fields and info.default_factory is None and info.default is not None \
+                and not same_default(info.default, fields[k].default):
+            out[k] = info.default
+    return out
+
+
+def same_default(a: Any, b: Any) -> bool:
+    """Whether two option defaults are the same value (``1`` and ``1.0`` are; ``True`` and ``1`` are not)."""
+    return type(a) is type(b) and a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                             and not isinstance(a, bool) and not isinstance(b, bool) and a == b)
+
+
 class CommonConfig(CommonFields):
     """The options every run has, whatever its algorithm (data, partition, model, training, engine,
     output; declared in :class:`~fedproto.config_fields.CommonFields`); :class:`fedproto.config.RunConfig`
@@ -72,10 +104,24 @@ class CommonConfig(CommonFields):
                 if isinstance(data.get(k), str) and data[k]:
                     # stored absolute in config.json, so `fedproto onboard` and --resume find it from any folder
                     data[k] = os.path.abspath(data[k])
-            for k, v in defaults.items():
+            for k, v in {**method_defaults(data.get("algorithm"), cls.model_fields), **defaults}.items():
                 if data.get(k) is None:
                     data[k] = v
         return data
+
+    def option_default(self, field: str) -> Any:
+        """The default of ``field`` for this run: the dataset's (for the fields it fills, and λ), else
+        the run's algorithm's own (:func:`method_defaults`: a plug-in's ``Options`` may change the
+        default of an option it inherits), else the option's."""
+        filled = REGISTRY[self.dataset].defaults()
+        if field in filled:
+            return filled[field]
+        own = method_defaults(self.algorithm, type(self).model_fields)
+        if field in own:
+            return own[field]
+        if field == "lambda_proto":
+            return REGISTRY[self.dataset].lambda_proto
+        return type(self).model_fields[field].default
 
     @model_validator(mode="after")
     def _check(self) -> CommonConfig:
@@ -242,17 +288,14 @@ class CommonConfig(CommonFields):
         base = {"algorithm", "dataset", "model", "seed", "partition", "classes", "ways", "shots", "clients", "alpha"}
         base -= {"clients"} if self.partition == "fewshot" and self.dataset != "custom" else set()
         skip = base | self.unused_fields() | self._inactive_fields()
-        filled = REGISTRY[self.dataset].defaults()
         mine = result_fields_in(self.model_dump(mode="json"), type(self).model_fields)
         out = {}
         for k, v in mine.items():
             if k in skip:
                 continue
-            default = type(self).model_fields[k].default
-            if k in filled:
-                default = filled[k]
-            elif k == "lambda_proto":
-                v, default = self.lam, REGISTRY[self.dataset].lambda_proto
+            default = self.option_default(k)
+            if k == "lambda_proto":
+                v = self.lam
             if v != default:
                 out[k] = v
         return out

@@ -96,20 +96,28 @@ def flags(field: str) -> list[str]:
 
 def default_text(field: str) -> str:
     """The default as help and docs show it: the value, the dataset's values, ``on``/``off``."""
+    from fedproto.config_common import method_defaults
     from fedproto.data.registry import PER_DATASET, per_dataset_default
+    from fedproto.plugins import PLUGINS
 
     info = _fields()[field]
     kind, _ = base_type(info.annotation)
+
+    def text(d: Any) -> str:
+        if kind is bool:
+            if "off_flag" in _extra(info):  # a pair of differently named switches: name the one in force
+                return (flag(field) if d else off_flag(field)).removeprefix("--")
+            return "on" if d else "off"
+        return f"{d:g}" if isinstance(d, float) else str(d)
+
+    # a plug-in's Options may give an option it inherits another default (fedproto.config_common.method_defaults)
+    own = [f"{n} {text(d[field])}" for n in PLUGINS if field in (d := method_defaults(n, _fields()))]
     if field in PER_DATASET:
-        return f"per dataset: {per_dataset_default(field)}"
-    d = info.get_default()
-    if d is None:
-        return ""
-    if kind is bool:
-        if "off_flag" in _extra(info):  # a pair of differently named switches: name the one in force
-            return (flag(field) if d else off_flag(field)).removeprefix("--")
-        return "on" if d else "off"
-    return f"{d:g}" if isinstance(d, float) else str(d)
+        out = f"per dataset: {per_dataset_default(field)}"
+    else:
+        d = info.get_default()
+        out = "" if d is None else text(d)
+    return "; ".join([out, *own]) if own and out else ", ".join(own) if own else out
 
 
 def help_text(field: str) -> str:
