@@ -145,7 +145,8 @@ def test_checkpoint_round_trip_keeps_arrays(tmp_path):
     assert np.array_equal(back["message"]["b"], np.arange(6).reshape(2, 3).T)
     assert isinstance(back["clients"][0]["extra"]["z"], np.ndarray) and back["clients"][0]["extra"]["c"] == 3
     assert isinstance(back["clients"][0]["model"]["w"], torch.Tensor)
-    assert (tmp_path / "c.pt").stat().st_mode & 0o044  # readable like the other run files, not 0600
+    assert (tmp_path / "c.pt").stat().st_mode & 0o777 == 0o600  # models and prototypes: the owner's alone
+    assert tmp_path.stat().st_mode & 0o777 == 0o700
     with pytest.raises(TypeError, match=r"server_state\['o'\]: a object cannot be checkpointed"):
         save_checkpoint(tmp_path / "d.pt", {**state, "server_state": {"o": object()}})
     assert not (tmp_path / "d.pt").exists() and not list(tmp_path.glob(".d.pt.*"))

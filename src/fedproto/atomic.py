@@ -9,24 +9,51 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+PRIVATE_FILE = 0o600
+"""Mode of a file that holds a model, prototypes or embeddings (``private=True``): its owner's alone."""
+PRIVATE_FOLDER = 0o700
+"""Mode of the folder such a file is written into."""
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+
+def make_private_folder(folder: str | Path) -> Path:
+    """Create ``folder`` (and its parents) if needed and make it ``0700`` (:data:`PRIVATE_FOLDER`): what
+    a model or prototypes are written into is readable by its owner alone. Returns the folder.
+
+    Raises:
+        OSError: it cannot be created or its mode cannot be set (another user's folder).
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True, mode=PRIVATE_FOLDER)
+    if folder.stat().st_mode & 0o777 != PRIVATE_FOLDER:
+        os.chmod(folder, PRIVATE_FOLDER)
+    return folder
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], private: bool = False) -> None:
     """Write ``path`` atomically: ``write(f)`` fills a same-folder temp file, which is fsynced,
     given the usual permissions and renamed over ``path``; on any error it is removed.
 
+    Args:
+        path: the file. write: fills the open binary file.
+        private: the file holds a model, prototypes or embeddings: it is ``0600`` (:data:`PRIVATE_FILE`)
+            from its creation on, in a ``0700`` folder (:func:`make_private_folder`).
     Raises whatever ``write`` raises, and ``OSError`` when the folder cannot be written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if private:
+        make_private_folder(path.parent)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual permissions
+        if not private:  # mkstemp creates 0600: a private file keeps it, others get the usual permissions
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -34,9 +61,9 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         raise
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (:func:`atomic_write`)."""
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: Path, data: bytes, private: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically (:func:`atomic_write`; ``private``: 0600 in a 0700 folder)."""
+    atomic_write(path, lambda f: f.write(data), private)
 
 
 def outermost_new(path: str | Path) -> Path:

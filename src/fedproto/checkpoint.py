@@ -88,7 +88,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
             raise OSError(cause.errno if cause else None,
                           cause.strerror if cause else f"torch.save failed: {first_line(e)}") from e
 
-    atomic_write(Path(path), write)
+    atomic_write(Path(path), write, private=True)  # models and prototypes: 0600 in a 0700 folder
 
 
 def load_checkpoint(path: str | Path) -> dict:

@@ -305,13 +305,13 @@ class RunDir:
             raise ValueError(f"run folder file {name!r}: give a plain file name ending in .npz")
         buf = io.BytesIO()
         np.savez(buf, **arrays)
-        self._write(atomic_write_bytes, self.path / name, buf.getvalue())
+        self._write(atomic_write_bytes, self.path / name, buf.getvalue(), True)
 
     def write_prototypes(self, classes: np.ndarray, protos: np.ndarray, contributors: np.ndarray | None) -> None:
         buf = io.BytesIO()
         np.savez(buf, classes=classes, protos=protos,
                  contributors=contributors if contributors is not None else np.zeros(0, np.int64))
-        self._write(atomic_write_bytes, self.path / "prototypes.npz", buf.getvalue())
+        self._write(atomic_write_bytes, self.path / "prototypes.npz", buf.getvalue(), True)
 
     def write_models(self, models: Iterable[torch.nn.Module]) -> None:
         """``models.pt``: ``{"format": 1, "clients": [state_dict, ...]}`` in client order, tensors on
@@ -319,7 +319,7 @@ class RunDir:
         import torch
 
         state = {"format": 1, "clients": [{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in models]}
-        self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f))
+        self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f), True)
 
     def write_checkpoint(self, save: Callable[[Path, dict], None], state: dict) -> None:
         """``save(path, state)`` into :attr:`checkpoint` (``save``: :func:`fedproto.checkpoint.save_checkpoint`;

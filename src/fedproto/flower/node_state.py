@@ -140,7 +140,7 @@ def save_state(path: Path, key: Mapping[str, Any], instance: int, round: int,
         except RuntimeError as e:  # torch wraps write errors (ENOSPC) in RuntimeError
             raise OSError(f"torch.save failed: {e}") from e
 
-    atomic_write(Path(path), write)
+    atomic_write(Path(path), write, private=True)  # the client's model: 0600 in a 0700 folder
 
 
 def load_state(path: Path, key: Mapping[str, Any]) -> dict[str, Any] | None:

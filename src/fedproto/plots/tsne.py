@@ -73,7 +73,7 @@ def save_embeddings(sim, run_dir: str | Path) -> Path:
     np.savez(buf, **arrays)
     path = Path(run_dir) / EMBEDDINGS_FILE
     try:
-        atomic_write_bytes(path, buf.getvalue())
+        atomic_write_bytes(path, buf.getvalue(), private=True)  # embeddings of private data
     except OSError as e:
         raise ConfigError(f"cannot write {str(path)!r}: {e.strerror or e}; free space or fix that path (the run's "
                           "other files are written)") from None
