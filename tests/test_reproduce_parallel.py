@@ -183,3 +183,62 @@ def test_reproduce_refuses_a_ray_address_where_nothing_answers(capsys, monkeypat
     code, text = run_cli(grid_args(tmp_path / "mine", "--ray", f"127.0.0.1:{port}"), capsys, monkeypatch)
     assert code == 2 and f"--ray '127.0.0.1:{port}': nothing answers at 127.0.0.1:{port}" in text
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+
+
+_PLUGIN_PACKAGE = '''
+from pydantic import Field
+
+from fedproto.algorithms import FedProto
+from fedproto.plugins import AlgorithmOptions
+
+
+class JobsProto(FedProto):
+    """Installed: an entry point of the fedproto.algorithms group."""
+
+    name = "jobsproto"
+
+    class Options(AlgorithmOptions):
+        jobs_x: float = Field(1.0, description="x of the installed method")
+
+
+class PyProto(FedProto):
+    """Registered in Python by the user's process only (register_algorithm)."""
+
+    name = "pyproto"
+
+    class Options(AlgorithmOptions):
+        py_y: int = Field(3, description="y of the method registered in Python")
+'''
+
+
+def test_reproduce_jobs_runs_with_an_installed_plugin(capsys, monkeypatch, tmp_path):
+    from fedproto import plugins
+    from fedproto.algorithms import register_algorithm
+
+    site = tmp_path / "site"
+    (site / "jobsplugin").mkdir(parents=True)
+    (site / "jobsplugin" / "__init__.py").write_text(_PLUGIN_PACKAGE)
+    info = site / "jobsplugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: jobsplugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{plugins.GROUP}]\njobsproto = jobsplugin:JobsProto\n")
+    monkeypatch.delenv(plugins.NO_ENTRY_POINTS, raising=False)  # a user's process: installed plug-ins load
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = tmp_path / "jobs"
+    args = ["reproduce", "--datasets", "digits", "--ways", "2", "--methods", "fedproto,fedavg", "--seeds", "1",
+            "--rounds", "1", "--out", str(out), "--jobs", "2", "--set", "jobs_x=2.5", "--set", "py_y=4",
+            *[a for kv in TINY[:4] for a in ("--set", kv)]]
+    with plugins.scope(entry_points=True):
+        from jobsplugin import PyProto
+
+        register_algorithm(PyProto)
+        assert {"jobsproto", "pyproto"} <= set(plugins.algorithm_names())
+        code, text = run_cli(args, capsys, monkeypatch)
+    assert code == 0, text
+    assert "PicklingError" not in text and "2 cells: 2 run, 0 skipped, 0 failed" in text
+    for m in ("fedproto", "fedavg"):  # each cell ran in its own process with every plug-in's options
+        run = out / "runs" / f"digits-n2-{m}-s1"
+        conf = json.loads((run / "config.json").read_text())
+        assert (conf["algorithm"], conf["jobs_x"], conf["py_y"], conf["rounds"]) == (m, 2.5, 4, 1)
+        assert json.loads((run / "summary.json").read_text())["rounds"] == 1

@@ -119,8 +119,46 @@ def config_model() -> type[RunConfig]:
             for _, o in plugins:  # once each (plug-ins may share an options class)
                 if not any(issubclass(b, o) for b in bases):
                     bases.append(o)
-            _MODELS[key] = create_model("RunConfig", __base__=tuple(bases), __module__=__name__)
+            model = create_model("RunConfig", __base__=tuple(bases), __module__=__name__)
+            model.__reduce__ = _reduce  # pickled by value: it is not fedproto.config.RunConfig
+            _MODELS[key] = model
     return _MODELS[key]
+
+
+def _reduce(cfg: RunConfig) -> tuple:
+    """How a config of a composed model (:func:`config_model` with plug-ins) pickles: the plug-in
+    classes with options (by reference: their modules are imported where it is unpickled) and the
+    values, so a spawned process (``reproduce --jobs``, ``--workers``) rebuilds it with
+    :func:`rebuild_config`."""
+    from fedproto.plugins import PLUGINS
+
+    used = tuple(c for c in PLUGINS.values() if getattr(c, "Options", None) is not None)
+    return rebuild_config, (used, dict(cfg), tuple(cfg.model_fields_set))
+
+
+def rebuild_config(classes: tuple, values: dict[str, Any], given: tuple[str, ...] = ()) -> RunConfig:
+    """A config pickled by a process where plug-ins with options were registered, in another
+    process: registers those plug-ins that are missing there (:func:`fedproto.plugins.register`;
+    an installed one is usually loaded already), then builds the config of :func:`config_model`
+    from ``values`` as they were (already validated: not checked again).
+
+    Args:
+        classes: the algorithm classes with options registered where the config was pickled.
+        values: the config's fields. given: the fields that were set (``model_fields_set``).
+    Returns:
+        The config (a :class:`RunConfig`).
+    Raises:
+        ConfigError: a plug-in cannot be registered here (:func:`fedproto.plugins.register`).
+    """
+    from fedproto.plugins import PLUGINS, load_plugins, register
+
+    load_plugins()
+    for cls in classes:
+        if PLUGINS.get(cls.name) is not cls:
+            register(cls)
+    model = config_model()
+    fields = {k: v for k, v in values.items() if k in model.model_fields}
+    return model.model_construct(_fields_set={k for k in given if k in fields}, **fields)
 
 
 def toml_value(value: Any) -> str:
@@ -290,5 +328,5 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
 
 
 __all__ = ["ADDED_FIELDS", "DATASETS", "FLOWER_KEYS", "KEY_ALIASES", "NAME_ABBREV", "RESULT_NEUTRAL", "CommonConfig",
-           "CommonFields", "RunConfig", "build_config", "config_model", "normal_key", "result_fields", "taken_names",
-           "toml_value"]
+           "CommonFields", "RunConfig", "build_config", "config_model", "normal_key", "rebuild_config", "result_fields",
+           "taken_names", "toml_value"]

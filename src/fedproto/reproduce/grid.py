@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fedproto import paper
-from fedproto.config import RunConfig, build_config, normal_key
+from fedproto.config import RunConfig, build_config, config_model, normal_key
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
 from fedproto.errors import ConfigError, same_value, unknown_text
 from fedproto.models.names import mh_variant
@@ -143,7 +143,7 @@ def parse_sets(items: Sequence[str] | None, grid: bool = True) -> dict[str, Any]
         if grid and k in GRID_KEYS:
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
-        if k not in RunConfig.model_fields:
+        if k not in config_model().model_fields:
             from fedproto.options import keys
 
             raise ConfigError(f"--set: unknown option {k!r}" + unknown_text(k, keys()))
@@ -162,7 +162,7 @@ def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
     fld = SWEEP_ALIASES.get(name, name).replace("-", "_")
     if fld in GRID_KEYS and fld != "rounds":
         raise ConfigError(f"--sweep {name}: cannot sweep {fld!r}; use the grid options for it")
-    if fld not in RunConfig.model_fields:
+    if fld not in config_model().model_fields:
         raise ConfigError(f"--sweep: unknown parameter {name!r}; use lambda, shots or a run option name")
     texts = [v.strip() for v in vals.split(",")]
     if any(texts) and not all(texts):
