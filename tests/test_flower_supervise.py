@@ -178,3 +178,91 @@ def test_the_supervisor_deactivates_before_giving_up_and_survives_a_dead_stdout(
                            timeout=60)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "cannot pass the command's output on (OSError" in p.stderr and "not restarting" in p.stderr
+
+
+def _supervisor(tmp_path, node_cmd: str, flags: list, grace: float = 0.5):
+    """``python -m fedproto.flower.supervise`` running ``sh -c node_cmd`` as its SuperNode, started once the
+    node printed its id (its stdout read up to that line)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    p = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", "--backoff", "30", "--stop-grace",
+                          str(grace), "--", "sh", "-c", node_cmd, "flower-supernode", *flags],
+                         env={**os.environ, "PYTHONPATH": src}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert "SuperNode ID: 6" in p.stdout.readline()
+    return p
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL-node-then-SIGTERM", "node-ignores-SIGTERM"])
+def test_a_supervisor_stopped_by_a_signal_deactivates_its_node_first(tmp_path, fleet, how):
+    """The drill: SIGKILL of the SuperNode followed by SIGTERM to its supervisor (what `systemctl stop` does)
+    sent no deactivation (the supervisor returned on the signal before its deactivation step) and the round
+    waited 52.9 s for the heartbeat. Now every stop signal ends the node's membership at the stand-in Fleet
+    API before the supervisor exits (status 0), a node that ignores the signal included (killed after
+    --stop-grace)."""
+    import signal
+    import time
+
+    key, pub = _node_key(tmp_path)
+    fleet.keys[6], fleet.online = pub, {6}
+    flags = ["--superlink", f"127.0.0.1:{fleet.server_address[1]}", "--insecure", "--auth-supernode-private-key",
+             str(key)]
+    node = 'echo "SuperNode ID: 6"; echo $$ > node.pid; exec sleep 60'
+    if how == "node-ignores-SIGTERM":
+        node = 'trap "" TERM INT HUP; echo "SuperNode ID: 6"; echo $$ > node.pid; while :; do sleep 0.1; done'
+    p = _supervisor(tmp_path, node, flags)
+    try:
+        if how == "SIGKILL-node-then-SIGTERM":
+            os.kill(int((tmp_path / "node.pid").read_text()), signal.SIGKILL)
+            p.send_signal(signal.SIGTERM)
+        else:
+            p.send_signal(getattr(signal, how.split("-")[-1]))
+        t0 = time.monotonic()
+        assert p.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert fleet.calls == [("/v1/fleet/deactivate-node", 6, True)], err
+    assert fleet.online == set()
+    assert f"deactivated node 6 at 127.0.0.1:{fleet.server_address[1]}" in err
+    assert took < 10, err
+    if how == "node-ignores-SIGTERM":
+        assert "still running 0.5 s after SIGTERM: killing it" in err
+        pid = int((tmp_path / "node.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX signals")
+def test_a_stopping_supervisor_waits_for_the_deactivation_a_bounded_time(tmp_path):
+    """A Fleet API that accepts the connection and never answers: the supervisor still exits, within
+    DEACTIVATE_LIMIT (5 s) and a margin, saying the node stays online until its heartbeat expires."""
+    import signal
+    import socket
+    import time
+
+    from fedproto.flower.supervise import DEACTIVATE_LIMIT
+
+    key, _ = _node_key(tmp_path)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        flags = ["--superlink", f"127.0.0.1:{silent.getsockname()[1]}", "--insecure",
+                 "--auth-supernode-private-key", str(key)]
+        p = _supervisor(tmp_path, 'echo "SuperNode ID: 6"; exec sleep 60', flags)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert p.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        err = p.stderr.read()
+    finally:
+        silent.close()
+    assert DEACTIVATE_LIMIT - 0.5 < took < DEACTIVATE_LIMIT + 4, err
+    assert "could not deactivate node 6" in err and "no answer within 5 s" in err

@@ -42,7 +42,12 @@ expires (37.5-60 s after it died, the floor Flower 1.42 sets when the deactivati
 sent), and a doubled wait (5, 10, 20, 40 s) would let the node come back up to 40 s after that.
 It stops, with the command's exit status, when the command exits 0 or with a Flower exit code in
 :data:`NO_RESTART` (a configuration error a restart cannot fix), after ``max-restarts`` restarts,
-or when it is itself stopped (SIGTERM, SIGINT or SIGHUP, passed on to the command). It logs every
+or when it is itself stopped (SIGTERM, SIGINT or SIGHUP, passed on to the command; a command still
+running ``stop-grace`` seconds later is killed). **Every stop ends the node's membership first**: a
+supervisor that is stopped or gives up sends the deactivation of the node (when it saw its id) before
+it exits, bounded by :data:`DEACTIVATE_LIMIT` seconds (a 412, the node already offline because it
+deactivated itself, is fine), so that ``systemctl stop`` or a SIGTERM never leaves a round waiting for
+the heartbeat. It logs every
 start (with the pid), every deactivation and every restart (with the exit status, Flower's exit
 code and Flower's meaning of it) on stderr.
 """
@@ -73,6 +78,12 @@ the SuperLink not reachable yet), a state that ends by itself within a minute.""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """Signals that stop the supervisor, passed on to the command first (SIGHUP: the terminal closed)."""
 
+DEACTIVATE_LIMIT = 5.0
+"""Seconds a stopping supervisor waits, at most, for the node's deactivation (one HTTP call)."""
+
+STOP_GRACE = 10.0
+"""Seconds a stopped supervisor gives the command to end after passing the signal on, before it kills it."""
+
 _EXIT_LINE = re.compile(r"Exit Code: (\d+)")
 _NODE_LINE = re.compile(r"SuperNode ID: (\d+)")
 
@@ -96,7 +107,7 @@ def exit_meaning(status: int, flower_code: int | None = None) -> str:
 
 
 def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float = 60.0,
-              max_restarts: int | None = None, stable: float = 120.0) -> int:
+              max_restarts: int | None = None, stable: float = 120.0, stop_grace: float = STOP_GRACE) -> int:
     """Run ``command`` and restart it when it fails (see the module docstring).
 
     Args:
@@ -104,13 +115,15 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
         backoff: seconds before the first restart; doubled after each failed start, up to
             ``max_backoff``; back to ``backoff`` after a start that ran ``stable`` seconds.
         max_restarts: give up after this many restarts (None: never).
+        stable: seconds a start must run to reset the wait to ``backoff``.
+        stop_grace: seconds the command has to end after a stop signal was passed on, before it is killed.
     Returns:
         The exit code to exit with: the command's last code (128 + the signal's number when it
         was killed by a signal), or 0 when this supervisor was stopped by SIGTERM, SIGINT or
         SIGHUP (:data:`STOP_SIGNALS`, passed on to the command).
     Raises:
         ValueError: an empty command, ``backoff`` <= 0, ``max_backoff`` < ``backoff``, either not
-            finite, ``stable`` < 0 or not finite, or ``max_restarts`` < 0, naming the value.
+            finite, ``stable`` or ``stop_grace`` < 0 or not finite, or ``max_restarts`` < 0, naming the value.
         OSError: the program cannot be started (FileNotFoundError: it does not exist;
             PermissionError: a folder or a file without execute permission).
     """
@@ -122,13 +135,15 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
                          "(seconds)")
     if not 0 <= stable < math.inf:
         raise ValueError(f"stable={stable!r} must be >= 0 and finite (seconds)")
+    if not 0 <= stop_grace < math.inf:
+        raise ValueError(f"stop_grace={stop_grace!r} must be >= 0 and finite (seconds)")
     if max_restarts is not None and max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be >= 0 (or None: no limit)")
-    stop = {"signal": None}
+    stop: dict = {"signal": None, "at": 0.0}
     child: subprocess.Popen | None = None
 
     def on_signal(signum, _frame):
-        stop["signal"] = signum
+        stop["signal"], stop["at"] = signum, time.monotonic()
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -143,12 +158,16 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
             seen: dict[str, int] = {}
             pump = threading.Thread(target=_pump, args=(child.stdout, seen), daemon=True)
             pump.start()
-            code = child.wait()
+            code = _wait(child, stop, stop_grace)
             pump.join(2.0)  # the rest of its output (a grandchild may hold the pipe open longer: not waited for)
             flower = seen.get("code")
             what = f"{command[0]} exited with status {code}{_why(code, flower)}"
             if stop["signal"] is not None:
-                _say(f"{what}; stopped by {signal.Signals(stop['signal']).name}")
+                what = f"{what}; stopped by {signal.Signals(stop['signal']).name}"
+                if "node" in seen and command_flag(command, "--auth-supernode-private-key"):
+                    _deactivate_after_death(command, seen["node"], what)  # before exiting: it may not have itself
+                else:
+                    _say(what)
                 return 0
             if code == 0 or flower in NO_RESTART:
                 _say(f"{what}; not restarting")
@@ -171,6 +190,19 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _wait(child: subprocess.Popen, stop: dict, grace: float) -> int:
+    """Wait for ``child``; once a stop signal was passed on to it, kill it when it is still running
+    ``grace`` seconds later (a SuperNode stuck in a retry, or one that ignores the signal)."""
+    while True:
+        try:
+            return child.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            if stop["signal"] is not None and time.monotonic() - stop["at"] >= grace:
+                _say(f"{child.args[0]} (pid {child.pid}) still running {grace:g} s after "
+                     f"{signal.Signals(stop['signal']).name}: killing it")
+                child.kill()
 
 
 def _pump(stream, seen: dict[str, int]) -> None:
@@ -250,22 +282,36 @@ def deactivate_node(superlink: str, node_id: int, private_key: str, root_certifi
         client.DeactivateNode(DeactivateNodeRequest(node_id=node_id))
 
 
-def _deactivate_after_death(command: Sequence[str], node_id: int, what: str) -> None:
+def _deactivate_after_death(command: Sequence[str], node_id: int, what: str, limit: float = DEACTIVATE_LIMIT) -> None:
     """After the SuperNode of ``command`` died, :func:`deactivate_node` its ``node_id`` when the
-    command authenticates (``--auth-supernode-private-key``), saying on stderr how it went."""
+    command authenticates (``--auth-supernode-private-key``), saying on stderr how it went; waits
+    ``limit`` seconds at most for the answer."""
     key = command_flag(command, "--auth-supernode-private-key")
     if not key:
         return  # without authentication the restart gets a new node id: nothing to free
     superlink = command_flag(command, "--superlink") or "127.0.0.1:9092"
-    try:
-        deactivate_node(superlink, node_id, key, command_flag(command, "--root-certificates"),
-                        insecure="--insecure" in command)
-    except Exception as e:  # noqa: BLE001 - the fallback (wait for the heartbeat to expire) still works
-        if getattr(getattr(e, "response", None), "status_code", None) == 412:  # not online: nothing to free
-            _say(f"{what}; node {node_id} is already offline at {superlink}")
-            return
+    result: dict = {}
+
+    def call() -> None:
+        try:
+            deactivate_node(superlink, node_id, key, command_flag(command, "--root-certificates"),
+                            insecure="--insecure" in command, timeout=limit)
+            result["ok"] = True
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)  # httpx's timeout is per phase: a thread bounds the whole call
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        result["error"] = TimeoutError(f"no answer within {limit:g} s")
+    e = result.get("error")
+    if getattr(getattr(e, "response", None), "status_code", None) == 412:  # not online: nothing to free
+        _say(f"{what}; node {node_id} is already offline at {superlink}")
+        return
+    if e is not None:  # the fallback (wait for the heartbeat to expire) still works
         _say(f"{what}; could not deactivate node {node_id} at {superlink} ({type(e).__name__}: {str(e)[:200]}): "
-             "the restart waits until the SuperLink's heartbeat for it expires (up to 60 s)")
+             "the SuperLink keeps it online until its heartbeat expires (up to 60 s)")
         return
     _say(f"{what}; deactivated node {node_id} at {superlink} (Fleet API DeactivateNode): it can rejoin at once")
 
@@ -292,11 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                        "(default: never)")
     parser.add_argument("--stable", type=float, default=120.0,
                         help="a start that ran this many seconds resets the wait to --backoff (default 120)")
+    parser.add_argument("--stop-grace", type=float, default=STOP_GRACE,
+                        help="seconds the command has to end after SIGTERM/SIGINT/SIGHUP before it is killed "
+                             f"(default {STOP_GRACE:g}); the node is deactivated before the supervisor exits")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command and its arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        return supervise(command, args.backoff, args.max_backoff, args.max_restarts, args.stable)
+        return supervise(command, args.backoff, args.max_backoff, args.max_restarts, args.stable, args.stop_grace)
     except (ValueError, OSError) as e:  # OSError: a program that cannot run (a folder, no exec permission)
         parser.error(f"{command[0] if command else 'the command'}: {e}" if isinstance(e, OSError) else str(e))
     return 2
@@ -306,5 +355,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["NO_RESTART", "RETRY_STEADY", "STOP_SIGNALS", "command_flag", "deactivate_node", "exit_meaning", "main",
-           "supervise"]
+__all__ = ["DEACTIVATE_LIMIT", "NO_RESTART", "RETRY_STEADY", "STOP_GRACE", "STOP_SIGNALS", "command_flag",
+           "deactivate_node", "exit_meaning", "main", "supervise"]
