@@ -480,3 +480,34 @@ def test_a_bad_number_in_the_config_file_is_named_as_its_line(value, capsys, mon
     code, out = run_cli(["run", "--config", str(f), "--dataset", "digits", "--out-dir", str(tmp_path / "runs")],
                         capsys, monkeypatch)
     assert code == 2 and f"lr = {value} in '{f}'" in out and "--lr" not in out, out
+
+
+def test_reproduce_refuses_an_unreachable_ray_address_within_3_s(tmp_path):
+    """The drill: `--ray 127.0.0.1:1` was refused clearly but after 11-17 s on a loaded machine (torch and Ray
+    were imported first). Now the address is checked before anything heavy is imported: refused (status 2)
+    in under 3 s, with neither torch nor ray loaded, and no output folder made."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "grid"
+    code = ("import atexit, sys; atexit.register(lambda: print('heavy:', [m for m in ('torch', 'ray') "
+            "if m in sys.modules], file=sys.stderr)); from fedproto.cli import main; "
+            f"sys.argv = ['fedproto', 'reproduce', '--grid', 'hetero', '--datasets', 'digits', '--out', {str(out)!r}, "
+            f"'--ray', '127.0.0.1:{port}']; main()")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": src})
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert f"--ray '127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} within 2 s" in p.stderr
+    assert "start the cluster (ray start --head)" in p.stderr
+    assert "heavy: []" in p.stderr
+    assert took < 3, took
+    assert not out.exists()

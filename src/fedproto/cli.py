@@ -87,6 +87,13 @@ def reproduce(
                                                  "pip install \"fedproto\\[ray]\""),
 ):
     """Run the paper's grid (tab. 1-4) or a sweep (fig. 3, 4); resumable; writes table.md/.csv."""
+    if ray:  # an address where nothing answers is refused at once, before torch and Ray are imported
+        from fedproto.netcheck import check_ray_address
+
+        try:
+            check_ray_address(ray)
+        except FedprotoError as e:
+            _error(str(e))
     try:
         _reproduce(datasets, ways, methods, seeds, rounds, out, set_, data_dir, sweep, threads, grid,
                    side={"jobs": jobs, "ray": ray})

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fedproto.errors import ConfigError
+from fedproto.netcheck import check_ray_address
 from fedproto.reproduce.cells import THREAD_VARIABLES
 from fedproto.reproduce.grid import Cell, CellResult
 from fedproto.results import atomic_write_bytes
@@ -74,7 +75,7 @@ def connect(address: str) -> _Session:
     ray = require_ray()
     if ray.is_initialized():
         return _Session(ray, False)
-    _check_reachable(address)
+    check_ray_address(address)
     try:
         ray.init(address=None if address == "auto" else address, log_to_driver=False,
                  configure_logging=False)
@@ -82,27 +83,6 @@ def connect(address: str) -> _Session:
         raise ConfigError(f"--ray {address!r}: cannot connect to the Ray cluster ({e}); give the head node's "
                           "address (host:port), or auto") from None
     return _Session(ray, True)
-
-
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Refuse a ``host:port`` address where nothing answers within ``timeout_s`` (Ray itself would
-    retry it without end). ``auto``, ``local`` and an address Ray cannot parse are left to Ray.
-
-    Raises:
-        ConfigError: the host is unknown, or no server accepts a connection at that port.
-    """
-    import socket
-
-    if address in ("auto", "local"):
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return  # Ray words the format error
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except (OSError, OverflowError) as e:
-        raise ConfigError(f"--ray {address!r}: nothing answers at {host}:{port} within {timeout_s:g} s ({e}); "
-                          "start the cluster (ray start --head) and give its head node's address, or auto") from None
 
 
 def cluster_cpus() -> int:
