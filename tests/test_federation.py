@@ -792,3 +792,85 @@ def test_the_readme_own_models_snippet_runs_as_pasted(capsys):
     acc = scope["summary"]["accuracy"]["acc"]
     assert scope["summary"]["clients"] == 5 and acc["mean"] > 0.6, acc
     assert str(acc) in capsys.readouterr().out
+
+
+class DtypeProbe(nn.Module):
+    """A user's model that records the dtype of every floating input it is called with (a dict's ``x`` too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.out = nn.Linear(8, 3)
+        self.seen: set = set()
+
+    def forward(self, x):
+        x = x["x"] if isinstance(x, dict) else x
+        self.seen.add(x.dtype)
+        h = self.body(x)
+        return self.out(h), h
+
+
+class Rows(torch.utils.data.Dataset):
+    """A map-style Dataset of (x row, label) items, x rows as numpy arrays or tensors."""
+
+    def __init__(self, x, y, as_numpy=False):
+        self.x, self.y, self.as_numpy = x, y, as_numpy
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return (self.x[i].numpy() if self.as_numpy else self.x[i]), int(self.y[i])
+
+
+def _rows(seed, n=24, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    return (torch.randn(n, 4, generator=g, dtype=torch.float64) + 3 * y[:, None]).to(dtype), y
+
+
+def test_float64_inputs_train_in_float64_on_every_route(caplog):
+    import logging
+
+    def stack(items):  # a user's collate: numpy rows -> one tensor, their dtype kept
+        return torch.stack([torch.as_tensor(a) for a in items])
+
+    routes = {"tensors": lambda x, y: (x, y), "arrays": lambda x, y: (x.numpy(), y.numpy()),
+              "dict": lambda x, y: ({"x": x}, y), "dataset": lambda x, y: Rows(x, y),
+              "dataset+collate": lambda x, y: Rows(x, y, as_numpy=True)}
+    clients = []
+    for i, (route, make) in enumerate(routes.items()):
+        torch.manual_seed(i)
+        (x, y), (tx, ty) = _rows(i), _rows(100 + i)
+        clients.append(Client(DtypeProbe().double(), make(x, y), make(tx, ty),
+                              collate=stack if route == "dataset+collate" else None))
+    with caplog.at_level(logging.INFO, logger="fedproto.federation.data"):
+        sim = federate(clients, num_classes=3, rounds=2, lr=0.05, local_epochs=5, threads=1, eval_every=0, out=False)
+        summary = sim.run()
+    assert "cast to" not in caplog.text  # float64 inputs, float64 models: nothing cast
+    for route, c in zip(routes, clients):
+        assert c.model.seen == {torch.float64}, route  # training and evaluation, every batch
+        assert {p.dtype for p in c.model.parameters()} == {torch.float64}, route
+    assert summary["accuracy"]["acc"]["mean"] > 0.5  # classes 3 apart in every feature: learnt in two rounds
+
+    # float16 and float64 inputs of a float32 model: cast to float32 on every route, logged once per client and split
+    clients = []
+    for i, (route, make) in enumerate(routes.items()):
+        (x, y), (tx, ty) = _rows(i, dtype=torch.float16 if i % 2 else torch.float64), _rows(100 + i)
+        clients.append(Client(DtypeProbe(), make(x, y), make(tx, ty), collate=stack if "collate" in route else None))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedproto.federation.data"):
+        federate(clients, num_classes=3, rounds=1, threads=1, eval_every=0, out=False).run()
+    for route, c in zip(routes, clients):
+        assert c.model.seen == {torch.float32}, route
+    casts = [r.getMessage() for r in caplog.records if "cast to" in r.getMessage()]
+    assert len(casts) == 2 * len(routes)
+    assert casts[0].startswith("client 0: its train inputs are float64, cast to float32, the dtype of its model")
+    assert casts[2].startswith("client 1: its train inputs are float16, cast to float32")
+
+    # a model whose layers differ in dtype: the mismatch is named as such, with both dtypes and the fix
+    mixed = DtypeProbe().double()
+    mixed.out.float()
+    with pytest.raises(ModelError, match=r"client 0: dtype mismatch: its parameters mix float64 \('body.0.weight'\) "
+                                         r"and float32 \('out.weight'\); .*model.double\(\)"):
+        federate([Client(mixed, *[_rows(s) for s in (0, 1)])], num_classes=3, rounds=1, threads=1, out=False)

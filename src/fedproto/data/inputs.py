@@ -2,8 +2,10 @@
 
 A client's inputs reach its model as the model takes them: integer token ids stay integers, a
 tokenizer's ``{"input_ids": ..., "attention_mask": ...}`` stays a dict, ``(ids, mask)`` stays a
-tuple; only their device changes (and, in float64 equivalence checks, the dtype of floating
-leaves). Every leaf of one client's inputs holds one row per sample along its first axis.
+tuple; only their device changes, and the dtype of floating leaves where it is not the model's
+(cast to the model's floating dtype, logged once per client:
+:func:`fedproto.federation.data.to_model_dtype`). Every leaf of one client's inputs holds one row
+per sample along its first axis.
 
 * :class:`Inputs` holds such a structure in memory for ``n`` samples: ``len()``, and
   ``inputs[idx]`` (a LongTensor of rows or a slice) gives the structure of those rows, which is what
@@ -94,13 +96,14 @@ def cast_floats(x: Batch, dtype: torch.dtype) -> Batch:
 
 
 def as_leaf(v: Any) -> torch.Tensor:
-    """An array or tensor as a tensor: floating values as float32 (the models' dtype), integer and
-    bool values in their own dtype (token ids stay integers). Raises TypeError for anything else."""
+    """An array or tensor as a tensor, in its own dtype (floating values as given: the engine casts
+    them to the client's model's dtype once, :func:`fedproto.federation.data.to_model_dtype`;
+    integer and bool values kept, so token ids stay integers). Raises TypeError for anything else."""
     if isinstance(v, np.ndarray):
         v = torch.from_numpy(np.ascontiguousarray(v))
     if not isinstance(v, torch.Tensor):
         raise TypeError(f"a {type(v).__module__}.{type(v).__qualname__}, not a tensor or array")
-    return v.float() if v.is_floating_point() and v.dtype != torch.float32 else v
+    return v
 
 
 def as_inputs(x: Any) -> torch.Tensor | Inputs:

@@ -36,7 +36,15 @@ from fedproto.algorithms.base import ClientData, ClientState
 from fedproto.config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError
-from fedproto.federation.data import LABEL_CHECKS, PROBE_ITEMS, LazyInputs, _split, dataset_labels
+from fedproto.federation.data import (
+    LABEL_CHECKS,
+    PROBE_ITEMS,
+    LazyInputs,
+    _split,
+    dataset_labels,
+    model_dtype,
+    to_model_dtype,
+)
 from fedproto.federation.models import (
     HeadSplitModel,
     Projected,
@@ -157,6 +165,8 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
                             "test)")
         x, y = _split(c.train, i, "train", num_classes, c.collate)
         tx, ty = _split(c.test, i, "test", num_classes, c.collate)
+        dtype = model_dtype(c.model)  # inputs in the model's floating dtype, on every route (logged when cast)
+        x, tx = to_model_dtype(x, dtype, i, "train"), to_model_dtype(tx, dtype, i, "test")
         if c.embedding_dim is not None and (isinstance(c.embedding_dim, bool) or not (
                 isinstance(c.embedding_dim, numbers.Integral) and c.embedding_dim >= 1)):
             raise ModelError(f"client {i}: embedding_dim={c.embedding_dim!r}; give a whole number >= 1 or None")

@@ -4,13 +4,24 @@ every error naming the client. Importable from :mod:`fedproto.federation`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedproto.data.inputs import as_inputs, as_leaf, cast_floats, finite, is_structure, tree_map, tree_zip
+from fedproto.data.inputs import (
+    Inputs,
+    as_inputs,
+    as_leaf,
+    cast_floats,
+    finite,
+    is_structure,
+    leaves,
+    tree_map,
+    tree_zip,
+)
 from fedproto.errors import DataError, first_line
 
 
@@ -24,8 +35,8 @@ def _pair(item: Any, i: int) -> tuple[Any, Any]:
 
 
 def _as_input(x: Any, i: int) -> Any:
-    """Input ``x`` of item ``i`` as the model takes it: a tensor or array as a tensor (floating values
-    as float32, integer token ids kept), a dict, tuple or list of them with its structure kept
+    """Input ``x`` of item ``i`` as the model takes it: a tensor or array as a tensor (in its dtype:
+    :func:`to_model_dtype` casts floating values to the model's), a dict, tuple or list of them with its structure kept
     (:func:`fedproto.data.inputs.as_inputs`); raises DataError naming its type and the fix."""
     if isinstance(x, (torch.Tensor, np.ndarray)):
         return as_leaf(x)
@@ -41,6 +52,56 @@ def _as_input(x: Any, i: int) -> Any:
                             "whose dicts, tuples or lists hold tensors or arrays only") from None
     raise DataError(f"item {i}'s input is a {kind}, not a tensor, an array, or a dict, tuple or list of them; give "
                     "the Dataset a transform that returns tensors")
+
+
+log = logging.getLogger(__name__)
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """The floating dtype of ``model``: that of its first floating parameter (else buffer);
+    ``torch.float32`` for a model without any (or that is no ``nn.Module``)."""
+    if isinstance(model, torch.nn.Module):
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                return t.dtype
+    return torch.float32
+
+
+def floating_dtypes(x: Any) -> list[torch.dtype]:
+    """The dtypes of the floating leaves of inputs ``x`` (a tensor, :class:`~fedproto.data.inputs.Inputs`,
+    or :class:`LazyInputs`, of which the first item is read), each once, in order."""
+    batch = x[0:1] if isinstance(x, LazyInputs) and len(x) else x
+    tree = batch.tree if isinstance(batch, Inputs) else batch
+    out: list[torch.dtype] = []
+    for t in leaves(tree):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in out:
+            out.append(t.dtype)
+    return out
+
+
+def to_model_dtype(x: Any, dtype: torch.dtype, cid: int, what: str) -> Any:
+    """Inputs ``x`` of client ``cid``'s ``what`` split with their floating leaves in ``dtype``, its
+    model's (:func:`model_dtype`), on every route alike: tensors and arrays (cast once here),
+    dict/tuple/list structures, and Datasets with or without ``collate`` (cast on reading). A cast
+    is logged once per client and split, naming both dtypes; integer leaves (token ids) keep theirs.
+    So a float64 model trains on float64 inputs, and a float32 model on float64 arrays gets float32.
+
+    Returns:
+        ``x`` cast (a tensor, :class:`~fedproto.data.inputs.Inputs` or the same :class:`LazyInputs`).
+    """
+    before = [d for d in floating_dtypes(x) if d != dtype]
+    if before:
+        name = ", ".join(str(d).replace("torch.", "") for d in before)
+        log.info("client %d: its %s inputs are %s, cast to %s, the dtype of its model (give inputs of the model's "
+                 "dtype, or cast the model, e.g. model.double(), to train in another)", cid, what, name,
+                 str(dtype).replace("torch.", ""))
+    if isinstance(x, LazyInputs):
+        return x.to(dtype)
+    if isinstance(x, Inputs):
+        return x.to(dtype=dtype) if before else x
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
 
 
 class LazyInputs:
@@ -192,7 +253,7 @@ def _labels(split: Any) -> torch.Tensor:
 def _memory_inputs(x: Any, n_labels: int) -> Any:
     """In-memory inputs as the engine holds them: a dict, or a tuple/list of tensors or arrays that is
     not one row per label (e.g. ``(ids, mask)``), as :class:`~fedproto.data.inputs.Inputs`; anything
-    else as one tensor (floating values float32, integer values kept)."""
+    else as one tensor (dtypes kept: :func:`to_model_dtype` casts floating values to the model's)."""
     arrays = isinstance(x, (tuple, list)) and x and all(isinstance(v, (torch.Tensor, np.ndarray, dict)) for v in x)
     if isinstance(x, dict) or (arrays and len(x) != n_labels):
         return as_inputs(x)

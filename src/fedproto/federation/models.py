@@ -114,6 +114,33 @@ def with_projection(model: ProtoModel, d: int) -> ProtoModel:
     return model if model.embedding_dim == d else Projected(model, d)
 
 
+def dtype_mismatch(model: nn.Module, sample: Any) -> str:
+    """Why ``model`` cannot take ``sample`` for its dtypes, or "": its floating parameters and buffers
+    differ in dtype (the first of each named), or the floating leaves of ``sample`` are not theirs.
+    Used when a forward fails, so that "mat1 and mat2 must have the same dtype" is named as the mismatch it is."""
+    from fedproto.data.inputs import Inputs, leaves
+
+    def name(d: torch.dtype) -> str:
+        return str(d).replace("torch.", "")
+
+    inner = getattr(model, "net", None)  # the user's module inside the adapter: its own layer names
+    user = inner if isinstance(inner, nn.Module) else model
+    first: dict[torch.dtype, str] = {}
+    for n, t in (*user.named_parameters(), *user.named_buffers()):
+        if t.is_floating_point():
+            first.setdefault(t.dtype, n)
+    if len(first) > 1:
+        (a, na), (b, nb) = list(first.items())[:2]
+        return (f"its parameters mix {name(a)} ({na!r}) and {name(b)} ({nb!r}); give them one dtype, e.g. "
+                f"model.float() or model.double(), before Client(model, ...)")
+    tree = sample.tree if isinstance(sample, Inputs) else sample
+    given = {t.dtype for t in leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    if first and given and given != set(first):
+        return (f"its inputs are {', '.join(sorted(map(name, given)))} and its parameters {name(next(iter(first)))}; "
+                "give the inputs the model's dtype, or cast the model (model.float(), model.double())")
+    return ""
+
+
 def adapt(model: nn.Module, head: str | None, num_classes: int, sample: Any, cid: int = 0) -> ProtoModel:
     """Wrap ``model`` as a :class:`ProtoModel` and check it on ``sample`` (one input as the model
     takes it: a (1, ...) tensor, or a dict or tuple of them).
@@ -153,6 +180,9 @@ def adapt(model: nn.Module, head: str | None, num_classes: int, sample: Any, cid
         raise ModelError(f"client {cid}: the model failed on a training input of shape {describe(sample)} "
                          f"({type(e).__name__}: {str(e)[:160]}); {hint}") from None
     except RuntimeError as e:
+        problem = dtype_mismatch(wrapped, sample)
+        if problem:
+            raise ModelError(f"client {cid}: dtype mismatch: {problem}") from None
         raise ModelError(f"client {cid}: the model failed on a training input of shape {describe(sample)} "
                          f"({type(e).__name__}: {first_line(e)[:200]})") from None
     finally:
