@@ -38,7 +38,7 @@ SRC = ROOT / "src" / "fedproto"
 
 
 # import name -> distribution name, where the two differ
-DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yaml": "pyyaml"}
+DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yaml": "pyyaml", "Crypto": "pycryptodome"}
 
 
 # which installs a module belongs to: the base install, or the base install plus an extra

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("flwr", reason="secure aggregation uses Flower's primitives: pip install \"fedproto[flower]\"")
+pytest.importorskip("Crypto", reason="secure aggregation uses the flower extra's primitives: pip install \"fedproto[flower]\"")
 pytestmark = pytest.mark.flower
 
 from conftest import digits_config, run_cli  # noqa: E402
@@ -64,7 +64,7 @@ def _mean_protos(replies: dict[int, dict], weighted: bool) -> dict[int, np.ndarr
 
 
 def test_secagg_server_sees_no_individual_prototype():
-    sim, seen, plain = _sim(secagg=True, rounds=2)
+    sim, seen, plain = _sim(secagg=True, rounds=2, secagg_min_contributors=1)
     sim.run()
     C, d = sim.setup.algorithm.num_classes, sim.setup.embedding_dim
     for r in (1, 2):
@@ -89,7 +89,7 @@ def test_secagg_server_sees_no_individual_prototype():
 
 @pytest.mark.parametrize("aggregation", ["mean", "weighted"])
 def test_secagg_matches_plain_aggregation(aggregation):
-    got, _, plain = _sim(secagg=True, rounds=3, eval_every=1, aggregation=aggregation)
+    got, _, plain = _sim(secagg=True, rounds=3, eval_every=1, aggregation=aggregation, secagg_min_contributors=1)
     ref, _, ref_plain = _sim(rounds=3, eval_every=1, aggregation=aggregation)
     sg, sr = got.run(), ref.run()
     # every client step saw the same global prototypes (within the fixed-point error): same replies
@@ -120,7 +120,7 @@ def test_secagg_matches_plain_weight_averaging():
 
 
 def test_secagg_survives_a_dropout_below_the_threshold():
-    sim, seen, plain = _sim(secagg=True, rounds=2, momentum=0.0)
+    sim, seen, plain = _sim(secagg=True, rounds=2, momentum=0.0, secagg_min_contributors=1)
     sim.executor.drop = {2: [3]}  # client 3 sends its keys and shares in round 2, then no masked vector
     sim.run()
     assert sorted(seen.rounds[2]) == [0, 1, 2, 4, 5]
@@ -172,17 +172,18 @@ def test_protocol_rebuilds_the_sum_from_shares_and_refuses_double_unmasking():
     masked = {i: cl[i].masked(codec.encode(xs[i], 5), routed[i]) for i in ids if i != 4}
     alive, dead = srv.unmask_request(sorted(masked))
     assert (alive, dead) == ([0, 1, 2, 3], [4])
-    shares = {i: cl[i].unmask(alive, dead) for i in alive}
-    total = codec.decode(sum(masked.values()) - srv.masks(alive, dead, shares, 7))
-    assert np.abs(total - sum(xs[i] for i in alive)).max() <= 4 * STEP
     with pytest.raises(TrainingError, match="both shares"):
         cl[0].unmask([1, 4], [4])
+    shares = {i: cl[i].unmask(alive, dead) for i in alive}
+    total = codec.decode(sum(masked.values()) - srv.masks(alive, dead, shares, np.zeros(7, np.int64)))
+    assert np.abs(total - sum(xs[i] for i in alive)).max() <= 4 * STEP
 
 
 def test_cli_secagg_run_records_secure_aggregation(tmp_path, capsys, monkeypatch):
     args = ["run", "--dataset", "digits", "--clients", "4", "--rounds", "2", "--threads", "1", "--out-dir",
             str(tmp_path)]
-    assert run_cli([*args, "--secagg", "--name", "sa"], capsys, monkeypatch)[0] == 0
+    # secagg_min_contributors 1: every class decoded, as plain aggregation uses it (the default 2 withholds some)
+    assert run_cli([*args, "--secagg", "--secagg-min-contributors", "1", "--name", "sa"], capsys, monkeypatch)[0] == 0
     assert run_cli([*args, "--name", "plain"], capsys, monkeypatch)[0] == 0
     sa, plain = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("sa", "plain"))
     assert sa["secure_aggregation"]["threshold_fraction"] == 0.5 and sa["secure_aggregation"]["extra_bytes"] > 0
@@ -218,7 +219,8 @@ def test_secagg_with_dp_adds_each_clients_share_of_the_noise():
         assert cn.std() == pytest.approx(0.5 * np.sqrt(2), rel=0.15)
     assert (draws[:, C * (d + 1):] == np.isin(np.arange(C), state.classes)).all()
     summary = sim.run()["secure_aggregation"]["dp"]
-    assert summary["epsilon_sum"] == pytest.approx(epsilon([(1.0, 1.0, 2)], 1e-5))
+    # epsilon_sum: the worst class's, from the contributors present (test_secagg_dp_epsilon_counts_...)
+    assert summary["epsilon_sum"] == max(summary["epsilon_per_class"].values()) > 0
     assert summary["epsilon_client_max"] == pytest.approx(epsilon([(0.5, 1.0, 2)], 1e-5))
     assert summary["epsilon_client_max"] > summary["epsilon_sum"] and summary["honest_clients_assumed"] == 4
     for bad, why in ((dict(dp="full"), "DP-SGD's noise is each client's own"),
@@ -244,3 +246,211 @@ def test_settings_that_hide_little_are_warned_about(caplog):
     assert any("1 share enough to rebuild" in w for w in weak(cfg(5, threshold=0.0)))  # t = floor(0 * 5) + 1 = 1
     assert not any("1 share" in w for w in weak(cfg(5, threshold=0.2)))  # t = floor(0.2 * 5) + 1 = 2
     assert any("more than the 2 other clients" in w for w in weak(cfg(3, neighbours=10)))
+
+
+# --- the guarantees, each tested as the attack on it (docs/secure-aggregation.md, "Guarantees") -------
+
+class Recorder:
+    """Every answer the server's side of the protocol receives at steps 4 and 5, by client (the
+    server's whole view of the seeds), recorded around the simulator's protocol clients."""
+
+    def __init__(self, monkeypatch):
+        from fedproto.secagg import protocol
+
+        self.unmask: dict[int, dict] = {}
+        self.reveal: dict[int, dict] = {}
+        unmask, reveal = protocol.Client.unmask, protocol.Client.reveal
+
+        def spy_unmask(client, *a, **kw):
+            out = unmask(client, *a, **kw)
+            self.unmask[client._int("cid")] = out
+            return out
+
+        def spy_reveal(client, groups, *a, **kw):
+            out = reveal(client, groups, *a, **kw)
+            self.reveal[client._int("cid")] = (list(groups), out)
+            return out
+
+        monkeypatch.setattr(protocol.Client, "unmask", spy_unmask)
+        monkeypatch.setattr(protocol.Client, "reveal", spy_reveal)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_secagg_a_class_with_too_few_contributors_stays_masked(monkeypatch, dropout):
+    """The server's view, rebuilt from all it holds (the masked vectors, every step-4 and step-5
+    answer): a class held by one alive client is never decoded. With a dropout, a class held by
+    two clients of which one drops is withheld too (the case the issue found decoded to 1e-10)."""
+    rec = Recorder(monkeypatch)
+    sim, seen, plain = _sim(secagg=True, rounds=1, clients=5, ways=3)
+    holders: dict[int, list[int]] = {}
+    for i, st in enumerate(sim.setup.states):
+        for c in st.classes.tolist():
+            holders.setdefault(c, []).append(i)
+    gone = []
+    if dropout:  # drop one holder of a class that two clients hold
+        c2 = next(c for c, h in sorted(holders.items()) if len(h) == 2)
+        gone = [holders[c2][0]]
+        sim.executor.drop = {1: gone}
+    sim.run()
+    C, d = sim.setup.algorithm.num_classes, sim.setup.embedding_dim
+    alive = [i for i in range(5) if i not in gone]
+    n_alive = {c: len([i for i in h if i in alive]) for c, h in holders.items()}
+    weak = sorted(c for c, n in n_alive.items() if n == 1)
+    assert weak and (not dropout or c2 in weak)
+    assert sim.history[0]["secagg_withheld"] == weak
+    # what the server holds: the sum of the masked vectors, and the seeds of every group it was given
+    srv_groups = [g for _, (groups, _) in rec.reveal.items() for g in groups]
+    assert not set(srv_groups) & {1 + c for c in weak}  # no answer ever carried a weak class's seed
+    rnd = sim.loop.algorithm._session.last
+    total = codec.decode(sum(m["secagg"] for m in seen.rounds[1].values()) - rnd.masks).reshape(-1)
+    for c in weak:
+        (i,) = [i for i in holders[c] if i in alive]
+        p = plain[1][i]["protos"][plain[1][i]["classes"].tolist().index(c)]
+        assert np.abs(total[c * d:(c + 1) * d] - p).min() > 1.0  # masked: the 2^32-scale ring noise
+        assert abs(total[C * d + c] - plain[1][i]["counts"][plain[1][i]["classes"].tolist().index(c)]) > 1.0
+    # the global prototypes: only classes with at least 2 alive contributors; the others named in the run
+    msg = sim.message
+    assert sorted(msg["classes"].tolist()) == sorted(c for c, n in n_alive.items() if n >= 2)
+    assert (sim.loop.server.checkpoint["last_contributors"] >= 2).all()
+    # and those are decoded exactly: eq. 6 of the alive holders' plain replies
+    want = _mean_protos({i: plain[1][i] for i in alive}, weighted=False)
+    for c, p in zip(msg["classes"].tolist(), msg["protos"]):
+        assert np.abs(p - want[c]).max() <= 1e-5
+
+
+def test_cli_secagg_names_the_withheld_classes_in_the_run_folder(tmp_path, capsys, monkeypatch):
+    """The acceptance command: every class in prototypes.npz has at least 2 contributors; the
+    withheld ones are in metrics.jsonl and summary.json."""
+    code, _ = run_cli(["run", "--dataset", "digits", "--secagg", "--clients", "5", "--rounds", "1", "--threads", "1",
+                       "--out-dir", str(tmp_path), "--name", "sa"], capsys, monkeypatch)
+    assert code == 0
+    protos = np.load(tmp_path / "sa" / "prototypes.npz")
+    assert len(protos["classes"]) and (protos["contributors"] >= 2).all()
+    row = json.loads((tmp_path / "sa" / "metrics.jsonl").read_text().splitlines()[0])
+    summary = json.loads((tmp_path / "sa" / "summary.json").read_text())["secure_aggregation"]
+    assert row["secagg_withheld"] and not set(row["secagg_withheld"]) & set(protos["classes"].tolist())
+    assert summary["withheld_rounds"] == {"1": row["secagg_withheld"]} and summary["min_contributors"] == 2
+
+
+def _protocol_round(xs: dict[int, np.ndarray], groups: np.ndarray, neighbours: int = 0):
+    """Steps 1-3 of a round of the protocol alone: (server, clients, masked vectors)."""
+    ids = sorted(xs)
+    srv = Server(ids, 0.5, neighbours)
+    cl = {i: Client() for i in ids}
+    pks = {i: cl[i].keys(i, 7, **srv.setup(i)) for i in ids}
+    routed = srv.route({i: cl[i].shares(srv.keys_for(i, pks), int(groups.max()) + 1) for i in ids})
+    return srv, cl, {i: cl[i].masked(codec.encode(xs[i], len(ids)), routed[i], groups) for i in ids}
+
+
+def test_a_second_unmask_request_in_a_round_is_refused(caplog):
+    """The attack: ask every client to unmask with all alive, then again with one survivor marked
+    dropped, to collect both shares of it and rebuild its whole vector. The second request is
+    refused (and logged on the client); so is a second reveal, one before the unmask, and one for
+    a class under the minimum."""
+    rng = np.random.default_rng(1)
+    xs = {i: rng.normal(0, 3, 6) for i in range(5)}
+    groups = np.array([0, 0, 1, 1, 2, 2])
+    srv, cl, masked = _protocol_round(xs, groups)
+    with pytest.raises(TrainingError, match="before the round's unmask"):
+        cl[0].reveal([1], np.array([3, 3]), 2)
+    first = {i: cl[i].unmask(list(range(5)), [], 2) for i in range(5)}
+    with caplog.at_level("WARNING", logger="fedproto.secagg"):
+        for i in range(5):
+            with pytest.raises(TrainingError, match="a second unmask request in round 7"):
+                cl[i].unmask([0, 1, 2, 3], [4], 2)
+    assert "client 0 refuses: a second unmask request" in caplog.text
+    # what the server could rebuild of client 4 from all it got: its group-0 seed, not its masking key
+    assert all("k.4" not in m for m in first.values()) and all("s.4" in m for m in first.values())
+    with pytest.raises(TrainingError, match="revealed only with at least 2 contributors"):
+        cl[1].reveal([1, 2], np.array([1, 3]), 2)
+    got = {i: cl[i].reveal([2], np.array([3, 3]), 2) for i in range(5)}
+    with pytest.raises(TrainingError, match="a second reveal request"):
+        cl[2].reveal([1], np.array([3, 3]), 2)
+    # the honest path decodes groups 0 and 2 exactly, and group 1 (never revealed) stays masked
+    masks = srv.masks(list(range(5)), [], first, groups) + srv.class_masks(list(range(5)), [2], got, groups)
+    total = codec.decode(sum(masked.values()) - masks)
+    want = sum(xs.values())
+    assert np.abs(total[[0, 1, 4, 5]] - want[[0, 1, 4, 5]]).max() <= 6 * STEP
+    assert np.abs(total[[2, 3]] - want[[2, 3]]).min() > 1.0
+    # fewer alive clients than the minimum: nothing is unmasked at all
+    _, cl2, _ = _protocol_round({i: xs[i] for i in range(3)}, groups)
+    with pytest.raises(TrainingError, match="2 alive clients, fewer than the minimum of 3"):
+        cl2[0].unmask([0, 1], [2], 3)
+
+
+def test_combine_equals_pycryptodome_shamir():
+    """The server's interpolation with cached Lagrange coefficients gives the secret
+    pycryptodome's Shamir.combine gives, chunk by chunk, for any set of t holders."""
+    import os
+
+    from Crypto.Protocol.SecretSharing import Shamir
+
+    from fedproto.secagg.primitives import combine, split
+
+    secret = os.urandom(64)
+    shares = split(secret, 4, 7)
+    for pick in ([0, 1, 2, 3], [6, 2, 4, 1], [5, 3, 0, 6]):
+        got = b"".join(combine([shares[k] for k in pick]))
+        assert got == secret
+        for c in range(4):
+            ref = Shamir.combine([(int.from_bytes(shares[k][:4], "little"), shares[k][4 + 16 * c:20 + 16 * c])
+                                  for k in pick], ssss=False)
+            assert ref == secret[16 * c:16 * (c + 1)]
+    assert b"".join(combine([shares[k] for k in (0, 1, 2)])) != secret  # t - 1 shares: not the secret
+
+
+def test_secagg_hides_label_sets_from_the_server():
+    """Two federations with the same per-class totals but different holders: everything the
+    server receives has the same keys and shapes, the same decoded group 0 (the per-class
+    contributor counts) and the same class sums; the reveal requests and answers do not depend on
+    who holds what. So the server learns per-class totals, not which client holds which class."""
+    C, d = 3, 2
+    groups = np.concatenate([np.repeat(np.arange(1, C + 1), d), np.arange(1, C + 1), np.zeros(C, np.int64)])
+
+    def vec(classes, protos):
+        out = np.zeros(C * (d + 2))
+        for c in classes:
+            out[c * d:(c + 1) * d] = protos[c]
+            out[C * d + c] = 5
+            out[C * (d + 1) + c] = 1
+        return out
+
+    protos = {0: np.array([1.0, 2.0]), 1: np.array([-1.0, 0.5]), 2: np.array([3.0, 3.0])}
+    views = []
+    for labels in ([[0, 1], [1, 2], [0, 2], []], [[0, 2], [0, 1], [1, 2], []]):  # same totals: 2 holders each
+        xs = {i: vec(cs, protos) for i, cs in enumerate(labels)}
+        srv, cl, masked = _protocol_round(xs, groups)
+        alive = sorted(masked)
+        a = {i: cl[i].unmask(alive, [], 2) for i in alive}
+        m = srv.masks(alive, [], a, groups)
+        opened = codec.decode(sum(masked.values()) - m) * (groups == 0)
+        counts = np.rint(opened[C * (d + 1):]).astype(np.int64)
+        wanted = [1 + c for c in range(C) if counts[c] >= 2]
+        b = {i: cl[i].reveal(wanted, counts, 2) for i in alive}
+        total = codec.decode(sum(masked.values()) - m - srv.class_masks(alive, wanted, b, groups))
+        shape = [(i, sorted(msg), [v.shape for v in msg.values()]) for i, msg in sorted({**a, **b}.items())]
+        views.append((counts.tolist(), wanted, shape, [masked[i].shape for i in alive], np.round(total, 6).tolist()))
+    assert views[0] == views[1]
+    assert views[0][0] == [2, 2, 2]
+
+
+def test_secagg_dp_epsilon_counts_the_contributors_present():
+    """ε from the noise actually in each class's sums: a class decoded over n contributors, each
+    with multiplier σ/√h, carries σ·√(n/h). With h = 4 and classes decoded over 2 or 3 clients,
+    the old report (ε of σ for every class) was too small; now each class's ε is computed from
+    its contributors per round, and epsilon_sum is the largest."""
+    from fedproto.privacy import epsilon
+
+    sim = Simulation(digits_config(secagg=True, dp="prototypes", aggregation="weighted", dp_noise=1.0,
+                                   secagg_honest=4, rounds=2, clients=5), out=False)
+    holders: dict[int, int] = {}
+    for st in sim.setup.states:
+        for c in st.classes.tolist():
+            holders[c] = holders.get(c, 0) + 1
+    dp = sim.run()["secure_aggregation"]["dp"]
+    want = {str(c): epsilon([(np.sqrt(n / 4), 1.0, 2)], 1e-5) for c, n in holders.items() if n >= 2}
+    assert dp["epsilon_per_class"].keys() == want.keys()
+    for c, e in want.items():
+        assert dp["epsilon_per_class"][c] == pytest.approx(e, rel=1e-9)
+    assert dp["epsilon_sum"] == pytest.approx(max(want.values())) and dp["fewest_contributors_decoded"] < 4
+    assert dp["epsilon_sum"] > epsilon([(1.0, 1.0, 2)], 1e-5)  # fewer than h contributors: more than sigma's

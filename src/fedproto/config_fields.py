@@ -30,7 +30,7 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=-]{0,199}")
 
 RESULT_NEUTRAL = ("data_dir", "download", "out_dir", "name", "threads", "checkpoint_every", "group_size",
                   "proto_dist_alert", "device", "workers", "save_models", "tensorboard",
-                  "secagg_threshold", "secagg_neighbours")
+                  "secagg_threshold", "secagg_neighbours", "secagg_hide_labels")
 """RunConfig fields that never change a run's numbers (where files are, how many threads, how
 many clients one batched computation holds)."""
 
@@ -42,12 +42,12 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
                "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
                "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False,
-               "secagg": False, "secagg_honest": 2}
+               "secagg": False, "secagg_honest": 2, "secagg_min_contributors": 1}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
 practitioner options were off; every client took part in every round; no Dirichlet partition; clients
-never shared training samples; DP noise was drawn from the run's seed)."""
+never shared training samples; DP noise was drawn from the run's seed; secure aggregation decoded every class's sum)."""
 
 
 
@@ -153,6 +153,13 @@ class CommonFields(BaseModel):
     secagg_honest: int = Field(2, ge=1, le=1_000_000, description=(
         "secagg with dp prototypes: the fewest honest clients assumed in each class's sum; each client adds noise "
         "of multiplier dp_noise / sqrt(this), so such a sum carries dp_noise's"))
+    secagg_min_contributors: int = Field(2, ge=1, le=1_000_000, description=(
+        "secagg: a class's sum is decoded only over at least this many clients; a class held by fewer stays masked "
+        "(its seeds are never revealed) and keeps its last global prototype; also the fewest clients a round's "
+        "sum is decoded over"))
+    secagg_hide_labels: bool = Field(True, description=(
+        "secagg over Flower: nodes send no label set and no sample counts at join; the server learns per-class "
+        "totals only (false: label sets and counts are sent, as without secagg)"))
     # engine and output
     execution: Literal["auto", "sequential", "batched"] = Field(
         "auto", description="Train clients one after another (sequential), many as one batched computation "

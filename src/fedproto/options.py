@@ -197,7 +197,7 @@ PANELS: dict[str, tuple[str, ...]] = {
                                "dp_noise",
                                "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
                                "attack_scale", "secagg", "secagg_threshold", "secagg_neighbours",
-                               "secagg_honest"),
+                               "secagg_honest", "secagg_min_contributors", "secagg_hide_labels"),
     "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
     "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models", "tensorboard"),
 }

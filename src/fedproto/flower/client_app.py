@@ -239,12 +239,18 @@ def _checked_round(n: Node, msg: Message) -> int:
     return int(cfg["round"])
 
 
+HIDDEN_UNDER_SECAGG = ("classes", "train-samples", "test-samples", "num-examples")
+"""What a node does not send at join and after training under ``secagg`` with ``secagg_hide_labels``
+(the default): its label set and its sample counts."""
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Reply with what the server needs of this node: ``cid``, ``classes`` (its training classes),
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
-    DP without the sample counts (:func:`fedproto.privacy.deployment_fields`)."""
+    DP without the sample counts (:func:`fedproto.privacy.deployment_fields`); under ``secagg`` with
+    ``secagg_hide_labels`` without the label set and the counts (:data:`HIDDEN_UNDER_SECAGG`)."""
     bad = schema_problem(msg.content[CONFIG].get("schema") if CONFIG in msg.content else None, "server")
     if bad:
         raise ConfigError(bad)
@@ -253,6 +259,8 @@ def query(msg: Message, context: Context) -> Message:
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
     info = {**deployment_fields(n.cfg.dp, "query", info), "schema": SCHEMA}  # the schema is public
+    if n.cfg.secagg and n.cfg.secagg_hide_labels:  # the server learns per-class totals only (docs/secure-aggregation.md)
+        info = {k: v for k, v in info.items() if k not in HIDDEN_UNDER_SECAGG}
     join = n.algorithm.join_message(n.state)
     content = {CONFIG: ConfigRecord(info), MESSAGE: to_record(join),
                METRICS: MetricRecord(node_state.reply_metrics(context))}
@@ -287,6 +295,8 @@ def train(msg: Message, context: Context) -> Message:
                "emb-norm-max": float(res.emb_norm_max), "loss-terms": float(res.loss_terms),
                "num-examples": len(n.data.y)}
     metrics = {**deployment_fields(n.cfg.dp, "train", metrics), **node_state.reply_metrics(context)}
+    if n.cfg.secagg and n.cfg.secagg_hide_labels:
+        metrics = {k: v for k, v in metrics.items() if k not in HIDDEN_UNDER_SECAGG}
     content = {MESSAGE: to_record(out), METRICS: MetricRecord(metrics)}
     return Message(RecordDict(content), reply_to=msg)
 

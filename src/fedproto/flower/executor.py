@@ -259,7 +259,9 @@ class FlowerExecutor(NodeMembership, MessageExchange, Executor):
         for i in range(self.num_clients):
             info = self.info.get(i, {})
             classes = [int(c) for c in info.get("classes", [])]
-            rows.append({"client": i, "ways": len(classes), "classes": " ".join(map(str, classes)),
+            hidden = bool(info) and "classes" not in info  # secagg_hide_labels: the node did not send them
+            rows.append({"client": i, "ways": None if hidden else len(classes),
+                         "classes": "hidden" if hidden else " ".join(map(str, classes)),
                          "train_samples": info.get("train-samples"), "test_samples": info.get("test-samples"),
                          "params": int(info["params"]) if "params" in info else None})
         return rows

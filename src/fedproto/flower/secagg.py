@@ -4,11 +4,15 @@ Server (:class:`SecAggFlowerExecutor`, around :class:`fedproto.flower.executor.F
 per round, to the sampled clients:
 
 1. ``query.secagg`` stage 1: each node's share group and threshold; reply: its public keys.
-2. ``query.secagg`` stage 2: its group's public keys; reply: its encrypted shares, per member.
+2. ``query.secagg`` stage 2: its group's public keys and the number of self-mask groups; reply:
+   its encrypted shares, per member.
 3. ``train``: the round's downlink message plus the shares addressed to the node (``secagg.ct.<j>``,
    counted in ``secagg_bytes``); the node trains, checks its reply, encodes and masks it (:func:`masked_reply`);
    reply: ``{"secagg": (L,) uint64}`` and the losses.
-4. ``query.secagg`` stage 4: who sent a masked vector; reply: the shares that rebuild the masks.
+4. ``query.secagg`` stage 4: who sent a masked vector; reply: the shares that rebuild the group-0
+   and the dropped nodes' masks (once per round: the node's state records the answer).
+5. ``query.secagg`` stage 5: the per-class contributor counts decoded from group 0 and the classes
+   with at least ``secagg_min_contributors``; reply: the shares of those classes' seeds (once per round).
 
 Why not Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the workflow runs a whole round of
 a Flower ``Strategy`` (``configure_fit`` samples, ``aggregate_fit`` aggregates, a ``LegacyContext``
@@ -32,7 +36,7 @@ from fedproto.engine.executors.base import RoundReplies
 from fedproto.errors import TrainingError
 from fedproto.flower.common import MESSAGE, from_record, to_record
 from fedproto.secagg import codec as codecs
-from fedproto.secagg.engine import KEY, Round, Session, nbytes
+from fedproto.secagg.engine import KEY, Session, nbytes, unmask_round
 from fedproto.secagg.protocol import Client, Server
 
 log = logging.getLogger(__name__)
@@ -50,10 +54,17 @@ def _state(context: Context) -> dict:
 
 
 def step(n: Any, m: dict, context: Context) -> dict:
-    """Steps 1, 2 and 4 of the protocol on node ``n`` (:class:`fedproto.secagg.protocol.Client`)
-    for the server's message ``m`` (``stage``: 1, 2 or 4); returns the reply. The node's secrets
-    stay in ``context.state``. The ClientApp's ``query.secagg`` handler calls it."""
+    """Steps 1, 2, 4 and 5 of the protocol on node ``n`` (:class:`fedproto.secagg.protocol.Client`)
+    for the server's message ``m`` (``stage``: 1, 2, 4 or 5); returns the reply. The node's secrets
+    and its answers of the round stay in ``context.state``, so a second unmask or reveal request
+    of a round is refused (and logged on the node); the minimum of contributors is the node's own
+    ``secagg_min_contributors``. The ClientApp's ``query.secagg`` handler calls it.
+
+    Raises:
+        TrainingError: a refused request, or an unknown stage.
+    """
     stage = int(m["stage"][0])
+    minimum = int(n.cfg.secagg_min_contributors)
     if stage == 1:
         c = Client()
         out = c.keys(n.cid, int(m["round"][0]), m["group"].tolist(), int(m["t"][0]))
@@ -61,9 +72,13 @@ def step(n: Any, m: dict, context: Context) -> dict:
     else:
         c = Client(_state(context))
         if stage == 2:
-            out = c.shares({k: v for k, v in m.items() if k != "stage"})
+            out = c.shares({k: v for k, v in m.items() if k not in ("stage", "groups")}, int(m["groups"][0]))
+        elif stage == 4:
+            out = c.unmask(m["alive"].tolist(), m["dead"].tolist(), minimum)
+        elif stage == 5:
+            out = c.reveal(m["groups"].tolist(), m["counts"], minimum)
         else:
-            out = c.unmask(m["alive"].tolist(), m["dead"].tolist())
+            raise TrainingError(f"secure aggregation: unknown step {stage} (1, 2, 4 or 5)")
     context.state[STATE] = to_record(c.state)
     return out
 
@@ -88,7 +103,7 @@ def masked_reply(n: Any, down: dict, context: Context, round: int):
 
     def finish(reply: dict) -> dict:
         vec = codecs.encode(codec.vector(n.cid, reply, plain, (n.state, n.data)), int(c.state["parties"][0]))
-        out = {KEY: c.masked(vec, cts)}
+        out = {KEY: c.masked(vec, cts, codec.groups(plain))}
         context.state[STATE] = to_record(c.state)
         return out
 
@@ -131,27 +146,35 @@ class SecAggFlowerExecutor:
                      "group": np.asarray(srv.setup(i)["group"], np.int64), "t": np.array([srv.setup(i)["t"]])}
                  for i in ids}
         pks, down, up = self._step(ids, first)
-        keys = {i: {"stage": np.array([2]), **srv.keys_for(i, pks)} for i in sorted(pks)}
+        ref = sent[ids[0]] if ids else {}
+        n_groups = np.array([self._codec.n_groups(ref)]) if ids else np.array([1])
+        keys = {i: {"stage": np.array([2]), "groups": n_groups, **srv.keys_for(i, pks)} for i in sorted(pks)}
         cts, d2, u2 = self._step(sorted(pks), keys)
         routed = srv.route(cts)
         seconds = time.perf_counter() - t0
         msgs = {i: {**sent[i], **{PREFIX + k: v for k, v in routed[i].items()}} for i in srv.u2}
         got = ex.train(round, msgs, None)  # no retry with other clients: they hold no shares of this round
         t1 = time.perf_counter()
-        length = self._codec.length(sent[ids[0]]) if ids else 0
+        length = self._codec.length(ref) if ids else 0
         ok = {i: r for i, r in got.replies.items() if i in srv.u2
               and set(r[0]) == {KEY} and r[0][KEY].dtype == np.uint64 and r[0][KEY].shape == (length,)}
-        alive, dead = srv.unmask_request(sorted(ok))
-        req = {i: {"stage": np.array([4]), "alive": np.asarray(alive, np.int64), "dead": np.asarray(dead, np.int64)}
-               for i in alive}
-        shares, d4, u4 = self._step(alive, req)
+
+        def ask(stage: int, extra: dict) -> dict[int, dict]:
+            alive = sorted(ok)
+            return self._step(alive, {i: {"stage": np.array([stage]), **extra} for i in alive})[0]
+
+        rnd, d45, u45 = unmask_round(
+            srv, self._codec, ref, {i: r[0][KEY] for i, r in ok.items()}, self._session.minimum,
+            lambda alive, dead: ask(4, {"alive": np.asarray(alive, np.int64), "dead": np.asarray(dead, np.int64)}),
+            lambda wanted, counts: ask(5, {"groups": np.asarray(wanted, np.int64), "counts": np.asarray(counts)}))
+        alive, dead = rnd.alive, rnd.dead
         if dead:
             log.warning("round %d: secure aggregation: clients %s shared keys but sent no masked vector; their masks "
                         "are rebuilt from the others' shares", round, dead)
-        masks = srv.masks(alive, dead, shares, length)
         routed_bytes = sum(nbytes(m) for m in routed.values())  # the shares in the train messages
-        self._session.record(Round(alive, dead, masks, sent[ids[0]], up + u2 + u4, down + d2 + d4 + routed_bytes,
-                                   seconds + time.perf_counter() - t1))
+        rnd.bytes_up, rnd.bytes_down = up + u2 + u45, down + d2 + d45 + routed_bytes
+        rnd.seconds = seconds + time.perf_counter() - t1
+        self._session.record(rnd)
         status = {**got.status, **({"secagg_dropped": dead} if dead else {})}
         # the round's downlink as the loop counts it: the server's messages; the shares are in secagg_bytes
         return RoundReplies({i: ok[i] for i in alive}, {i: sent.get(i, m) for i, m in got.sent.items()}, status)

@@ -7,7 +7,7 @@ aggregation); the Flower side is :mod:`fedproto.flower.secagg`. What it costs an
 wire: ``docs/secure-aggregation.md``.
 
 It needs the ``flower`` extra (``pip install "fedproto[flower]"``) in the simulator too: the
-Shamir secret sharing and the key agreement are Flower's (:func:`require`).
+Shamir secret sharing (pycryptodome) and the key agreement (cryptography) come with it (:func:`require`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ log = logging.getLogger(__name__)
 
 
 def require() -> None:
-    """Raise ``ConfigError`` when the ``flower`` extra (flwr, cryptography) is missing."""
+    """Raise ``ConfigError`` when the ``flower`` extra's cryptography and pycryptodome are missing."""
     try:
+        import Crypto.Protocol.SecretSharing  # noqa: F401
         import cryptography  # noqa: F401
-        import flwr.common.secure_aggregation.crypto.shamir  # noqa: F401
     except ImportError as e:
-        raise ConfigError(f"{opt('secagg', True)} uses Flower's secure-aggregation primitives (Shamir shares, key "
-                          f"agreement), which are not installed ({e.name} is missing); install them with pip install "
+        raise ConfigError(f"{opt('secagg', True)} uses the secure-aggregation primitives of the flower extra (Shamir "
+                          f"shares, key agreement), which are not installed ({e.name} is missing); install them with pip install "
                           "\"fedproto[flower]\" (Python 3.11+) or run without secagg", option="secagg",
                           value=True) from None
 
@@ -35,11 +35,18 @@ def require() -> None:
 def check(cfg: Any, algorithm: Any) -> None:
     """Refuse ``secagg`` where it cannot run: the extra missing, a method or option that needs
     individual replies, simulated attacks (they change replies on the server, which under secure
-    aggregation holds masked vectors only). Raises ``ConfigError`` naming the conflict."""
+    aggregation holds masked vectors only), fewer clients than ``secagg_min_contributors``.
+    Raises ``ConfigError`` naming the conflict."""
     from fedproto.secagg.codec import check as check_codec
 
     require()
     check_codec(cfg, algorithm)
+    n, m = getattr(cfg, "clients", None), cfg.secagg_min_contributors
+    if isinstance(n, int) and n < m:
+        raise ConfigError(f"{opt('secagg_min_contributors', m)} decodes a sum only over at least {m} clients, but the "
+                          f"run has {n}: nothing could ever be aggregated; use more clients or "
+                          f"secagg_min_contributors={max(1, n)} (what the sum then reveals: "
+                          "docs/secure-aggregation.md)", option="secagg_min_contributors", value=m)
     if getattr(cfg, "attack", "none") != "none":
         raise ConfigError(f"{opt('secagg', True)} hides each client's reply from the server, where "
                           f"{opt('attack', cfg.attack)} changes replies; run the attack without secagg",
@@ -50,7 +57,8 @@ def check(cfg: Any, algorithm: Any) -> None:
 def weak(cfg: Any) -> list[str]:
     """Settings under which secure aggregation hides little, each logged as a warning and returned: fewer
     than 3 clients (a client of 2 subtracts its own reply from the sum; 1 client's sum is its reply), a
-    threshold of 1 share (one colluding neighbour rebuilds a client's masks), more neighbours than clients."""
+    threshold of 1 share (one colluding neighbour rebuilds a client's masks), more neighbours than clients,
+    a minimum of 1 contributor per class, a threshold fraction under 0.5."""
     out = []
     n = getattr(cfg, "clients", None)
     group = n if not getattr(cfg, "secagg_neighbours", 0) or not isinstance(n, int) else min(n, cfg.secagg_neighbours)
@@ -63,6 +71,12 @@ def weak(cfg: Any) -> list[str]:
     if isinstance(n, int) and getattr(cfg, "secagg_neighbours", 0) > max(n - 1, 0):
         out.append(f"{opt('secagg_neighbours', cfg.secagg_neighbours)} is more than the {n - 1} other clients: "
                    "every client shares with all")
+    if getattr(cfg, "secagg_min_contributors", 2) < 2:
+        out.append(f"{opt('secagg_min_contributors', cfg.secagg_min_contributors)} lets the server decode a class held "
+                   "by one client, which is that client's prototype; use 2 (the default) or more")
+    if cfg.secagg_threshold < 0.5:
+        out.append(f"{opt('secagg_threshold', cfg.secagg_threshold)} lets a server that shows two halves of a share "
+                   "group different dropouts collect both shares of one client; use 0.5 (the default) or more")
     for w in out:
         log.warning("secagg: %s", w)
     return out
@@ -87,6 +101,6 @@ def install(cfg: Any, algorithm: Any, executor: Any | None = None) -> tuple[Any,
     from fedproto.secagg.engine import SecureServer, Session, SimulatedSecAgg
 
     adjust(cfg, algorithm)  # with DP, distributed noise: each client adds its share
-    session = Session(cfg.secagg_threshold, cfg.secagg_neighbours)
+    session = Session(cfg.secagg_threshold, cfg.secagg_neighbours, cfg.secagg_min_contributors)
     server = SecureServer(algorithm, session)
     return server, (SimulatedSecAgg(executor, algorithm, session) if executor is not None else None)

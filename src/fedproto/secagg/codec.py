@@ -129,6 +129,27 @@ class Codec:
         """L, the vector length, from the round's downlink message."""
         raise NotImplementedError
 
+    def groups(self, sent: Message) -> np.ndarray:
+        """(L,) int64: each coordinate's self-mask group. Group 0 is always decoded (for every
+        method here: over at least ``secagg_min_contributors`` clients); group 1 + c is class c's,
+        decoded only when :meth:`reveal` names it. Default: one group, all of the vector."""
+        return np.zeros(self.length(sent), np.int64)
+
+    def n_groups(self, sent: Message) -> int:
+        """G, the self-mask seeds each client draws: 1 + the largest group of :meth:`groups`."""
+        return 1
+
+    def reveal(self, opened: np.ndarray, minimum: int) -> tuple[list[int], np.ndarray, list[int]]:
+        """What to unmask beyond group 0, from ``opened`` (the decoded (L,) float64 sum, exact on
+        group 0's coordinates): (the groups to reveal, the (G - 1,) contributor counts the clients
+        check, the classes withheld: held by fewer than ``minimum`` clients). Default: nothing more."""
+        return [], np.zeros(0, np.int64), []
+
+    def withhold(self, total: np.ndarray, classes: list[int]) -> np.ndarray:
+        """``total`` with ``classes`` marked as held by nobody this round (their coordinates are
+        already zero: never decoded). Default: no classes."""
+        return total
+
     def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         """The client's (L,) float64 vector of ``reply`` (zeros: nothing to add); ``client``: its
         (state, data), which distributed DP noise needs (:func:`fedproto.secagg.dp.noisy_sums`)."""
@@ -147,6 +168,30 @@ class ProtoCodec(Codec):
     def length(self, sent: Message) -> int:
         a = self.alg
         return a.num_classes * (a.embedding_dim + 2)
+
+    def groups(self, sent: Message) -> np.ndarray:
+        """Class c's sum row and count in group 1 + c; the contributor counts in group 0."""
+        C, d = self.alg.num_classes, self.alg.embedding_dim
+        return np.concatenate([np.repeat(np.arange(1, C + 1), d), np.arange(1, C + 1), np.zeros(C, np.int64)])
+
+    def n_groups(self, sent: Message) -> int:
+        return self.alg.num_classes + 1
+
+    def reveal(self, opened: np.ndarray, minimum: int) -> tuple[list[int], np.ndarray, list[int]]:
+        """The classes with at least ``minimum`` (and at least 1) contributors are revealed; those
+        held by fewer (but some) are withheld."""
+        C, d = self.alg.num_classes, self.alg.embedding_dim
+        contrib = np.rint(opened[C * (d + 1):]).astype(np.int64)
+        ok = [c for c in range(C) if contrib[c] >= max(1, minimum)]
+        return [1 + c for c in ok], contrib, [c for c in range(C) if 0 < contrib[c] < minimum]
+
+    def withhold(self, total: np.ndarray, classes: list[int]) -> np.ndarray:
+        """Zero the contributor counts of ``classes``: the server's steps then keep their last global
+        prototype, as for a class nobody holds."""
+        C, d = self.alg.num_classes, self.alg.embedding_dim
+        out = total.copy()
+        out[C * (d + 1) + np.asarray(classes, np.int64)] = 0.0
+        return out
 
     def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         a = self.alg

@@ -91,21 +91,53 @@ def _f64():
     return torch.float64
 
 
-def summary(cfg: Any, per_client: list[dict]) -> dict:
-    """``summary.json``'s ``secure_aggregation.dp``: the assumption, both noise multipliers, ε of the
-    sum (over the run's rounds) and the clients' own ε (from their reports)."""
+def class_epsilons(cfg: Any, history: np.ndarray | None) -> dict[int, float]:
+    """ε of each class's released sums, from the noise actually in them: in a round where class c
+    was decoded over n contributors, each adding noise of multiplier σ / √h, the sum carries
+    multiplier σ · √(n / h) (the contributors honest: their noise unknown to the server); the
+    rounds compose (Opacus RDP, :func:`fedproto.privacy.epsilon`). A withheld class releases nothing.
+
+    Args:
+        cfg: the run config (``dp_noise`` σ, ``secagg_honest`` h, ``dp_delta``).
+        history: (rounds, C) contributors of each decoded class per round (negative: withheld,
+            0: held by nobody), :meth:`fedproto.secagg.engine.SecureServer.aggregate`'s.
+    Returns:
+        class -> ε, for the classes decoded at least once.
+    """
+    from collections import Counter
+
     from fedproto.privacy import epsilon
 
+    if history is None or not len(history):
+        return {}
+    out = {}
+    for c in range(history.shape[1]):
+        used = Counter(int(n) for n in history[:, c] if n > 0)
+        if used:
+            mults = [(cfg.dp_noise * math.sqrt(n / cfg.secagg_honest), 1.0, k) for n, k in sorted(used.items())]
+            out[c] = float(epsilon(mults, cfg.dp_delta))
+    return out
+
+
+def summary(cfg: Any, per_client: list[dict], history: np.ndarray | None = None) -> dict:
+    """``summary.json``'s ``secure_aggregation.dp``: the noise multipliers, ε of each class's sums
+    from the contributors actually present (:func:`class_epsilons`; ``epsilon_sum`` the largest)
+    and the clients' own ε (from their reports)."""
     eps = [m["dp_epsilon"] for m in per_client if m.get("dp_epsilon", math.nan) == m.get("dp_epsilon")]
+    per_class = class_epsilons(cfg, history)
+    fewest = int(history[history > 0].min()) if history is not None and (history > 0).any() else None
     return {
         "noise": "distributed: each client adds noise of multiplier noise_multiplier_per_client = "
                  "noise_multiplier / sqrt(honest_clients_assumed)",
         "honest_clients_assumed": int(cfg.secagg_honest), "noise_multiplier": cfg.dp_noise,
         "noise_multiplier_per_client": local_noise(cfg), "delta": cfg.dp_delta,
-        "epsilon_sum": epsilon([(cfg.dp_noise, 1.0, int(cfg.rounds))], cfg.dp_delta),
-        "epsilon_sum_holds": "for a class sum with at least honest_clients_assumed honest contributors (their noise "
-                             "unknown to the server); over all rounds, one training sample of one client added or "
-                             "removed, label sets public, for a fixed feature extractor",
+        "epsilon_sum": max(per_class.values()) if per_class else 0.0,
+        "epsilon_per_class": {str(c): e for c, e in per_class.items()},
+        "fewest_contributors_decoded": fewest,
+        "epsilon_sum_holds": "for each class's released sums, from the contributors actually in each round's sum "
+                             "(multiplier noise_multiplier * sqrt(contributors / honest_clients_assumed)), all of them "
+                             "honest; epsilon_sum is the largest over the classes; over all rounds, one training "
+                             "sample of one client added or removed, label sets public, for a fixed feature extractor",
         "epsilon_client_max": float(max(eps)) if eps else None,
         "epsilon_client_holds": "always, from the client's own noise alone (every other client colluding)",
     }

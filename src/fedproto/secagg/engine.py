@@ -11,6 +11,7 @@ executor's unmask step rebuilt and makes the next message from the sum
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from fedproto.engine.executors.base import RoundReplies
 from fedproto.errors import TrainingError
 from fedproto.secagg import codec as codecs
 from fedproto.secagg.protocol import Client, Server
+
+log = logging.getLogger(__name__)
 
 KEY = "secagg"
 """The reply key of a masked vector."""
@@ -34,15 +37,64 @@ def nbytes(msg: dict) -> int:
 @dataclass
 class Round:
     """One round's protocol record: the masks to remove, who took part, the bytes and seconds of
-    the key and share exchanges (the masked vectors are counted by the round loop as ``up_bytes``)."""
+    the key and share exchanges (the masked vectors are counted by the round loop as ``up_bytes``).
+
+    Attributes:
+        masks: (L,) uint64, the masks of the decoded coordinates; None when nothing was decoded
+            (fewer alive clients than the minimum).
+        decoded: (L,) bool, the coordinates the server could unmask (group 0 and the revealed classes).
+        contributors: (C,) int64 contributor counts per class (FedProto; empty for weights).
+        withheld: the classes held by fewer than ``secagg_min_contributors`` alive clients, left masked.
+    """
 
     alive: list[int]
     dead: list[int]
-    masks: np.ndarray
+    masks: np.ndarray | None
     sent: dict
     bytes_up: int = 0
     bytes_down: int = 0
     seconds: float = 0.0
+    decoded: np.ndarray | None = None
+    contributors: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    withheld: list[int] = field(default_factory=list)
+
+
+def unmask_round(srv: Server, codec: Any, sent: dict, masked: dict[int, np.ndarray], minimum: int,
+                 ask_unmask: Any, ask_reveal: Any) -> tuple[Round, int, int]:
+    """The server's steps 4 and 5 (:mod:`fedproto.secagg.protocol`), shared by the simulator and
+    Flower: ask the alive clients for the group-0 and dropped clients' shares, decode group 0 (the
+    per-class contributor counts), ask for the seeds of the classes with at least ``minimum``
+    contributors and rebuild their masks; a class with fewer stays masked.
+
+    Args:
+        srv: the round's protocol server. codec: the method's codec. sent: a downlink message of the
+            round (the vector layout). masked: (L,) uint64 masked vector by alive client.
+        minimum: ``secagg_min_contributors``. ask_unmask: (alive, dead) -> step-4 answers by client.
+        ask_reveal: (groups, counts) -> step-5 answers by client.
+    Returns:
+        (the round's record without bytes and seconds, bytes down, bytes up) of steps 4 and 5.
+    Raises:
+        TrainingError: too few shares arrived (too many dropouts).
+    """
+    alive, dead = srv.unmask_request(sorted(masked))
+    groups = codec.groups(sent)
+    if len(alive) < minimum:  # nothing may be decoded: the clients would refuse
+        return Round(alive, dead, None, sent, withheld=["all"]), 0, 0
+    answers = ask_unmask(alive, dead)
+    down, up = 8 * (len(alive) + len(dead)) * len(alive), sum(nbytes(m) for m in answers.values())
+    masks = srv.masks(alive, dead, answers, groups)
+    total = np.zeros(len(groups), np.uint64)
+    for i in alive:
+        total = total + masked[i]
+    opened = codecs.decode(total - masks) * (groups == 0)
+    wanted, counts, withheld = codec.reveal(opened, minimum)
+    if wanted:
+        answers = ask_reveal(wanted, counts)
+        down += (8 * len(wanted) + 8 * len(counts)) * len(alive)
+        up += sum(nbytes(m) for m in answers.values())
+        masks = masks + srv.class_masks(alive, wanted, answers, groups)
+    decoded = (groups == 0) | np.isin(groups, wanted)
+    return Round(alive, dead, masks, sent, decoded=decoded, contributors=counts, withheld=withheld), down, up
 
 
 @dataclass
@@ -51,15 +103,23 @@ class Session:
 
     Args:
         fraction: ``secagg_threshold``. neighbours: ``secagg_neighbours``.
+        minimum: ``secagg_min_contributors``.
     """
 
     fraction: float = 0.5
     neighbours: int = 0
+    minimum: int = 2
     last: Round | None = None
+    history: np.ndarray | None = None
     totals: dict = field(default_factory=lambda: {"bytes_up": 0, "bytes_down": 0, "seconds": 0.0, "dropouts": 0})
 
     def record(self, rnd: Round) -> None:
         """Keep ``rnd`` as the last round's record and add its bytes, seconds and dropouts to the totals."""
+        if rnd.withheld:
+            log.warning("secure aggregation: %s withheld this round (fewer than %d contributors among the clients "
+                        "that sent a masked vector): they stay masked and the clients keep their last global "
+                        "prototype", "every class" if rnd.withheld == ["all"] else f"classes {rnd.withheld}",
+                        self.minimum)
         self.last = rnd
         self.totals["bytes_up"] += rnd.bytes_up
         self.totals["bytes_down"] += rnd.bytes_down
@@ -118,13 +178,40 @@ class SecureServer:
             raise TrainingError(f"round {round}: secure aggregation rebuilt the masks of clients "
                                 f"{rnd.alive if rnd else []} but the loop aggregates {cids}; a masked vector "
                                 "cannot be left out after the unmask step")
-        total = np.zeros(len(rnd.masks), np.uint64)
-        for i in cids:
-            total = total + messages[i][KEY]
-        total = codecs.decode(total - rnd.masks)
+        length = self._codec.length(rnd.sent)
+        total = np.zeros(length, np.float64)
+        if rnd.masks is not None:
+            summed = np.zeros(length, np.uint64)
+            for i in cids:
+                summed = summed + messages[i][KEY]
+            total = codecs.decode(summed - rnd.masks) * rnd.decoded  # a withheld class stays masked: never decoded
+            total = self._codec.withhold(total, rnd.withheld)
         out = self._codec.aggregate(round, total, cids, rnd.sent, state)
         out = as_state(self._alg, out)  # a method whose aggregate returns its message alone
-        return replace(out, metrics={**out.metrics, **self.secagg_metrics()})
+        checkpoint = dict(out.checkpoint)
+        if len(rnd.contributors):  # the contributors of each decoded class, per round (the DP accountant's)
+            checkpoint["secagg_contributors"] = self._history(state, rnd)
+        return replace(out, metrics={**out.metrics, **self.secagg_metrics()}, checkpoint=checkpoint)
+
+    def _history(self, state: Any, rnd: Round) -> np.ndarray:
+        """(rounds, C) int64: per round so far, each class's contributors where it was decoded, minus
+        them where it was withheld, 0 where nobody held it; the previous rounds' from ``state``'s
+        checkpoint (a resume keeps them)."""
+        C = len(rnd.contributors)
+        prev = (state.checkpoint or {}).get("secagg_contributors") if state is not None else None
+        prev = np.zeros((0, C), np.int64) if prev is None else np.asarray(prev, np.int64).reshape(-1, C)
+        row = rnd.contributors.copy() if rnd.masks is not None else np.zeros(C, np.int64)
+        row[rnd.withheld if rnd.masks is not None else []] *= -1
+        self._session.history = np.vstack([prev, row[None]])
+        return self._session.history
+
+    def _withheld_summary(self) -> dict:
+        """``withheld_rounds``: round -> the classes left masked (from the run's contributor history)."""
+        h = self._session.history
+        if h is None:
+            return {}
+        return {"withheld_rounds": {str(r + 1): np.flatnonzero(row < 0).tolist() for r, row in enumerate(h)
+                                    if (row < 0).any()}}
 
     def secagg_metrics(self) -> dict:
         """The protocol's metrics of the last round: ``secagg_bytes`` (keys, shares and unmask
@@ -134,26 +221,30 @@ class SecureServer:
         if rnd is None:
             return {}
         return {"secagg_bytes": rnd.bytes_up + rnd.bytes_down, "secagg_s": rnd.seconds,
-                "secagg_dropped": list(rnd.dead)}
+                "secagg_dropped": list(rnd.dead), "secagg_withheld": list(rnd.withheld)}
 
     def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict:
         """The algorithm's entries plus ``secure_aggregation``: protocol, options, threat model and totals."""
         s = self._session
         entry = {
-            "protocol": "SecAgg+ (pairwise masks from ECDH P-384 key agreement, self masks, Shamir shares of the "
-                        "mask seeds and masking keys, ChaCha20 mask streams)",
+            "protocol": "SecAgg+ (pairwise masks from X25519 key agreement, self masks per class, Shamir shares of "
+                        "the mask seeds and masking keys, ChaCha20 mask streams)",
             "fixed_point_bits": codecs.FRAC_BITS, "threshold_fraction": s.fraction,
-            "neighbours": s.neighbours or "all",
+            "neighbours": s.neighbours or "all", "min_contributors": s.minimum,
+            "label_sets": "hidden" if getattr(cfg, "secagg_hide_labels", True) else "sent",
             "threat_model": "honest-but-curious server; up to t-1 colluding clients per share group; the sum is "
-                            "rebuilt while at least t of each share group answer the unmask step",
-            "server_sees": "per round the sum of the clients' vectors and who took part; no client's reply",
+                            "rebuilt while at least t of each share group answer the unmask step; each client "
+                            "answers the unmask and the reveal step once per round",
+            "server_sees": "per round who took part, the number of contributors per class, and the sums of the classes "
+                           f"with at least {s.minimum} contributors; no client's reply, no class sum over fewer",
+            **self._withheld_summary(),
             "extra_bytes": int(s.totals["bytes_up"] + s.totals["bytes_down"]),
             "protocol_seconds": float(s.totals["seconds"]), "dropouts": int(s.totals["dropouts"]),
         }
         if getattr(cfg, "dp", "off") != "off":
             from fedproto.secagg.dp import summary
 
-            entry["dp"] = summary(cfg, per_client)
+            entry["dp"] = summary(cfg, per_client, s.history)
         return {**self._alg.summary_entries(cfg, per_client), "secure_aggregation": entry}
 
 
@@ -186,6 +277,7 @@ class SimulatedSecAgg:
         t0 = time.perf_counter()
         srv = Server(ids, self._session.fraction, self._session.neighbours)
         clients = {i: Client() for i in ids}
+        ref = sent[ids[0]]
         up = down = 0
         pks = {}
         for i in ids:
@@ -195,12 +287,11 @@ class SimulatedSecAgg:
         for i in ids:
             keys = srv.keys_for(i, pks)
             down += nbytes(keys)
-            cts[i] = clients[i].shares(keys)
+            cts[i] = clients[i].shares(keys, self._codec.n_groups(ref))
             up += nbytes(cts[i])
         routed = srv.route(cts)
         gone = set(self.drop.get(round, ()))
-        ref = sent[ids[0]]
-        length = self._codec.length(ref)
+        groups = self._codec.groups(ref)
         masked = {}
         for i in ids:
             down += nbytes(routed[i])
@@ -209,15 +300,15 @@ class SimulatedSecAgg:
             setup = self._ex.setup
             vec = codecs.encode(self._codec.vector(i, got.replies[i][0], sent[i], (setup.states[i], setup.data[i])),
                                 len(ids))
-            masked[i] = clients[i].masked(vec, routed[i])
-        alive, dead = srv.unmask_request(sorted(masked))
-        shares = {}
-        for i in alive:
-            shares[i] = clients[i].unmask(alive, dead)
-            down += 8 * (len(alive) + len(dead))
-            up += nbytes(shares[i])
-        masks = srv.masks(alive, dead, shares, length)
-        self._session.record(Round(alive, dead, masks, ref, up, down, time.perf_counter() - t0))
+            masked[i] = clients[i].masked(vec, routed[i], groups)
+        m = self._session.minimum
+        rnd, d45, u45 = unmask_round(
+            srv, self._codec, ref, masked, m,
+            lambda alive, dead: {i: clients[i].unmask(alive, dead, m) for i in alive},
+            lambda wanted, counts: {i: clients[i].reveal(wanted, counts, m) for i in sorted(masked)})
+        rnd.bytes_up, rnd.bytes_down, rnd.seconds = up + u45, down + d45, time.perf_counter() - t0
+        self._session.record(rnd)
+        alive, dead = rnd.alive, rnd.dead
         replies = {i: ({KEY: masked[i]}, got.replies[i][1]) for i in alive}
         status = {**got.status, **({"secagg_dropped": dead} if dead else {})}
         return RoundReplies(replies, got.sent, status)

@@ -1,117 +1,81 @@
-"""The SecAgg+ protocol (Bell et al., CCS 2020; SecAgg: Bonawitz et al., CCS 2017) on maintained primitives.
+"""The SecAgg+ protocol (Bell et al., CCS 2020; SecAgg: Bonawitz et al., CCS 2017) on maintained
+primitives, with self masks per class so that the server decodes a class's sum only over enough
+contributors (``docs/secure-aggregation.md``, "Guarantees").
 
-Four exchanges per round between the server and the round's clients, each a message of
+Five exchanges per round between the server and the round's clients, each a message of
 ``dict[str, numpy.ndarray]`` (the project's message form, so the same code runs in the simulator
 and over Flower):
 
-1. **keys** (:meth:`Client.keys`): each client makes two fresh ECDH key pairs (P-384), one to
-   encrypt the shares it sends its neighbours, one to agree the pairwise mask seeds; it sends the
-   public keys.
-2. **shares** (:meth:`Client.shares`): given its neighbours' public keys, a client draws its
-   self-mask seed, splits that seed and its masking secret key into Shamir shares (threshold t
-   over its share group: itself and its neighbours) and sends each neighbour's share encrypted
-   under the key it agreed with that neighbour (Fernet: AES-128-CBC + HMAC-SHA256).
-3. **masked input** (:meth:`Client.masked`): with the encrypted shares of the neighbours that
-   completed step 2, the client adds to its fixed-point vector its self mask and, per such
-   neighbour j, +PRG(s_ij) if i < j else -PRG(s_ij), all modulo 2^64 (s_ij: the agreed key).
+1. **keys** (:meth:`Client.keys`): each client makes two fresh X25519 key pairs, one to encrypt
+   the shares it sends its neighbours, one to agree the pairwise mask seeds; it sends the public keys.
+2. **shares** (:meth:`Client.shares`): given its neighbours' public keys, a client draws one
+   16-byte self-mask seed per *group* of its vector (group 0: what is always decoded, e.g. the
+   per-class contributor counts; group 1 + c: class c's sum and count), splits each seed and its
+   masking secret key into Shamir shares (threshold t over its share group: itself and its
+   neighbours) and sends each neighbour its shares encrypted under the key they agreed
+   (AES-256-GCM, bound to sender, receiver and round).
+3. **masked input** (:meth:`Client.masked`): the client adds to its fixed-point vector, group by
+   group, the self mask of that group's seed and, per neighbour j that completed step 2,
+   +PRG(s_ij) if i < j else -PRG(s_ij), all modulo 2^64 (s_ij: the agreed key).
 4. **unmask** (:meth:`Client.unmask`): told which clients sent a masked vector (alive) and which
-   did not (dead), a client returns its share of each alive neighbour's self-mask seed and of
-   each dead neighbour's masking key, never both for one client.
+   did not (dead), a client returns its shares of each alive neighbour's group-0 seed and of each
+   dead neighbour's masking key, never both for one client, **once per round**; it refuses when
+   fewer than ``minimum`` clients are alive.
+5. **reveal** (:meth:`Client.reveal`): told the per-class contributor counts the server decoded
+   from group 0, a client returns its shares of the alive clients' seeds of the classes with at
+   least ``minimum`` contributors, once per round and only for the alive set of step 4. A class
+   with fewer contributors stays masked: the server never holds the seeds that unmask it.
 
-The server (:class:`Server`) routes the messages, and from at least t shares per client rebuilds
-the alive clients' self masks and the pairwise masks the dead clients left in their neighbours'
-vectors; the sum of the alive clients' vectors is what is left after subtracting them.
+The server (:class:`Server`) routes the messages and, from at least t shares per secret, rebuilds
+the self masks and the pairwise masks the dead clients left in their neighbours' vectors.
 
-Primitives: key pairs and their serialisation (``flwr.supercore.primitives.asymmetric``), ECDH +
-HKDF-SHA256 key agreement and Fernet encryption
-(``flwr.common.secure_aggregation.crypto.symmetric_encryption``), Shamir secret sharing over
-GF(2^128) (``flwr.common.secure_aggregation.crypto.shamir``, pycryptodome's), all from Flower 1.42;
-the mask generator is the ChaCha20 key stream of ``cryptography`` keyed by a 32-byte seed (Flower's
-own ``pseudo_rand_gen`` folds its seed to 32 bits for numpy's Mersenne twister: see
-``docs/secure-aggregation.md``).
+Primitives, all from maintained libraries: X25519 key agreement, HKDF-SHA256, AES-256-GCM and the
+ChaCha20 key stream of ``cryptography``; Shamir secret sharing over GF(2^128) of pycryptodome
+(``Crypto.Protocol.SecretSharing.Shamir``, the scheme Flower's ``create_shares`` wraps). The server
+interpolates many secrets shared by the same holders with the Lagrange coefficients computed once
+(:func:`combine`, on pycryptodome's own field arithmetic; a test checks it against
+``Shamir.combine``).
 
 Threat model: an honest-but-curious server and up to t - 1 colluding clients of a share group
-learn nothing about an honest client's vector beyond the sum; the sum is recovered while at least
-t of each share group answer the unmask step (dropouts below the reconstruction threshold).
+learn nothing about an honest client's vector beyond the sums of the classes with at least
+``minimum`` contributors (and the group-0 totals); the sum is recovered while at least t of each
+share group answer. With t > half the group (``secagg_threshold`` >= 0.5), a server that shows
+different clients different alive sets cannot collect both shares of one client either.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
 import numpy as np
 
 from fedproto.errors import TrainingError
+from fedproto.secagg.primitives import (
+    KEY_BYTES,
+    SEED_BYTES,
+    aad,
+    agree,
+    as_bytes,
+    as_u8,
+    combine,
+    keypair,
+    prg,
+    self_mask,
+    share_group,
+    split,
+    threshold,
+)
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, np.ndarray]
 
-NONCE = b"fedproto-secagg1"
-"""The ChaCha20 nonce (16 bytes) of every mask stream: each key is used for one stream (fresh keys
-and seeds every round)."""
-
-
-def _b(a: np.ndarray) -> bytes:
-    return np.asarray(a, np.uint8).tobytes()
-
-
-def _u8(b: bytes) -> np.ndarray:
-    return np.frombuffer(b, np.uint8).copy()
-
-
-def prg(seed: bytes, length: int) -> np.ndarray:
-    """The mask of a 32-byte ``seed``: ``length`` uint64 words of the ChaCha20 key stream (RFC 8439
-    with a 128-bit counter-and-nonce, as ``cryptography`` implements it)."""
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-
-    enc = Cipher(algorithms.ChaCha20(seed, NONCE), mode=None).encryptor()
-    return np.frombuffer(enc.update(bytes(8 * length)), np.uint64).copy()
-
-
-def share_group(participants: Iterable[int], cid: int, neighbours: int = 0) -> list[int]:
-    """Client ``cid``'s share group (itself and its neighbours), sorted: all ``participants``
-    with ``neighbours = 0`` or when there are at most ``neighbours + 1`` of them (SecAgg's complete
-    graph), else the ``neighbours // 2`` nearest on each side in the ring of the sorted participants
-    (SecAgg+'s sparse graph; symmetric: j is in i's group iff i is in j's)."""
-    p = sorted(int(i) for i in participants)
-    h = neighbours // 2
-    if neighbours <= 0 or len(p) <= 2 * h + 1:
-        return p
-    at = p.index(int(cid))
-    return sorted({p[(at + k) % len(p)] for k in range(-h, h + 1)})
-
-
-def threshold(group_size: int, fraction: float) -> int:
-    """t, the shares needed to rebuild a secret of a share group of ``group_size``: more than
-    ``fraction`` of the group, ``floor(fraction * size) + 1`` capped at the size."""
-    return max(1, min(group_size, int(np.floor(fraction * group_size)) + 1))
-
-
-def _raw(sk) -> bytes:
-    """A P-384 private key as its 48-byte scalar (what is shared: 4 Shamir chunks, not a PEM's 12)."""
-    return sk.private_numbers().private_value.to_bytes(48, "big")
-
-
-def _shared(sk: bytes, pk: bytes) -> bytes:
-    """The key two clients agree (ECDH + HKDF-SHA256, Flower's ``generate_shared_key``) from a raw
-    private scalar and a PEM public key: base64 of 32 bytes."""
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
-    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
-
-    key = ec.derive_private_key(int.from_bytes(sk, "big"), ec.SECP384R1())
-    return generate_shared_key(key, bytes_to_public_key(pk))
-
-
-def _seed(shared_key: bytes) -> bytes:
-    import base64
-
-    return base64.urlsafe_b64decode(shared_key)
-
-
 class Client:
     """A client's side of one round of the protocol; its state is a message (``state``: numpy
-    arrays only, so a Flower node keeps it in its context between the steps).
+    arrays only, so a Flower node keeps it in its context between the steps). The state records
+    the round's unmask and reveal answers, so a second request of either is refused.
 
     Args:
         state: the state of earlier steps (None: a new round).
@@ -123,100 +87,154 @@ class Client:
     def _int(self, key: str) -> int:
         return int(self.state[key][0])
 
-    def keys(self, cid: int, round: int, group: Iterable[int], t: int) -> Message:
-        """Step 1: fresh key pairs; returns the public keys (``pk1``: encryption, ``pk2``: masking)."""
-        from flwr.supercore.primitives.asymmetric import generate_key_pairs, public_key_to_bytes
+    def _seeds(self) -> list[bytes]:
+        raw = as_bytes(self.state["seeds"])
+        return [raw[a:a + SEED_BYTES] for a in range(0, len(raw), SEED_BYTES)]
 
-        sk1, pk1 = generate_key_pairs()
-        sk2, pk2 = generate_key_pairs()
+    def keys(self, cid: int, round: int, group: Iterable[int], t: int) -> Message:
+        """Step 1: fresh key pairs; returns the raw public keys (``pk1``: encryption, ``pk2``: masking)."""
+        sk1, pk1 = keypair()
+        sk2, pk2 = keypair()
         self.state = {"cid": np.array([cid], np.int64), "round": np.array([round], np.int64),
                       "group": np.asarray(sorted(group), np.int64), "t": np.array([t], np.int64),
-                      "sk1": _u8(_raw(sk1)), "sk2": _u8(_raw(sk2))}
-        return {"pk1": _u8(public_key_to_bytes(pk1)), "pk2": _u8(public_key_to_bytes(pk2))}
+                      "sk1": as_u8(sk1), "sk2": as_u8(sk2)}
+        return {"pk1": as_u8(pk1), "pk2": as_u8(pk2)}
 
-    def shares(self, keys: Message) -> Message:
+    def shares(self, keys: Message, groups: int = 1) -> Message:
         """Step 2: ``keys`` holds ``pk1.<j>`` and ``pk2.<j>`` of the group members that sent them
-        (this client's too). Returns ``ct.<j>``: for each other member j, its shares of this client's
-        self-mask seed and masking key, encrypted for j.
+        (this client's too). Draws ``groups`` self-mask seeds; returns ``ct.<j>``: for each other
+        member j, its shares of the seeds and of the masking key, encrypted for j.
 
         Raises:
-            TrainingError: fewer than t members sent keys (the sum could not be rebuilt).
+            TrainingError: fewer than t members sent keys (the sum could not be rebuilt), or
+                ``groups`` < 1.
         """
-        from flwr.common.secure_aggregation.crypto.shamir import create_shares
-        from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        me, t = self._int("cid"), self._int("t")
+        me, t, rnd = self._int("cid"), self._int("t"), self._int("round")
         members = [int(j) for j in self.state["group"] if f"pk1.{int(j)}" in keys]
-        if me not in members or len(members) < t:
+        if me not in members or len(members) < t or groups < 1:
             raise TrainingError(f"secure aggregation: {len(members)} of client {me}'s share group sent keys, fewer "
                                 f"than the threshold {t}")
-        rd = os.urandom(32)
-        rs = create_shares(rd, t, len(members))
-        ks = create_shares(_b(self.state["sk2"]), t, len(members))
+        seeds = os.urandom(SEED_BYTES * int(groups))
+        shares = split(seeds + as_bytes(self.state["sk2"]), t, len(members))
         out = {}
         for k, j in enumerate(members):
             self.state[f"pk1.{j}"], self.state[f"pk2.{j}"] = keys[f"pk1.{j}"], keys[f"pk2.{j}"]
             if j == me:
-                self.state[f"rs.{me}"], self.state[f"ks.{me}"] = _u8(rs[k]), _u8(ks[k])
+                self.state[f"sh.{me}"] = as_u8(shares[k])
                 continue
-            plain = np.array([me, j, len(rs[k])], np.int64).tobytes() + rs[k] + ks[k]
-            self.state[f"k1.{j}"] = _u8(_shared(_b(self.state["sk1"]), _b(keys[f"pk1.{j}"])))
-            out[f"ct.{j}"] = _u8(encrypt(_b(self.state[f"k1.{j}"]), plain))
-        self.state["rd"] = _u8(rd)
+            self.state[f"k1.{j}"] = as_u8(agree(as_bytes(self.state["sk1"]), as_bytes(keys[f"pk1.{j}"]), b"enc"))
+            nonce = os.urandom(12)
+            ct = AESGCM(as_bytes(self.state[f"k1.{j}"])).encrypt(nonce, shares[k], aad(me, j, rnd))
+            out[f"ct.{j}"] = as_u8(nonce + ct)
+        self.state["seeds"] = as_u8(seeds)
         return out
 
-    def masked(self, vector: np.ndarray, cts: Message) -> np.ndarray:
-        """Step 3: ``vector`` (L,) uint64 (:func:`fedproto.secagg.codec.encode`) plus the self mask
-        and the pairwise masks of the members whose shares arrived (``ct.<j>``, sent by j).
+    def masked(self, vector: np.ndarray, cts: Message, groups: np.ndarray | None = None) -> np.ndarray:
+        """Step 3: ``vector`` (L,) uint64 (:func:`fedproto.secagg.codec.encode`) plus, group by
+        group (``groups``: (L,) ints in 0..G-1, default all 0), its self mask, and the pairwise
+        masks of the members whose shares arrived (``ct.<j>``, sent by j).
 
         Raises:
-            TrainingError: a ciphertext that does not decrypt or names other clients, or fewer
-                than t members left.
+            TrainingError: a ciphertext that does not decrypt (forged, damaged, or not from j to
+                this client in this round), ``groups`` that name more groups than seeds were
+                drawn, or fewer than t members left.
         """
-        from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        me, t = self._int("cid"), self._int("t")
+        me, t, rnd = self._int("cid"), self._int("t"), self._int("round")
+        groups = np.zeros(len(vector), np.int64) if groups is None else np.asarray(groups, np.int64)
+        seeds = self._seeds()
+        if len(groups) != len(vector) or (len(groups) and int(groups.max()) >= len(seeds)):
+            raise TrainingError(f"secure aggregation: client {me} drew {len(seeds)} self-mask seeds but its vector "
+                                f"has groups up to {int(groups.max()) if len(groups) else 0}")
         alive = [me]
         for key in sorted(cts, key=lambda k: int(k.split(".")[1])):
             j = int(key.split(".")[1])
+            raw = as_bytes(cts[key])
             try:
-                plain = decrypt(_b(self.state[f"k1.{j}"]), _b(cts[key]))
-            except Exception as e:  # a wrong key, a forged or damaged ciphertext
+                plain = AESGCM(as_bytes(self.state[f"k1.{j}"])).decrypt(raw[:12], raw[12:], aad(j, me, rnd))
+            except Exception as e:  # a wrong key, a forged, damaged or replayed ciphertext
                 raise TrainingError(f"secure aggregation: client {me} could not decrypt the shares of client {j}: "
                                     f"{type(e).__name__}") from None
-            src, dst, n = np.frombuffer(plain[:24], np.int64)
-            if (int(src), int(dst)) != (j, me):
-                raise TrainingError(f"secure aggregation: the shares client {me} got as client {j}'s name clients "
-                                    f"{int(src)} -> {int(dst)}")
-            self.state[f"rs.{j}"], self.state[f"ks.{j}"] = _u8(plain[24:24 + int(n)]), _u8(plain[24 + int(n):])
+            self.state[f"sh.{j}"] = as_u8(plain)
             alive.append(j)
         if len(alive) < t:
             raise TrainingError(f"secure aggregation: shares of {len(alive)} members reached client {me}, fewer than "
                                 f"the threshold {t}")
         self.state["u2"] = np.asarray(sorted(alive), np.int64)
-        out = np.asarray(vector, np.uint64) + prg(_b(self.state["rd"]), len(vector))
+        out = np.asarray(vector, np.uint64) + self_mask(seeds, groups)
         for j in alive:
             if j != me:
-                m = prg(_seed(_shared(_b(self.state["sk2"]), _b(self.state[f"pk2.{j}"]))), len(vector))
+                m = prg(agree(as_bytes(self.state["sk2"]), as_bytes(self.state[f"pk2.{j}"]), b"mask"), len(vector))
                 out = out + m if me < j else out - m
         return out
 
-    def unmask(self, alive: Iterable[int], dead: Iterable[int]) -> Message:
-        """Step 4: this client's shares of the alive members' self-mask seeds (``rs.<j>``) and of the
-        dead members' masking keys (``ks.<j>``).
+    def _refuse(self, why: str) -> TrainingError:
+        log.warning("secure aggregation: client %d refuses: %s", self._int("cid"), why)
+        return TrainingError(f"secure aggregation: client {self._int('cid')} refuses: {why}")
+
+    def _chunks(self, j: int, which: list[int]) -> np.ndarray:
+        """Member j's share held here: its index and the 16-byte chunks ``which``."""
+        s = as_bytes(self.state[f"sh.{j}"])
+        return as_u8(s[:4] + b"".join(s[4 + 16 * c:20 + 16 * c] for c in which))
+
+    def unmask(self, alive: Iterable[int], dead: Iterable[int], minimum: int = 1) -> Message:
+        """Step 4: this client's shares of the alive members' group-0 seeds (``s.<j>``) and of the
+        dead members' masking keys (``k.<j>``). Answered once per round.
 
         Raises:
-            TrainingError: a client named both alive and dead, or this client named dead.
+            TrainingError: (logged on the client) a second request in this round, a client named
+                both alive and dead, this client named dead, fewer than ``minimum`` alive clients,
+                or no keys of the round held (a restarted node).
         """
+        if "u2" not in self.state:
+            raise TrainingError("secure aggregation: this client holds no shares of the round (it did not mask a "
+                                "vector, or restarted since): nothing to unmask")
         me = self._int("cid")
-        alive, dead = {int(j) for j in alive}, {int(j) for j in dead}
-        if alive & dead or me in dead:
-            raise TrainingError(f"secure aggregation: client {me} was asked for both shares of clients "
-                                f"{sorted(alive & dead) or [me]}; it answers for each client one or the other")
-        held = {int(j) for j in self.state.get("u2", [])}
-        out = {f"rs.{j}": self.state[f"rs.{j}"] for j in sorted(alive & held)}
-        out.update({f"ks.{j}": self.state[f"ks.{j}"] for j in sorted(dead & held)})
+        alive, dead = sorted({int(j) for j in alive}), sorted({int(j) for j in dead})
+        if "a_alive" in self.state:
+            raise self._refuse(f"a second unmask request in round {self._int('round')} (answered for alive "
+                               f"{self.state['a_alive'].tolist()}, now asked for alive {alive}, dead {dead}); it "
+                               "answers once per round")
+        if set(alive) & set(dead) or me in dead:
+            raise self._refuse(f"asked for both shares of clients {sorted(set(alive) & set(dead)) or [me]}; it "
+                               "answers for each client one or the other")
+        if len(alive) < minimum:
+            raise self._refuse(f"{len(alive)} alive clients, fewer than the minimum of {minimum} contributors")
+        self.state["a_alive"], self.state["a_dead"] = np.asarray(alive, np.int64), np.asarray(dead, np.int64)
+        held = {int(j) for j in self.state["u2"]}
+        n_seeds = len(self.state["seeds"]) // SEED_BYTES
+        key_chunks = list(range(n_seeds, n_seeds + KEY_BYTES // 16))
+        out = {f"s.{j}": self._chunks(j, [0]) for j in alive if j in held}
+        out.update({f"k.{j}": self._chunks(j, key_chunks) for j in dead if j in held})
         return out
+
+    def reveal(self, groups: Iterable[int], counts: np.ndarray, minimum: int = 1) -> Message:
+        """Step 5: this client's shares of the seeds of ``groups`` (each 1 + a class) of the alive
+        members of step 4 (``s.<j>``: the index, then one chunk per group in the order given).
+        ``counts``: the (G - 1,) per-class contributor counts the server decoded. Answered once
+        per round.
+
+        Raises:
+            TrainingError: (logged on the client) no step 4 answer this round, a second request, a
+                group that is not a class, repeated, or whose count is under ``minimum``.
+        """
+        groups = [int(g) for g in groups]
+        counts = np.asarray(counts, np.int64).reshape(-1)
+        if "a_alive" not in self.state:
+            raise self._refuse("a reveal request before the round's unmask step")
+        if "b_groups" in self.state:
+            raise self._refuse(f"a second reveal request in round {self._int('round')}; it answers once per round")
+        n_seeds = len(self.state["seeds"]) // SEED_BYTES
+        bad = [g for g in groups if not 1 <= g < n_seeds or g - 1 >= len(counts) or counts[g - 1] < minimum]
+        if bad or len(set(groups)) != len(groups) or len(counts) != n_seeds - 1:
+            raise self._refuse(f"asked to reveal groups {groups} with contributor counts {counts.tolist()}: a class "
+                               f"sum is revealed only with at least {minimum} contributors, once")
+        self.state["b_groups"] = np.asarray(groups, np.int64)
+        held = {int(j) for j in self.state["u2"]}
+        return {f"s.{j}": self._chunks(j, groups) for j in self.state["a_alive"].tolist() if j in held}
 
 
 class Server:
@@ -260,31 +278,49 @@ class Server:
         alive = sorted(int(i) for i in alive)
         return alive, [i for i in self.u2 if i not in alive]
 
-    def masks(self, alive: list[int], dead: list[int], shares: dict[int, Message], length: int) -> np.ndarray:
-        """The (length,) uint64 total to subtract from the sum of the alive clients' masked vectors:
-        their self masks and the pairwise masks the dead clients' neighbours added.
+    def _secret(self, kind: str, j: int, shares: dict[int, Message]) -> list[bytes]:
+        got = [as_bytes(m[f"{kind}.{j}"]) for _, m in sorted(shares.items()) if f"{kind}.{j}" in m]
+        if len(got) < self.t[j]:
+            raise TrainingError(f"secure aggregation: {len(got)} shares of client {j}'s "
+                                f"{'self-mask seeds' if kind == 's' else 'masking key'} arrived, fewer than the "
+                                f"threshold {self.t[j]}: too many clients dropped out to rebuild the sum")
+        return combine(got[:self.t[j]])
+
+    def masks(self, alive: list[int], dead: list[int], shares: dict[int, Message], groups: np.ndarray) -> np.ndarray:
+        """The (L,) uint64 total to subtract from the sum of the alive clients' masked vectors for
+        their group-0 coordinates to decode: their group-0 self masks and the pairwise masks the
+        dead clients' neighbours added (``shares``: the step-4 answers by client).
 
         Raises:
             TrainingError: fewer than t shares of a secret arrived (too many dropouts).
         """
-        from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-
-        total = np.zeros(length, np.uint64)
-
-        def secret(kind: str, j: int) -> bytes:
-            got = [_b(m[f"{kind}.{j}"]) for m in shares.values() if f"{kind}.{j}" in m]
-            if len(got) < self.t[j]:
-                raise TrainingError(f"secure aggregation: {len(got)} shares of client {j}'s "
-                                    f"{'self-mask seed' if kind == 'rs' else 'masking key'} arrived, fewer than the "
-                                    f"threshold {self.t[j]}: too many clients dropped out to rebuild the sum")
-            return combine_shares(got[:self.t[j]])
-
+        groups = np.asarray(groups, np.int64)
+        total = np.zeros(len(groups), np.uint64)
         for i in alive:
-            total = total + prg(secret("rs", i), length)
+            total = total + self_mask([self._secret("s", i, shares)[0]], groups, [0])
         for j in dead:
-            sk2 = secret("ks", j)
+            sk2 = b"".join(self._secret("k", j, shares))
             for i in alive:
                 if i in self.group[j]:
-                    m = prg(_seed(_shared(sk2, _b(self.pks[i]["pk2"]))), length)
+                    m = prg(agree(sk2, as_bytes(self.pks[i]["pk2"]), b"mask"), len(groups))
                     total = total + m if i < j else total - m
+        return total
+
+    def class_masks(self, alive: list[int], wanted: list[int], shares: dict[int, Message],
+                    groups: np.ndarray) -> np.ndarray:
+        """The (L,) uint64 self masks of the alive clients over the groups ``wanted`` (from the
+        step-5 answers ``shares``, whose chunks follow ``wanted``'s order).
+
+        Raises:
+            TrainingError: fewer than t shares of a client's seeds arrived.
+        """
+        groups = np.asarray(groups, np.int64)
+        total = np.zeros(len(groups), np.uint64)
+        if not wanted:
+            return total
+        for i in alive:
+            got = self._secret("s", i, shares)
+            seeds = dict(zip(wanted, got, strict=True))
+            full = [seeds.get(g, b"\0" * SEED_BYTES) for g in range(max(wanted) + 1)]
+            total = total + self_mask(full, groups, wanted)
         return total
