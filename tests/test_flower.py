@@ -1666,16 +1666,81 @@ def test_secagg_matches_plain_aggregation_on_flower(tmp_path, monkeypatch):
     assert got["secure_aggregation"]["dropouts"] == 0
 
 
-def test_secagg_survives_a_dropout_below_the_threshold_on_flower(tmp_path, monkeypatch):
-    # node 1 sends its keys and shares each round, then fails its train step: 2 of 3 are left (t = 2)
-    eng, _, plain, _, got = _secagg_run(tmp_path, monkeypatch, extra={1: {"misbehave": "vanish"}}, secagg=True)
+def test_flower_secagg_with_a_dropout_gives_the_plain_prototypes(tmp_path, monkeypatch):
+    """Node 1 sends its keys and shares each round, then fails its train step: 2 of 3 are left
+    (t = 2). The global prototypes and contributor counts are eq. 6 of the survivors' plain
+    replies for the classes both hold (0, 1); the classes each survivor holds alone (2, 3 and 4, 5)
+    are withheld: never decoded (no seed of theirs reached the server), named in metrics.jsonl."""
+    eng, grid, plain, _, got = _secagg_run(tmp_path, monkeypatch, extra={1: {"misbehave": "vanish"}}, secagg=True)
     rows = [json.loads(x) for x in (tmp_path / "run-sa" / "metrics.jsonl").read_text().splitlines()]
     assert [r["replied"] for r in rows] == [[0, 2], [0, 2]] and [r["secagg_dropped"] for r in rows] == [[1], [1]]
+    assert [r["secagg_withheld"] for r in rows] == [[2, 3, 4, 5], [2, 3, 4, 5]]
     assert set(plain) == {(1, 0), (1, 2), (2, 0), (2, 2)}
-    ref = _secagg_run(tmp_path, monkeypatch, name="plain", extra={1: {"misbehave": "vanish"}})[4]
-    for key in ("acc", "acc_proto"):
-        assert got["accuracy"][key]["mean"] == pytest.approx(ref["accuracy"][key]["mean"], abs=1e-9)
+    protos = np.load(tmp_path / "run-sa" / "prototypes.npz")
+    assert protos["classes"].tolist() == [0, 1] and protos["contributors"].tolist() == [2, 2]
+    for c, p in zip(protos["classes"].tolist(), protos["protos"]):
+        rows2 = [m["protos"][m["classes"].tolist().index(c)].astype(np.float64) for (r, _), m in plain.items() if r == 2]
+        assert np.abs(p - np.mean(rows2, axis=0)).max() <= 1e-6
+    # the server's view: every step-5 request and answer names only the classes 0 and 1 (groups 1, 2)
+    reveals = [from_record(r.content[MESSAGE]) for r in grid.received
+               if r.metadata.message_type == "query.secagg" and MESSAGE in r.content]
+    lengths = [len(v) for m in reveals for k, v in m.items() if k.startswith("s.")]
+    # step 4: one chunk (group 0's seed); step 5: two chunks (classes 0 and 1); never 3 or more
+    assert set(lengths) == {4 + 16, 4 + 16 * 2}
     assert got["secure_aggregation"]["dropouts"] == 2
+    assert got["secure_aggregation"]["withheld_rounds"] == {"1": [2, 3, 4, 5], "2": [2, 3, 4, 5]}
+
+
+def test_flower_secagg_hides_label_sets_from_the_server(tmp_path, monkeypatch):
+    """Under secagg (secagg_hide_labels, the default) no node's join or train reply carries its
+    label set or sample counts; clients.csv says 'hidden'. With secagg_hide_labels false they are sent."""
+    eng, grid, _, _, _ = _secagg_run(tmp_path, monkeypatch, secagg=True)
+    queries = [dict(r.content["fedproto.config"]) for r in grid.received if r.metadata.message_type == "query"
+               and "fedproto.config" in r.content]
+    assert len(queries) == 3 and all(not {"classes", "train-samples", "test-samples"} & set(q) for q in queries)
+    trains = [r for r in grid.received if r.metadata.message_type == "train"]
+    assert trains and all("num-examples" not in r.content["fedproto.metrics"] for r in trains)
+    rows = list(csv.DictReader((tmp_path / "run-sa" / "clients.csv").open()))
+    assert [r["classes"] for r in rows] == ["hidden"] * 3
+    _, grid2, _, _, _ = _secagg_run(tmp_path, monkeypatch, name="sent", secagg=True, secagg_hide_labels=False)
+    sent = [dict(r.content["fedproto.config"]) for r in grid2.received if r.metadata.message_type == "query"
+            and "fedproto.config" in r.content]
+    assert sorted(tuple(q["classes"]) for q in sent) == sorted(tuple(sorted(c)) for c in NODE_CLASSES)
+
+
+def test_a_second_unmask_request_in_a_round_is_refused_by_a_flower_node(tmp_path, monkeypatch):
+    """The Flower node keeps its unmask answer in its context: asked again in the round (the
+    second time with a survivor marked dropped, to collect both its shares), it refuses, and a
+    node that restarted (a fresh context) holds nothing to reveal."""
+    from fedproto.flower.secagg import STATE, step
+    from fedproto.secagg.protocol import Client, Server
+
+    folders = write_node_folders(tmp_path)
+    uc = _own_config(secagg=True)
+    grid = LocalGrid(uc, node_configs=node_configs(folders))
+    eng = FlowerEngine(run_config(uc), grid, out=False)
+    eng.run()
+    ctx = grid.contexts[1000]
+    n = client_app.node(ctx)
+    srv = Server([0, 1, 2])
+    others = {j: Client() for j in (1, 2)}
+    pk = {0: step(n, {"stage": np.array([1]), "round": np.array([9]), "parties": np.array([3]),
+                      "group": np.array([0, 1, 2]), "t": np.array([2])}, ctx)}
+    pk.update({j: c.keys(j, 9, **srv.setup(j)) for j, c in others.items()})
+    cts = {0: step(n, {"stage": np.array([2]), "groups": np.array([11]), **srv.keys_for(0, pk)}, ctx)}
+    cts.update({j: c.shares(srv.keys_for(j, pk), 11) for j, c in others.items()})
+    routed = srv.route(cts)
+    c0 = Client(from_record(ctx.state[STATE]))
+    c0.masked(np.zeros(10 * 52, np.uint64), routed[0], np.zeros(10 * 52, np.int64))
+    ctx.state[STATE] = to_record(c0.state)
+    first = step(n, {"stage": np.array([4]), "alive": np.array([0, 1, 2]), "dead": np.array([], np.int64)}, ctx)
+    assert sorted(first) == ["s.0", "s.1", "s.2"]
+    with pytest.raises(TrainingError, match="a second unmask request in round 9"):
+        step(n, {"stage": np.array([4]), "alive": np.array([0, 1]), "dead": np.array([2])}, ctx)
+    fresh = Context(run_id=1, node_id=1000, node_config=ctx.node_config, state=RecordDict(),
+                    run_config=ctx.run_config)
+    with pytest.raises(TrainingError, match="holds no shares of the round"):
+        step(n, {"stage": np.array([4]), "alive": np.array([0, 1]), "dead": np.array([2])}, fresh)
 
 
 def test_secagg_refuses_median_and_class_check_on_flower(tmp_path):

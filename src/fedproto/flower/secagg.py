@@ -94,7 +94,7 @@ def masked_reply(n: Any, down: dict, context: Context, round: int):
     """
     cts = {k[len(PREFIX):]: v for k, v in down.items() if k.startswith(PREFIX)}
     c = Client(_state(context))
-    if "round" not in c.state or int(c.state["round"][0]) != round or "rd" not in c.state:
+    if "round" not in c.state or int(c.state["round"][0]) != round or "seeds" not in c.state:
         raise TrainingError(f"secagg is on but this node holds no secure-aggregation keys of round {round} (it did "
                             "not take part in the round's key and share steps): it does not send its reply in the "
                             "clear")
