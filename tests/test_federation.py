@@ -874,3 +874,48 @@ def test_float64_inputs_train_in_float64_on_every_route(caplog):
     with pytest.raises(ModelError, match=r"client 0: dtype mismatch: its parameters mix float64 \('body.0.weight'\) "
                                          r"and float32 \('out.weight'\); .*model.double\(\)"):
         federate([Client(mixed, *[_rows(s) for s in (0, 1)])], num_classes=3, rounds=1, threads=1, out=False)
+
+
+class DictRows(Rows):
+    """Rows whose input is a dict ``{"x": row}`` (a field named in messages)."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return {"x": x}, y
+
+
+def test_a_nan_inside_a_dataset_is_named_before_training(monkeypatch, tmp_path):
+    from conftest import csv_rows
+
+    import fedproto.federation.data as fdata
+
+    def clients(bad_split=None, bad_item=13, cid=1, kind=Rows):
+        out = []
+        for i in range(3):
+            (x, y), (tx, ty) = _rows(i, dtype=torch.float32), _rows(100 + i, dtype=torch.float32)
+            if i == cid and bad_split is not None:
+                (x if bad_split == "train" else tx)[bad_item, 2] = float("nan")
+            torch.manual_seed(i)
+            out.append(Client(DtypeProbe(), kind(x, y), kind(tx, ty)))
+        return out
+
+    opts = dict(num_classes=3, rounds=1, threads=1, eval_every=0)
+    # every item of a small Dataset is scanned before round 1: the client, the split, the item and the field
+    with pytest.raises(DataError, match=r"^client 1: train item 13: its input\['x'\] holds NaN or infinite values; "
+                                        r"clean or drop that item"):
+        federate(clients("train", kind=DictRows), out=False, **opts)
+    with pytest.raises(DataError, match=r"^client 1: test item 13: its input holds NaN or infinite values"):
+        federate(clients("test"), out=False, **opts)
+    # a large Dataset: NAN_SCAN_ITEMS spread over it (here 4 of 24: items 0, 8, 15, 23); the rest when first read
+    monkeypatch.setattr(fdata, "NAN_SCAN_ITEMS", 4)
+    sim = federate(clients("train"), out=False, **opts)  # item 13 is not scanned
+    with pytest.raises(DataError, match=r"^client 1: train item 13: its input holds NaN or infinite values"):
+        sim.run()
+    # a test item read at evaluation: its client is left out of the headline, with the reason
+    summary = federate(clients("test"), out=tmp_path / "run", **opts).run()
+    why = "its test data hold NaN or infinite values (1 item(s), first item 13's input); clean or drop them"
+    assert summary["left_out"] == {"1": why} and summary["clients_in_accuracy"] == 2
+    rows = csv_rows(tmp_path / "run" / "clients.csv")
+    assert [r["left_out"] for r in rows] == ["", why, ""]
+    accs = [float(r["acc"]) for r in rows]
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx((accs[0] + accs[2]) / 2, abs=1e-6)

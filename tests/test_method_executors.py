@@ -193,7 +193,9 @@ def test_flower_and_simulator_share_the_nan_policy(hook_plugins, tmp_path):
         Simulation(build_config(overrides={**BASE, **over}), out=tmp_path / "sim").run()
     with pytest.raises(TrainingError) as fl_err:
         _flower(over, Keep(), out=tmp_path / "flower").run()
-    want = "training diverged in round 1: the loss of clients [0, 1, 2, 3] is not finite; lower lr (now 0.05)"
+    want = ("training diverged in round 1: the loss of clients [0, 1, 2, 3] is not finite; check their data first "
+            "for extreme values (unscaled features, e.g. raw pixels in 0..255, or huge outliers), then lower lr "
+            "(now 0.05)")
     assert str(sim_err.value).startswith(want) and str(fl_err.value) == str(sim_err.value)
     failure = json.loads((tmp_path / "flower" / "failure.json").read_text())
     assert failure["round"] == 1 and failure["error"] == "TrainingError"

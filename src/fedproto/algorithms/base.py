@@ -152,6 +152,12 @@ class ClientData:
         return self._src is not None
 
     @property
+    def held_test_x(self) -> Any:
+        """The test inputs as they are held, without gathering a view's rows (None for a view): e.g. the
+        :class:`fedproto.federation.LazyInputs` of a Dataset, whose ``bad`` items the summary reports."""
+        return self._test_x if self._test_src is None else None
+
+    @property
     def in_memory(self) -> bool:
         """True when the training inputs are a tensor or a view of one (the batched engine can
         stack them); False for inputs read from a ``Dataset`` item by item."""

@@ -56,6 +56,51 @@ def _as_input(x: Any, i: int) -> Any:
 
 log = logging.getLogger(__name__)
 
+NAN_SCAN_ITEMS = 1000
+"""Items of each Dataset split whose inputs are checked for NaN and inf before round 1: every item
+of a Dataset of at most this many, else this many spread evenly over it. The training split's other
+items are checked when a batch first reads them (the run stops there, naming the client, item and
+field); a test item found then leaves its client out of the headline accuracy (summary.json
+``left_out``)."""
+
+
+def nonfinite_field(x: Any, path: str = "input") -> str | None:
+    """Where an item's input ``x`` (a tensor, an array, or a dict, tuple or list of them) holds NaN
+    or inf: ``"input"``, ``"input['pixels']"``, ``"input[1]"``; None when every floating value is finite."""
+    if isinstance(x, torch.Tensor):
+        return path if x.is_floating_point() and not bool(torch.isfinite(x).all()) else None
+    if isinstance(x, np.ndarray):
+        return path if x.dtype.kind in "fc" and not bool(np.isfinite(x).all()) else None
+    if isinstance(x, float):
+        return path if not np.isfinite(x) else None
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (tuple, list)) else ()
+    for k, v in items:
+        found = nonfinite_field(v, f"{path}[{k!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def nonfinite_message(cid: int | None, what: str, item: int, field: str) -> str:
+    """The error for item ``item`` of client ``cid``'s ``what`` Dataset whose ``field`` holds NaN or inf."""
+    who = f"client {cid}: " if cid is not None else ""
+    return (f"{who}{what} item {item}: its {field} holds NaN or infinite values; clean or drop that item (its "
+            "Dataset's __getitem__ or transform returns it)")
+
+
+def scan_nonfinite(x: LazyInputs) -> None:
+    """Check the inputs of up to :data:`NAN_SCAN_ITEMS` items of ``x`` (all when it has no more).
+
+    Raises:
+        DataError: the first item found with NaN or inf (names the client, the split, the item and the field).
+    """
+    n = len(x)
+    idx = range(n) if n <= NAN_SCAN_ITEMS else np.unique(np.linspace(0, n - 1, NAN_SCAN_ITEMS).round().astype(int))
+    for i in idx:
+        field = nonfinite_field(_pair(x.dataset[int(i)], int(i))[0])
+        if field is not None:
+            raise DataError(nonfinite_message(x.cid, x.what, int(i), field))
+
 
 def model_dtype(model: Any) -> torch.dtype:
     """The floating dtype of ``model``: that of its first floating parameter (else buffer);
@@ -118,10 +163,13 @@ class LazyInputs:
             items' inputs have different shapes and no ``collate`` is given.
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset, collate: Any = None):
+    def __init__(self, dataset: torch.utils.data.Dataset, collate: Any = None, cid: int | None = None,
+                 what: str = "train", check: bool = True):
         self.dataset = dataset
         self.collate = collate
         self.dtype: torch.dtype | None = None  # floating leaves cast on reading (float64 checks)
+        self.cid, self.what, self.check = cid, what, check
+        self.bad: dict[int, str] = {}  # item -> the field that held NaN or inf (with check off: recorded, not raised)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -137,6 +185,12 @@ class LazyInputs:
         elif isinstance(idx, torch.Tensor):
             idx = idx.tolist()
         raw = [_pair(self.dataset[int(i)], int(i))[0] for i in idx]
+        for x, i in zip(raw, idx):
+            field = nonfinite_field(x)
+            if field is not None and self.check:
+                raise DataError(nonfinite_message(self.cid, self.what, int(i), field))
+            if field is not None:
+                self.bad.setdefault(int(i), field)
         if self.collate is not None:
             batch = self.collate(raw)
         else:
@@ -270,11 +324,13 @@ def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = Non
         if not hasattr(type(split), "__len__"):
             raise DataError(f"client {cid}: {what} is a {type(split).__name__} without __len__; give the Dataset a "
                             "__len__ (fedproto reads its items by index)")
-        x = LazyInputs(split, collate)
+        # the training split stops at the first batch that holds NaN; a test item leaves its client out of the headline
+        x = LazyInputs(split, collate, cid, what, check=what == "train")
         try:  # a few items batched as training batches them: inputs of different shapes need a collate function
             x[0 : min(len(x), PROBE_ITEMS)]
         except DataError as e:
-            raise e.prefixed(f"client {cid}: {what}: ") from None
+            raise (e if e.message.startswith(f"client {cid}:") else e.prefixed(f"client {cid}: {what}: ")) from None
+        scan_nonfinite(x)
     elif isinstance(split, (tuple, list)) and len(split) == 2:
         try:
             x = _memory_inputs(split[0], len(split[1]) if hasattr(split[1], "__len__") else -1)

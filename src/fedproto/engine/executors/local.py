@@ -83,6 +83,19 @@ class LocalExecutor(Executor):
     def client_report(self, cid: int) -> dict[str, float]:
         return self.setup.algorithm.client_report(self.setup.states[cid])
 
+    def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
+        """Clients left out of the headline accuracy, and why: those whose test inputs, read from a
+        Dataset, held NaN or inf in an item that the scan before round 1 did not read
+        (:data:`fedproto.federation.data.NAN_SCAN_ITEMS`; the items are in ``bad`` of its inputs)."""
+        out = {}
+        for i, d in enumerate(self.setup.data):
+            bad = getattr(d.held_test_x, "bad", None)
+            if bad:
+                j = min(bad)
+                out[i] = (f"its test data hold NaN or infinite values ({len(bad)} item(s), first item {j}'s {bad[j]}); "
+                          "clean or drop them")
+        return out
+
     def client_rows(self) -> list[dict[str, Any]]:
         return [{"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
                  "train_samples": len(self.setup.data[i].y), "test_samples": len(self.setup.data[i].test_y),

@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
 
 from fedproto.config import RunConfig
+from fedproto.data.inputs import finite
 from fedproto.engine.executors.base import RoundReplies
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.errors import TrainingError, opt
@@ -52,14 +52,15 @@ class Health(Observer):
         bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto, x.loss_terms]).all()
                and i not in self.attackers]
         if bad:
-            dirty = [i for i in bad if self.data is not None and self.data[i].in_memory
-                     and not bool(torch.isfinite(self.data[i].x).all())]
+            dirty = [i for i in bad if self.data is not None and self.data[i].in_memory and not finite(self.data[i].x)]
             if dirty:
                 raise TrainingError(f"training diverged in round {r}: the training inputs of clients {dirty[:10]} "
                                     "hold NaN or infinite values; clean or drop those samples")
+            # bad data before lr: NaN in a Dataset's items is refused when read, extreme values are not
             raise TrainingError(f"training diverged in round {r}: the loss of clients {bad[:10]} is not finite; "
-                                f"lower {opt('lr')} (now {self.cfg.lr}){loop.algorithm.divergence_hint(self.cfg)}"
-                                f"{self.attack_hint()}")
+                                "check their data first for extreme values (unscaled features, e.g. raw pixels in "
+                                f"0..255, or huge outliers), then lower {opt('lr')} (now {self.cfg.lr})"
+                                f"{loop.algorithm.divergence_hint(self.cfg)}{self.attack_hint()}")
         for i, x in seen:
             self.train_norm[i] = x.emb_norm_max
             if not x.emb_norm_max <= EMBED_NORM_LIMIT:
