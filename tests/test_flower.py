@@ -1691,6 +1691,32 @@ def test_flower_secagg_with_a_dropout_gives_the_plain_prototypes(tmp_path, monke
     assert got["secure_aggregation"]["withheld_rounds"] == {"1": [2, 3, 4, 5], "2": [2, 3, 4, 5]}
 
 
+def test_secagg_a_class_with_too_few_contributors_stays_masked_on_flower(tmp_path, monkeypatch):
+    """Without a dropout: node 2 alone holds class 6. The server's whole view (every reply it
+    received) holds no seed of class 6's group, its sum stays masked in what the server can
+    subtract, and prototypes.npz has no class 6; metrics.jsonl names it each round."""
+    folders = write_node_folders(tmp_path / "d", labels=[(0, 1, 2, 3), (2, 3, 4, 5), (4, 5, 0, 1, 6)])
+    uc = _own_config(secagg=True)
+    grid = WireGrid(uc, node_configs=node_configs(folders))
+    plain = _plain_replies(monkeypatch)
+    eng = FlowerEngine(run_config(uc), grid, out=tmp_path / "run")
+    eng.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["secagg_withheld"] for r in rows] == [[6], [6]]
+    protos = np.load(tmp_path / "run" / "prototypes.npz")
+    assert protos["classes"].tolist() == [0, 1, 2, 3, 4, 5] and (protos["contributors"] == 2).all()
+    lengths = {len(v) for r in grid.received if r.metadata.message_type == "query.secagg" and MESSAGE in r.content
+               for k, v in from_record(r.content[MESSAGE]).items() if k.startswith("s.")}
+    assert lengths == {4 + 16, 4 + 16 * 6}  # group 0 at step 4; the six classes 0-5 at step 5, never class 6
+    C, d = 10, 50
+    rnd = eng.loop.algorithm._session.last
+    trains = [from_record(r.content[MESSAGE])["secagg"] for r in grid.received if r.metadata.message_type == "train"]
+    total = secagg_codec.decode(sum(trains[-3:]) - rnd.masks)
+    mine = plain[(2, 2)]
+    p6 = mine["protos"][mine["classes"].tolist().index(6)]
+    assert np.abs(total[6 * d:7 * d] - p6).min() > 1.0  # class 6's sum: still masked
+
+
 def test_flower_secagg_hides_label_sets_from_the_server(tmp_path, monkeypatch):
     """Under secagg (secagg_hide_labels, the default) no node's join or train reply carries its
     label set or sample counts; clients.csv says 'hidden'. With secagg_hide_labels false they are sent."""
@@ -1837,7 +1863,7 @@ def test_secagg_matches_plain_aggregation_on_a_tls_deployment(secagg_deployment)
 
 
 @pytest.mark.slow
-def test_secagg_survives_a_dropout_below_the_threshold_on_a_tls_deployment(secagg_deployment):
+def test_flower_secagg_with_a_dropout_gives_the_plain_prototypes_on_a_tls_deployment(secagg_deployment):
     runs, plain, _ = secagg_deployment
     run_dir, logs = runs["fed-vanish-secagg"]
     assert run_dir is not None and "fedproto: fedproto on custom: accuracy" in logs, logs[-3000:]
@@ -1845,8 +1871,10 @@ def test_secagg_survives_a_dropout_below_the_threshold_on_a_tls_deployment(secag
     assert rows[0]["replied"] == [0, 2] and rows[0]["secagg_dropped"] == [1] and "1" in rows[0]["failed"]
     assert got["secure_aggregation"]["dropouts"] == 1
     # the global prototypes are the mean of clients 0 and 2 alone (node 1's masks rebuilt from their shares)
+    # for the classes both hold; the classes one survivor holds alone stay masked (secagg_min_contributors 2)
     protos, means = np.load(run_dir / "prototypes.npz"), _class_means({i: plain[i] for i in (0, 2)})
-    assert protos["classes"].tolist() == sorted(means)
+    assert protos["classes"].tolist() == [0, 1] and protos["contributors"].tolist() == [2, 2]
+    assert rows[0]["secagg_withheld"] == [2, 3, 4, 5]
     for c, p in zip(protos["classes"].tolist(), protos["protos"]):
         assert np.abs(p - means[c]).max() <= 1e-6
 
