@@ -139,9 +139,9 @@ def test_an_executor_child_ends_itself_once_its_message_expired(expired):
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     note = "EXPIRY['at'] = time.time() - 1; " if expired else ""
-    code = ("import time; from fedproto.flower.prefork import _start_watchdog; "
+    code = ("import time; from fedproto.flower.prefork import start_watchdog; "
             "from fedproto.flower.client_app import EXPIRY; "
-            f"_start_watchdog(grace=0.2, first_limit=60 if {expired} else 0.5, tick=0.05); {note}time.sleep(30)")
+            f"start_watchdog(grace=0.2, first_limit=60 if {expired} else 0.5, tick=0.05); {note}time.sleep(30)")
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": src}, capture_output=True,
                        text=True, timeout=60)

@@ -24,11 +24,16 @@ so the numbers are those of the default path.
 
 It polls the Runtime API with Flower's ``AcquireTask`` call (the one ``flower-superexec`` makes),
 every ``--poll-interval`` seconds (0.1 by default; a local HTTP call). It needs ``os.fork``
-(Linux, macOS); each child watches the executor's process and exits if the executor dies, and
-ends itself once its message has expired by :data:`CHILD_GRACE` seconds (or after
-:data:`CHILD_FIRST_LIMIT` seconds without having got its message): its reply can no longer be
-accepted, and a SuperLink that died would otherwise hold it in Flower's retries for as long as
-the SuperNode waits.
+(Linux, macOS). **No child outlives its run or its executor**: each child dies with the executor
+(Linux's parent-death signal, ``PR_SET_PDEATHSIG`` by ``prctl``, set right after the fork; elsewhere
+its watchdog sees the executor gone within a second); it ends itself once its message has expired by
+:data:`CHILD_GRACE` seconds (or after :data:`CHILD_FIRST_LIMIT` seconds without having got its message:
+its reply can no longer be accepted, and a SuperLink that died would otherwise hold it in Flower's
+retries for as long as the SuperNode waits); and a stop signal (SIGTERM, SIGINT, SIGHUP, or the
+SIGINT Flower raises in it when the SuperNode says its run is no longer running) ends it within
+:data:`CHILD_STOP_GRACE` seconds even when Flower's own graceful exit hangs. The executor, stopped by
+SIGTERM, SIGINT or SIGHUP, passes SIGTERM on to its children and kills those still running
+:data:`CHILD_STOP_GRACE` seconds later before it exits.
 Changing a node's data files while it runs is noticed (the kept arrays are keyed by each file's
 size and modification time); its ``--node-config`` should match the SuperNode's, but a mismatch
 only costs speed (the ClientApp reads what the SuperNode's node config names).
@@ -44,24 +49,26 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fedproto.errors import ConfigError
+from fedproto.flower.children import (
+    CHILD_FIRST_LIMIT,
+    CHILD_GRACE,
+    CHILD_STOP_GRACE,
+    STOP_SIGNALS,
+    bind_to_parent,
+    end_children,
+    reaped,
+    start_watchdog,
+)
 
 FLOWER_VERSIONS = ("1.42.",)
 """Flower versions whose Runtime API this executor was written against."""
 CLIENTAPP = "flwr-clientapp"
 """Flower's task type of a ClientApp run (``flwr.supercore.constant.TaskType.CLIENT_APP``)."""
-
-CHILD_GRACE = 30.0
-"""Seconds a child may run past its message's expiry (``created_at + ttl``: the server's deadline
-plus :data:`fedproto.flower.exchange.TTL_MARGIN`) before it ends itself."""
-CHILD_FIRST_LIMIT = 600.0
-"""Seconds a child may run before its ClientApp has seen its message (Flower fetching the
-message, the context and the app from the SuperNode) before it ends itself."""
 
 log = logging.getLogger("fedproto.flower.prefork")
 
@@ -181,7 +188,8 @@ def _runtime_client(address: str, insecure: bool, root_certificates: str | None,
 def _run_child(address: str, token: str, insecure: bool, root_certificates: str | None, parent: int) -> None:
     """In the forked child: Flower's ClientApp entry for ``token``; never returns."""
     code = 1
-    _start_watchdog()
+    bind_to_parent(parent)
+    start_watchdog(parent=parent)
     try:
         from flwr.supercore.tls import validate_and_resolve_root_certificates
         from flwr.supernode.runtime.run_clientapp import run_clientapp
@@ -198,33 +206,6 @@ def _run_child(address: str, token: str, insecure: bool, root_certificates: str 
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _start_watchdog(grace: float | None = None, first_limit: float | None = None, tick: float = 1.0) -> None:
-    """In a child: a daemon thread that ends the process (exit status 124, with a log line) once
-    its message expired ``grace`` s ago (:data:`fedproto.flower.client_app.EXPIRY`), or
-    ``first_limit`` s after the start when the ClientApp never saw its message."""
-    from fedproto.flower.client_app import EXPIRY
-
-    EXPIRY.clear()  # the message of this child, not one the executor knew before the fork
-    grace = CHILD_GRACE if grace is None else grace
-    first_limit = CHILD_FIRST_LIMIT if first_limit is None else first_limit
-    started = time.time()
-
-    def watch() -> None:
-        while True:
-            time.sleep(tick)
-            at = EXPIRY.get("at")
-            limit = at + grace if at is not None else started + first_limit
-            if time.time() > limit:
-                why = (f"its message expired {time.time() - at:.0f} s ago" if at is not None
-                       else f"it got no message within {first_limit:g} s")
-                log.error("ClientApp process %d ends itself: %s (no reply can be accepted now)", os.getpid(), why)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(124)
-
-    threading.Thread(target=watch, name="fedproto-prefork-watchdog", daemon=True).start()
 
 
 def serve(address: str, insecure: bool = False, root_certificates: str | None = None,
@@ -257,8 +238,7 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
         # way ends too: Flower's run_clientapp in the child watches this process (parent_pid)
         raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    old = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
     children: set[int] = set()
     started, me = 0, os.getpid()
     try:
@@ -277,7 +257,7 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
                 children.add(pid)
                 started += 1
                 log.info("task %d (run %d): ClientApp in process %d", res.task.task_id, res.task.run_id, pid)
-            children -= _reaped(children)
+            children -= reaped(children)
             time.sleep(poll_interval)
         for pid in children:  # max_tasks reached: let the running tasks finish
             try:
@@ -285,24 +265,13 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
             except ChildProcessError:
                 pass
     finally:
+        for s in STOP_SIGNALS:  # a second signal does not cut the children's end short
+            signal.signal(s, signal.SIG_IGN)
         client.close()
+        end_children(children)
+        for s, h in old.items():
+            signal.signal(s, h)
     return started
-
-
-def _reaped(children: set[int]) -> set[int]:
-    done = set()
-    for pid in children:
-        try:
-            got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done.add(pid)
-            continue
-        if got:
-            done.add(pid)
-            code = os.waitstatus_to_exitcode(status)
-            if code:
-                log.warning("ClientApp process %d exited with %d", pid, code)
-    return done
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -351,4 +320,5 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["main", "parse_node_config", "preload", "serve"]
+__all__ = ["CHILD_FIRST_LIMIT", "CHILD_GRACE", "CHILD_STOP_GRACE", "STOP_SIGNALS", "bind_to_parent", "end_children",
+           "main", "parse_node_config", "preload", "serve", "start_watchdog"]
