@@ -1679,7 +1679,8 @@ def test_flower_secagg_with_a_dropout_gives_the_plain_prototypes(tmp_path, monke
     protos = np.load(tmp_path / "run-sa" / "prototypes.npz")
     assert protos["classes"].tolist() == [0, 1] and protos["contributors"].tolist() == [2, 2]
     for c, p in zip(protos["classes"].tolist(), protos["protos"]):
-        rows2 = [m["protos"][m["classes"].tolist().index(c)].astype(np.float64) for (r, _), m in plain.items() if r == 2]
+        rows2 = [m["protos"][m["classes"].tolist().index(c)].astype(np.float64)
+                 for (r, _), m in plain.items() if r == 2]
         assert np.abs(p - np.mean(rows2, axis=0)).max() <= 1e-6
     # the server's view: every step-5 request and answer names only the classes 0 and 1 (groups 1, 2)
     reveals = [from_record(r.content[MESSAGE]) for r in grid.received
@@ -1708,7 +1709,7 @@ def test_secagg_a_class_with_too_few_contributors_stays_masked_on_flower(tmp_pat
     lengths = {len(v) for r in grid.received if r.metadata.message_type == "query.secagg" and MESSAGE in r.content
                for k, v in from_record(r.content[MESSAGE]).items() if k.startswith("s.")}
     assert lengths == {4 + 16, 4 + 16 * 6}  # group 0 at step 4; the six classes 0-5 at step 5, never class 6
-    C, d = 10, 50
+    d = 50
     rnd = eng.loop.algorithm._session.last
     trains = [from_record(r.content[MESSAGE])["secagg"] for r in grid.received if r.metadata.message_type == "train"]
     total = secagg_codec.decode(sum(trains[-3:]) - rnd.masks)
@@ -1925,3 +1926,47 @@ def test_the_fallback_resume_command_is_one_shell_word_per_argument(tmp_path, mo
     args = shlex.split(eng._resume_command())
     assert args[:5] == ["flwr", "run", "YOUR_APP_FOLDER", "--stream", "--run-config"] and len(args) == 6
     assert parse_config_args([args[5]]) == {**eng.run_cfg, "resume-from": str((tmp_path / "ru n's").absolute())}
+
+
+class TokenFailureGrid(LocalGrid):
+    """Every node online, but each ClientApp fails its task as under the drill's load ("Runtime task-token
+    authentication failed"); node 1002 does not answer at all."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
+            if msg.metadata.dst_node_id == 1002:
+                continue
+            replies.append(Message(Error(code=1, reason="Runtime task-token authentication failed"), reply_to=msg))
+        return replies
+
+
+def test_a_run_that_cannot_start_writes_failure_json_naming_the_nodes_seen(tmp_path):
+    """The drill: three nodes online, each ClientApp failing under load, and the run stopped with "0 SuperNodes
+    joined within 60 s" (as if none were there), an empty run folder and no failure.json. Now the message
+    names the nodes online, those that failed and why, those that did not answer, and what to change; and
+    failure.json records the same with the command that starts the run again."""
+    folders = write_node_folders(tmp_path / "data")
+    uc = _own_config(**{"min-replies": 2, "wait-nodes": 0, "round-timeout": 1})
+    grid = TokenFailureGrid(uc, node_configs=node_configs(folders))
+    out = tmp_path / "run"
+    with pytest.raises(TrainingError) as err:
+        FlowerEngine(run_config(uc), grid, out=out, options=FlowerOptions.from_user_config(uc), run_cfg=uc)
+    msg = str(err.value)
+    assert msg.startswith("0 SuperNodes joined within 0 s, but the run has clients=3 and needs 2: 3 node(s) were "
+                          "online [1000, 1001, 1002] but not enough joined: on a loaded machine raise wait-nodes "
+                          "(e.g. wait-nodes=300)"), msg
+    assert "node 1000 refused: Runtime task-token authentication failed (code 1)" in msg
+    assert "node 1002 did not join (no answer within round-timeout=1 s)" in msg
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["rounds_completed"] == 0 and failure["error"] == "TrainingError" and failure["message"] == msg
+    assert failure["nodes_seen"] == {
+        "online": [1000, 1001, 1002], "joined": {},
+        "refused": {"1000": "Runtime task-token authentication failed (code 1)",
+                    "1001": "Runtime task-token authentication failed (code 1)"},
+        "unanswered": {"1002": "no answer within round-timeout=1 s"}}
+    assert failure["checkpoint"] is False and "resume" not in failure
+    assert failure["restart"].startswith("flwr run YOUR_APP_FOLDER --stream --run-config '")
+    assert "wait-nodes=300.0" in failure["restart"] and "min-replies=2" in failure["restart"]
+    assert sorted(p.name for p in out.iterdir()) == ["failure.json"]

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-pytest.importorskip("Crypto", reason="secure aggregation uses the flower extra's primitives: pip install \"fedproto[flower]\"")
+pytest.importorskip("Crypto", reason="secure aggregation uses the flower extra's primitives: pip install "
+                    "\"fedproto[flower]\"")
 pytestmark = pytest.mark.flower
 
 from conftest import digits_config, run_cli  # noqa: E402

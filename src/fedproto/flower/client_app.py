@@ -259,7 +259,7 @@ def query(msg: Message, context: Context) -> Message:
             "test-samples": len(n.data.test_y), "params": count_parameters(n.state.model),
             "embedding-dim": int(n.state.model.embedding_dim)}
     info = {**deployment_fields(n.cfg.dp, "query", info), "schema": SCHEMA}  # the schema is public
-    if n.cfg.secagg and n.cfg.secagg_hide_labels:  # the server learns per-class totals only (docs/secure-aggregation.md)
+    if n.cfg.secagg and n.cfg.secagg_hide_labels:  # the server learns per-class totals only (secure-aggregation.md)
         info = {k: v for k, v in info.items() if k not in HIDDEN_UNDER_SECAGG}
     join = n.algorithm.join_message(n.state)
     content = {CONFIG: ConfigRecord(info), MESSAGE: to_record(join),

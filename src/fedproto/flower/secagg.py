@@ -136,7 +136,7 @@ class SecAggFlowerExecutor:
         return got, sum(nbytes(msgs[i]) for i in ids), sum(nbytes(m) for m in got.values())
 
     def train(self, round: int, sent: dict, downlink=None) -> RoundReplies:
-        """The protocol's four steps around the wrapped executor's ``train`` (see the module)."""
+        """The protocol's five steps around the wrapped executor's ``train`` (see the module)."""
         ex = self._ex
         ex.round = round
         ids = [i for i in sorted(sent) if i in ex.nodes]

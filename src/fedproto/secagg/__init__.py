@@ -27,7 +27,8 @@ def require() -> None:
         import cryptography  # noqa: F401
     except ImportError as e:
         raise ConfigError(f"{opt('secagg', True)} uses the secure-aggregation primitives of the flower extra (Shamir "
-                          f"shares, key agreement), which are not installed ({e.name} is missing); install them with pip install "
+                          f"shares, key agreement), which are not installed ({e.name} is missing); install them with "
+                          "pip install "
                           "\"fedproto[flower]\" (Python 3.11+) or run without secagg", option="secagg",
                           value=True) from None
 
