@@ -1947,6 +1947,8 @@ def test_a_run_that_cannot_start_writes_failure_json_naming_the_nodes_seen(tmp_p
     joined within 60 s" (as if none were there), an empty run folder and no failure.json. Now the message
     names the nodes online, those that failed and why, those that did not answer, and what to change; and
     failure.json records the same with the command that starts the run again."""
+    from fedproto.flower.common import FlowerOptions
+
     folders = write_node_folders(tmp_path / "data")
     uc = _own_config(**{"min-replies": 2, "wait-nodes": 0, "round-timeout": 1})
     grid = TokenFailureGrid(uc, node_configs=node_configs(folders))

@@ -82,9 +82,12 @@ class NodeMembership:
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, unavailable, _ = self._exchange([self._message({}, nid, QUERY) for nid in new])
+        ok, failed, unavailable, late = self._exchange([self._message({}, nid, QUERY) for nid in new])
         for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
             log.warning("node %d is unavailable: %s", nid, why)
+            self.unanswered[nid] = f"unavailable: {why}"
+        for nid in late:  # asked again at the next look
+            self.unanswered[nid] = f"no answer within round-timeout={self.opts.round_timeout:g} s"
         for nid, why in failed.items():
             m = re.search(r"client-id=(\d+)", why)
             self._refuse(nid, int(m.group(1)) if m else None, why)
@@ -121,6 +124,7 @@ class NodeMembership:
             self._saw(cid, rep.content[METRICS] if METRICS in rep.content else {})
             self.joins.setdefault(cid, from_record(rep.content[MESSAGE]) if MESSAGE in rep.content else {})
             joined.append(cid)
+            self.unanswered.pop(nid, None)
         return joined
 
     def _refuse(self, nid: int, cid: int | None, why: str) -> None:
@@ -150,26 +154,53 @@ class NodeMembership:
         need = m if not self.own_data else self.opts.min_replies
         deadline = time.monotonic() + wait_s
         first = True
+        self.online_seen: set[int] = set()  # every node the SuperLink listed as online during the wait
+        self.unanswered: dict[int, str] = {}  # node id -> why its query got no answer (asked again)
         while True:
             nids = list(self._grid("get_node_ids"))
+            self.online_seen.update(int(n) for n in nids)
             self._query_new(strict=first)
             first = False
             if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
                 nid, why = next(iter(self.refused.items()))
-                raise TrainingError(f"node {nid} refused to join: {why}")
+                e = TrainingError(f"node {nid} refused to join: {why}")
+                e.nodes_seen = self.nodes_seen()
+                raise e
             if len(self.nodes) >= m or time.monotonic() >= deadline:
                 break
             if len(nids) < m:
                 log.warning("waiting up to %g s for %d SuperNodes (%d joined)", wait_s, m, len(self.nodes))
             time.sleep(1.0)
         if len(self.nodes) < need:
-            refused = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
-            which = "" if self.own_data else " (one per partition-id 0..clients-1)"
-            raise TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} "
-                                f"and needs {need}{which}: start the missing SuperNodes{refused}")
+            raise self._not_started(wait_s, need)
         if len(self.nodes) < m:
             log.warning("starting with %d of %d clients (%s); the others take part once they connect",
                         len(self.nodes), m, sorted(self.nodes))
+
+    def _not_started(self, wait_s: float, need: int) -> TrainingError:
+        """The error of a run too few nodes joined: what was seen (the nodes online, those that failed their
+        query and why, those that did not answer) and what to change; ``nodes_seen`` holds the same."""
+        m, online = self.cfg.clients, sorted(self.online_seen)
+        which = "" if self.own_data else " (one per partition-id 0..clients-1)"
+        said = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
+        said += "".join(f"; node {n} did not join ({why})" for n, why in list(self.unanswered.items())[:5])
+        if len(online) >= need:  # they are there but did not join: slow (a loaded machine) or failing
+            fix = (f"{len(online)} node(s) were online {online[:10]} but not enough joined: on a loaded machine raise "
+                   f"wait-nodes (e.g. wait-nodes={max(300, 5 * wait_s):g}) and round-timeout, and read the nodes' "
+                   "logs for the reasons")
+        else:
+            fix = f"{len(online)} node(s) were online {online[:10]}: start the missing SuperNodes (or raise wait-nodes)"
+        e = TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} and "
+                          f"needs {need}{which}: {fix}{said}")
+        e.nodes_seen = self.nodes_seen()
+        return e
+
+    def nodes_seen(self) -> dict:
+        """What the start saw (``failure.json``'s ``nodes_seen``): the node ids listed online, the clients
+        that joined (client id -> node id), the nodes refused and those that did not answer, with why."""
+        return {"online": sorted(self.online_seen), "joined": {str(c): n for c, n in sorted(self.nodes.items())},
+                "refused": {str(n): why for n, why in self.refused.items()},
+                "unanswered": {str(n): why for n, why in self.unanswered.items()}}
 
 
 __all__ = ["NodeMembership"]

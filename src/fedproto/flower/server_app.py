@@ -38,7 +38,7 @@ from fedproto.engine.observers.checkpoints import check_options
 from fedproto.engine.observers.health import Health
 from fedproto.engine.setup import build_algorithm
 from fedproto.engine.summary import over_clients
-from fedproto.errors import ConfigError, FedprotoError
+from fedproto.errors import ConfigError, FedprotoError, TrainingError, first_line
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
 from fedproto.flower.secagg import install as install_secagg
@@ -80,7 +80,10 @@ class FlowerEngine:
 
     def __init__(self, cfg: RunConfig, grid: Grid, out=None, options: FlowerOptions | None = None,
                  wait_s: float | None = None, timeout_s: float | None = None,
-                 on_round: Callable[[dict], None] | None = None, observers: Sequence[Observer] = ()):
+                 on_round: Callable[[dict], None] | None = None, observers: Sequence[Observer] = (),
+                 run_cfg: dict | None = None):
+        if run_cfg is not None:
+            self.run_cfg = dict(run_cfg)
         opts = options or FlowerOptions()
         opts = replace(opts, round_timeout=opts.round_timeout if timeout_s is None else timeout_s,
                        wait_nodes=opts.wait_nodes if wait_s is None else wait_s)
@@ -98,7 +101,11 @@ class FlowerEngine:
         self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
         self.run_key = self._run_key()
         self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
-        self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
+        try:
+            self.executor = FlowerExecutor(cfg, grid, opts, self.run_key)
+        except TrainingError as e:  # too few nodes joined: the run never reached round 1
+            self._record_start_failure(e)
+            raise
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
         # secure aggregation (fedproto.flower.secagg; unchanged when off): the executor runs the protocol
         server, self.executor = install_secagg(cfg, self.algorithm, self.executor)
@@ -199,6 +206,27 @@ class FlowerEngine:
         overrides = resume_config({**self.run_cfg, "resume-from": None}) + \
             f"resume-from={json.dumps(str(self.run_dir.path.absolute()))}"
         return f"flwr run YOUR_APP_FOLDER --stream --run-config {shlex.quote(overrides)}"
+
+    def _record_start_failure(self, e: TrainingError) -> None:
+        """``failure.json`` of a run that never reached round 1: why, the nodes seen (``nodes_seen``: online,
+        joined, refused and unanswered, with the reasons) and the command that starts it again (a resumed run:
+        its resume command)."""
+        if self.run_dir is None:
+            return
+        import shlex
+
+        again = shlex.quote(resume_config({**self.run_cfg, "wait-nodes": max(300.0, 5 * self.opts.wait_nodes)}).strip())
+        record = {"round": 1, "rounds_completed": 0, "error": type(e).__name__, "message": str(e)[:2000],
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes_seen": getattr(e, "nodes_seen", None),
+                  "checkpoint": self._checkpoint is not None,
+                  "restart": f"flwr run YOUR_APP_FOLDER --stream --run-config {again}"}
+        if self._checkpoint is not None:
+            record["resume"] = self._resume_command()
+        try:
+            atomic_write_json(self.run_dir.path / "failure.json", record)
+        except OSError as err:
+            log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
+        log.error("fedproto: the run did not start (%s); %s", first_line(e), self.run_dir.path / "failure.json")
 
     def _record_failure(self, e: BaseException) -> None:
         """``failure.json``: the round the run stopped in, why, and how to continue it (once: the
@@ -340,8 +368,7 @@ def main(grid: Grid, context: Context) -> None:
         cfg = run_config(context.run_config)
         opts = FlowerOptions.from_user_config(context.run_config)
         out = Path(cfg.out_dir) / f"{cfg.run_name()}-run{context.run_id}"  # resume_from: that folder instead
-        engine = FlowerEngine(cfg, grid, out=out, options=opts)
-        engine.run_cfg = dict(context.run_config)
+        engine = FlowerEngine(cfg, grid, out=out, options=opts, run_cfg=dict(context.run_config))
         if opts.resume_from:
             out = engine.run_dir.path
         with failure_on_signal(engine):
