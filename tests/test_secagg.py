@@ -236,8 +236,9 @@ def test_settings_that_hide_little_are_warned_about(caplog):
 
     from fedproto.secagg import weak
 
-    def cfg(clients, threshold=0.5, neighbours=0):
-        return SimpleNamespace(clients=clients, secagg_threshold=threshold, secagg_neighbours=neighbours)
+    def cfg(clients, threshold=0.5, neighbours=0, minimum=2):
+        return SimpleNamespace(clients=clients, secagg_threshold=threshold, secagg_neighbours=neighbours,
+                               secagg_min_contributors=minimum)
 
     assert weak(cfg(20)) == [] and weak(cfg(3, neighbours=2)) == []
     with caplog.at_level("WARNING", logger="fedproto.secagg"):
@@ -247,6 +248,34 @@ def test_settings_that_hide_little_are_warned_about(caplog):
     assert any("1 share enough to rebuild" in w for w in weak(cfg(5, threshold=0.0)))  # t = floor(0 * 5) + 1 = 1
     assert not any("1 share" in w for w in weak(cfg(5, threshold=0.2)))  # t = floor(0.2 * 5) + 1 = 2
     assert any("more than the 2 other clients" in w for w in weak(cfg(3, neighbours=10)))
+    assert any("decode a class held by one client" in w for w in weak(cfg(20, minimum=1)))
+    assert any("collect both shares of one client" in w for w in weak(cfg(20, threshold=0.4)))
+
+
+def test_secagg_refuses_fewer_clients_than_the_minimum_of_contributors():
+    with pytest.raises(ConfigError, match=r"secagg_min_contributors=4 decodes a sum only over at least 4 clients, "
+                                          r"but the run has 3"):
+        Simulation(digits_config(secagg=True, clients=3, secagg_min_contributors=4), out=False)
+
+
+def test_secagg_contributor_history_survives_a_resume(tmp_path):
+    """The contributors of each decoded class per round are in the checkpoint: a run stopped
+    after round 2 and resumed to 3 states the same epsilon_per_class as an uninterrupted one."""
+    cfg = digits_config(secagg=True, dp="prototypes", aggregation="weighted", rounds=3, clients=5, checkpoint_every=1)
+    whole = Simulation(cfg, out=tmp_path / "whole").run()["secure_aggregation"]
+
+    class Stop(Exception):
+        pass
+
+    def stop(row):
+        if row["round"] == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        Simulation(cfg, out=tmp_path / "part", on_round=stop).run()
+    resumed = Simulation(cfg, out=tmp_path / "part").run(resume=True)["secure_aggregation"]
+    assert whole["dp"]["epsilon_per_class"] and resumed["dp"]["epsilon_per_class"] == whole["dp"]["epsilon_per_class"]
+    assert resumed["withheld_rounds"] == whole["withheld_rounds"] and len(whole["withheld_rounds"]) == 3
 
 
 # --- the guarantees, each tested as the attack on it (docs/secure-aggregation.md, "Guarantees") -------
