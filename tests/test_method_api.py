@@ -258,3 +258,74 @@ def test_a_plugin_metric_ending_in_mean_is_not_taken_for_an_accuracy(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert list(summary["accuracy"]) == ["acc", "acc_proto"]  # the evaluated keys, nothing else
     assert summary["accuracy"]["acc"]["mean"] == rows[-1]["acc_mean"]
+
+
+class HandCE(LossTerm):
+    """Cross-entropy written out by hand (a method's own classification loss, weighted batch mean)."""
+
+    per_sample = True
+
+    def __call__(self, logits, h, y, w):
+        nll = -torch.log_softmax(logits, -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return (nll * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+class NoHeadLossProto(FedProto):
+    """A prototype-as-classifier method's client: no classification loss, only λ's prototype term."""
+
+    name = "noheadloss"
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        obj.classification = None
+        return obj
+
+    def aggregate(self, round, messages, state=None):
+        out = super().aggregate(round, messages, state)
+        out.metrics["draw"] = float(self.generator(round).random())  # the run's seeded generator
+        return out
+
+
+class HandCEProto(FedProto):
+    """FedProto whose classification loss is its own term (the same cross-entropy, written out)."""
+
+    name = "handce"
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        obj.classification = HandCE()
+        return obj
+
+
+def test_a_plugin_can_replace_the_classification_loss(tmp_path):
+    def run(algorithm, execution):
+        cfg = build_config(overrides={**SMALL, "algorithm": algorithm, "execution": execution, "rounds": 2})
+        out = tmp_path / f"{algorithm}-{execution}"
+        sim = Simulation(cfg, out=out)
+        heads = [{k: v.clone() for k, v in s.model.named_parameters() if s.model.is_head_param(k)}
+                 for s in sim.setup.states]
+        sim.run()
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return sim, heads, rows
+
+    register_algorithm(NoHeadLossProto)
+    register_algorithm(HandCEProto)
+    try:
+        ref = {e: run("fedproto", e)[2] for e in ("sequential", "batched")}
+        for execution in ("sequential", "batched"):
+            sim, heads, rows = run("noheadloss", execution)
+            assert sim.setup.algorithm.seed == 1234  # the run's seed, for the method's own draws
+            # switched off: loss_ce reads 0 (not ln 10), the head gets no gradient, the body trains on λ's term
+            assert [r["loss_ce"] for r in rows] == [0.0, 0.0], execution
+            assert rows[1]["loss_proto"] > 0 and rows[0]["loss_proto"] == 0.0
+            for s, head in zip(sim.setup.states, heads):
+                assert head and all(torch.equal(p, head[k]) for k, p in s.model.named_parameters() if k in head)
+            assert [r["draw"] for r in rows] == [np.random.default_rng([1234, r]).random() for r in (1, 2)]
+            # replaced: the method's own term is what trains and what loss_ce reports
+            _, _, own = run("handce", execution)
+            for a, b in zip(own, ref[execution]):
+                assert a["loss_ce"] == pytest.approx(b["loss_ce"], rel=1e-5) and a["loss_ce"] > 0.1, execution
+            assert own[-1]["acc_mean"] == pytest.approx(ref[execution][-1]["acc_mean"], abs=0.02)
+    finally:
+        plugins.unregister("noheadloss")
+        plugins.unregister("handce")

@@ -331,10 +331,20 @@ class Algorithm(ClientPart, ServerPart):
     """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
     server's messages carry ``head_only``); 0: off. Set from the config by the engine."""
 
+    seed = 0
+    """The run's seed (``seed`` option; set by the engine on every front end): see :meth:`generator`."""
+
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
         self.num_classes = num_classes
         self.opt = opt
         self.local_epochs = local_epochs
+
+    def generator(self, *keys: int) -> np.random.Generator:
+        """A numpy generator seeded from the run's seed and ``keys`` (e.g. the round, a client id,
+        a number of the method's own): the same draws on every executor and process, on Flower's
+        server and after a resume, and other draws for other keys or seeds. For torch:
+        ``torch.Generator().manual_seed(int(alg.generator(round).integers(2**62)))``."""
+        return np.random.default_rng([int(self.seed), *(int(k) for k in keys)])
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
@@ -345,6 +355,7 @@ class Algorithm(ClientPart, ServerPart):
         from fedproto.plugins import method_options
 
         alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        alg.seed = int(cfg.seed)
         options = method_options(cls)
         if options is not None:
             alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})

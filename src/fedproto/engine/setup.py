@@ -38,6 +38,7 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     cls = get_algorithm(cfg.algorithm)
     alg = cls.from_config(cfg, embedding_dim)
     alg.freeze_after = cfg.freeze_after
+    alg.seed = int(cfg.seed)  # also where a method's own from_config does not set it (Algorithm.generator)
     options = method_options(cls)
     if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
         # a plug-in built by its parent's from_config (e.g. a FedProto subclass): every option it reads

@@ -48,11 +48,13 @@ from fedproto.training.objective import (  # noqa: F401
     ADAM_BETAS,
     ADAM_EPS,
     AUGMENT_PAD,
+    CROSS_ENTROPY,
     DPSGD,
     EMBED_NORM_LIMIT,
     EVAL_TRAIN_NORM_RATIO,
     LR_SCHEDULES,
     OPTIMIZERS,
+    CrossEntropy,
     LossTerm,
     Objective,
     OptimConfig,
@@ -96,7 +98,8 @@ from fedproto.training.stacked import (  # noqa: F401
 )
 
 __all__ = [
-    "ADAM_BETAS", "ADAM_EPS", "AUGMENT_PAD", "DPSGD", "EMBED_NORM_LIMIT", "EVAL_TRAIN_NORM_RATIO", "LR_SCHEDULES",
+    "ADAM_BETAS", "ADAM_EPS", "AUGMENT_PAD", "CROSS_ENTROPY", "CrossEntropy", "DPSGD", "EMBED_NORM_LIMIT",
+    "EVAL_TRAIN_NORM_RATIO", "LR_SCHEDULES",
     "LossTerm", "OPTIMIZERS", "Objective", "OptimConfig", "Phase", "Plan", "StackedPhase", "TrainResult",
     "TrainsOnly", "WeightAnchor", "adam_step_stacked", "anchor_loss", "augment_batch", "batch_key", "can_batch",
     "embed_all", "frozen_batchnorms",

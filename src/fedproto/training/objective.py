@@ -15,7 +15,15 @@ import torch
 from torch import nn
 from torch.optim.adam import adam as torch_adam
 
-from fedproto.training.terms import LossTerm, WeightAnchor, anchor_loss, step_terms  # noqa: F401
+from fedproto.training.terms import (  # noqa: F401
+    CROSS_ENTROPY,
+    CrossEntropy,
+    LossTerm,
+    WeightAnchor,
+    anchor_loss,
+    same_term,
+    step_terms,
+)
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
@@ -215,6 +223,12 @@ class Objective:
         anchor: a pull toward reference weights (:class:`WeightAnchor`), None: none.
         dp_sgd: train with DP-SGD (:class:`DPSGD`, a training mode any method may choose;
             sequential path only), None: plain SGD.
+        classification: the classification loss, the hook for a method whose classifier is not
+            the model's head (prototype-as-classifier methods such as FedNH): :data:`CROSS_ENTROPY`
+            (the default, cross-entropy of the head's logits), a :class:`LossTerm` of the method's
+            in its place (called as a term is, its value unweighted; it may ignore the logits), or
+            None (no classification loss: the head gets no gradient from it). ``loss_ce`` in
+            ``metrics.jsonl`` reports what is in force (0 with None). Every training path honours it.
     """
 
     phases: list[Phase]
@@ -222,6 +236,7 @@ class Objective:
     terms: tuple[LossTerm, ...] = ()
     anchor: WeightAnchor | None = None
     dp_sgd: DPSGD | None = None
+    classification: LossTerm | None = CROSS_ENTROPY
 
     @property
     def anchor_mu(self) -> float:
@@ -249,7 +264,8 @@ def on_device(obj: Objective, device: torch.device) -> Objective:
     anchor = obj.anchor
     if anchor is not None and anchor.ref is not None:
         anchor = WeightAnchor(anchor.mu, {k: v.to(device) for k, v in anchor.ref.items()})
-    return replace(obj, anchor=anchor, terms=tuple(t.to(device) for t in obj.terms))
+    base = obj.classification.to(device) if obj.classification is not None else None
+    return replace(obj, anchor=anchor, terms=tuple(t.to(device) for t in obj.terms), classification=base)
 
 
 def frozen_params(model: nn.Module) -> frozenset[str]:

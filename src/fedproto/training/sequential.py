@@ -82,7 +82,7 @@ def _train_client(
     if obj.dp_sgd is not None:
         from opacus import GradSampleModule
 
-        batch_terms = [type(t).__name__ for t in obj.terms if not t.per_sample]
+        batch_terms = [type(t).__name__ for t in (*obj.terms, obj.classification) if t is not None and not t.per_sample]
         if obj.anchor_mu > 0 or batch_terms:
             raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not a pull toward reference "
                              f"weights (anchor mu={obj.anchor_mu}) nor loss terms that are not per sample "

@@ -20,6 +20,7 @@ from fedproto.training.objective import (
     frozen_params,
     on_device,
     respect_frozen,
+    same_term,
     stacked_state,
     step_terms,
 )
@@ -53,7 +54,8 @@ def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
         return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in names)) for p in o.phases]
 
     return (phases(a) == phases(b) and a.anchor_mu == b.anchor_mu and a.collect == b.collect
-            and len(a.terms) == len(b.terms) and all(t.same_as(u) for t, u in zip(a.terms, b.terms)))
+            and len(a.terms) == len(b.terms) and all(t.same_as(u) for t, u in zip(a.terms, b.terms))
+            and same_term(a.classification, b.classification))
 
 
 @torch.no_grad()

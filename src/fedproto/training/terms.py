@@ -79,6 +79,27 @@ class LossTerm:
         return True
 
 
+class CrossEntropy(LossTerm):
+    """The built-in classification loss: cross-entropy of the logits against the labels, the weighted
+    batch mean (:attr:`fedproto.training.Objective.classification` by default; its value is
+    ``loss_ce`` in ``metrics.jsonl``)."""
+
+    per_sample = True
+
+    def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+        return (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+
+
+CROSS_ENTROPY = CrossEntropy()
+"""The default classification loss of an :class:`~fedproto.training.Objective` (stateless: one object serves all)."""
+
+
+def same_term(a: LossTerm | None, b: LossTerm | None) -> bool:
+    """True when ``a`` and ``b`` are both None or the same term (:meth:`LossTerm.same_as`)."""
+    return (a is None and b is None) or (a is not None and b is not None and a.same_as(b))
+
+
 @dataclass
 class WeightAnchor:
     """A pull of the trained parameters toward reference weights: ``mu / 2 x sum ||w - ref||²``
@@ -112,7 +133,9 @@ def step_terms(logits, h, y, w, obj: Any):
     (a :class:`fedproto.training.objective.Objective`: its ``terms``).
 
     Returns:
-        ``(ce, reported, extra, loss)``: cross-entropy (weighted mean); the :attr:`LossTerm.reported`
+        ``(ce, reported, extra, loss)``: the classification loss (``obj.classification``: by default
+        :class:`CrossEntropy`, the weighted mean; a method's own term in its place; 0 when it is None)
+        as ``loss_ce`` reports it; the :attr:`LossTerm.reported`
         terms' values before their weights (the prototype term's: ``loss_proto``; 0 without one);
         the other terms' weighted sum (``loss_terms``); and the loss without the
         :class:`WeightAnchor`, ``ce + weighted reported terms + extra``.
@@ -121,8 +144,12 @@ def step_terms(logits, h, y, w, obj: Any):
         ValueError: a term returned something else than a number or a tensor of shape (...) (e.g.
             one value per sample, or one mean over a batched group's clients), naming the term.
     """
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-    ce = (ce.reshape(y.shape) * w).sum(-1) / w.sum(-1).clamp_min(1.0)
+    base = getattr(obj, "classification", CROSS_ENTROPY)
+    if base is CROSS_ENTROPY or isinstance(base, CrossEntropy):
+        ce = base(logits, h, y, w)
+    else:  # a method's own classification loss, or none: 0 (loss_ce reads 0), a zero gradient for the head
+        ref = logits.sum((-1, -2)) * 0.0  # in the graph, so a step whose loss is only this still backpropagates
+        ce = ref if base is None else _checked(base, base(logits, h, y, w), ref, y) + ref
     reported = weighted = None
     extra = torch.zeros_like(ce)
     for t in obj.terms:
