@@ -61,3 +61,28 @@ def test_a_real_superlink_round_in_the_fast_suite(tmp_path):
         assert got["accuracy"][key]["mean"] == pytest.approx(want["accuracy"][key]["mean"], abs=1e-9)
         assert got["accuracy"][key]["std"] == pytest.approx(want["accuracy"][key]["std"], abs=1e-9)
     assert got["params_per_round"] == want["params_per_round"]
+
+
+@pytest.mark.slow
+def test_run_local_compare_runs(tmp_path):
+    """``examples/flower/run_local.py --compare`` (once refused by ``federate``: unknown options
+    poll_interval, resume_from, which are the Flower engine's keys): the deployment of two nodes,
+    then the same clients in-process, the same accuracies printed side by side (about 40 s)."""
+    pytest.importorskip("flwr")
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "flower" / "run_local.py"), "--compare", "--rounds",
+                           "1", "--nodes", "2", "--executor", "fedproto", "--workdir", str(tmp_path / "fl")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "unknown option" not in text and "round  deployment_s  simulator_s" in text
+    for key in ("acc", "acc_proto"):
+        got = re.search(rf"^{key}: deployment ([0-9.]+), simulator ([0-9.]+)$", text, re.M)
+        assert got is not None, text[-3000:]
+        assert float(got[1]) == pytest.approx(float(got[2]), abs=1e-6) and 0 < float(got[1]) <= 1

@@ -170,6 +170,19 @@ def main() -> None:
             compare(out, work / "data", args)
 
 
+def simulator_options(app_config: dict, rounds: int, algorithm: str) -> dict:
+    """The ``federate`` keywords of the Flower App's run config (``[tool.flwr.app.config]``): its run
+    options, without those ``federate`` sets from the clients (dataset, classes, clients, the
+    embedding size), the output folder, the participation (the deployment samples its connected
+    nodes) and the Flower engine's own keys (:data:`fedproto.config.FLOWER_KEYS`: round-timeout,
+    poll-interval, resume-from, ...), which are no run option."""
+    from fedproto.config import FLOWER_KEYS, normal_key
+
+    skip = {"dataset", "classes", "clients", "embedding_dim", "out_dir", "participation", *FLOWER_KEYS}
+    opts = {normal_key(k): v for k, v in app_config.items() if normal_key(k) not in skip}
+    return {**opts, "rounds": rounds, "algorithm": algorithm}
+
+
 def compare(out: Path, data: Path, args) -> None:
     """Run the same clients in-process (fedproto.federation.federate, same options and seed) and
     print each round's wall time beside the deployment's, and both accuracies."""
@@ -179,10 +192,7 @@ def compare(out: Path, data: Path, args) -> None:
     from fedproto.models.zoo import build_model
 
     cfg = tomllib.loads((HERE / "own_data" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    skip = ("dataset", "classes", "clients", "embedding-dim", "out-dir", "round-timeout", "min-replies",
-            "round-retries", "wait-nodes", "participation")
-    opts = {k.replace("-", "_"): v for k, v in cfg.items() if k not in skip}
-    opts.update(rounds=args.rounds, algorithm=args.algorithm)
+    opts = simulator_options(cfg, args.rounds, args.algorithm)
     clients = []
     for i in range(args.nodes):
         tr, te = np.load(data / f"node{i}" / "train.npz"), np.load(data / f"node{i}" / "test.npz")
