@@ -484,3 +484,17 @@ def test_secagg_dp_epsilon_counts_the_contributors_present():
         assert dp["epsilon_per_class"][c] == pytest.approx(e, rel=1e-9)
     assert dp["epsilon_sum"] == pytest.approx(max(want.values())) and dp["fewest_contributors_decoded"] < 4
     assert dp["epsilon_sum"] > epsilon([(1.0, 1.0, 2)], 1e-5)  # fewer than h contributors: more than sigma's
+
+
+def test_secagg_with_a_minimum_of_one_shares_one_seed():
+    """secagg_min_contributors 1 withholds nothing, so FedProto's vector is one mask group: one
+    self-mask seed to share (12 + 16 + 4 + 16 * 3 bytes per encrypted share), no reveal step;
+    with 2, one seed per class (C + 1 seeds)."""
+    rows = {}
+    for m in (1, 2):
+        sim = Simulation(digits_config(secagg=True, rounds=1, secagg_min_contributors=m), out=False)
+        sim.run()
+        rows[m] = sim.history[0]["secagg_bytes"]
+        assert codec.codec_of(sim.setup.algorithm, m).n_groups({}) == (1 if m == 1 else 11)
+    # per round, 6 clients x 5 encrypted shares each way: 16 bytes more per extra seed, 10 extra seeds
+    assert rows[2] - rows[1] >= 2 * 6 * 5 * 16 * 10

@@ -99,7 +99,7 @@ def masked_reply(n: Any, down: dict, context: Context, round: int):
                             "not take part in the round's key and share steps): it does not send its reply in the "
                             "clear")
     plain = {k: v for k, v in down.items() if not k.startswith(PREFIX)}
-    codec = codecs.codec_of(n.algorithm)
+    codec = codecs.codec_of(n.algorithm, n.cfg.secagg_min_contributors)
 
     def finish(reply: dict) -> dict:
         vec = codecs.encode(codec.vector(n.cid, reply, plain, (n.state, n.data)), int(c.state["parties"][0]))
@@ -121,7 +121,8 @@ class SecAggFlowerExecutor:
     """
 
     def __init__(self, executor: Any, algorithm: Any, session: Session):
-        self.__dict__.update(_ex=executor, _codec=codecs.codec_of(algorithm), _session=session)
+        self.__dict__.update(_ex=executor, _codec=codecs.codec_of(algorithm, session.minimum),
+                             _session=session)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ex, name)

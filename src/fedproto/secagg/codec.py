@@ -96,10 +96,11 @@ def check(cfg: Any, alg: Any) -> None:
                           "fedavg, fedprox, fedper and fedrep", option="secagg", value=True)
 
 
-def codec_of(alg: Any) -> Codec | None:
-    """The codec of a method, or None when its server needs individual replies."""
+def codec_of(alg: Any, minimum: int = 2) -> Codec | None:
+    """The codec of a method, or None when its server needs individual replies; ``minimum``:
+    ``secagg_min_contributors`` (with 1 nothing is withheld and FedProto's vector is one group)."""
     if alg.name == "fedproto":
-        return ProtoCodec(alg)
+        return ProtoCodec(alg, minimum)
     # the sample-weighted mean of fedproto.algorithms.fedavg (by name: the engine imports no method module)
     if alg.name in ("fedavg", "fedprox", "fedper", "fedrep") and type(alg).aggregate.__qualname__ == "FedAvg.aggregate":
         return WeightsCodec(alg)
@@ -110,8 +111,8 @@ class Codec:
     """A method's sum: the client's vector (:meth:`vector`) and the server's message from the sum
     (:meth:`aggregate`)."""
 
-    def __init__(self, alg: Any):
-        self.alg = alg
+    def __init__(self, alg: Any, minimum: int = 2):
+        self.alg, self.minimum = alg, minimum
 
     def checked(self, cid: int, reply: Message, sent: Message) -> Message:
         """The reply after the algorithm's own reply checks (against ``sent``, the downlink message
@@ -170,18 +171,23 @@ class ProtoCodec(Codec):
         return a.num_classes * (a.embedding_dim + 2)
 
     def groups(self, sent: Message) -> np.ndarray:
-        """Class c's sum row and count in group 1 + c; the contributor counts in group 0."""
+        """Class c's sum row and count in group 1 + c; the contributor counts in group 0. With a
+        minimum of 1 contributor nothing is ever withheld: one group (one seed to share, no reveal step)."""
         C, d = self.alg.num_classes, self.alg.embedding_dim
+        if self.minimum <= 1:
+            return np.zeros(C * (d + 2), np.int64)
         return np.concatenate([np.repeat(np.arange(1, C + 1), d), np.arange(1, C + 1), np.zeros(C, np.int64)])
 
     def n_groups(self, sent: Message) -> int:
-        return self.alg.num_classes + 1
+        return 1 if self.minimum <= 1 else self.alg.num_classes + 1
 
     def reveal(self, opened: np.ndarray, minimum: int) -> tuple[list[int], np.ndarray, list[int]]:
         """The classes with at least ``minimum`` (and at least 1) contributors are revealed; those
         held by fewer (but some) are withheld."""
         C, d = self.alg.num_classes, self.alg.embedding_dim
         contrib = np.rint(opened[C * (d + 1):]).astype(np.int64)
+        if self.minimum <= 1:  # one group: all of the vector is decoded already
+            return [], contrib, []
         ok = [c for c in range(C) if contrib[c] >= max(1, minimum)]
         return [1 + c for c in ok], contrib, [c for c in range(C) if 0 < contrib[c] < minimum]
 

@@ -139,7 +139,7 @@ class SecureServer:
     def __init__(self, algorithm: Any, session: Session):
         self.__dict__["_alg"] = algorithm
         self.__dict__["_session"] = session
-        self.__dict__["_codec"] = codecs.codec_of(algorithm)
+        self.__dict__["_codec"] = codecs.codec_of(algorithm, session.minimum)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._alg, name)
@@ -262,7 +262,7 @@ class SimulatedSecAgg:
     """
 
     def __init__(self, executor: Any, algorithm: Any, session: Session):
-        self.__dict__.update(_ex=executor, _alg=algorithm, _session=session, _codec=codecs.codec_of(algorithm),
+        self.__dict__.update(_ex=executor, _alg=algorithm, _session=session, _codec=codecs.codec_of(algorithm, session.minimum),
                              drop={})
 
     def __getattr__(self, name: str) -> Any:
