@@ -262,8 +262,8 @@ class SimulatedSecAgg:
     """
 
     def __init__(self, executor: Any, algorithm: Any, session: Session):
-        self.__dict__.update(_ex=executor, _alg=algorithm, _session=session, _codec=codecs.codec_of(algorithm, session.minimum),
-                             drop={})
+        self.__dict__.update(_ex=executor, _alg=algorithm, _session=session,
+                             _codec=codecs.codec_of(algorithm, session.minimum), drop={})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ex, name)
