@@ -25,12 +25,14 @@ import statistics
 from bench_args import positive
 
 
-def run(clients: int, secagg: bool, rounds: int, neighbours: int = 0, shots: int | None = None) -> dict:
+def run(clients: int, secagg: bool, rounds: int, neighbours: int = 0, shots: int | None = None,
+        minimum: int = 2) -> dict:
     from fedproto.config import build_config
     from fedproto.simulation import Simulation
 
     cfg = build_config(overrides=dict(dataset="digits", clients=clients, rounds=rounds, threads=1, secagg=secagg,
                                       execution="sequential", eval_every=0, secagg_neighbours=neighbours,
+                                      secagg_min_contributors=minimum,
                                       **({"shots": shots} if shots else {})))
     load = os.getloadavg()[0]
     sim = Simulation(cfg, out=False)
@@ -53,13 +55,16 @@ def main() -> None:
                     "value for all (default 0: every client shares with all; e.g. 0,0,20 for --clients 3,20,100)")
     ap.add_argument("--shots", type=positive, default=None, help="shots per class (default: the dataset's; digits "
                     "fits 100 clients with --shots 2)")
+    ap.add_argument("--min-contributors", type=positive, default=2, help="secagg_min_contributors (default 2; 1: "
+                    "one mask group, no per-class seeds)")
     args = ap.parse_args()
     counts = [int(x) for x in args.clients.split(",")]
     nb = [int(x) for x in args.neighbours.split(",")]
     nb = nb * len(counts) if len(nb) == 1 else nb
     if len(nb) != len(counts):
         ap.error(f"--neighbours {args.neighbours!r} gives {len(nb)} values for {len(counts)} client counts")
-    rows = [run(n, s, args.rounds, k, args.shots) for n, k in zip(counts, nb, strict=True) for s in (False, True)]
+    rows = [run(n, s, args.rounds, k, args.shots, args.min_contributors)
+            for n, k in zip(counts, nb, strict=True) for s in (False, True)]
     print(f"{'clients':>7} {'secagg':>6} {'nbrs':>4} {'up B':>9} {'down B':>9} {'protocol B':>11} {'round s':>8} "
           f"{'protocol s':>10} {'acc':>7} {'acc_proto':>9} {'load':>10}")
     for r in rows:
