@@ -3,7 +3,8 @@
 The names most scripts need, imported on first use: :func:`build_config` (options ->
 validated :class:`RunConfig`; raises ConfigError), :class:`Simulation` (the in-process round
 engine; ``Simulation(cfg).run()`` returns the summary dict) and the error classes of
-:mod:`fedproto.errors`.
+:mod:`fedproto.errors`, and :func:`tune` (hyperparameter search on validation data,
+:mod:`fedproto.tuning`; the ``tune`` extra).
 """
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ _LAZY = {
     "FedprotoError": "fedproto.errors",
     "ConfigError": "fedproto.errors",
     "DataError": "fedproto.errors",
+    "tune": "fedproto.tuning",
 }
 
 __all__ = ["__version__", *_LAZY]

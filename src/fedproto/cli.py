@@ -26,6 +26,7 @@ from rich.markup import escape
 from fedproto.cli_common import HELP_OPTIONS, _error, console, err_console
 from fedproto.cli_run import RUN_HELP, run_command
 from fedproto.cli_tools import onboard, plot, site_data
+from fedproto.cli_tune import tune
 from fedproto.errors import FedprotoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -54,6 +55,7 @@ def _root(
 app.command()(plot)
 app.command("site-data")(site_data)
 app.command()(onboard)
+app.command()(tune)  # fedproto.cli_tune
 
 
 @app.command()

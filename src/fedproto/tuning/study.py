@@ -1,0 +1,303 @@
+"""One Optuna study of ``fedproto tune``: its storage, the trials (each a run scored on the
+clients' validation data), and the workers that fill it, in this process or ``--jobs N`` spawned
+processes, each with its own storage connection.
+
+The budget is a count of the study's trials (finished or running; a trial interrupted by Ctrl-C
+or a killed process does not count, and is run again), so the same command run again resumes a
+stopped study and adds only the trials missing. Taking a trial is done under a lock file in the
+output folder, so processes on one machine never overshoot the count; processes on several
+machines sharing one database (``--storage``) may overshoot it by one trial each.
+
+Seeding: the trial that is the study's n-th is sampled by a TPE sampler seeded with ``(seed, n)``,
+so a study stopped and resumed samples what an uninterrupted one does (one process; with several
+the order of finishing trials varies).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedproto.errors import ConfigError, FedprotoError
+from fedproto.tuning.space import Dimension
+
+METRICS = ("acc", "acc_proto", "acc_global")
+"""What a trial is scored on: the mean over clients of this validation accuracy (``acc``: the
+classifier; ``acc_proto``: nearest prototype; ``acc_global``: the global model, FedAvg-like methods)."""
+
+
+@dataclass
+class StudySpec:
+    """Everything a worker process needs to fill one study (picklable).
+
+    Attributes:
+        storage: an Optuna storage URL (``sqlite:///OUT/study.db``). study_name: the study's name.
+        method: the algorithm tuned. base: the fixed run options (dataset, rounds, ...).
+        space: the dimensions searched. trials: the study's budget in trials (None: time only).
+        deadline: ``time.time()`` after which no trial starts (None: trials only).
+        seed: the sampler's, the split's and every trial's run seed. val_fraction: each class's held-out share.
+        metric: one of :data:`METRICS`. lock: the lock file taken while a trial is drawn.
+    """
+
+    storage: str
+    study_name: str
+    method: str
+    base: dict[str, Any]
+    space: dict[str, Dimension]
+    trials: int | None
+    deadline: float | None
+    seed: int
+    val_fraction: float
+    metric: str
+    lock: str
+    fingerprint: dict = field(default_factory=dict)
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLite URL of a database file (absolute, so every process opens the same file)."""
+    return "sqlite:///" + str(Path(path).resolve())
+
+
+def _storage(url: str):
+    import optuna
+
+    if url.startswith("sqlite"):  # several processes write one file: wait for the lock instead of failing
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
+    return url
+
+
+def _pruner(startup: int):
+    import optuna
+
+    return optuna.pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=2)
+
+
+def open_study(spec: StudySpec, create: bool = False):
+    """The study in ``spec.storage`` (created when ``create`` and missing). A study made with
+    other options (space, method, base options, split, metric) is refused.
+
+    Raises:
+        ConfigError: the stored study's options differ (names them), or ``spec.storage`` is no
+            storage Optuna can open.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        storage = _storage(spec.storage)
+        if create:
+            study = optuna.create_study(study_name=spec.study_name, storage=storage, direction="maximize",
+                                        load_if_exists=True)
+        else:
+            study = optuna.load_study(study_name=spec.study_name, storage=storage)
+    except (ValueError, ImportError, KeyError) as e:
+        raise ConfigError(f"--storage {spec.storage!r}: Optuna cannot open it ({e}); give a database URL such as "
+                          "sqlite:///study.db or postgresql://user@host/db") from None
+    except Exception as e:  # sqlalchemy's errors: a path that cannot be written, a server that does not answer
+        raise ConfigError(f"--storage {spec.storage!r}: {type(e).__name__}: {str(e).splitlines()[0]}; check the "
+                          "URL and that the database can be reached and written") from None
+    stored = study.user_attrs.get("fedproto")
+    if stored is None and create:
+        startup = max(2, min(10, (spec.trials or 30) // 3))
+        study.set_user_attr("fedproto", {**spec.fingerprint, "startup": startup})
+        stored = study.user_attrs["fedproto"]
+    if stored is not None:
+        differ = sorted(k for k in spec.fingerprint if stored.get(k) != spec.fingerprint[k])
+        if differ:
+            raise ConfigError(f"study {spec.study_name!r} in {spec.storage} was made with other {', '.join(differ)} "
+                              f"(stored: {', '.join(f'{k}={stored.get(k)!r}' for k in differ)}); resume it with the "
+                              "same options, or start a new one with another --study-name or --out")
+    study.pruner = _pruner(int((stored or {}).get("startup", 3)))
+    return study
+
+
+def fingerprint(method: str, base: dict, space: dict[str, Dimension], val_fraction: float, metric: str,
+                seed: int) -> dict:
+    """What a study is made with (stored in it as a user attribute; JSON)."""
+    from fedproto.config import build_config, result_fields
+
+    options = result_fields(build_config(None, base).model_dump())
+    return json.loads(json.dumps({"method": method, "options": options,
+                                  "space": {k: d.spec() for k, d in sorted(space.items())},
+                                  "val_fraction": val_fraction, "metric": metric, "seed": seed}, default=str))
+
+
+@contextmanager
+def file_lock(path: str):
+    """An exclusive lock on ``path`` (created) for the block; processes of one machine take turns."""
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def counted(study) -> int:
+    """The trials that count against the budget: finished or running, not interrupted."""
+    from optuna.trial import TrialState
+
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state != TrialState.WAITING and not t.user_attrs.get("interrupted"))
+
+
+def reap(study) -> int:
+    """Mark the running trials of dead processes of this machine as interrupted (FAIL): they no
+    longer count, and are run again. Returns how many were marked."""
+    from optuna.trial import TrialState
+
+    host, n = socket.gethostname(), 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid = t.user_attrs.get("pid")
+        if t.user_attrs.get("host") == host and isinstance(pid, int) and pid != os.getpid() and not _alive(pid):
+            study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            n += 1
+    return n
+
+
+def _draw(study, spec: StudySpec):
+    """The next trial (None when the budget or the time is spent), under the lock."""
+    import optuna
+
+    with file_lock(spec.lock):
+        reap(study)
+        n = counted(study)
+        late = spec.deadline is not None and time.time() >= spec.deadline
+        if late or (spec.trials is not None and n >= spec.trials):
+            return None
+        startup = int(study.user_attrs.get("fedproto", {}).get("startup", 3))
+        study.sampler = optuna.samplers.TPESampler(seed=(int(spec.seed) * 1_000_003 + n) % 2**32,
+                                                   n_startup_trials=startup)
+        trial = study.ask()
+        trial.set_user_attr("host", socket.gethostname())
+        trial.set_user_attr("pid", os.getpid())
+        return trial
+
+
+def run_trial(spec: StudySpec, trial) -> float:
+    """One trial: its options sampled, the run trained on the clients' training rows minus their
+    validation rows, reported each round to the pruner. Returns the final validation metric
+    (mean over clients).
+
+    Raises:
+        optuna.TrialPruned: the pruner stopped it. FedprotoError: the options or the run failed.
+    """
+    import optuna
+
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+    from fedproto.tuning.split import tuning_setup
+
+    params = {k: d.suggest(trial) for k, d in spec.space.items()}
+    cfg = build_config(None, {**spec.base, **params, "eval_every": 1, "seed": spec.seed})
+    setup = tuning_setup(cfg, spec.val_fraction, spec.seed)
+    key = f"{spec.metric}_mean"
+
+    def on_round(row: dict) -> None:
+        if key in row and row[key] is not None and math.isfinite(row[key]):
+            trial.report(float(row[key]), int(row["round"]))
+            if row["round"] < cfg.rounds and trial.should_prune():
+                raise optuna.TrialPruned(f"pruned after round {row['round']}")
+
+    t0 = time.perf_counter()
+    summary = Simulation(cfg, setup=setup, out=False, on_round=on_round).run()
+    trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 3))
+    acc = summary["accuracy"].get(spec.metric)
+    if acc is None:
+        raise ConfigError(f"--metric {spec.metric}: {cfg.algorithm} does not report it (it reports "
+                          f"{', '.join(summary['accuracy'])}); pick one of those")
+    return float(acc["mean"])
+
+
+def work(spec: StudySpec, on_trial: Callable[[Any], None] | None = None) -> int:
+    """Fill the study: draw trials until the budget or the time is spent. Returns the trials run.
+
+    A trial whose options or run fail (:class:`FedprotoError`, e.g. a diverged loss) is FAIL with
+    its message in the user attribute ``error``; Ctrl-C marks the running trial interrupted and
+    re-raises.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    study = open_study(spec)
+    ran = 0
+    while (trial := _draw(study, spec)) is not None:
+        try:
+            value = run_trial(spec, trial)
+        except optuna.TrialPruned:
+            study.tell(trial, state=TrialState.PRUNED)
+        except KeyboardInterrupt:
+            trial.set_user_attr("interrupted", True)
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        except FedprotoError as e:
+            if isinstance(e, ConfigError) and e.message.startswith("--metric"):
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            trial.set_user_attr("error", str(e))
+            study.tell(trial, state=TrialState.FAIL)
+        else:
+            study.tell(trial, value)
+        ran += 1
+        if on_trial is not None:
+            on_trial(study)
+    return ran
+
+
+def _worker(spec: StudySpec, threads: int) -> int:
+    """In a spawned process: torch's threads, then :func:`work`."""
+    import torch
+
+    torch.set_num_threads(threads)
+    return work(spec)
+
+
+def run_parallel(spec: StudySpec, jobs: int, threads: int, on_poll: Callable[[Any], None] | None = None) -> None:
+    """Fill the study with ``jobs`` spawned processes (each its own storage connection and
+    ``threads`` torch threads); ``on_poll(study)`` about once a second while they run.
+
+    Raises:
+        Whatever a worker raised (the first one).
+    """
+    import multiprocessing
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    from fedproto.reproduce.parallel import thread_environment
+
+    study = open_study(spec)
+    with thread_environment(threads), ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futures = [ex.submit(_worker, spec, threads) for _ in range(jobs)]
+        while True:
+            done, pending = wait(futures, timeout=1.0, return_when=FIRST_EXCEPTION)
+            if on_poll is not None:
+                on_poll(study)
+            for f in done:
+                f.result()  # a worker's error, here
+            if not pending:
+                break
+
+
+__all__ = ["METRICS", "StudySpec", "counted", "file_lock", "fingerprint", "open_study", "reap", "run_parallel",
+           "run_trial", "sqlite_url", "work"]

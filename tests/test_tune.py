@@ -1,0 +1,154 @@
+"""``fedproto tune`` (fedproto.tuning, fedproto.cli_tune): validation splits, never the test data,
+studies that resume, parallel trials in one study, the best settings as a run TOML, the space's
+errors. Needs the ``tune`` extra (Optuna); each test runs tiny digits federations on one thread."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from conftest import run_cli  # noqa: E402
+
+from fedproto.errors import ConfigError  # noqa: E402
+
+pytestmark = pytest.mark.extras  # CI runs them where the tune extra is installed
+
+TINY = {"clients": 4, "rounds": 2, "shots": 20, "test_shots": 10}
+"""4 digits clients, 2 rounds: a trial takes about a second on one thread."""
+
+
+def _tune(tmp_path, name="t", **kw):
+    from fedproto.tuning import tune
+
+    args = {"dataset": "digits", "options": dict(TINY), "trials": 3, "out": tmp_path / name, "threads": 1,
+            "final_seeds": 0, "space": ["lambda_proto=log:0.01:10", "lr=log:0.005:0.1"], **kw}
+    return tune(**args)
+
+
+def _trials(study):
+    return [(t.number, t.state.name, t.params, t.value) for t in study.get_trials()]
+
+
+def test_validation_split_is_per_class_seeded_and_disjoint():
+    from fedproto.tuning.split import validation_split
+
+    labels = np.array([0] * 10 + [1] * 5 + [2] * 1)
+    rows = [np.arange(16)]
+    fit, val = validation_split(rows, labels, 0.2, seed=7)
+    assert sorted(np.bincount(labels[val[0]], minlength=3)) == [0, 1, 2]  # 2 of class 0, 1 of class 1, none of 2
+    assert np.bincount(labels[val[0]], minlength=3).tolist() == [2, 1, 0]
+    assert set(fit[0]).isdisjoint(val[0]) and len(fit[0]) + len(val[0]) == 16
+    again = validation_split(rows, labels, 0.2, seed=7)
+    assert again[1][0].tolist() == val[0].tolist()
+    assert validation_split(rows, labels, 0.2, seed=8)[1][0].tolist() != val[0].tolist()
+    with pytest.raises(ConfigError, match="between 0 and 1"):
+        validation_split(rows, labels, 1.0, seed=7)
+
+
+def test_tune_never_reads_the_test_data(tmp_path, monkeypatch):
+    """The same study with the test split replaced by noise (inputs and labels); a run that reads
+    the test split does change with that noise."""
+    import torch
+
+    import fedproto.data.datasets as datasets
+    import fedproto.engine.setup as engine_setup
+    import fedproto.tuning.split as split
+
+    clean = _tune(tmp_path, "clean").studies["fedproto"]
+    real = datasets.load_dataset
+
+    def noisy(*a, **k):
+        ds = real(*a, **k)
+        g = torch.Generator().manual_seed(0)
+        return replace(ds, test_x=torch.randn(ds.test_x.shape, generator=g),
+                       test_y=torch.randint(0, ds.num_classes, ds.test_y.shape, generator=g))
+
+    for module in (datasets, engine_setup, split):
+        monkeypatch.setattr(module, "load_dataset", noisy)
+    noise = _tune(tmp_path, "noise").studies["fedproto"]
+    assert [t[1] for t in _trials(clean)] == ["COMPLETE"] * 3
+    assert _trials(noise) == _trials(clean)
+
+    from fedproto.config import build_config
+    from fedproto.simulation import Simulation
+
+    cfg = build_config(None, {**TINY, "dataset": "digits", "threads": 1})
+    with_noise = Simulation(cfg, out=False).run()["accuracy"]["acc"]["mean"]
+    monkeypatch.setattr(engine_setup, "load_dataset", real)
+    assert Simulation(cfg, out=False).run()["accuracy"]["acc"]["mean"] != with_noise
+
+
+def test_tune_resumes_a_stopped_study_from_its_database(tmp_path, monkeypatch):
+    """Stopped after 2 trials, then Ctrl-C in the third: the same call with --trials 4 runs only
+    the missing trials, and the study is the one an uninterrupted search gives."""
+    import fedproto.tuning.study as st
+
+    whole = _trials(_tune(tmp_path, "whole", trials=4).studies["fedproto"])
+    _tune(tmp_path, "stopped", trials=2)
+    real = st.run_trial
+
+    def interrupted(spec, trial):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(st, "run_trial", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(tmp_path, "stopped", trials=4)
+    monkeypatch.setattr(st, "run_trial", real)
+    resumed = _tune(tmp_path, "stopped", trials=4).studies["fedproto"]
+    got = _trials(resumed)
+    assert [t[1] for t in got] == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE", "COMPLETE"]
+    assert resumed.trials[2].user_attrs["interrupted"] is True
+    kept = [t[1:] for t in got if t[1] == "COMPLETE"]
+    assert kept == [t[1:] for t in whole]
+    assert (tmp_path / "stopped" / "study.db").is_file()
+    # another space on the same study is refused, naming what differs
+    with pytest.raises(ConfigError, match="made with other space"):
+        _tune(tmp_path, "stopped", trials=4, space=["lr=log:0.001:0.1"])
+
+
+def test_tune_trials_in_parallel_fill_one_study(tmp_path):
+    res = _tune(tmp_path, "par", trials=4, jobs=2, threads=2)
+    study = res.studies["fedproto"]
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
+    assert len({t.user_attrs["pid"] for t in trials}) == 2  # two processes, one study
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 4
+    assert res.best["fedproto"] == study.best_trial.params
+
+
+def test_tune_best_config_runs_with_fedproto_run(tmp_path, capsys, monkeypatch):
+    """best.toml, run with ``fedproto run --config``, gives the final run's test accuracy."""
+    res = _tune(tmp_path, "best", trials=2, final_seeds=1)
+    best = tmp_path / "best" / "best.toml"
+    assert best.is_file() and {p.name for p in res.files["plots"]} >= {
+        "fedproto-optimization_history.png", "fedproto-slice_lambda_proto.png"}
+    row = res.rows[0]
+    assert row["seeds"] == 1 and 0 < row["test_mean"] <= 1
+    code, out = run_cli(["run", "--config", str(best), "--threads", "1", "--out-dir", str(tmp_path / "runs"),
+                         "--name", "again", "-q"], capsys, monkeypatch)
+    assert code == 0, out
+    config = json.loads((tmp_path / "runs" / "again" / "config.json").read_text())
+    assert config["lambda_proto"] == pytest.approx(res.best["fedproto"]["lambda_proto"])
+    summary = json.loads((tmp_path / "runs" / "again" / "summary.json").read_text())
+    assert summary["accuracy"]["acc"]["mean"] == pytest.approx(row["test_mean"], abs=1e-9)
+    table = (tmp_path / "best" / "table.md").read_text()
+    assert f"{100 * row['test_mean']:.1f}" in table
+
+
+def test_tune_refuses_an_unknown_option_in_the_space(tmp_path, capsys, monkeypatch):
+    code, out = run_cli(["tune", "--dataset", "digits", "--out", str(tmp_path / "x"),
+                         "--space", "lamda_proto=log:0.01:10"], capsys, monkeypatch)
+    assert code == 2
+    assert "unknown option 'lamda_proto' in the search space" in out and "did you mean 'lambda_proto'?" in out
+    assert not (tmp_path / "x" / "study.db").exists()
+    with pytest.raises(ConfigError, match=r"low 0 .*log scale|log scale needs low > 0"):
+        _tune(tmp_path, space=["lr=log:0:1"])
+    with pytest.raises(ConfigError, match=r"'seed' cannot be searched"):
+        _tune(tmp_path, space=["seed=int:1:5"])
+    with pytest.raises(ConfigError, match=r"lr=log:0.01:1000: the value 1000"):
+        _tune(tmp_path, space=["lr=log:0.01:1000"])
