@@ -174,12 +174,14 @@ def _checked(folder: Path, decoded: list, num_classes: int
         if bad.any():
             raise DataError(f"{where!r}: label {int(y[bad][0])} is outside the run's classes 0..{num_classes - 1} "
                             f"(classes={num_classes}); relabel this client's data, or declare more classes")
-        if isinstance(x, Inputs):
-            if not finite(x):
-                raise DataError(f"{where!r}: an input array holds NaN or infinite values; clean or drop them")
-        elif not torch.isfinite(x).all():
-            raise DataError(f"{where!r}: {int((~torch.isfinite(x)).flatten(1).any(1).sum())} input(s) hold NaN or "
-                            "infinite values; clean or drop them")
+        arrays = x.tree.items() if isinstance(x, Inputs) and isinstance(x.tree, dict) else [("x", x)]
+        for name, a in arrays:  # the array named as saved in the .npz, the samples counted
+            if isinstance(a, torch.Tensor) and a.is_floating_point() and not bool(torch.isfinite(a).all()):
+                bad = (~torch.isfinite(a)).reshape(len(a), -1).any(1)
+                raise DataError(f"{where!r}: array {name!r}: {int(bad.sum())} sample(s) hold NaN or infinite values "
+                                f"(the first: sample {int(bad.nonzero()[0, 0])}); clean or drop them")
+        if isinstance(x, Inputs) and not finite(x):
+            raise DataError(f"{where!r}: an input array holds NaN or infinite values; clean or drop them")
         out.append((x, y))
     (a, _), (b, _) = out
     if isinstance(a, Inputs) or isinstance(b, Inputs):

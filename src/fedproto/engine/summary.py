@@ -113,6 +113,9 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
     }
     trained = rounds_trained(history, S)
     never = [i for i, n in enumerate(trained) if n == 0]
+    measured = [i for i, m in enumerate(per_client) if _measured(m.get("acc"))]
+    left = dict(executor.left_out(history, cfg.rounds)) if hasattr(executor, "left_out") else {}
+    scored = [i for i in never if i not in left and (i in measured or "acc" not in per_client[i])]
     if never:
         # clients never sampled (participation < 1) are scored at their initial weights: the mean over all
         # clients mixes them in, so the mean over the clients that trained stands beside it
@@ -122,14 +125,14 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
             "test_set": summary["test_set"] + f"; the {len(did)} clients that trained in at least one round",
             **{k: dict(zip(("mean", "std"), summarize([m[k] for m in did]))) for k in summary["accuracy"]
                if k in per_client[0]}}
-        log.warning("%d of %d clients never trained (participation=%g over %d rounds): clients %s%s are scored at "
-                    "their initial weights and counted in the accuracy over all clients; the mean over the %d clients "
-                    "that trained is summary.json's accuracy_trained (clients.csv: rounds_trained)", len(never), S,
-                    cfg.participation, cfg.rounds, never[:10], " ..." if len(never) > 10 else "", len(did))
+        if scored:  # (a client left out, e.g. its node refused at join, is not scored: left_out says why)
+            log.warning("%d of %d clients never trained (participation=%g over %d rounds): clients %s%s are scored at "
+                        "their initial weights and counted in the accuracy over all clients; the mean over the %d "
+                        "clients that trained is summary.json's accuracy_trained (clients.csv: rounds_trained)",
+                        len(scored), S, cfg.participation, cfg.rounds, scored[:10], " ..." if len(scored) > 10 else "",
+                        len(did))
     # the headline is over the clients it names: clients.csv and summary.json keep their keys whatever happened
-    measured = [i for i, m in enumerate(per_client) if _measured(m.get("acc"))]
     summary["clients_evaluated"] = len(measured)
-    left = dict(executor.left_out(history, cfg.rounds)) if hasattr(executor, "left_out") else {}
     if any("acc" in m for m in per_client):  # (a DP node keeps its accuracy: nothing to leave out then)
         for i in range(len(per_client)):
             if i not in left and i not in measured:

@@ -54,11 +54,16 @@ class NodeMembership:
         return f"round {self.round}" if self.round else "at the start"
 
     def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
-        """The clients the headline accuracy leaves out (summary.json ``left_out``), with why: those
-        whose node lost their state (:attr:`state_lost`) and that trained in fewer than
-        ``ceil(rounds / 2)`` rounds from then on (their model is mostly untrained)."""
+        """The clients the headline accuracy leaves out (summary.json ``left_out``, clients.csv), with
+        why: those whose node was refused at join and that no other node served (the refusal's
+        reason), and those whose node lost their state (:attr:`state_lost`) and that trained in
+        fewer than ``ceil(rounds / 2)`` rounds from then on (their model is mostly untrained)."""
         need = -(-rounds // 2)
         out = {}
+        for ref in self.refusals:
+            cid = ref.get("client_id")
+            if cid is not None and 0 <= cid < self.cfg.clients and cid not in self.nodes and cid not in out:
+                out[cid] = f"its node was refused at join: {ref['reason']}"
         for cid, r0 in sorted(self.state_lost.items()):
             since = sum(1 for row in history if row["round"] >= r0 and cid in row.get("replied", ()))
             if since < need:
