@@ -120,3 +120,91 @@ def test_a_stopped_executor_ends_its_children_and_kills_those_that_ignore_sigter
     took = time.monotonic() - t0
     assert not alive(obeys.pid) and not alive(ignores.pid)
     assert 0.4 < took < 5
+
+
+def _children_of(pids: set[int]) -> set[int]:
+    """Running processes (not zombies) whose parent is one of ``pids``."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) in pids and fields[0] not in ("Z", "X"):
+                out.add(int(d.name))
+    return out
+
+
+def _mentioning(text: str) -> set[int]:
+    """Running processes whose command line contains ``text``."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd and alive(int(d.name)):
+                out.add(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+def test_no_process_of_a_stopped_run_outlives_it(tmp_path):
+    """The drill, on 127.0.0.1: two SuperNodes with the warm executor, the SuperLink SIGKILLed in round 2,
+    started again, the printed resume command run to the end. Then no ClientApp process (a child of an
+    executor) is left within 75 s, whichever run it was forked for (the restarted SuperLink hands out the dead
+    run's message; its child never gets it and ends CHILD_FIRST_LIMIT = 60 s after its fork: it lived on for
+    8.5 minutes in the drill, 10 with the old limit), and once the federation is stopped no process of it (its
+    folder on the command line) is alive."""
+    import json
+    import threading
+
+    from fedproto.flower.local import LocalFederation
+
+    root = Path(__file__).resolve().parents[1]
+    app = root / "examples" / "flower"
+    out = tmp_path / "runs"
+    overrides = {"clients": 2, "rounds": 4, "out-dir": str(out), "round-timeout": 60}
+    got: dict = {}
+    with LocalFederation(tmp_path / "fed", env={"PYTHONPATH": SRC}) as fed:
+        fed.start_superlink()
+        for i in range(2):
+            fed.start_supernode({"partition-id": i, "num-partitions": 2}, executor="fedproto")
+        first = threading.Thread(target=lambda: got.update(first=fed.flwr_run(app, overrides, timeout=600)))
+        first.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not list(out.glob("*/metrics.jsonl")):
+            assert first.is_alive(), (got["first"].stdout[-2000:], got["first"].stderr[-2000:])
+            time.sleep(0.5)
+        metrics = next(out.glob("*/metrics.jsonl"))
+        run_dir = metrics.parent
+        while time.monotonic() < deadline and not metrics.read_text().strip():  # round 1 logged
+            time.sleep(0.2)
+        time.sleep(0.5)  # round 2 under way
+        os.kill(fed.procs["superlink"].pid, signal.SIGKILL)
+        while time.monotonic() < deadline and not (run_dir / "failure.json").exists():
+            time.sleep(0.5)
+        failure = json.loads((run_dir / "failure.json").read_text())
+        fed.start_superlink(name="superlink2")
+        res = fed.run_printed(failure["resume"], timeout=600)
+        first.join(120)
+        executors = {fed.procs[f"node{i}-executor"].pid for i in range(2)}
+        t0 = time.monotonic()  # a child forked for the dead run (before the resume began) ends 60 s after its fork
+        left = _children_of(executors)
+        while left and time.monotonic() - t0 < 75:
+            time.sleep(0.5)
+            left = _children_of(executors)
+        logs = {name: fed.log(name)[-2000:] for name in fed.procs}
+        assert not left, (left, logs)
+        assert all(fed.procs[f"node{i}-executor"].poll() is None for i in range(2))  # the executors still serve
+    text = res.stdout + res.stderr
+    assert "fedproto: fedproto on digits: accuracy" in text, (text[-3000:], logs)
+    assert [json.loads(x)["round"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    t0 = time.monotonic()
+    while _mentioning(str(tmp_path)) and time.monotonic() - t0 < 15:
+        time.sleep(0.5)
+    assert not _mentioning(str(tmp_path)), [Path(f"/proc/{p}/cmdline").read_bytes()[:200]
+                                            for p in _mentioning(str(tmp_path))]

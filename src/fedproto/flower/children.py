@@ -22,10 +22,11 @@ from typing import Any
 CHILD_GRACE = 30.0
 """Seconds a child may run past its message's expiry (``created_at + ttl``: the server's deadline
 plus :data:`fedproto.flower.exchange.TTL_MARGIN`) before it ends itself."""
-CHILD_FIRST_LIMIT = 120.0
+CHILD_FIRST_LIMIT = 60.0
 """Seconds a child may run before its ClientApp has seen its message (Flower fetching the
-message, the context and the app from the SuperNode, on this machine) before it ends itself (a
-message of a run that is no longer running is never handed out: the drill's child retried 8.5 min)."""
+message, the context and the app from the SuperNode, on this machine: well under a second, seconds
+under load) before it ends itself. A task of a run that is no longer running never gets its message
+(the SuperNode dropped it; Flower retries the pull for up to 2 hours): the drill's child lived 8.5 min."""
 CHILD_STOP_GRACE = 5.0
 """Seconds a child has after a stop signal (Flower's graceful exit: pushing its status) before it is
 ended; also what a stopping executor gives its children before it kills them."""
