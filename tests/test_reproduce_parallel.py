@@ -242,3 +242,24 @@ def test_reproduce_jobs_runs_with_an_installed_plugin(capsys, monkeypatch, tmp_p
         conf = json.loads((run / "config.json").read_text())
         assert (conf["algorithm"], conf["jobs_x"], conf["py_y"], conf["rounds"]) == (m, 2.5, 4, 1)
         assert json.loads((run / "summary.json").read_text())["rounds"] == 1
+
+
+def test_files_a_ray_worker_returns_keep_models_and_prototypes_private(tmp_path):
+    """A cell run on a worker that does not see the driver's folder: its files come back in the task's result.
+    prototypes.npz and checkpoint.pt were written with the usual permissions there (0644); now 0600 in a 0700
+    folder, as where the cell writes in place; the other files keep the usual ones."""
+    import stat
+
+    from fedproto.reproduce.raycells import write_files
+
+    old = os.umask(0o022)
+    try:
+        cell = tmp_path / "runs" / "cell"
+        write_files(cell, {"prototypes.npz": b"p", "checkpoint.pt": b"c", "metrics.jsonl": b"{}\n"})
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in cell.iterdir()}
+    assert mode == {"prototypes.npz": 0o600, "checkpoint.pt": 0o600, "metrics.jsonl": 0o644}
+    assert stat.S_IMODE(cell.stat().st_mode) == 0o700
+    with pytest.raises(ConfigError, match="outside the cell's folder"):
+        write_files(cell, {"../elsewhere.npz": b"x"})

@@ -94,6 +94,15 @@ mixes its files with an older run's (no summary.json means: not finished): a fin
 LOCK = ".lock"
 """File holding the pid of the process writing a run folder (see :meth:`RunDir.acquire`)."""
 
+PRIVATE_SUFFIXES = (".npz", ".pt")
+"""Run folder files holding models, prototypes or embeddings (checkpoint, models, .npz): 0600 in a 0700 folder."""
+
+
+def is_private(name: str | Path) -> bool:
+    """Whether the run folder file ``name`` holds models, prototypes or embeddings (:data:`PRIVATE_SUFFIXES`)."""
+    return Path(name).suffix in PRIVATE_SUFFIXES
+
+
 PREVIOUS = ".previous"
 """Sub-folder holding the finished run a new run in the same folder replaces, until it finishes
 (restored when it fails without a checkpoint to resume from)."""

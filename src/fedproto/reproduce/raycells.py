@@ -24,7 +24,7 @@ from fedproto.errors import ConfigError
 from fedproto.netcheck import check_ray_address
 from fedproto.reproduce.cells import THREAD_VARIABLES
 from fedproto.reproduce.grid import Cell, CellResult
-from fedproto.results import atomic_write_bytes
+from fedproto.results import atomic_write_bytes, is_private
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
@@ -131,7 +131,7 @@ def write_files(folder: Path, files: dict[str, bytes]) -> None:
         if root not in target.parents:
             raise ConfigError(f"a Ray worker returned the file {rel!r}, outside the cell's folder {str(folder)!r}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(target, data)
+        atomic_write_bytes(target, data, is_private(target))  # models and prototypes: 0600 in a 0700 folder
 
 
 def _failure(e: BaseException) -> str:
