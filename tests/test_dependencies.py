@@ -42,7 +42,8 @@ DISTRIBUTION = {"PIL": "pillow", "sklearn": "scikit-learn", "flwr": "flwr", "yam
 
 
 # which installs a module belongs to: the base install, or the base install plus an extra
-EXTRA_OF = {"flower": "flower", "secagg": "flower", "tensorboard.py": "tensorboard", "reproduce/raycells.py": "ray"}
+EXTRA_OF = {"flower": "flower", "secagg": "flower", "tensorboard.py": "tensorboard", "reproduce/raycells.py": "ray",
+            "tuning": "tune"}
 
 
 def _requirement_name(req: str) -> str:

@@ -26,7 +26,7 @@ def _tune(tmp_path, name="t", **kw):
     from fedproto.tuning import tune
 
     args = {"dataset": "digits", "options": dict(TINY), "trials": 3, "out": tmp_path / name, "threads": 1,
-            "final_seeds": 0, "space": ["lambda_proto=log:0.01:10", "lr=log:0.005:0.1"], **kw}
+            "final_seeds": 0, "plots": False, "space": ["lambda_proto=log:0.01:10", "lr=log:0.005:0.1"], **kw}
     return tune(**args)
 
 
@@ -123,7 +123,7 @@ def test_tune_trials_in_parallel_fill_one_study(tmp_path):
 
 def test_tune_best_config_runs_with_fedproto_run(tmp_path, capsys, monkeypatch):
     """best.toml, run with ``fedproto run --config``, gives the final run's test accuracy."""
-    res = _tune(tmp_path, "best", trials=2, final_seeds=1)
+    res = _tune(tmp_path, "best", trials=2, final_seeds=1, plots=True)
     best = tmp_path / "best" / "best.toml"
     assert best.is_file() and {p.name for p in res.files["plots"]} >= {
         "fedproto-optimization_history.png", "fedproto-slice_lambda_proto.png"}

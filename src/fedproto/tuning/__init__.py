@@ -93,7 +93,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
          timeout: float | None = None, out: str | Path = "tune", storage: str | None = None,
          study_name: str = "tune", jobs: int = 1, threads: int | None = None, seed: int = 1234,
          val_fraction: float = 0.2, final_seeds: int = 3, baselines: Sequence[str] = (), metric: str = "acc",
-         console=None) -> TuneResult:
+         plots: bool = True, console=None) -> TuneResult:
     """Search run options for ``method`` (and each baseline, with the same budget), on the clients'
     validation data; retrain the best settings and report them on the test data.
 
@@ -113,6 +113,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             ``seed .. seed + final_seeds - 1``. val_fraction: each class's held-out share.
         final_seeds: final runs per method (0: none). baselines: other methods, tuned alike.
         metric: ``acc``, ``acc_proto`` or ``acc_global`` (validation and test).
+        plots: write the study's plots (``out/plots``).
         console: a rich console for the progress bar and lines (None: silent).
     Returns:
         A :class:`TuneResult`.
@@ -179,11 +180,11 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             out / name, {**base, "algorithm": m}, b[0],
             f"fedproto tune: the best of study {spec.study_name!r} ({url}), trial {b[2]}, validation {metric} "
             f"{b[1]:.4f}\nrun it with: fedproto run --config {name}")
-        files["plots"] += report.write_plots(study, out / OUTPUTS["plots"], prefix=f"{m}-")
+        files["plots"] += [] if not plots else report.write_plots(study, out / OUTPUTS["plots"], prefix=f"{m}-")
 
     results: dict[str, list] = {m: [] for m in methods}
     if final_seeds:
-        from fedproto.reproduce.parallel import run_side_by_side
+        from fedproto.reproduce.runs import run_cells
 
         cells = [c for m in methods if best[m] is not None
                  for c in report.final_cells(m, {**base, "algorithm": m, "threads": budget}, best[m],
@@ -191,7 +192,9 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         if cells:
             say(f"final runs: the best settings on the full training data, {final_seeds} seed(s), scored on the test "
                 "data", highlight=False, soft_wrap=True)
-            for r in run_side_by_side(cells, out / OUTPUTS["final"], console=console, jobs=min(jobs, len(cells))):
+            (out / OUTPUTS["final"]).mkdir(exist_ok=True)
+            side = None if jobs == 1 else min(jobs, len(cells))  # one job: in this process
+            for r in run_cells(cells, out / OUTPUTS["final"], console, jobs=side):
                 results[r.cell.method].append(r)
     rows = [report.table_row(m, studies[m], results[m], metric) for m in methods]
     caption = (f"fedproto tune on {base.get('dataset', 'mnist')}: {trials or 'time-limited'} trials per method"
