@@ -29,6 +29,12 @@ from fedproto.config import build_config
         (["--threads", "100000"], "--threads 100000"),
         (["--name", "../escape"], "is not a plain folder name"),
         (["--clients", "abc"], "Invalid value for '--clients'"),
+        # the fix in every message: a near name, the bound to respect (issue 41)
+        (["--dataset", "mnits"], "unknown dataset 'mnits'; did you mean 'mnist'? choose one of mnist, femnist"),
+        (["--clients", "0"], "--clients 0: Input should be greater than or equal to 1; use --clients 1 or more"),
+        (["--participation", "0"], "--participation 0.0: Input should be greater than 0; give --participation a "
+                                   "value above 0.0"),
+        (["--lr", "1000"], "Input should be less than or equal to 100; use --lr 100.0 or less"),
     ],
 )
 def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_path):
@@ -55,7 +61,7 @@ def test_bad_toml_and_unknown_key(capsys, monkeypatch, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("rounds = [\n")
     code, text = run_cli(["run", "--config", str(bad)], capsys, monkeypatch)
-    assert code == 2 and "not valid TOML" in text
+    assert code == 2 and "not valid TOML" in text and "write each option as key = value" in text
     unk = tmp_path / "unk.toml"
     unk.write_text("roundz = 3\n")
     code, text = run_cli(["run", "--config", str(unk)], capsys, monkeypatch)

@@ -167,7 +167,10 @@ def _run(config: Optional[Path], resume: bool, quiet: bool, **fields) -> None:
         from fedproto.config_fields import CLI_DATASETS
 
         if e.option == "dataset" and e.hint and e.value not in CLI_DATASETS:
-            e.hint = f"choose one of {', '.join(CLI_DATASETS)}"
+            import difflib
+
+            near = difflib.get_close_matches(str(e.value), list(CLI_DATASETS), n=1)
+            e.hint = (f"did you mean {near[0]!r}? " if near else "") + f"choose one of {', '.join(CLI_DATASETS)}"
         raise
     if cfg.tensorboard:  # a missing extra stops the run before its folder (and any parent) is made
         from fedproto.tensorboard import require_tensorboard

@@ -216,8 +216,10 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
             lines.append(f"unknown option {key!r}{place}" + opt(UNKNOWN + key))
             first = first or {"option": loc, "value": e.get("input")}
         elif "input" in e and e["loc"]:
-            ref = where(loc, e["input"]) or opt(loc, e["input"])
-            lines.append(f"{ref}: {e['msg'].removeprefix('Value error, ')}")
+            in_file = where(loc, e["input"])
+            ref = in_file or opt(loc, e["input"])
+            fix = bound_fix(loc, e, from_file[loc][0] if in_file else None)
+            lines.append(f"{ref}: {e['msg'].removeprefix('Value error, ')}{fix}")
             first = first or {"option": loc, "value": e["input"]}
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
@@ -226,6 +228,33 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
         c = causes[0].rewritten(where)
         return ConfigError(f"invalid configuration: {c.message}", option=c.option, value=c.value, hint=c.hint)
     return ConfigError("invalid configuration: " + "; ".join(lines), **first)
+
+
+def bound_fix(option: str, err: dict, key: str | None = None) -> str:
+    """The fix of a pydantic error ``err`` (one of ``ValidationError.errors()``) about ``option``'s
+    value, as ``; use --clients 1 or more`` (worded per front end; for a value read from a TOML file,
+    its ``key`` as written there: ``; use clients = 1 or more``): a bound (ge, gt, le, lt), a number
+    that is not finite or not whole; '' for other errors."""
+    ctx = err.get("ctx") or {}
+    kind = err.get("type", "")
+
+    def word(v: Any) -> str:
+        return f"{key} = {toml_value(v)}" if key else opt(option, v)
+
+    name = key or opt(option)
+    if kind == "greater_than_equal":
+        return f"; use {word(ctx['ge'])} or more"
+    if kind == "greater_than":
+        return f"; give {name} a value above {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"; use {word(ctx['le'])} or less"
+    if kind == "less_than":
+        return f"; give {name} a value below {ctx['lt']}"
+    if kind == "finite_number":
+        return f"; give {name} a finite number"
+    if kind in ("int_from_float", "int_parsing", "int_type"):
+        return f"; give {name} a whole number"
+    return ""
 
 
 def _aliases() -> dict[str, str]:
@@ -304,7 +333,9 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8-sig"))  # a leading BOM is not an error
         except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}",
+                              hint="write each option as key = value, one per line (strings in quotes: model = "
+                              "\"cnn\", numbers bare: rounds = 3, lr = 0.05), and fix the line named") from None
         if "run" in data and isinstance(data["run"], dict):
             top = {k: v for k, v in data.items() if k != "run"}
             both = sorted(set(_normal_keys(top, p)) & set(_normal_keys(data["run"], p)))

@@ -127,8 +127,12 @@ class CommonConfig(CommonFields):
     def _check(self) -> CommonConfig:
         # ConfigError is a ValueError: pydantic keeps it (ctx["error"]) and _config_error passes it on whole
         if self.dataset not in DATASETS:
+            import difflib
+
+            near = difflib.get_close_matches(str(self.dataset), list(DATASETS), n=1)
             raise ConfigError(f"unknown dataset {self.dataset!r}", option="dataset", value=self.dataset,
-                              hint=f"choose one of {', '.join(DATASETS)}")
+                              hint=(f"did you mean {near[0]!r}? " if near else "")
+                              + f"choose one of {', '.join(DATASETS)}")
         from fedproto.plugins import algorithm_names, unknown_algorithm
 
         if self.algorithm not in algorithm_names():

@@ -118,7 +118,11 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
         except ValueError:
             raise ConfigError(f"--{kind}: {t!r} is not a valid value") from None
         if allowed is not None and v not in allowed:
-            raise ConfigError(f"--{kind}: unknown {t!r}; choose from {', '.join(map(str, allowed))}")
+            import difflib
+
+            near = difflib.get_close_matches(t, [str(a) for a in allowed], n=1)
+            raise ConfigError(f"--{kind}: unknown {t!r}; " + (f"did you mean {near[0]!r}? " if near else "")
+                              + f"choose from {', '.join(map(str, allowed))}")
         if v not in out:
             out.append(v)
     return out
