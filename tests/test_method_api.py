@@ -329,3 +329,33 @@ def test_a_plugin_can_replace_the_classification_loss(tmp_path):
     finally:
         plugins.unregister("noheadloss")
         plugins.unregister("handce")
+
+
+def test_the_fednh_example_plugin_learns_on_every_executor(monkeypatch, tmp_path):
+    """examples/fednh (FedNH as a plug-in package: server prototypes on the unit sphere as the
+    classifier, cosine logits through Objective.classification): a few rounds on digits, the same
+    numbers on the sequential and the batched path, its options run options."""
+    from pathlib import Path
+
+    from fedproto.config import config_model
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "fednh"))
+    from fedproto_fednh import FedNH, sphere_prototypes
+
+    p = sphere_prototypes(np.random.default_rng(0), 10, 50)
+    assert p.shape == (10, 50) and np.allclose(np.linalg.norm(p, axis=1), 1.0, atol=1e-6)
+    register_algorithm(FedNH)
+    try:
+        assert config_model().model_fields["fednh_smoothing"].default == 0.9
+        runs = {}
+        for execution in ("sequential", "batched"):
+            cfg = build_config(overrides={**SMALL, "algorithm": "fednh", "execution": execution, "rounds": 4})
+            summary = Simulation(cfg, out=tmp_path / execution).run()
+            rows = [json.loads(line) for line in (tmp_path / execution / "metrics.jsonl").read_text().splitlines()]
+            runs[execution] = summary["accuracy"]["acc"]["mean"], [r["loss_ce"] for r in rows]
+            assert all(0 < r["proto_shift"] < 0.1 for r in rows)  # smoothed: the prototypes move a little
+    finally:
+        plugins.unregister("fednh")
+    (acc, losses), (acc_b, losses_b) = runs["sequential"], runs["batched"]
+    assert acc > 0.8 and acc == pytest.approx(acc_b, abs=1e-9)
+    assert losses == pytest.approx(losses_b, rel=1e-5) and losses[-1] < losses[0] / 2  # its cosine CE is loss_ce
