@@ -1959,16 +1959,49 @@ def test_a_run_that_cannot_start_writes_failure_json_naming_the_nodes_seen(tmp_p
     assert msg.startswith("0 SuperNodes joined within 0 s, but the run has clients=3 and needs 2: 3 node(s) were "
                           "online [1000, 1001, 1002] but not enough joined: on a loaded machine raise wait-nodes "
                           "(e.g. wait-nodes=300)"), msg
-    assert "node 1000 refused: Runtime task-token authentication failed (code 1)" in msg
+    assert "node 1000 did not join (failed its query: Runtime task-token authentication failed (code 1))" in msg
     assert "node 1002 did not join (no answer within round-timeout=1 s)" in msg
     failure = json.loads((out / "failure.json").read_text())
     assert failure["rounds_completed"] == 0 and failure["error"] == "TrainingError" and failure["message"] == msg
     assert failure["nodes_seen"] == {
-        "online": [1000, 1001, 1002], "joined": {},
-        "refused": {"1000": "Runtime task-token authentication failed (code 1)",
-                    "1001": "Runtime task-token authentication failed (code 1)"},
-        "unanswered": {"1002": "no answer within round-timeout=1 s"}}
+        "online": [1000, 1001, 1002], "joined": {}, "refused": {},
+        "unanswered": {"1000": "failed its query: Runtime task-token authentication failed (code 1)",
+                       "1001": "failed its query: Runtime task-token authentication failed (code 1)",
+                       "1002": "no answer within round-timeout=1 s"}}
     assert failure["checkpoint"] is False and "resume" not in failure
     assert failure["restart"].startswith("flwr run YOUR_APP_FOLDER --stream --run-config '")
     assert "wait-nodes=300.0" in failure["restart"] and "min-replies=2" in failure["restart"]
     assert sorted(p.name for p in out.iterdir()) == ["failure.json"]
+
+
+class FirstQueryFailsGrid(LocalGrid):
+    """Each node's first query fails as under the drill's load (Flower's own failure, no exception of the
+    ClientApp); the second reaches the ClientApp."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.failed_once: set[int] = set()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        first = [m for m in messages if m.metadata.dst_node_id not in self.failed_once]
+        self.failed_once |= {m.metadata.dst_node_id for m in first}
+        replies = super().send_and_receive([m for m in messages if m not in first], timeout=timeout)
+        for m in first:
+            m.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
+            replies.append(Message(Error(code=1, reason="Runtime task-token authentication failed"), reply_to=m))
+        return replies
+
+
+def test_a_node_whose_first_query_fails_in_flower_is_asked_again_during_the_join_wait(tmp_path, caplog):
+    """Was: a node whose query failed for a reason of Flower's own (not the ClientApp refusing its data) was
+    refused for good, so three online nodes gave "0 SuperNodes joined". Now it is asked again while the join
+    wait lasts, and the run starts with all three; a ClientApp's own refusal (an exception it raised) stays final."""
+    folders = write_node_folders(tmp_path / "data")
+    uc = _own_config(**{"wait-nodes": 10})
+    grid = FirstQueryFailsGrid(uc, node_configs=node_configs(folders))
+    eng = FlowerEngine(run_config(uc), grid, out=False)
+    assert sorted(eng.executor.nodes) == [0, 1, 2] and eng.executor.refused == {}
+    assert grid.sent.count("query") == 3  # the second query of each node (the first failed before the app)
+    assert caplog.text.count("failed its query (Runtime task-token authentication failed (code 1)); asking it "
+                             "again") == 3

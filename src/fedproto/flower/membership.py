@@ -20,6 +20,11 @@ from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record,
 
 log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
 
+_APP_ERROR = re.compile(r"<class '[\w.]+'>|^\w+(Error|Exception|Exit|Interrupt)\b")
+"""An error reply that names an exception the ClientApp raised (Flower's ``<class '...'>:<'...'>``, or
+``DataError: ...``): the node's own refusal, final. Other failures at the start are Flower's (a ClientApp
+that could not authenticate its task under load) and the node is asked again while the join wait lasts."""
+
 
 class NodeMembership:
     """Nodes joining, refused, discovered and restarted (a part of
@@ -74,10 +79,11 @@ class NodeMembership:
     def _query_new(self, strict: bool = False) -> list[int]:
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
         that fails the query (its own data or model refused, e.g. labels outside the classes) is
-        logged with its reason and not asked again. ``strict`` (the start): two nodes with one
-        client id raise ConfigError; later, a new node with a known client id is refused while
-        the client's node is still connected, and replaces it once that node is gone (the client
-        came back)."""
+        logged with its reason and not asked again; at the start (round 0) a failure that names no
+        exception of the ClientApp (Flower's own, e.g. under load) is asked again while the wait
+        lasts. ``strict`` (the start): two nodes with one client id raise ConfigError; later, a new
+        node with a known client id is refused while the client's node is still connected, and
+        replaces it once that node is gone (the client came back)."""
         connected = set(self._grid("get_node_ids"))
         for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
             if self.nodes.get(cid) not in connected:
@@ -94,6 +100,10 @@ class NodeMembership:
         for nid in late:  # asked again at the next look
             self.unanswered[nid] = f"no answer within round-timeout={self.opts.round_timeout:g} s"
         for nid, why in failed.items():
+            if self.round == 0 and not _APP_ERROR.search(why):  # Flower's own failure at the start (a task token
+                self.unanswered[nid] = f"failed its query: {why}"  # refused under load): asked again while waiting
+                log.warning("node %d failed its query (%s); asking it again", nid, why)
+                continue
             m = re.search(r"client-id=(\d+)", why)
             self._refuse(nid, int(m.group(1)) if m else None, why)
             log.warning("node %d refused: %s", nid, why)
