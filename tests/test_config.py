@@ -151,3 +151,14 @@ def test_python_api_misuse_is_a_config_error():
     assert build_config(overrides={"lambda": 0.5, "lambda_proto": None}).lambda_proto == 0.5
     with pytest.raises(ConfigError, match="sweep model with fedproto-mh"):
         plan_sweep(Path("/tmp/x"), "model", "model", ["cnn", "cnn-mh"], "digits", 3, ["fedproto-mh"], [1])
+
+
+def test_options_the_run_ignores_are_recorded_as_ignored(tmp_path):
+    cfg = digits_config(algorithm="fedavg", rounds=1, trim=0.3, prox_mu=0.5, lr_gamma=0.5, lr=0.05)
+    # another method's options, one FedProto's aggregation would read, a schedule's without the schedule
+    assert cfg.ignored_options() == ["lr_gamma", "prox_mu", "trim"]
+    used = digits_config(algorithm="fedproto", lambda_proto=2.0, aggregation="trimmed", trim=0.3)
+    assert used.ignored_options() == []
+    Simulation(cfg, out=tmp_path / "run").run()
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["ignored_options"] == ["lr_gamma", "prox_mu", "trim"] and stored["trim"] == 0.3

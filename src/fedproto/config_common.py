@@ -284,6 +284,20 @@ class CommonConfig(CommonFields):
             off.add("momentum")
         return off
 
+    def ignored_options(self) -> list[str]:
+        """The options set to another value than their default that this run does not read: the
+        options of other algorithms, those its algorithm's other options switch off (``trim``
+        without ``aggregation trimmed``), the schedule's and optimizer's that do not apply.
+        ``config.json`` lists them (``ignored_options``) beside their values, so a value there is
+        not taken for one that acted."""
+        out = []
+        fields = type(self).model_fields
+        for k in sorted(self._inactive_fields()):
+            v = getattr(self, k) if k in fields else None
+            if v is not None and v != fields[k].default and v != self.option_default(k):
+                out.append(k)
+        return out
+
     def name_options(self) -> dict[str, Any]:
         """The result-changing options (:func:`result_fields`) that differ from their defaults
         (the dataset's, for the fields it fills) and are not already spelled by the base of

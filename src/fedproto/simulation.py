@@ -174,13 +174,14 @@ class Simulation:
         partition, where the data came from (``data_source``: the folders searched, in order). For your
         own clients (dataset ``custom``) the options the run did not use
         (:meth:`RunConfig.unused_fields`: the partition's, the zoo models') are ``null`` and
-        ``embedding_dim`` is your models' embedding size."""
+        ``embedding_dim`` is your models' embedding size; ``ignored_options`` names the options set
+        that the run's algorithm and options leave without effect (:meth:`RunConfig.ignored_options`)."""
         record = self.cfg.model_dump()
         if self.cfg.dataset == "custom":
             record.update(dict.fromkeys(self.cfg.unused_fields()))
             record["embedding_dim"] = int(self.setup.embedding_dim)
-        return {**record, "lambda_proto_in_force": self.cfg.lam, "data_source": self._data_source(),
-                **self.executor.config_record()}
+        return {**record, "lambda_proto_in_force": self.cfg.lam, "ignored_options": self.cfg.ignored_options(),
+                "data_source": self._data_source(), **self.executor.config_record()}
 
     def _data_source(self) -> dict:
         """Where the data came from: ``data_dir`` alone said nothing when ``$FEDPROTO_DATA`` supplied it."""

@@ -162,7 +162,8 @@ class FlowerEngine:
 
     def config_record(self) -> dict:
         """``config.json``: the options, λ in force, the Flower options, the nodes and refusals."""
-        return {**self.cfg.model_dump(), "lambda_proto_in_force": self.cfg.lam, **self.executor.config_record()}
+        return {**self.cfg.model_dump(), "lambda_proto_in_force": self.cfg.lam,
+                "ignored_options": self.cfg.ignored_options(), **self.executor.config_record()}
 
     def run(self, resume: bool = False) -> dict:
         """Run all rounds; returns the summary (also ``summary.json`` in the run folder).
