@@ -50,6 +50,28 @@ def test_validation_split_is_per_class_seeded_and_disjoint():
         validation_split(rows, labels, 1.0, seed=7)
 
 
+def test_space_from_a_toml_file_and_the_command_line(tmp_path):
+    from fedproto.tuning import read_config
+    from fedproto.tuning.space import for_method, parse_space
+
+    f = tmp_path / "tune.toml"
+    f.write_text('rounds = 2\n[run]\ndataset = "digits"\n[space]\n'
+                 'lambda = {type = "float", low = 0.01, high = 10, log = true}\n'
+                 'distance = {type = "categorical", choices = ["mse", "l2"]}\n'
+                 'local_epochs = "int:1:3"\nproto_normalize = "bool"\n')
+    run, table = read_config(f)
+    assert run == {"rounds": 2, "dataset": "digits"}
+    space = parse_space(["local_epochs=intlog:1:8"], table)
+    assert {k: d.spec() for k, d in space.items()} == {
+        "lambda_proto": "log:0.01:10", "distance": "cat:mse,l2", "local_epochs": "intlog:1:8",
+        "proto_normalize": "cat:false,true"}
+    assert set(for_method(space, "local")) == {"local_epochs"}  # λ, the distance, normalising: FedProto's own
+    with pytest.raises(ConfigError, match="given twice"):
+        parse_space(["lr=log:0.01:1", "lr=log:0.01:2"])
+    with pytest.raises(ConfigError, match="unknown kind 'logg'"):
+        parse_space(["lr=logg:0.01:1"])
+
+
 def test_tune_never_reads_the_test_data(tmp_path, monkeypatch):
     """The same study with the test split replaced by noise (inputs and labels); a run that reads
     the test split does change with that noise."""

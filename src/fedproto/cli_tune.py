@@ -7,12 +7,12 @@ when the command runs: ``--help`` needs neither.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from fedproto.cli_common import _error, console, err_console
-from fedproto.errors import FedprotoError
+from fedproto.errors import NO_VALUE, FedprotoError
 
 
 def tune(
@@ -57,14 +57,25 @@ def tune(
                              threads=threads, seed=seed, val_fraction=val_fraction, final_seeds=final_seeds,
                              baselines=parse_list(baselines, [], "baselines"), metric=metric, console=console)
     except FedprotoError as e:
-        from fedproto.options import set_wording
-
-        _error(e.render(set_wording))
+        _error(e.render(_wording))
     except KeyboardInterrupt:
         err_console.print(f"interrupted; the trials finished so far are in the study ({out}); run the same command "
                           "again to resume", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     _print_table(result)
+
+
+def _wording(option: str, value: Any = NO_VALUE) -> str:
+    """An option as ``fedproto tune`` takes it: ``--set shots=10``, ``--rounds 3``, ``--method fd``
+    (:func:`fedproto.options.set_wording` without reproduce's grid options)."""
+    from fedproto.options import set_wording
+
+    own = {"rounds": "--rounds", "dataset": "--dataset", "algorithm": "--method", "seed": "--seed"}
+    if option in own:
+        return own[option] + ("" if value is NO_VALUE else f" {value}")
+    if option in ("ways", "out_dir", "name", "data_dir"):  # reproduce's own options there; --set here
+        return f"--set {option}=" + ("..." if value is NO_VALUE else str(value))
+    return set_wording(option, value)
 
 
 def _print_table(result) -> None:
@@ -73,7 +84,7 @@ def _print_table(result) -> None:
     table = Table(title="tuned on validation data; test accuracy of the best settings, retrained")
     for col, just in (("method", "left"), ("validation", "right"), ("test (mean ± std over seeds)", "right"),
                       ("trials ok/pruned/failed", "right"), ("settings", "left")):
-        table.add_column(col, justify=just)
+        table.add_column(col, justify=just, overflow="fold")
     def pct(x: float) -> str:
         return "—" if x != x else f"{100 * x:.1f}"
 

@@ -141,7 +141,10 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
     base = {normal_key(k): v for k, v in {**file_opts, **(options or {})}.items() if v is not None}
     if dataset is not None:
         base["dataset"] = dataset
-    for k in ("seed", "name", "out_dir", "eval_every"):
+    if "seed" in base:
+        raise ConfigError(f"seed={base['seed']!r} among the fixed options: fedproto tune seeds every run itself; give "
+                          "--seed (Python: seed=...) instead")
+    for k in ("name", "out_dir"):  # each trial and final run names itself, under --out
         base.pop(k, None)
     items, table = _space_args(space)
     dims = sp.parse_space(items, {**file_space, **table}) if (items or table or file_space) else sp.parse_space(
@@ -149,6 +152,12 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
     methods = [method, *[b for b in baselines if b != method]]
     budget = threads or available_cores()
     share = thread_share(budget, jobs)
+    from fedproto.tuning.split import tuning_setup
+
+    for m in methods:  # an unknown method, option or bound, data that cannot be split: refused before any trial
+        cfg = build_config(None, {**base, "algorithm": m, "seed": seed})
+        sp.validate(sp.for_method(dims, m), {**base, "algorithm": m})
+        tuning_setup(cfg, val_fraction, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     url = storage or st.sqlite_url(out / OUTPUTS["storage"])
@@ -157,9 +166,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
     studies, best, files = {}, {}, {"storage": url, "plots": [], "best": {}}
     for m in methods:
         mbase = {**base, "algorithm": m, "threads": share}
-        build_config(None, mbase)  # an unknown method or option: refused before any trial
         mdims = sp.for_method(dims, m)
-        sp.validate(mdims, mbase)
         left_out = sorted(set(dims) - set(mdims))
         if left_out:
             say(f"{m}: leaves out {', '.join(left_out)} (options it does not use)", highlight=False, soft_wrap=True)
@@ -172,7 +179,8 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         b = report.best_of(study)
         best[m] = b[0] if b else None
         if b is None:
-            say(f"{m}: no trial completed; see the trials' errors in {url} (study {spec.study_name})",
+            errors = [t.user_attrs["error"] for t in study.trials if "error" in t.user_attrs]
+            say(f"{m}: no trial completed" + (f"; the first failed with: {errors[0]}" if errors else ""),
                 highlight=False, soft_wrap=True)
             continue
         name = OUTPUTS["best"] if m == method else f"best-{m}.toml"
