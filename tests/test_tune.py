@@ -174,3 +174,61 @@ def test_tune_refuses_an_unknown_option_in_the_space(tmp_path, capsys, monkeypat
         _tune(tmp_path, space=["seed=int:1:5"])
     with pytest.raises(ConfigError, match=r"lr=log:0.01:1000: the value 1000"):
         _tune(tmp_path, space=["lr=log:0.01:1000"])
+
+
+def _net():
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(64, 16), nn.ReLU())
+            self.fc = nn.Linear(16, 10)
+
+        def forward(self, x):
+            return self.fc(self.body(x))
+
+    return Net()
+
+
+def make_clients(seed: int, noisy_test: bool = False):
+    """3 clients of scikit-learn's digits (flattened), 60 training and 30 test samples each."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    from fedproto.federation import Client
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    clients, g = [], torch.Generator().manual_seed(99)  # the noise from its own stream: the models' weights stay
+    for i in range(3):
+        tr, te = order[i * 90: i * 90 + 60], order[i * 90 + 60: i * 90 + 90]
+        test = (torch.randn(30, 64, generator=g), torch.randint(0, 10, (30,), generator=g)) if noisy_test else (
+            x[te], y[te])
+        clients.append(Client(_net(), (x[tr], y[tr]), test, head="fc"))
+    return clients
+
+
+def make_noisy_clients(seed: int):
+    return make_clients(seed, noisy_test=True)
+
+
+def test_tune_your_own_federation_never_reads_its_test_data(tmp_path):
+    """fedproto.tune(clients=make_clients): trials on a validation share of each client's training
+    data (the same study with the clients' test data replaced by noise); the final runs on the
+    test data, which the noise then does change."""
+    from fedproto.tuning import tune
+
+    kw = {"options": {"rounds": 2}, "num_classes": 10, "trials": 3, "threads": 1, "final_seeds": 1, "plots": False,
+          "space": {"lr": "log:0.005:0.1"}}
+    clean = tune(clients=make_clients, out=tmp_path / "clean", **kw)
+    noisy = tune(clients=make_noisy_clients, out=tmp_path / "noisy", **kw)
+    assert _trials(noisy.studies["fedproto"]) == _trials(clean.studies["fedproto"])
+    assert [t[1] for t in _trials(clean.studies["fedproto"])] == ["COMPLETE"] * 3
+    assert clean.rows[0]["seeds"] == 1 and clean.rows[0]["test_mean"] != noisy.rows[0]["test_mean"]
+    assert (tmp_path / "clean" / "final" / "runs" / "fedproto-s1234" / "summary.json").is_file()
+    with pytest.raises(ConfigError, match="make_clients"):
+        tune(clients=make_clients(1), out=tmp_path / "x", **kw)

@@ -93,7 +93,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
          timeout: float | None = None, out: str | Path = "tune", storage: str | None = None,
          study_name: str = "tune", jobs: int = 1, threads: int | None = None, seed: int = 1234,
          val_fraction: float = 0.2, final_seeds: int = 3, baselines: Sequence[str] = (), metric: str = "acc",
-         plots: bool = True, console=None) -> TuneResult:
+         plots: bool = True, clients=None, num_classes: int | None = None, console=None) -> TuneResult:
     """Search run options for ``method`` (and each baseline, with the same budget), on the clients'
     validation data; retrain the best settings and report them on the test data.
 
@@ -114,6 +114,10 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         final_seeds: final runs per method (0: none). baselines: other methods, tuned alike.
         metric: ``acc``, ``acc_proto`` or ``acc_global`` (validation and test).
         plots: write the study's plots (``out/plots``).
+        clients: your own federation instead of a named dataset: ``make_clients(seed)`` returning a
+            list of :class:`fedproto.federation.Client` built anew (:mod:`fedproto.tuning.own`; a
+            module-level function for ``jobs > 1``); ``options`` go to ``federate``.
+        num_classes: your clients' classes (``federate``'s).
         console: a rich console for the progress bar and lines (None: silent).
     Returns:
         A :class:`TuneResult`.
@@ -154,10 +158,14 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
     share = thread_share(budget, jobs)
     from fedproto.tuning.split import tuning_setup
 
+    if clients is not None and not callable(clients):
+        raise ConfigError("clients: give a function make_clients(seed) -> list of fedproto.federation.Client "
+                          "(the clients built anew for each run), not a list")
     for m in methods:  # an unknown method, option or bound, data that cannot be split: refused before any trial
         cfg = build_config(None, {**base, "algorithm": m, "seed": seed})
         sp.validate(sp.for_method(dims, m), {**base, "algorithm": m})
-        tuning_setup(cfg, val_fraction, seed)
+        if clients is None:
+            tuning_setup(cfg, val_fraction, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     url = storage or st.sqlite_url(out / OUTPUTS["storage"])
@@ -173,7 +181,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         spec = st.StudySpec(url, f"{study_name}-{m}", m, mbase, mdims, trials if mdims else 1,
                             None if timeout is None else time.time() + timeout, seed, val_fraction, metric,
                             str(out / ".tune.lock"),
-                            st.fingerprint(m, mbase, mdims, val_fraction, metric, seed))
+                            st.fingerprint(m, mbase, mdims, val_fraction, metric, seed), clients, num_classes)
         studies[m] = study = st.open_study(spec, create=True)
         _fill(spec, study, jobs, share, console)
         b = report.best_of(study)
@@ -184,14 +192,23 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
                 highlight=False, soft_wrap=True)
             continue
         name = OUTPUTS["best"] if m == method else f"best-{m}.toml"
+        how = (f"fedproto run --config {name}" if clients is None else
+               "federate(clients, num_classes, **tomllib.load(open(FILE, 'rb')))")
         files["best"][m] = report.write_best_toml(
             out / name, {**base, "algorithm": m}, b[0],
             f"fedproto tune: the best of study {spec.study_name!r} ({url}), trial {b[2]}, validation {metric} "
-            f"{b[1]:.4f}\nrun it with: fedproto run --config {name}")
+            f"{b[1]:.4f}\nrun it with: {how}")
         files["plots"] += [] if not plots else report.write_plots(study, out / OUTPUTS["plots"], prefix=f"{m}-")
 
     results: dict[str, list] = {m: [] for m in methods}
-    if final_seeds:
+    if final_seeds and clients is not None:
+        from fedproto.tuning.own import own_final
+
+        for m in methods:
+            if best[m] is not None:
+                results[m] = own_final(clients, num_classes, {**base, "algorithm": m, "threads": budget, **best[m]},
+                                       [seed + i for i in range(final_seeds)], out / OUTPUTS["final"] / "runs", m)
+    elif final_seeds:
         from fedproto.reproduce.runs import run_cells
 
         cells = [c for m in methods if best[m] is not None
@@ -205,7 +222,8 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             for r in run_cells(cells, out / OUTPUTS["final"], console, jobs=side):
                 results[r.cell.method].append(r)
     rows = [report.table_row(m, studies[m], results[m], metric) for m in methods]
-    caption = (f"fedproto tune on {base.get('dataset', 'mnist')}: {trials or 'time-limited'} trials per method"
+    data = "your clients" if clients is not None else base.get("dataset", "mnist")
+    caption = (f"fedproto tune on {data}: {trials or 'time-limited'} trials per method"
                f"{f', {timeout:g} s' if timeout else ''}, scored on {val_fraction:g} of each client's training data "
                f"({metric}); test: the best settings retrained on the full training data, {final_seeds} seed(s)")
     files["table"], files["csv"] = report.write_table(rows, out, caption)

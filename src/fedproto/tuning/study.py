@@ -45,6 +45,9 @@ class StudySpec:
         deadline: ``time.time()`` after which no trial starts (None: trials only).
         seed: the sampler's, the split's and every trial's run seed. val_fraction: each class's held-out share.
         metric: one of :data:`METRICS`. lock: the lock file taken while a trial is drawn.
+        fingerprint: what the study is made with (:func:`fingerprint`).
+        clients: your own federation's ``make_clients(seed)`` (:mod:`fedproto.tuning.own`; None:
+            the named dataset of ``base``). num_classes: their classes.
     """
 
     storage: str
@@ -59,6 +62,8 @@ class StudySpec:
     metric: str
     lock: str
     fingerprint: dict = field(default_factory=dict)
+    clients: Callable[[int], Any] | None = None
+    num_classes: int | None = None
 
 
 def sqlite_url(path: Path) -> str:
@@ -211,8 +216,15 @@ def run_trial(spec: StudySpec, trial) -> float:
     from fedproto.tuning.split import tuning_setup
 
     params = {k: d.suggest(trial) for k, d in spec.space.items()}
-    cfg = build_config(None, {**spec.base, **params, "eval_every": 1, "seed": spec.seed})
-    setup = tuning_setup(cfg, spec.val_fraction, spec.seed)
+    options = {**spec.base, **params, "eval_every": 1, "seed": spec.seed}
+    if spec.clients is not None:  # your own federation
+        from fedproto.tuning.own import own_simulation
+
+        sim = own_simulation(spec.clients, spec.num_classes, options, spec.val_fraction, spec.seed)
+    else:
+        cfg = build_config(None, options)
+        sim = Simulation(cfg, setup=tuning_setup(cfg, spec.val_fraction, spec.seed), out=False)
+    cfg = sim.cfg
     key = f"{spec.metric}_mean"
 
     def on_round(row: dict) -> None:
@@ -221,8 +233,9 @@ def run_trial(spec: StudySpec, trial) -> float:
             if row["round"] < cfg.rounds and trial.should_prune():
                 raise optuna.TrialPruned(f"pruned after round {row['round']}")
 
+    sim.on_round = on_round
     t0 = time.perf_counter()
-    summary = Simulation(cfg, setup=setup, out=False, on_round=on_round).run()
+    summary = sim.run()
     trial.set_user_attr("wall_s", round(time.perf_counter() - t0, 3))
     acc = summary["accuracy"].get(spec.metric)
     if acc is None:
