@@ -1719,14 +1719,16 @@ def test_secagg_a_class_with_too_few_contributors_stays_masked_on_flower(tmp_pat
 
 
 def test_flower_secagg_hides_label_sets_from_the_server(tmp_path, monkeypatch):
-    """Under secagg (secagg_hide_labels, the default) no node's join or train reply carries its
-    label set or sample counts; clients.csv says 'hidden'. With secagg_hide_labels false they are sent."""
+    """Under secagg (secagg_hide_labels, the default) no node's join, train or evaluate reply carries
+    its label set, sample counts or step count; clients.csv says 'hidden'. With secagg_hide_labels false they are sent."""
     eng, grid, _, _, _ = _secagg_run(tmp_path, monkeypatch, secagg=True)
     queries = [dict(r.content["fedproto.config"]) for r in grid.received if r.metadata.message_type == "query"
                and "fedproto.config" in r.content]
     assert len(queries) == 3 and all(not {"classes", "train-samples", "test-samples"} & set(q) for q in queries)
     trains = [r for r in grid.received if r.metadata.message_type == "train"]
-    assert trains and all("num-examples" not in r.content["fedproto.metrics"] for r in trains)
+    assert trains and all(not {"num-examples", "steps"} & set(r.content["fedproto.metrics"]) for r in trains)
+    evals = [r for r in grid.received if r.metadata.message_type == "evaluate"]
+    assert evals and all("num-examples" not in r.content["fedproto.metrics"] for r in evals)
     rows = list(csv.DictReader((tmp_path / "run-sa" / "clients.csv").open()))
     assert [r["classes"] for r in rows] == ["hidden"] * 3
     _, grid2, _, _, _ = _secagg_run(tmp_path, monkeypatch, name="sent", secagg=True, secagg_hide_labels=False)
@@ -1736,38 +1738,57 @@ def test_flower_secagg_hides_label_sets_from_the_server(tmp_path, monkeypatch):
 
 
 def test_a_second_unmask_request_in_a_round_is_refused_by_a_flower_node(tmp_path, monkeypatch):
-    """The Flower node keeps its unmask answer in its context: asked again in the round (the
-    second time with a survivor marked dropped, to collect both its shares), it refuses, and a
-    node that restarted (a fresh context) holds nothing to reveal."""
-    from fedproto.flower.secagg import STATE, step
+    """The Flower node keeps its answers in its context: asked again in the round (the second time
+    with a survivor marked dropped, to collect both its shares), it refuses; so it does a second
+    masked vector and new keys for a round it keyed already; a node that restarted (a fresh
+    context) holds nothing to reveal; a site's node-config floor is not lowered by the run config."""
+    from fedproto.flower.secagg import STATE, masked_reply, step
     from fedproto.secagg.protocol import Client, Server
 
     folders = write_node_folders(tmp_path)
     uc = _own_config(secagg=True)
     grid = LocalGrid(uc, node_configs=node_configs(folders))
-    eng = FlowerEngine(run_config(uc), grid, out=False)
-    eng.run()
+    FlowerEngine(run_config(uc), grid, out=False).run()
     ctx = grid.contexts[1000]
     n = client_app.node(ctx)
     srv = Server([0, 1, 2])
     others = {j: Client() for j in (1, 2)}
-    pk = {0: step(n, {"stage": np.array([1]), "round": np.array([9]), "parties": np.array([3]),
-                      "group": np.array([0, 1, 2]), "t": np.array([2])}, ctx)}
+    key1 = {"stage": np.array([1]), "round": np.array([9]), "parties": np.array([3]), "group": np.array([0, 1, 2]),
+            "t": np.array([2])}
+    pk = {0: step(n, key1, ctx)}
     pk.update({j: c.keys(j, 9, **srv.setup(j)) for j, c in others.items()})
     cts = {0: step(n, {"stage": np.array([2]), "groups": np.array([11]), **srv.keys_for(0, pk)}, ctx)}
     cts.update({j: c.shares(srv.keys_for(j, pk), 11) for j, c in others.items()})
     routed = srv.route(cts)
-    c0 = Client(from_record(ctx.state[STATE]))
-    c0.masked(np.zeros(10 * 52, np.uint64), routed[0], np.zeros(10 * 52, np.int64))
-    ctx.state[STATE] = to_record(c0.state)
-    first = step(n, {"stage": np.array([4]), "alive": np.array([0, 1, 2]), "dead": np.array([], np.int64)}, ctx)
+    down = {"secagg.ct.1": routed[0]["ct.1"], "secagg.ct.2": routed[0]["ct.2"]}
+    _, finish = masked_reply(n, dict(down), ctx, 9)
+    finish({})  # an empty reply: zeros, masked
+    with pytest.raises(TrainingError, match="masked its vector of round 9 already"):
+        masked_reply(n, dict(down), ctx, 9)
+    groups = secagg_codec.codec_of(n.algorithm).groups({})
+    for j, c in others.items():
+        c.masked(np.zeros(len(groups), np.uint64), routed[j], groups)
+    view = {"stage": np.array([4]), "alive": np.array([0, 1, 2]), "dead": np.array([], np.int64)}
+    tags = {0: step(n, view, ctx), **{j: c.view([0, 1, 2], [], 2) for j, c in others.items()}}
+    to0 = srv.route_tags(tags)[0]
+    first = step(n, {"stage": np.array([5]), **to0}, ctx)
     assert sorted(first) == ["s.0", "s.1", "s.2"]
     with pytest.raises(TrainingError, match="a second unmask request in round 9"):
         step(n, {"stage": np.array([4]), "alive": np.array([0, 1]), "dead": np.array([2])}, ctx)
+    with pytest.raises(TrainingError, match="a second unmask request in round 9"):
+        step(n, {"stage": np.array([5]), **to0}, ctx)
+    with pytest.raises(TrainingError, match="refuses new keys for round 9"):
+        step(n, key1, ctx)
     fresh = Context(run_id=1, node_id=1000, node_config=ctx.node_config, state=RecordDict(),
                     run_config=ctx.run_config)
     with pytest.raises(TrainingError, match="holds no shares of the round"):
         step(n, {"stage": np.array([4]), "alive": np.array([0, 1]), "dead": np.array([2])}, fresh)
+    # a site's floor: node config secagg-threshold 0.9 makes t = 2 of 3 too low for this node
+    strict = Context(run_id=1, node_id=1000, node_config={**ctx.node_config, "secagg-threshold": 0.9},
+                     state=RecordDict(), run_config=ctx.run_config)
+    with pytest.raises(TrainingError, match="threshold must be at least 3 of 3"):
+        step(n, key1, strict)
+    assert STATE in ctx.state
 
 
 def test_secagg_refuses_median_and_class_check_on_flower(tmp_path):

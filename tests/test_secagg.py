@@ -139,7 +139,7 @@ def test_secagg_survives_a_dropout_below_the_threshold():
     # at or above the threshold (t = 4 of 6: at most 2 dropouts), the round stops with a clear error
     over, _, _ = _sim(secagg=True, rounds=1)
     over.executor.drop = {1: [0, 1, 2]}
-    with pytest.raises(TrainingError, match="fewer than the threshold 4: too many clients dropped out"):
+    with pytest.raises(TrainingError, match=r"3 alive members of its share group \(threshold 4\).*too few to unmask"):
         over.run()
 
 
@@ -174,8 +174,8 @@ def test_protocol_rebuilds_the_sum_from_shares_and_refuses_double_unmasking():
     alive, dead = srv.unmask_request(sorted(masked))
     assert (alive, dead) == ([0, 1, 2, 3], [4])
     with pytest.raises(TrainingError, match="both shares"):
-        cl[0].unmask([1, 4], [4])
-    shares = {i: cl[i].unmask(alive, dead) for i in alive}
+        cl[0].view([1, 4], [4])
+    shares = _unmask(srv, cl, alive, dead)
     total = codec.decode(sum(masked.values()) - srv.masks(alive, dead, shares, np.zeros(7, np.int64)))
     assert np.abs(total - sum(xs[i] for i in alive)).max() <= 4 * STEP
 
@@ -362,6 +362,12 @@ def test_cli_secagg_names_the_withheld_classes_in_the_run_folder(tmp_path, capsy
     assert summary["withheld_rounds"] == {"1": row["secagg_withheld"]} and summary["min_contributors"] == 2
 
 
+def _unmask(srv, cl, alive, dead, minimum=1):
+    """Steps 4 and 5 (consistency, unmask) for the alive clients: their answers by client."""
+    routed = srv.route_tags({i: cl[i].view(alive, dead, minimum) for i in alive})
+    return {i: cl[i].unmask(routed[i]) for i in alive}
+
+
 def _protocol_round(xs: dict[int, np.ndarray], groups: np.ndarray, neighbours: int = 0):
     """Steps 1-3 of a round of the protocol alone: (server, clients, masked vectors)."""
     ids = sorted(xs)
@@ -375,37 +381,83 @@ def _protocol_round(xs: dict[int, np.ndarray], groups: np.ndarray, neighbours: i
 def test_a_second_unmask_request_in_a_round_is_refused(caplog):
     """The attack: ask every client to unmask with all alive, then again with one survivor marked
     dropped, to collect both shares of it and rebuild its whole vector. The second request is
-    refused (and logged on the client); so is a second reveal, one before the unmask, and one for
-    a class under the minimum."""
+    refused (and logged on the client); so are a second consistency step, a second reveal, one
+    before the unmask, and one for a class under the minimum."""
     rng = np.random.default_rng(1)
     xs = {i: rng.normal(0, 3, 6) for i in range(5)}
     groups = np.array([0, 0, 1, 1, 2, 2])
     srv, cl, masked = _protocol_round(xs, groups)
     with pytest.raises(TrainingError, match="before the round's unmask"):
         cl[0].reveal([1], np.array([3, 3]), 2)
-    first = {i: cl[i].unmask(list(range(5)), [], 2) for i in range(5)}
+    everyone = list(range(5))
+    first = _unmask(srv, cl, everyone, [], 2)
     with caplog.at_level("WARNING", logger="fedproto.secagg"):
-        for i in range(5):
+        for i in everyone:
             with pytest.raises(TrainingError, match="a second unmask request in round 7"):
-                cl[i].unmask([0, 1, 2, 3], [4], 2)
+                cl[i].view([0, 1, 2, 3], [4], 2)
+            with pytest.raises(TrainingError, match="a second unmask request in round 7"):
+                cl[i].unmask({})
     assert "client 0 refuses: a second unmask request" in caplog.text
     # what the server could rebuild of client 4 from all it got: its group-0 seed, not its masking key
     assert all("k.4" not in m for m in first.values()) and all("s.4" in m for m in first.values())
     with pytest.raises(TrainingError, match="revealed only with at least 2 contributors"):
         cl[1].reveal([1, 2], np.array([1, 3]), 2)
-    got = {i: cl[i].reveal([2], np.array([3, 3]), 2) for i in range(5)}
+    got = {i: cl[i].reveal([2], np.array([3, 3]), 2) for i in everyone}
     with pytest.raises(TrainingError, match="a second reveal request"):
         cl[2].reveal([1], np.array([3, 3]), 2)
     # the honest path decodes groups 0 and 2 exactly, and group 1 (never revealed) stays masked
-    masks = srv.masks(list(range(5)), [], first, groups) + srv.class_masks(list(range(5)), [2], got, groups)
+    masks = srv.masks(everyone, [], first, groups) + srv.class_masks(everyone, [2], got, groups)
     total = codec.decode(sum(masked.values()) - masks)
     want = sum(xs.values())
     assert np.abs(total[[0, 1, 4, 5]] - want[[0, 1, 4, 5]]).max() <= 6 * STEP
     assert np.abs(total[[2, 3]] - want[[2, 3]]).min() > 1.0
+    # a client masks once per round: a second vector under the same masks would give their difference
+    with pytest.raises(TrainingError, match="a second masked vector in round 7"):
+        cl[0].masked(codec.encode(xs[0], 5), {}, groups)
     # fewer alive clients than the minimum: nothing is unmasked at all
     _, cl2, _ = _protocol_round({i: xs[i] for i in range(3)}, groups)
-    with pytest.raises(TrainingError, match="2 alive clients, fewer than the minimum of 3"):
-        cl2[0].unmask([0, 1], [2], 3)
+    with pytest.raises(TrainingError, match=r"2 alive clients \(minimum of contributors 3\)"):
+        cl2[0].view([0, 1], [2], 3)
+
+
+def test_a_server_that_shows_clients_different_dropouts_gets_no_shares(caplog):
+    """The attacks a breaker ran on the first version: (1) each client told another alive set, so
+    that the target's seed comes from those that see it alive and its neighbours' masking keys
+    from those that see them dead; (2) a made-up client id to pass the minimum; (3) a share group
+    of one with threshold 1 sent at the key step; (4) a ring of one neighbour. Each is refused by
+    a client before any share leaves it."""
+    rng = np.random.default_rng(2)
+    xs = {i: rng.normal(0, 3, 4) for i in range(5)}
+    groups = np.zeros(4, np.int64)
+    srv, cl, _ = _protocol_round(xs, groups)  # t = 3 of 5
+    v1, v2 = ([0, 1, 2], [3, 4]), ([0, 3, 4], [1, 2])  # target 0: alive in both; 1, 2 dead in the second
+    tags = {i: cl[i].view(*v1, 2) for i in (0, 1, 2)}
+    tags.update({i: cl[i].view(*v2, 2) for i in (3, 4)})
+    routed = srv.route_tags(tags)
+    answered = {}
+    with caplog.at_level("WARNING", logger="fedproto.secagg"):
+        for i in range(5):
+            try:
+                answered[i] = cl[i].unmask(routed[i])
+            except TrainingError as e:
+                assert "saw other clients alive or dead" in str(e) or "fewer than the threshold" in str(e)
+    # 0 got client 3's and 4's tags of the other view: it refuses; 3 and 4 are refused by 0's tag
+    assert 0 not in answered and 3 not in answered and 4 not in answered
+    assert "showed different dropouts to different clients" in caplog.text
+    got_k = [m for m in answered.values() if "k.1" in m or "k.2" in m]
+    assert len(got_k) < 3  # fewer than t shares of any masking key: nothing to unmask client 0 with
+    # (2) a phantom client: alive [0, 999] passes a minimum of 2 only by a name nobody holds shares of
+    _, cl3, _ = _protocol_round({i: xs[i] for i in range(3)}, groups)
+    with pytest.raises(TrainingError, match="too few to unmask"):
+        cl3[0].view([0, 999], [1, 2], 2)
+    # (3) a group of one, threshold 1, at the key step
+    with pytest.raises(TrainingError, match="must hold this client and another"):
+        Client().keys(0, 1, [0], 1)
+    with pytest.raises(TrainingError, match="threshold must be at least 3 of 5"):
+        Client().keys(0, 1, range(5), 1, fraction=0.5)
+    # (4) secagg_neighbours 1 gave each client a group of itself: refused at set-up
+    with pytest.raises(ConfigError, match="secagg_neighbours=1"):
+        Simulation(digits_config(secagg=True, secagg_neighbours=1), out=False)
 
 
 def test_combine_equals_pycryptodome_shamir():
@@ -451,7 +503,7 @@ def test_secagg_hides_label_sets_from_the_server():
         xs = {i: vec(cs, protos) for i, cs in enumerate(labels)}
         srv, cl, masked = _protocol_round(xs, groups)
         alive = sorted(masked)
-        a = {i: cl[i].unmask(alive, [], 2) for i in alive}
+        a = _unmask(srv, cl, alive, [], 2)
         m = srv.masks(alive, [], a, groups)
         opened = codec.decode(sum(masked.values()) - m) * (groups == 0)
         counts = np.rint(opened[C * (d + 1):]).astype(np.int64)

@@ -239,9 +239,10 @@ def _checked_round(n: Node, msg: Message) -> int:
     return int(cfg["round"])
 
 
-HIDDEN_UNDER_SECAGG = ("classes", "train-samples", "test-samples", "num-examples")
-"""What a node does not send at join and after training under ``secagg`` with ``secagg_hide_labels``
-(the default): its label set and its sample counts."""
+HIDDEN_UNDER_SECAGG = ("classes", "train-samples", "test-samples", "num-examples", "steps")
+"""What a node does not send at join, after training and after evaluating under ``secagg`` with
+``secagg_hide_labels`` (the default): its label set, its sample counts and its step count (the
+training samples over the batch size)."""
 
 
 @app.query()
@@ -314,6 +315,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = {k: float(v) for k, v in metrics.items()}
     metrics["num-examples"] = len(n.data.test_y)
     sent = deployment_fields(n.cfg.dp, "evaluate", metrics)
+    if n.cfg.secagg and n.cfg.secagg_hide_labels:
+        sent = {k: v for k, v in sent.items() if k not in HIDDEN_UNDER_SECAGG}
     if len(sent) < len(metrics):
         log.warning("fedproto client %d (dp=%s) keeps on this node: %s", n.cid, n.cfg.dp,
                     ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k not in sent))

@@ -166,7 +166,7 @@ class FlowerExecutor(NodeMembership, MessageExchange, Executor):
                 if "loss_ce" in m:
                     # each entry by its name (fedproto.flower.common.SCHEMA)
                     res = TrainResult(sums=None, counts=None, loss_ce=float(m["loss_ce"]),
-                                      loss_proto=float(m["loss_proto"]), steps=int(m["steps"]),
+                                      loss_proto=float(m["loss_proto"]), steps=int(m.get("steps", 0)),
                                       emb_norm_max=float(m.get("emb-norm-max", 0.0)),
                                       loss_terms=float(m.get("loss-terms", 0.0)))
                 else:  # a node under DP sends its noised release alone (fedproto.privacy.deployment_fields)

@@ -1,4 +1,4 @@
-"""Secure aggregation over Flower (option ``secagg``): the protocol's four steps as Flower messages.
+"""Secure aggregation over Flower (option ``secagg``): the protocol's six steps as Flower messages.
 
 Server (:class:`SecAggFlowerExecutor`, around :class:`fedproto.flower.executor.FlowerExecutor`),
 per round, to the sampled clients:
@@ -9,9 +9,12 @@ per round, to the sampled clients:
 3. ``train``: the round's downlink message plus the shares addressed to the node (``secagg.ct.<j>``,
    counted in ``secagg_bytes``); the node trains, checks its reply, encodes and masks it (:func:`masked_reply`);
    reply: ``{"secagg": (L,) uint64}`` and the losses.
-4. ``query.secagg`` stage 4: who sent a masked vector; reply: the shares that rebuild the group-0
-   and the dropped nodes' masks (once per round: the node's state records the answer).
-5. ``query.secagg`` stage 5: the per-class contributor counts decoded from group 0 and the classes
+4. ``query.secagg`` stage 4: who sent a masked vector; reply: the node's view of it, encrypted for
+   each alive member of its group (the consistency step).
+5. ``query.secagg`` stage 5: the members' view tags; reply, when t of them confirm the node's view:
+   the shares that rebuild the group-0 and the dropped nodes' masks (once per round: the node's
+   state records the answer).
+6. ``query.secagg`` stage 6: the per-class contributor counts decoded from group 0 and the classes
    with at least ``secagg_min_contributors``; reply: the shares of those classes' seeds (once per round).
 
 Why not Flower's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the workflow runs a whole round of
@@ -54,33 +57,72 @@ def _state(context: Context) -> dict:
 
 
 def step(n: Any, m: dict, context: Context) -> dict:
-    """Steps 1, 2, 4 and 5 of the protocol on node ``n`` (:class:`fedproto.secagg.protocol.Client`)
-    for the server's message ``m`` (``stage``: 1, 2, 4 or 5); returns the reply. The node's secrets
-    and its answers of the round stay in ``context.state``, so a second unmask or reveal request
-    of a round is refused (and logged on the node); the minimum of contributors is the node's own
-    ``secagg_min_contributors``. The ClientApp's ``query.secagg`` handler calls it.
+    """Steps 1, 2, 4, 5 and 6 of the protocol on node ``n`` (:class:`fedproto.secagg.protocol.Client`)
+    for the server's message ``m`` (``stage``); returns the reply. The node's secrets and its
+    answers of the round stay in ``context.state``, so a second consistency, unmask or reveal
+    request of a round is refused (and logged on the node), and so is a new key step for a round
+    not after the last one it keyed. The threshold fraction and the minimum of contributors are
+    the run config's, raised to the node's own floors (:func:`floors`).
 
     Raises:
         TrainingError: a refused request, or an unknown stage.
     """
     stage = int(m["stage"][0])
-    minimum = int(n.cfg.secagg_min_contributors)
+    fraction, minimum = floors(n, context)
     if stage == 1:
+        last = _state(context).get("round")
+        r = int(m["round"][0])
+        if last is not None and r <= int(last[0]):
+            raise TrainingError(f"secure aggregation: client {n.cid} refuses new keys for round {r}: it keyed round "
+                                f"{int(last[0])} already (a repeated round would let the server compare its answers)")
         c = Client()
-        out = c.keys(n.cid, int(m["round"][0]), m["group"].tolist(), int(m["t"][0]))
+        out = c.keys(n.cid, r, m["group"].tolist(), int(m["t"][0]), fraction)
         c.state["parties"] = m["parties"]
     else:
         c = Client(_state(context))
         if stage == 2:
             out = c.shares({k: v for k, v in m.items() if k not in ("stage", "groups")}, int(m["groups"][0]))
         elif stage == 4:
-            out = c.unmask(m["alive"].tolist(), m["dead"].tolist(), minimum)
+            out = c.view(m["alive"].tolist(), m["dead"].tolist(), minimum)
         elif stage == 5:
+            out = c.unmask({k: v for k, v in m.items() if k.startswith("tag.")})
+        elif stage == 6:
             out = c.reveal(m["groups"].tolist(), m["counts"], minimum)
         else:
-            raise TrainingError(f"secure aggregation: unknown step {stage} (1, 2, 4 or 5)")
+            raise TrainingError(f"secure aggregation: unknown step {stage} (1, 2, 4, 5 or 6)")
     context.state[STATE] = to_record(c.state)
     return out
+
+
+NODE_FLOORS = {"secagg-threshold": "secagg_threshold", "secagg-min-contributors": "secagg_min_contributors"}
+"""Node-config keys a site sets (``flower-supernode --node-config``) so that the server's run config
+cannot lower them: the node uses the larger of the two."""
+
+
+def floors(n: Any, context: Context) -> tuple[float, int]:
+    """(threshold fraction, minimum of contributors) this node enforces: the run config's
+    ``secagg_threshold`` and ``secagg_min_contributors``, raised to the node config's
+    ``secagg-threshold`` and ``secagg-min-contributors`` where the site set them (the run config
+    comes from whoever submits the run: a site that does not trust the server sets its floors).
+
+    Raises:
+        ConfigError: a node-config floor that is not a number in range.
+    """
+    from fedproto.errors import ConfigError
+
+    got = {}
+    for key, field in NODE_FLOORS.items():
+        v = context.node_config.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (
+            0 <= v < 1 if field == "secagg_threshold" else (float(v).is_integer() and v >= 1))
+        if not ok:
+            want = "a fraction in [0, 1)" if field == "secagg_threshold" else "a whole number of 1 or more"
+            raise ConfigError(f"node config {key}={v!r}: use {want}")
+        got[field] = v
+    return (max(float(n.cfg.secagg_threshold), float(got.get("secagg_threshold", 0.0))),
+            max(int(n.cfg.secagg_min_contributors), int(got.get("secagg_min_contributors", 1))))
 
 
 def masked_reply(n: Any, down: dict, context: Context, round: int):
@@ -98,8 +140,11 @@ def masked_reply(n: Any, down: dict, context: Context, round: int):
         raise TrainingError(f"secagg is on but this node holds no secure-aggregation keys of round {round} (it did "
                             "not take part in the round's key and share steps): it does not send its reply in the "
                             "clear")
+    if "u2" in c.state:
+        raise TrainingError(f"secure aggregation: client {n.cid} masked its vector of round {round} already: it masks "
+                            "once per round (a second masked vector under the same masks reveals their difference)")
     plain = {k: v for k, v in down.items() if not k.startswith(PREFIX)}
-    codec = codecs.codec_of(n.algorithm, n.cfg.secagg_min_contributors)
+    codec = codecs.codec_of(n.algorithm, floors(n, context)[1])
 
     def finish(reply: dict) -> dict:
         vec = codecs.encode(codec.vector(n.cid, reply, plain, (n.state, n.data)), int(c.state["parties"][0]))
@@ -137,7 +182,7 @@ class SecAggFlowerExecutor:
         return got, sum(nbytes(msgs[i]) for i in ids), sum(nbytes(m) for m in got.values())
 
     def train(self, round: int, sent: dict, downlink=None) -> RoundReplies:
-        """The protocol's five steps around the wrapped executor's ``train`` (see the module)."""
+        """The protocol's six steps around the wrapped executor's ``train`` (see the module)."""
         ex = self._ex
         ex.round = round
         ids = [i for i in sorted(sent) if i in ex.nodes]
@@ -160,14 +205,16 @@ class SecAggFlowerExecutor:
         ok = {i: r for i, r in got.replies.items() if i in srv.u2
               and set(r[0]) == {KEY} and r[0][KEY].dtype == np.uint64 and r[0][KEY].shape == (length,)}
 
-        def ask(stage: int, extra: dict) -> dict[int, dict]:
-            alive = sorted(ok)
-            return self._step(alive, {i: {"stage": np.array([stage]), **extra} for i in alive})[0]
+        def ask(stage: int, extra: dict, each: dict[int, dict] | None = None) -> dict[int, dict]:
+            to = sorted(ok) if each is None else sorted(each)
+            return self._step(to, {i: {"stage": np.array([stage]), **extra, **(each or {}).get(i, {})}
+                                   for i in to})[0]
 
         rnd, d45, u45 = unmask_round(
             srv, self._codec, ref, {i: r[0][KEY] for i, r in ok.items()}, self._session.minimum,
             lambda alive, dead: ask(4, {"alive": np.asarray(alive, np.int64), "dead": np.asarray(dead, np.int64)}),
-            lambda wanted, counts: ask(5, {"groups": np.asarray(wanted, np.int64), "counts": np.asarray(counts)}))
+            lambda tags: ask(5, {}, tags),
+            lambda wanted, counts: ask(6, {"groups": np.asarray(wanted, np.int64), "counts": np.asarray(counts)}))
         alive, dead = rnd.alive, rnd.dead
         if dead:
             log.warning("round %d: secure aggregation: clients %s shared keys but sent no masked vector; their masks "

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fedproto.errors import ConfigError, opt
+import numpy as np
+
+from fedproto.errors import ConfigError, opt, render
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,11 @@ def check(cfg: Any, algorithm: Any) -> None:
 
     require()
     check_codec(cfg, algorithm)
+    k = cfg.secagg_neighbours
+    if k == 1 or k % 2:
+        raise ConfigError(f"{opt('secagg_neighbours', k)}: the ring gives each client as many neighbours on each side, "
+                          f"so the number is even; use {k + 1 if k > 1 else 2} (or 0: every client shares with all)",
+                          option="secagg_neighbours", value=k)
     n, m = getattr(cfg, "clients", None), cfg.secagg_min_contributors
     if isinstance(n, int) and n < m:
         raise ConfigError(f"{opt('secagg_min_contributors', m)} decodes a sum only over at least {m} clients, but the "
@@ -62,7 +69,7 @@ def weak(cfg: Any) -> list[str]:
     a minimum of 1 contributor per class, a threshold fraction under 0.5."""
     out = []
     n = getattr(cfg, "clients", None)
-    group = n if not getattr(cfg, "secagg_neighbours", 0) or not isinstance(n, int) else min(n, cfg.secagg_neighbours)
+    group = n if not getattr(cfg, "secagg_neighbours", 0) or not isinstance(n, int) else min(n, cfg.secagg_neighbours + 1)
     if isinstance(n, int) and n < 3:
         out.append(f"with {n} client(s) the sum the server learns reveals every reply (a client's own, or the other "
                    "one's to either client); secure aggregation needs 3 clients or more to hide anything")
@@ -78,6 +85,21 @@ def weak(cfg: Any) -> list[str]:
     if cfg.secagg_threshold < 0.5:
         out.append(f"{opt('secagg_threshold', cfg.secagg_threshold)} lets a server that shows two halves of a share "
                    "group different dropouts collect both shares of one client; use 0.5 (the default) or more")
+    if isinstance(group, int) and group > 1 and int(cfg.secagg_threshold * group) + 1 >= group:
+        out.append(f"{opt('secagg_threshold', cfg.secagg_threshold)} needs every member of a share group of {group} "
+                   "to answer: one dropout ends the run; use 0.5 (the default) to survive dropouts")
+    p, m = getattr(cfg, "participation", 1.0), getattr(cfg, "secagg_min_contributors", 2)
+    if isinstance(n, int) and isinstance(p, (int, float)):
+        k = int(p) if p > 1 else max(1, int(np.rint(p * n)))
+        if k < m:
+            out.append(f"{opt('participation', p)} samples {k} of {n} clients a round, fewer than "
+                       f"{opt('secagg_min_contributors', m)}: no round can be aggregated; sample at least {m}")
+    h = getattr(cfg, "secagg_honest", 2)
+    if getattr(cfg, "dp", "off") != "off" and isinstance(h, int) and h > m:
+        out.append(f"{opt('secagg_honest', h)} is more than {opt('secagg_min_contributors', m)}: a class decoded over "
+                   f"fewer than {h} contributors carries less noise than dp_noise's (its epsilon, stated per class in "
+                   f"summary.json, is larger); use secagg_min_contributors={h} to decode only classes with h or more")
+    out = [render(w) for w in out]
     for w in out:
         log.warning("secagg: %s", w)
     return out

@@ -151,6 +151,10 @@ class Codec:
         already zero: never decoded). Default: no classes."""
         return total
 
+    def all_classes(self) -> list[int]:
+        """The classes whose sums the vector carries (none for weights)."""
+        return []
+
     def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         """The client's (L,) float64 vector of ``reply`` (zeros: nothing to add); ``client``: its
         (state, data), which distributed DP noise needs (:func:`fedproto.secagg.dp.noisy_sums`)."""
@@ -190,6 +194,9 @@ class ProtoCodec(Codec):
             return [], contrib, []
         ok = [c for c in range(C) if contrib[c] >= max(1, minimum)]
         return [1 + c for c in ok], contrib, [c for c in range(C) if 0 < contrib[c] < minimum]
+
+    def all_classes(self) -> list[int]:
+        return list(range(self.alg.num_classes))
 
     def withhold(self, total: np.ndarray, classes: list[int]) -> np.ndarray:
         """Zero the contributor counts of ``classes``: the server's steps then keep their last global

@@ -44,7 +44,9 @@ class Round:
             (fewer alive clients than the minimum).
         decoded: (L,) bool, the coordinates the server could unmask (group 0 and the revealed classes).
         contributors: (C,) int64 contributor counts per class (FedProto; empty for weights).
-        withheld: the classes held by fewer than ``secagg_min_contributors`` alive clients, left masked.
+        withheld: the classes held by fewer than ``secagg_min_contributors`` alive clients, left masked
+            (every class when the round was skipped).
+        skipped: fewer alive clients than the minimum: nothing was decoded, the server keeps its state.
     """
 
     alive: list[int]
@@ -57,31 +59,39 @@ class Round:
     decoded: np.ndarray | None = None
     contributors: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     withheld: list[int] = field(default_factory=list)
+    skipped: bool = False
 
 
 def unmask_round(srv: Server, codec: Any, sent: dict, masked: dict[int, np.ndarray], minimum: int,
-                 ask_unmask: Any, ask_reveal: Any) -> tuple[Round, int, int]:
-    """The server's steps 4 and 5 (:mod:`fedproto.secagg.protocol`), shared by the simulator and
-    Flower: ask the alive clients for the group-0 and dropped clients' shares, decode group 0 (the
-    per-class contributor counts), ask for the seeds of the classes with at least ``minimum``
-    contributors and rebuild their masks; a class with fewer stays masked.
+                 ask_view: Any, ask_unmask: Any, ask_reveal: Any) -> tuple[Round, int, int]:
+    """The server's steps 4 to 6 (:mod:`fedproto.secagg.protocol`), shared by the simulator and
+    Flower: tell the alive clients who is alive and dead and route their view tags (consistency),
+    ask them for the group-0 and dropped clients' shares, decode group 0 (the per-class
+    contributor counts), ask for the seeds of the classes with at least ``minimum`` contributors
+    and rebuild their masks; a class with fewer stays masked. With fewer than ``minimum`` alive
+    clients nothing is asked and nothing decoded (the clients would refuse).
 
     Args:
         srv: the round's protocol server. codec: the method's codec. sent: a downlink message of the
             round (the vector layout). masked: (L,) uint64 masked vector by alive client.
-        minimum: ``secagg_min_contributors``. ask_unmask: (alive, dead) -> step-4 answers by client.
-        ask_reveal: (groups, counts) -> step-5 answers by client.
+        minimum: ``secagg_min_contributors``. ask_view: (alive, dead) -> step-4 tags by client.
+        ask_unmask: routed tags by client -> step-5 answers by client. ask_reveal: (groups, counts)
+            -> step-6 answers by client.
     Returns:
-        (the round's record without bytes and seconds, bytes down, bytes up) of steps 4 and 5.
+        (the round's record without bytes and seconds, bytes down, bytes up) of steps 4 to 6.
     Raises:
         TrainingError: too few shares arrived (too many dropouts).
     """
     alive, dead = srv.unmask_request(sorted(masked))
     groups = codec.groups(sent)
     if len(alive) < minimum:  # nothing may be decoded: the clients would refuse
-        return Round(alive, dead, None, sent, withheld=["all"]), 0, 0
-    answers = ask_unmask(alive, dead)
-    down, up = 8 * (len(alive) + len(dead)) * len(alive), sum(nbytes(m) for m in answers.values())
+        return Round(alive, dead, None, sent, withheld=codec.all_classes(), skipped=True), 0, 0
+    tags = ask_view(alive, dead)
+    routed = srv.route_tags(tags)
+    down = 8 * (len(alive) + len(dead)) * len(alive) + sum(nbytes(m) for m in routed.values())
+    up = sum(nbytes(m) for m in tags.values())
+    answers = ask_unmask(routed)
+    up += sum(nbytes(m) for m in answers.values())
     masks = srv.masks(alive, dead, answers, groups)
     total = np.zeros(len(groups), np.uint64)
     for i in alive:
@@ -115,11 +125,14 @@ class Session:
 
     def record(self, rnd: Round) -> None:
         """Keep ``rnd`` as the last round's record and add its bytes, seconds and dropouts to the totals."""
-        if rnd.withheld:
-            log.warning("secure aggregation: %s withheld this round (fewer than %d contributors among the clients "
-                        "that sent a masked vector): they stay masked and the clients keep their last global "
-                        "prototype", "every class" if rnd.withheld == ["all"] else f"classes {rnd.withheld}",
+        if rnd.skipped:
+            log.warning("secure aggregation: %d client(s) sent a masked vector, fewer than secagg_min_contributors=%d: "
+                        "nothing is decoded this round and the server keeps its last message", len(rnd.alive),
                         self.minimum)
+        elif rnd.withheld:
+            log.warning("secure aggregation: classes %s withheld this round (fewer than %d contributors among the "
+                        "clients that sent a masked vector): they stay masked and the clients keep their last global "
+                        "prototype", rnd.withheld, self.minimum)
         self.last = rnd
         self.totals["bytes_up"] += rnd.bytes_up
         self.totals["bytes_down"] += rnd.bytes_down
@@ -189,7 +202,7 @@ class SecureServer:
         out = self._codec.aggregate(round, total, cids, rnd.sent, state)
         out = as_state(self._alg, out)  # a method whose aggregate returns its message alone
         checkpoint = dict(out.checkpoint)
-        if len(rnd.contributors):  # the contributors of each decoded class, per round (the DP accountant's)
+        if self._codec.all_classes():  # the contributors of each decoded class, per round (the DP accountant's)
             checkpoint["secagg_contributors"] = self._history(state, rnd)
         return replace(out, metrics={**out.metrics, **self.secagg_metrics()}, checkpoint=checkpoint)
 
@@ -197,11 +210,12 @@ class SecureServer:
         """(rounds, C) int64: per round so far, each class's contributors where it was decoded, minus
         them where it was withheld, 0 where nobody held it; the previous rounds' from ``state``'s
         checkpoint (a resume keeps them)."""
-        C = len(rnd.contributors)
+        C = len(self._codec.all_classes())
         prev = (state.checkpoint or {}).get("secagg_contributors") if state is not None else None
         prev = np.zeros((0, C), np.int64) if prev is None else np.asarray(prev, np.int64).reshape(-1, C)
-        row = rnd.contributors.copy() if rnd.masks is not None else np.zeros(C, np.int64)
-        row[rnd.withheld if rnd.masks is not None else []] *= -1
+        row = np.full(C, -1, np.int64) if rnd.skipped else rnd.contributors.copy()
+        if not rnd.skipped:
+            row[rnd.withheld] *= -1
         self._session.history = np.vstack([prev, row[None]])
         return self._session.history
 
@@ -221,7 +235,8 @@ class SecureServer:
         if rnd is None:
             return {}
         return {"secagg_bytes": rnd.bytes_up + rnd.bytes_down, "secagg_s": rnd.seconds,
-                "secagg_dropped": list(rnd.dead), "secagg_withheld": list(rnd.withheld)}
+                "secagg_dropped": list(rnd.dead), "secagg_withheld": list(rnd.withheld),
+                **({"secagg_skipped": True} if rnd.skipped else {})}
 
     def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict:
         """The algorithm's entries plus ``secure_aggregation``: protocol, options, threat model and totals."""
@@ -281,7 +296,7 @@ class SimulatedSecAgg:
         up = down = 0
         pks = {}
         for i in ids:
-            pks[i] = clients[i].keys(i, round, **srv.setup(i))
+            pks[i] = clients[i].keys(i, round, **srv.setup(i), fraction=self._session.fraction)
             up += nbytes(pks[i])
         cts = {}
         for i in ids:
@@ -304,7 +319,8 @@ class SimulatedSecAgg:
         m = self._session.minimum
         rnd, d45, u45 = unmask_round(
             srv, self._codec, ref, masked, m,
-            lambda alive, dead: {i: clients[i].unmask(alive, dead, m) for i in alive},
+            lambda alive, dead: {i: clients[i].view(alive, dead, m) for i in alive},
+            lambda tags: {i: clients[i].unmask(tags[i]) for i in tags},
             lambda wanted, counts: {i: clients[i].reveal(wanted, counts, m) for i in sorted(masked)})
         rnd.bytes_up, rnd.bytes_down, rnd.seconds = up + u45, down + d45, time.perf_counter() - t0
         self._session.record(rnd)

@@ -2,29 +2,33 @@
 primitives, with self masks per class so that the server decodes a class's sum only over enough
 contributors (``docs/secure-aggregation.md``, "Guarantees").
 
-Five exchanges per round between the server and the round's clients, each a message of
+Six exchanges per round between the server and the round's clients, each a message of
 ``dict[str, numpy.ndarray]`` (the project's message form, so the same code runs in the simulator
 and over Flower):
 
-1. **keys** (:meth:`Client.keys`): each client makes two fresh X25519 key pairs, one to encrypt
-   the shares it sends its neighbours, one to agree the pairwise mask seeds; it sends the public keys.
+1. **keys** (:meth:`Client.keys`): each client checks the share group and threshold the server
+   gives it, makes two fresh X25519 key pairs, one to encrypt the shares it sends its neighbours,
+   one to agree the pairwise mask seeds, and sends the public keys.
 2. **shares** (:meth:`Client.shares`): given its neighbours' public keys, a client draws one
    16-byte self-mask seed per *group* of its vector (group 0: what is always decoded, e.g. the
    per-class contributor counts; group 1 + c: class c's sum and count), splits each seed and its
    masking secret key into Shamir shares (threshold t over its share group: itself and its
    neighbours) and sends each neighbour its shares encrypted under the key they agreed
    (AES-256-GCM, bound to sender, receiver and round).
-3. **masked input** (:meth:`Client.masked`): the client adds to its fixed-point vector, group by
-   group, the self mask of that group's seed and, per neighbour j that completed step 2,
-   +PRG(s_ij) if i < j else -PRG(s_ij), all modulo 2^64 (s_ij: the agreed key).
-4. **unmask** (:meth:`Client.unmask`): told which clients sent a masked vector (alive) and which
-   did not (dead), a client returns its shares of each alive neighbour's group-0 seed and of each
-   dead neighbour's masking key, never both for one client, **once per round**; it refuses when
-   fewer than ``minimum`` clients are alive.
-5. **reveal** (:meth:`Client.reveal`): told the per-class contributor counts the server decoded
+3. **masked input** (:meth:`Client.masked`, once per round): the client adds to its fixed-point
+   vector, group by group, the self mask of that group's seed and, per neighbour j that completed
+   step 2, +PRG(s_ij) if i < j else -PRG(s_ij), all modulo 2^64 (s_ij: the agreed key).
+4. **consistency** (:meth:`Client.view`): told which clients sent a masked vector (alive) and
+   which did not (dead), a client checks the claim against the shares it holds and sends each
+   alive member of its group the hash of that view, encrypted for it (SecAgg's consistency round,
+   with the agreed keys in place of signatures).
+5. **unmask** (:meth:`Client.unmask`): when at least t members of its group confirmed the same
+   view and none another, a client returns its shares of each alive member's group-0 seed and of
+   each dead member's masking key, never both for one client, **once per round**.
+6. **reveal** (:meth:`Client.reveal`): told the per-class contributor counts the server decoded
    from group 0, a client returns its shares of the alive clients' seeds of the classes with at
-   least ``minimum`` contributors, once per round and only for the alive set of step 4. A class
-   with fewer contributors stays masked: the server never holds the seeds that unmask it.
+   least ``minimum`` contributors, once per round. A class with fewer contributors stays masked:
+   the server never holds the seeds that unmask it.
 
 The server (:class:`Server`) routes the messages and, from at least t shares per secret, rebuilds
 the self masks and the pairwise masks the dead clients left in their neighbours' vectors.
@@ -39,12 +43,14 @@ interpolates many secrets shared by the same holders with the Lagrange coefficie
 Threat model: an honest-but-curious server and up to t - 1 colluding clients of a share group
 learn nothing about an honest client's vector beyond the sums of the classes with at least
 ``minimum`` contributors (and the group-0 totals); the sum is recovered while at least t of each
-share group answer. With t > half the group (``secagg_threshold`` >= 0.5), a server that shows
-different clients different alive sets cannot collect both shares of one client either.
+share group answer. A server that shows different clients different dropouts is caught by the
+consistency step (a client answers only when t members of its group saw its view), and t more
+than half the group (``secagg_threshold`` >= 0.5) keeps two halves of a group from each reaching t.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -59,7 +65,6 @@ from fedproto.secagg.primitives import (
     agree,
     as_bytes,
     as_u8,
-    combine,
     keypair,
     prg,
     self_mask,
@@ -67,6 +72,7 @@ from fedproto.secagg.primitives import (
     split,
     threshold,
 )
+from fedproto.secagg.server import Server  # the server's side, re-exported here
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +97,27 @@ class Client:
         raw = as_bytes(self.state["seeds"])
         return [raw[a:a + SEED_BYTES] for a in range(0, len(raw), SEED_BYTES)]
 
-    def keys(self, cid: int, round: int, group: Iterable[int], t: int) -> Message:
-        """Step 1: fresh key pairs; returns the raw public keys (``pk1``: encryption, ``pk2``: masking)."""
+    def keys(self, cid: int, round: int, group: Iterable[int], t: int, fraction: float = 0.5) -> Message:
+        """Step 1: fresh key pairs; returns the raw public keys (``pk1``: encryption, ``pk2``: masking).
+
+        ``group`` and ``t`` come from the server; the client checks them against its own
+        ``fraction`` (``secagg_threshold``): it is in the group, the group has another member, and t
+        is at least :func:`threshold` of the group (a server that sends t = 1 would get a seed from
+        one share).
+
+        Raises:
+            TrainingError: (logged on the client) a group or threshold that fails those checks.
+        """
+        group = sorted({int(j) for j in group})
+        self.state = {"cid": np.array([cid], np.int64), "round": np.array([round], np.int64)}
+        if int(cid) not in group or len(group) < 2 or int(t) < threshold(len(group), fraction) or int(t) > len(group):
+            raise self._refuse(f"share group {group[:20]} with threshold {t}: it must hold this client and another, "
+                               f"and the threshold must be at least {threshold(len(group), fraction)} of "
+                               f"{len(group)} (secagg_threshold {fraction})")
         sk1, pk1 = keypair()
         sk2, pk2 = keypair()
-        self.state = {"cid": np.array([cid], np.int64), "round": np.array([round], np.int64),
-                      "group": np.asarray(sorted(group), np.int64), "t": np.array([t], np.int64),
-                      "sk1": as_u8(sk1), "sk2": as_u8(sk2)}
+        self.state.update({"group": np.asarray(group, np.int64), "t": np.array([t], np.int64),
+                           "sk1": as_u8(sk1), "sk2": as_u8(sk2)})
         return {"pk1": as_u8(pk1), "pk2": as_u8(pk2)}
 
     def shares(self, keys: Message, groups: int = 1) -> Message:
@@ -139,11 +159,13 @@ class Client:
         Raises:
             TrainingError: a ciphertext that does not decrypt (forged, damaged, or not from j to
                 this client in this round), ``groups`` that name more groups than seeds were
-                drawn, or fewer than t members left.
+                drawn, fewer than t members left, or a second call in the round.
         """
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         me, t, rnd = self._int("cid"), self._int("t"), self._int("round")
+        if "u2" in self.state:  # a second masked vector under the same masks would give the server their difference
+            raise self._refuse(f"a second masked vector in round {rnd}; it masks once per round")
         groups = np.zeros(len(vector), np.int64) if groups is None else np.asarray(groups, np.int64)
         seeds = self._seeds()
         if len(groups) != len(vector) or (len(groups) and int(groups.max()) >= len(seeds)):
@@ -180,35 +202,93 @@ class Client:
         s = as_bytes(self.state[f"sh.{j}"])
         return as_u8(s[:4] + b"".join(s[4 + 16 * c:20 + 16 * c] for c in which))
 
-    def unmask(self, alive: Iterable[int], dead: Iterable[int], minimum: int = 1) -> Message:
-        """Step 4: this client's shares of the alive members' group-0 seeds (``s.<j>``) and of the
-        dead members' masking keys (``k.<j>``). Answered once per round.
+    def _view_hash(self) -> bytes:
+        return hashlib.sha256(b"fedproto-secagg-view" + self.state["round"].tobytes() + self.state["a_alive"].tobytes()
+                              + b"|" + self.state["a_dead"].tobytes()).digest()
+
+    def view(self, alive: Iterable[int], dead: Iterable[int], minimum: int = 1) -> Message:
+        """Step 4 (consistency): told who sent a masked vector (``alive``) and who did not
+        (``dead``), the client checks the claim against what it saw and returns, for each alive
+        member j of its share group, ``tag.<j>``: the hash of this view encrypted for j (AES-GCM
+        under the key they agreed, so the server can neither read nor forge it). Once per round.
 
         Raises:
-            TrainingError: (logged on the client) a second request in this round, a client named
-                both alive and dead, this client named dead, fewer than ``minimum`` alive clients,
-                or no keys of the round held (a restarted node).
+            TrainingError: (logged on the client) a second request in the round, this client not
+                alive, a client named both, a member whose shares reached this client named
+                neither or an alive member whose shares did not, fewer than t alive members of its
+                group, fewer than ``minimum`` alive clients, or no shares of the round held (a
+                restarted node).
         """
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
         if "u2" not in self.state:
             raise TrainingError("secure aggregation: this client holds no shares of the round (it did not mask a "
                                 "vector, or restarted since): nothing to unmask")
-        me = self._int("cid")
+        me, t, rnd = self._int("cid"), self._int("t"), self._int("round")
         alive, dead = sorted({int(j) for j in alive}), sorted({int(j) for j in dead})
         if "a_alive" in self.state:
-            raise self._refuse(f"a second unmask request in round {self._int('round')} (answered for alive "
+            raise self._refuse(f"a second unmask request in round {rnd} (answered for alive "
                                f"{self.state['a_alive'].tolist()}, now asked for alive {alive}, dead {dead}); it "
                                "answers once per round")
-        if set(alive) & set(dead) or me in dead:
+        group, held = set(self.state["group"].tolist()), set(self.state["u2"].tolist())
+        if set(alive) & set(dead) or me not in alive:
             raise self._refuse(f"asked for both shares of clients {sorted(set(alive) & set(dead)) or [me]}; it "
-                               "answers for each client one or the other")
-        if len(alive) < minimum:
-            raise self._refuse(f"{len(alive)} alive clients, fewer than the minimum of {minimum} contributors")
+                               "answers for each client one or the other, and only while alive itself")
+        if held - set(alive) - set(dead) or (set(alive) & group) - held:
+            raise self._refuse(f"told alive {alive}, dead {dead}, which does not match the members whose shares "
+                               f"reached it ({sorted(held)})")
+        if len(set(alive) & group) < t or len(alive) < minimum:
+            raise self._refuse(f"{len(set(alive) & group)} alive members of its share group (threshold {t}) and "
+                               f"{len(alive)} alive clients (minimum of contributors {minimum}): too few to unmask")
         self.state["a_alive"], self.state["a_dead"] = np.asarray(alive, np.int64), np.asarray(dead, np.int64)
-        held = {int(j) for j in self.state["u2"]}
+        digest, out = self._view_hash(), {}
+        for j in sorted((set(alive) & group) - {me}):
+            nonce = os.urandom(12)
+            out[f"tag.{j}"] = as_u8(nonce + AESGCM(as_bytes(self.state[f"k1.{j}"])).encrypt(
+                nonce, digest, aad(me, j, rnd) + b"view"))
+        return out
+
+    def unmask(self, tags: Message) -> Message:
+        """Step 5: with the view tags its group's alive members sent it (``tag.<j>``, from j),
+        the client checks that at least t members of its group (itself included) saw the same alive
+        and dead clients, and that none saw others; then it returns its shares of the alive
+        members' group-0 seeds (``s.<j>``) and of the dead members' masking keys (``k.<j>``). So
+        the server cannot show two halves of a group two different dropouts. Once per round.
+
+        Raises:
+            TrainingError: (logged on the client) no view this round, a second request, a tag that
+                does not decrypt or names another view, fewer than t matching views.
+        """
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        if "a_alive" not in self.state:
+            raise self._refuse("an unmask request before the round's consistency step")
+        if "a_done" in self.state:
+            raise self._refuse(f"a second unmask request in round {self._int('round')}; it answers once per round")
+        me, t, rnd = self._int("cid"), self._int("t"), self._int("round")
+        digest, group = self._view_hash(), set(self.state["group"].tolist())
+        alive = set(self.state["a_alive"].tolist())
+        same = {me}
+        for key in tags:
+            j = int(key.split(".")[1])
+            raw = as_bytes(tags[key])
+            try:
+                got = AESGCM(as_bytes(self.state[f"k1.{j}"])).decrypt(raw[:12], raw[12:], aad(j, me, rnd) + b"view")
+            except Exception:  # forged, from another round or client, or j unknown
+                raise self._refuse(f"the view of client {j} does not authenticate") from None
+            if got != digest or j not in alive or j not in group:
+                raise self._refuse(f"client {j} saw other clients alive or dead than it was told: the server showed "
+                                   "different dropouts to different clients")
+            same.add(j)
+        if len(same) < t:
+            raise self._refuse(f"{len(same)} members of its share group confirmed its view, fewer than the "
+                               f"threshold {t}")
+        self.state["a_done"] = np.array([1], np.int64)
+        held = set(self.state["u2"].tolist())
         n_seeds = len(self.state["seeds"]) // SEED_BYTES
         key_chunks = list(range(n_seeds, n_seeds + KEY_BYTES // 16))
-        out = {f"s.{j}": self._chunks(j, [0]) for j in alive if j in held}
-        out.update({f"k.{j}": self._chunks(j, key_chunks) for j in dead if j in held})
+        out = {f"s.{j}": self._chunks(j, [0]) for j in self.state["a_alive"].tolist() if j in held}
+        out.update({f"k.{j}": self._chunks(j, key_chunks) for j in self.state["a_dead"].tolist() if j in held})
         return out
 
     def reveal(self, groups: Iterable[int], counts: np.ndarray, minimum: int = 1) -> Message:
@@ -223,7 +303,7 @@ class Client:
         """
         groups = [int(g) for g in groups]
         counts = np.asarray(counts, np.int64).reshape(-1)
-        if "a_alive" not in self.state:
+        if "a_done" not in self.state:
             raise self._refuse("a reveal request before the round's unmask step")
         if "b_groups" in self.state:
             raise self._refuse(f"a second reveal request in round {self._int('round')}; it answers once per round")
@@ -237,90 +317,4 @@ class Client:
         return {f"s.{j}": self._chunks(j, groups) for j in self.state["a_alive"].tolist() if j in held}
 
 
-class Server:
-    """The server's side of one round: it routes the clients' messages and rebuilds the masks.
-
-    Args:
-        participants: the round's client ids. fraction: the threshold fraction (:func:`threshold`).
-        neighbours: the share graph (:func:`share_group`).
-    """
-
-    def __init__(self, participants: Iterable[int], fraction: float = 0.5, neighbours: int = 0):
-        self.participants = sorted(int(i) for i in participants)
-        self.fraction, self.neighbours = fraction, neighbours
-        self.group = {i: share_group(self.participants, i, neighbours) for i in self.participants}
-        self.t = {i: threshold(len(g), fraction) for i, g in self.group.items()}
-        self.pks: dict[int, Message] = {}
-        self.u2: list[int] = []
-
-    def setup(self, cid: int) -> dict:
-        """Step 1's arguments for client ``cid``: its share group and threshold."""
-        return {"group": self.group[cid], "t": self.t[cid]}
-
-    def keys_for(self, cid: int, pks: dict[int, Message]) -> Message:
-        """Step 2's message to ``cid``: the public keys of its group members that sent theirs."""
-        self.pks = pks
-        return {f"{k}.{j}": pks[j][k] for j in self.group[cid] if j in pks for k in ("pk1", "pk2")}
-
-    def route(self, cts: dict[int, Message]) -> dict[int, Message]:
-        """Step 3's ciphertexts for each client that completed step 2 (``ct.<src>``: from src)."""
-        self.u2 = sorted(cts)
-        out: dict[int, Message] = {i: {} for i in self.u2}
-        for src, msg in cts.items():
-            for key, ct in msg.items():
-                dst = int(key.split(".")[1])
-                if dst in out:
-                    out[dst][f"ct.{src}"] = ct
-        return out
-
-    def unmask_request(self, alive: Iterable[int]) -> tuple[list[int], list[int]]:
-        """Step 4: (alive, dead) of the clients that completed step 2."""
-        alive = sorted(int(i) for i in alive)
-        return alive, [i for i in self.u2 if i not in alive]
-
-    def _secret(self, kind: str, j: int, shares: dict[int, Message]) -> list[bytes]:
-        got = [as_bytes(m[f"{kind}.{j}"]) for _, m in sorted(shares.items()) if f"{kind}.{j}" in m]
-        if len(got) < self.t[j]:
-            raise TrainingError(f"secure aggregation: {len(got)} shares of client {j}'s "
-                                f"{'self-mask seeds' if kind == 's' else 'masking key'} arrived, fewer than the "
-                                f"threshold {self.t[j]}: too many clients dropped out to rebuild the sum")
-        return combine(got[:self.t[j]])
-
-    def masks(self, alive: list[int], dead: list[int], shares: dict[int, Message], groups: np.ndarray) -> np.ndarray:
-        """The (L,) uint64 total to subtract from the sum of the alive clients' masked vectors for
-        their group-0 coordinates to decode: their group-0 self masks and the pairwise masks the
-        dead clients' neighbours added (``shares``: the step-4 answers by client).
-
-        Raises:
-            TrainingError: fewer than t shares of a secret arrived (too many dropouts).
-        """
-        groups = np.asarray(groups, np.int64)
-        total = np.zeros(len(groups), np.uint64)
-        for i in alive:
-            total = total + self_mask([self._secret("s", i, shares)[0]], groups, [0])
-        for j in dead:
-            sk2 = b"".join(self._secret("k", j, shares))
-            for i in alive:
-                if i in self.group[j]:
-                    m = prg(agree(sk2, as_bytes(self.pks[i]["pk2"]), b"mask"), len(groups))
-                    total = total + m if i < j else total - m
-        return total
-
-    def class_masks(self, alive: list[int], wanted: list[int], shares: dict[int, Message],
-                    groups: np.ndarray) -> np.ndarray:
-        """The (L,) uint64 self masks of the alive clients over the groups ``wanted`` (from the
-        step-5 answers ``shares``, whose chunks follow ``wanted``'s order).
-
-        Raises:
-            TrainingError: fewer than t shares of a client's seeds arrived.
-        """
-        groups = np.asarray(groups, np.int64)
-        total = np.zeros(len(groups), np.uint64)
-        if not wanted:
-            return total
-        for i in alive:
-            got = self._secret("s", i, shares)
-            seeds = dict(zip(wanted, got, strict=True))
-            full = [seeds.get(g, b"\0" * SEED_BYTES) for g in range(max(wanted) + 1)]
-            total = total + self_mask(full, groups, wanted)
-        return total
+__all__ = ["Client", "Server", "share_group", "threshold"]
