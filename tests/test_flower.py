@@ -1720,7 +1720,8 @@ def test_secagg_a_class_with_too_few_contributors_stays_masked_on_flower(tmp_pat
 
 def test_flower_secagg_hides_label_sets_from_the_server(tmp_path, monkeypatch):
     """Under secagg (secagg_hide_labels, the default) no node's join, train or evaluate reply carries
-    its label set, sample counts or step count; clients.csv says 'hidden'. With secagg_hide_labels false they are sent."""
+    its label set, sample counts or step count; clients.csv says 'hidden'. With secagg_hide_labels
+    false they are sent."""
     eng, grid, _, _, _ = _secagg_run(tmp_path, monkeypatch, secagg=True)
     queries = [dict(r.content["fedproto.config"]) for r in grid.received if r.metadata.message_type == "query"
                and "fedproto.config" in r.content]

@@ -69,7 +69,8 @@ def weak(cfg: Any) -> list[str]:
     a minimum of 1 contributor per class, a threshold fraction under 0.5."""
     out = []
     n = getattr(cfg, "clients", None)
-    group = n if not getattr(cfg, "secagg_neighbours", 0) or not isinstance(n, int) else min(n, cfg.secagg_neighbours + 1)
+    k = getattr(cfg, "secagg_neighbours", 0)
+    group = n if not k or not isinstance(n, int) else min(n, k + 1)
     if isinstance(n, int) and n < 3:
         out.append(f"with {n} client(s) the sum the server learns reveals every reply (a client's own, or the other "
                    "one's to either client); secure aggregation needs 3 clients or more to hide anything")
