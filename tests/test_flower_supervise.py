@@ -211,9 +211,9 @@ def test_a_supervisor_stopped_by_a_signal_deactivates_its_node_first(tmp_path, f
     fleet.keys[6], fleet.online = pub, {6}
     flags = ["--superlink", f"127.0.0.1:{fleet.server_address[1]}", "--insecure", "--auth-supernode-private-key",
              str(key)]
-    node = 'echo "SuperNode ID: 6"; echo $$ > node.pid; exec sleep 60'
+    node = 'echo $$ > node.pid; echo "SuperNode ID: 6"; exec sleep 60'  # the pid file first: read on the id line
     if how == "node-ignores-SIGTERM":
-        node = 'trap "" TERM INT HUP; echo "SuperNode ID: 6"; echo $$ > node.pid; while :; do sleep 0.1; done'
+        node = 'trap "" TERM INT HUP; echo $$ > node.pid; echo "SuperNode ID: 6"; while :; do sleep 0.1; done'
     p = _supervisor(tmp_path, node, flags)
     try:
         if how == "SIGKILL-node-then-SIGTERM":
