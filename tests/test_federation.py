@@ -919,3 +919,52 @@ def test_a_nan_inside_a_dataset_is_named_before_training(monkeypatch, tmp_path):
     assert [r["left_out"] for r in rows] == ["", why, ""]
     accs = [float(r["acc"]) for r in rows]
     assert summary["accuracy"]["acc"]["mean"] == pytest.approx((accs[0] + accs[2]) / 2, abs=1e-6)
+
+
+class Widths(nn.Module):
+    """A user's model whose hidden width is a parameter (the embedding stays 8)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 8))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.out(h), h
+
+
+def test_fedavg_refuses_two_widths_with_a_fix_for_your_own_models():
+    (x, y), (tx, ty) = _rows(0, dtype=torch.float32), _rows(1, dtype=torch.float32)
+    with pytest.raises(ConfigError) as e:
+        federate([Client(Widths(8), (x, y), (tx, ty)), Client(Widths(16), (x, y), (tx, ty))], num_classes=3,
+                 algorithm="fedavg", out=False)
+    msg = str(e.value)
+    assert "(16, 4) vs (8, 4)" in msg and "model='cnn'" not in msg  # no zoo model to a user with their own
+    assert "Give every client a model of one architecture (the same class and layer sizes)" in msg
+    assert "algorithm='fedproto'" in msg  # a method that runs these models as they are
+
+
+def test_a_list_of_variable_length_sequences_in_memory_trains_with_collate():
+    from fedproto.data.inputs import pad_collate
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            ids, mask = x["input_ids"], x["attention_mask"].unsqueeze(-1).float()
+            h = (self.emb(ids) * mask).sum(1) / mask.sum(1).clamp_min(1.0)  # mean over the tokens, padding left out
+            return self.out(h), h
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(24) % 3
+    seqs = [torch.randint(6 * int(c), 6 * int(c) + 6, (3 + i % 5,), generator=g) for i, c in enumerate(y)]
+    clients = [Client(Bag(), (seqs, y), (seqs[:12], y[:12]), collate=pad_collate) for _ in range(2)]
+    summary = federate(clients, num_classes=3, rounds=2, local_epochs=3, lr=0.1, threads=1, eval_every=0,
+                       out=False).run()
+    assert summary["accuracy"]["acc"]["mean"] > 0.6  # tokens of disjoint ranges per class: learnt
+    with pytest.raises(DataError, match=r"client 0: cannot read its train inputs"):  # without collate: refused
+        federate([Client(Bag(), (seqs, y), (seqs, y))], num_classes=3, out=False)

@@ -48,7 +48,7 @@ from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import WeightsOptions
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, architecture_groups
 from fedproto.algorithms.state import ServerState
-from fedproto.errors import ConfigError
+from fedproto.errors import ConfigError, opt
 from fedproto.models.base import ProtoModel
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
 
@@ -130,9 +130,9 @@ def check_same_shapes(states: list[ClientState], method: str, include=None) -> N
     parts = architecture_groups(sigs, [s.cid for s in states])
     raise ConfigError(
         f"{method} averages model weights, so every client needs the same architecture, but the "
-        f"client models differ: {'; '.join(parts)}. Use one model for all clients (e.g. model='cnn'), "
-        "or an algorithm for heterogeneous models: algorithm='fedproto' (shares prototypes) or "
-        "algorithm='local' (no communication)"
+        f"client models differ: {'; '.join(parts)}. Give every client a model of one architecture, "
+        f"or an algorithm for heterogeneous models: {opt('algorithm', 'fedproto')} (shares prototypes) or "
+        f"{opt('algorithm', 'local')} (no communication)"
     )
 
 

@@ -153,12 +153,13 @@ def check_model_needs(name: str, needs: str, models: Sequence[nn.Module], fix: s
     return max(dims)
 
 
-def check_architectures(name: str, models: Sequence[nn.Module], include=None) -> None:
+def check_architectures(name: str, models: Sequence[nn.Module], include=None, fix: str | None = None) -> None:
     """Refuse client models whose shared tensors differ, for a method of :data:`ONE_ARCHITECTURE`.
 
     Args:
         name: the algorithm's name. models: one per client. include: predicate on tensor names, the
-            tensors the method shares (None: all).
+            tensors the method shares (None: all). fix: what to do, for the front end that built the
+            models (None: one zoo model for all clients, ``model cnn`` worded per front end).
     Raises:
         ConfigError: names the clients of each architecture, the first tensor that differs, and the
             methods that run these models as they are.
@@ -170,8 +171,11 @@ def check_architectures(name: str, models: Sequence[nn.Module], include=None) ->
     if len(by_arch) <= 1:
         return
     parts = architecture_groups(archs, list(range(len(archs))), limit=10)
+    from fedproto.errors import opt
+
+    fix = fix or f"use one model for all clients (e.g. {opt('model', 'cnn')})"
     raise ConfigError(f"{name} averages model weights, so every client needs the same architecture, but the client "
-                      f"models differ: {'; '.join(parts)}. Use one model for all clients (e.g. model='cnn'), or a "
+                      f"models differ: {'; '.join(parts)}. {fix[0].upper() + fix[1:]}, or a "
                       f"method that runs these models as they are: {_named(methods_for(models))}")
 
 

@@ -244,7 +244,9 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
         alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
     if needs == ONE_ARCHITECTURE:
         include = getattr(alg, "include", None)
-        check_architectures(cfg.algorithm, models, include(models[0]) if callable(include) else None)
+        own = ("give every client a model of one architecture (the same class and layer sizes)"
+               if cfg.dataset == "custom" else None)  # your own models: no zoo name to suggest
+        check_architectures(cfg.algorithm, models, include(models[0]) if callable(include) else None, own)
     alg.check_models(models)
     warn_unseen_test_classes(states, data)
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);

@@ -314,8 +314,27 @@ def _memory_inputs(x: Any, n_labels: int) -> Any:
     return as_leaf(x if isinstance(x, (torch.Tensor, np.ndarray)) else np.asarray(x))
 
 
+class ItemPairs(torch.utils.data.Dataset):
+    """In-memory inputs given as a list of ``n`` items (e.g. token sequences of different lengths)
+    with their ``n`` labels, read item by item as a Dataset is, so that ``collate`` batches them."""
+
+    def __init__(self, items: list, labels: Any):
+        self.items, self.labels = items, labels
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        return self.items[i], self.labels[i]
+
+
 def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = None) -> tuple[Any, torch.Tensor]:
-    """(inputs, labels) of one split, checked; raises DataError naming the client."""
+    """(inputs, labels) of one split, checked; raises DataError naming the client. With ``collate``, a
+    list of ``n`` inputs with ``n`` labels (variable-length sequences held in memory) is read as a
+    Dataset of those pairs (:class:`ItemPairs`)."""
+    if (collate is not None and isinstance(split, (tuple, list)) and len(split) == 2 and isinstance(split[0], list)
+            and hasattr(split[1], "__len__") and len(split[0]) == len(split[1])):
+        split = ItemPairs(split[0], split[1])
     if isinstance(split, torch.utils.data.IterableDataset):
         raise DataError(f"client {cid}: {what} is an IterableDataset ({type(split).__name__}), read in order only; "
                         "fedproto reads items by index: give a map-style Dataset (__len__ and __getitem__), or "
