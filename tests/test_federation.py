@@ -968,3 +968,16 @@ def test_a_list_of_variable_length_sequences_in_memory_trains_with_collate():
     assert summary["accuracy"]["acc"]["mean"] > 0.6  # tokens of disjoint ranges per class: learnt
     with pytest.raises(DataError, match=r"client 0: cannot read its train inputs"):  # without collate: refused
         federate([Client(Bag(), (seqs, y), (seqs, y))], num_classes=3, out=False)
+
+
+def test_the_own_federation_page_s_snippets_run_or_say_they_are_fragments():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "own-federation.md").read_text(encoding="utf-8")
+    script = (root / "examples" / "own_federation.py").read_text(encoding="utf-8").rstrip()
+    blocks = re.findall(r"```python\n(.*?)\n```", page, re.S)
+    assert len(blocks) >= 3 and blocks.count(script) == 1
+    fragments = [b for b in blocks if b != script]
+    assert all(re.match(r"# (a fragment|fragments)\b", b) for b in fragments), [b.splitlines()[0] for b in fragments]
