@@ -981,3 +981,26 @@ def test_the_own_federation_page_s_snippets_run_or_say_they_are_fragments():
     assert len(blocks) >= 3 and blocks.count(script) == 1
     fragments = [b for b in blocks if b != script]
     assert all(re.match(r"# (a fragment|fragments)\b", b) for b in fragments), [b.splitlines()[0] for b in fragments]
+
+
+def test_a_model_vmap_cannot_batch_is_named_by_its_own_class(caplog):
+    import logging
+
+    class ItemGate(nn.Module):
+        """A classifier whose forward reads a value in Python (.item()): torch.func.vmap cannot batch it."""
+
+        def __init__(self):
+            super().__init__()
+            self.features = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = self.features(x)
+            return self.fc(h * (1.0 if h.sum().item() >= 0 else 0.5))
+
+    clients = [Client(ItemGate(), _rows(i, dtype=torch.float32), _rows(10 + i, dtype=torch.float32), head="fc")
+               for i in range(2)]
+    with caplog.at_level(logging.INFO, logger="fedproto.engine.executors.batched"):
+        federate(clients, num_classes=3, rounds=1, threads=1, eval_every=0, execution="batched", out=False).run()
+    msgs = [r.getMessage() for r in caplog.records if "torch.func.vmap cannot batch them" in r.getMessage()]
+    assert msgs and msgs[0].startswith("ItemGate models train one client after another")

@@ -182,9 +182,11 @@ class BatchedExecutor(LocalExecutor):
         cache = self._generic_checked
         if key not in cache:
             problem = generic_batch_problem(model, self.setup.data[members[0]].x)
-            if problem is not None:
+            if problem is not None:  # named by the user's class, not the library's adapter around it
+                inner = getattr(model, "net", None)
+                user = inner if isinstance(inner, torch.nn.Module) else model
                 log.info("%s models train one client after another: torch.func.vmap cannot batch them (%s)",
-                         type(model).__name__, problem)
+                         type(user).__name__, problem)
             cache[key] = problem is None
         return cache[key]
 
