@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,8 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
          timeout: float | None = None, out: str | Path = "tune", storage: str | None = None,
          study_name: str = "tune", jobs: int = 1, threads: int | None = None, seed: int = 1234,
          val_fraction: float = 0.2, final_seeds: int = 3, baselines: Sequence[str] = (), metric: str = "acc",
-         plots: bool = True, clients=None, num_classes: int | None = None, console=None) -> TuneResult:
+         plots: bool = True, clients: Callable[[int], Sequence[Any]] | None = None, num_classes: int | None = None,
+         console: Any = None) -> TuneResult:
     """Search run options for ``method`` (and each baseline, with the same budget), on the clients'
     validation data; retrain the best settings and report them on the test data.
 

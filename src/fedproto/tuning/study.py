@@ -284,6 +284,10 @@ def work(spec: StudySpec, on_trial: Callable[[Any], None] | None = None) -> int:
                 raise
             trial.set_user_attr("error", str(e))
             study.tell(trial, state=TrialState.FAIL)
+        except BaseException as e:  # a bug: the trial is failed (not left running), the error goes on
+            trial.set_user_attr("error", f"{type(e).__name__}: {e}"[:2000])
+            study.tell(trial, state=TrialState.FAIL)
+            raise
         else:
             study.tell(trial, value)
         ran += 1
