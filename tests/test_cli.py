@@ -18,7 +18,8 @@ from fedproto.config import build_config
     [
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--ways", "11"], "--ways 11 is more than the 10 classes of mnist; use --ways 10 or fewer"),
-        (["--lambda-proto", "-1"], "--lambda-proto -1.0: Input should be greater than or equal to 0"),
+        (["--lambda-proto", "-1"], "--lambda-proto -1: Input should be greater than or equal to 0; use --lambda-proto "
+                                  "0 or more"),
         (["--rounds", "0"], "--rounds 0"),
         (["--distance", "cosine"], "Invalid value for '--distance': 'cosine' is not one of"),
         (["--algorithm", "fedfoo"], "unknown algorithm 'fedfoo'"),
@@ -32,9 +33,9 @@ from fedproto.config import build_config
         # the fix in every message: a near name, the bound to respect (issue 41)
         (["--dataset", "mnits"], "unknown dataset 'mnits'; did you mean 'mnist'? choose one of mnist, femnist"),
         (["--clients", "0"], "--clients 0: Input should be greater than or equal to 1; use --clients 1 or more"),
-        (["--participation", "0"], "--participation 0.0: Input should be greater than 0; give --participation a "
-                                   "value above 0.0"),
-        (["--lr", "1000"], "Input should be less than or equal to 100; use --lr 100.0 or less"),
+        (["--participation", "0"], "--participation 0: Input should be greater than 0; give --participation a "
+                                   "value above 0"),  # the value as typed, not 0.0
+        (["--lr", "1000"], "--lr 1000: Input should be less than or equal to 100; use --lr 100 or less"),
     ],
 )
 def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_path):
@@ -276,7 +277,7 @@ def test_flag_values_stay_flags_over_a_toml_file(capsys, monkeypatch, tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('rounds = 2\ndataset = "digits"\n')
     code, text = run_cli(["run", "--config", str(f), "--lr", "1000", "--out-dir", str(tmp_path)], capsys, monkeypatch)
-    assert code == 2 and "--lr 1000.0: Input should be less than or equal to 100" in text
+    assert code == 2 and "--lr 1000: Input should be less than or equal to 100" in text
 
 
 @pytest.mark.parametrize("args, expect", [

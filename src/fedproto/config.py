@@ -235,7 +235,8 @@ def bound_fix(option: str, err: dict, key: str | None = None) -> str:
     value, as ``; use --clients 1 or more`` (worded per front end; for a value read from a TOML file,
     its ``key`` as written there: ``; use clients = 1 or more``): a bound (ge, gt, le, lt), a number
     that is not finite or not whole; '' for other errors."""
-    ctx = err.get("ctx") or {}
+    ctx = {k: (int(v) if isinstance(v, float) and v.is_integer() else v)  # 100, not 100.0
+           for k, v in (err.get("ctx") or {}).items()}
     kind = err.get("type", "")
 
     def word(v: Any) -> str:

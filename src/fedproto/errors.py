@@ -32,7 +32,24 @@ class RawValue(str):
         return str(self)
 
 
+class TypedFloat(float):
+    """A float read from text, which keeps that text (``typed``), so a message names the value as
+    the user typed it (``--participation 0``, not ``0.0``); otherwise a float."""
+
+    typed: str = ""
+
+    @classmethod
+    def of(cls, value: float, typed: str) -> TypedFloat:
+        """``value`` remembering ``typed``."""
+        out = cls(value)
+        out.typed = typed
+        return out
+
+
 def _encode(value: Any) -> str:
+    if isinstance(value, TypedFloat) and value.typed:
+        return json.dumps({_RAW: value.typed})
+
     def other(o: Any) -> dict:
         return {_RAW: o.isoformat() if hasattr(o, "isoformat") else str(o)}
 

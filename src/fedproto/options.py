@@ -29,7 +29,7 @@ import click
 from pydantic.fields import FieldInfo
 
 from fedproto.config import FLOWER_KEYS
-from fedproto.errors import NO_VALUE, UNKNOWN, unknown_text
+from fedproto.errors import NO_VALUE, UNKNOWN, TypedFloat, unknown_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -154,12 +154,14 @@ class _Int(click.types.IntParamType):
 
 
 class _Float(click.types.FloatParamType):
-    """click's FLOAT without Python's digit separators."""
+    """click's FLOAT without Python's digit separators; the value keeps its text for messages
+    (:class:`fedproto.errors.TypedFloat`: ``--participation 0``, as typed)."""
 
     def convert(self, value, param, ctx):
         if isinstance(value, str) and "_" in value:
             self.fail(f"{value!r} is not a valid float ('_' is not allowed in numbers).", param, ctx)
-        return super().convert(value, param, ctx)
+        out = super().convert(value, param, ctx)
+        return TypedFloat.of(out, value.strip()) if isinstance(value, str) else out
 
 
 _METAVAR = {int: "INT", float: "FLOAT", str: "TEXT"}
