@@ -162,3 +162,18 @@ def test_options_the_run_ignores_are_recorded_as_ignored(tmp_path):
     Simulation(cfg, out=tmp_path / "run").run()
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     assert stored["ignored_options"] == ["lr_gamma", "prox_mu", "trim"] and stored["trim"] == 0.3
+
+
+def test_a_name_chosen_from_a_list_gets_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        build_config(overrides={"distance": "msee"})
+    assert str(e.value).endswith("distance='msee': Input should be 'mse', 'squared_l2' or 'l2'; did you mean "
+                                 "distance='mse'?")
+    f = tmp_path / "run.toml"
+    f.write_text('aggregation = "median2"\n')
+    with pytest.raises(ConfigError) as e:  # a value from a file: the fix is the line to write
+        build_config(f)
+    assert 'did you mean aggregation = "median"?' in str(e.value)
+    with pytest.raises(ConfigError) as e:  # nothing near: no guess
+        build_config(overrides={"distance": "zzz"})
+    assert "did you mean" not in str(e.value)

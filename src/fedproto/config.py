@@ -255,6 +255,13 @@ def bound_fix(option: str, err: dict, key: str | None = None) -> str:
         return f"; give {name} a finite number"
     if kind in ("int_from_float", "int_parsing", "int_type"):
         return f"; give {name} a whole number"
+    if kind == "literal_error" and isinstance(err.get("input"), str):  # a name chosen from a list
+        import difflib
+        import re
+
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        near = difflib.get_close_matches(err["input"], choices, n=1)
+        return f"; did you mean {word(near[0])}?" if near else ""
     return ""
 
 
