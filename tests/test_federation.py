@@ -868,6 +868,12 @@ def test_float64_inputs_train_in_float64_on_every_route(caplog):
     assert casts[0].startswith("client 0: its train inputs are float64, cast to float32, the dtype of its model")
     assert casts[2].startswith("client 1: its train inputs are float16, cast to float32")
 
+    # a float64 model with a projection appended (Client(embedding_dim=...)): the projection is float64 too
+    proj = DtypeProbe().double()
+    federate([Client(proj, *[_rows(s) for s in (0, 1)], embedding_dim=5)], num_classes=3, rounds=1, threads=1,
+             eval_every=0, out=False).run()
+    assert proj.seen == {torch.float64}
+
     # a model whose layers differ in dtype: the mismatch is named as such, with both dtypes and the fix
     mixed = DtypeProbe().double()
     mixed.out.float()

@@ -83,15 +83,18 @@ class HeadSplitModel(ProtoModel):
 class Projected(ProtoModel):
     """``model`` with a linear projection of its embedding to size ``d`` and a new linear head
     (d -> C): the practitioner's guide's advice for clients whose embedding sizes differ
-    (§3.2: "add a projection layer"). Parameters: ``inner.*``, ``proj.*``, ``fc.*`` (the head)."""
+    (§3.2: "add a projection layer"). Parameters: ``inner.*``, ``proj.*``, ``fc.*`` (the head), in the
+    model's dtype and on its device (a float64 model stays float64)."""
 
     head_prefixes = ("fc.",)
 
     def __init__(self, model: ProtoModel, d: int):
         super().__init__()
         self.inner = model
-        self.proj = nn.Linear(model.embedding_dim, d)
-        self.fc = nn.Linear(d, model.num_classes)
+        ref = next((t for t in model.parameters() if t.is_floating_point()), None)  # the model's dtype and device
+        kw = {} if ref is None else {"dtype": ref.dtype, "device": ref.device}
+        self.proj = nn.Linear(model.embedding_dim, d, **kw)
+        self.fc = nn.Linear(d, model.num_classes, **kw)
         self.embedding_dim, self.num_classes = int(d), model.num_classes
 
     def embed(self, x, noise=None):
