@@ -81,9 +81,11 @@ def _wording(option: str, value: Any = NO_VALUE) -> str:
 def _print_table(result) -> None:
     from rich.table import Table
 
-    table = Table(title="tuned on validation data; test accuracy of the best settings, retrained")
-    for col, just in (("method", "left"), ("validation", "right"), ("test (mean ± std over seeds)", "right"),
-                      ("trials ok/pruned/failed", "right"), ("settings", "left")):
+    table = Table(title="tuned on validation data; test accuracy of the best settings, retrained",
+                  caption="validation: the best trial's, %; test: mean ± std over the final seeds, %; trials: "
+                          "complete/pruned/failed")
+    for col, just in (("method", "left"), ("validation", "right"), ("test", "right"), ("trials", "right"),
+                      ("settings", "left")):
         table.add_column(col, justify=just, overflow="fold")
     def pct(x: float) -> str:
         return "—" if x != x else f"{100 * x:.1f}"

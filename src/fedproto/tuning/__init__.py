@@ -193,7 +193,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
                 highlight=False, soft_wrap=True)
             continue
         name = OUTPUTS["best"] if m == method else f"best-{m}.toml"
-        how = (f"fedproto run --config {name}" if clients is None else
+        how = (f"fedproto run --config {out / name}" if clients is None else
                "federate(clients, num_classes, **tomllib.load(open(FILE, 'rb')))")
         files["best"][m] = report.write_best_toml(
             out / name, {**base, "algorithm": m}, b[0],

@@ -130,9 +130,13 @@ def open_study(spec: StudySpec, create: bool = False):
     if stored is not None:
         differ = sorted(k for k in spec.fingerprint if stored.get(k) != spec.fingerprint[k])
         if differ:
-            raise ConfigError(f"study {spec.study_name!r} in {spec.storage} was made with other {', '.join(differ)} "
-                              f"(stored: {', '.join(f'{k}={stored.get(k)!r}' for k in differ)}); resume it with the "
-                              "same options, or start a new one with another --study-name or --out")
+            was, now = dict(stored.get("options") or {}), spec.fingerprint.get("options", {})
+            named = [f"{k} (stored {was.get(k)!r}, now {now.get(k)!r})" for k in sorted(set(was) | set(now))
+                     if was.get(k) != now.get(k)]
+            named += [f"{k} (stored {stored.get(k)!r}, now {spec.fingerprint[k]!r})" for k in differ if k != "options"]
+            raise ConfigError(f"study {spec.study_name!r} in {spec.storage} was made with other "
+                              f"{', '.join(differ)}: {'; '.join(named)}; resume it with the same options, or start "
+                              "a new one with another --study-name or --out")
     study.pruner = _pruner(int((stored or {}).get("startup", 3)), _rounds(spec))
     return study
 
