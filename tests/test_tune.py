@@ -232,3 +232,15 @@ def test_tune_your_own_federation_never_reads_its_test_data(tmp_path):
     assert (tmp_path / "clean" / "final" / "runs" / "fedproto-s1234" / "summary.json").is_file()
     with pytest.raises(ConfigError, match="make_clients"):
         tune(clients=make_clients(1), out=tmp_path / "x", **kw)
+
+
+def test_a_time_budget_starts_no_trial_after_it(tmp_path):
+    res = _tune(tmp_path, "time", trials=None, timeout=3.0)
+    trials = res.studies["fedproto"].get_trials()
+    assert len(trials) >= 2 and all(t.state.name == "COMPLETE" for t in trials)
+    first = trials[0].datetime_start
+    assert max((t.datetime_start - first).total_seconds() for t in trials) <= 3.0  # none starts after the budget
+    assert (trials[-1].datetime_complete - first).total_seconds() > 3.0 - trials[-1].user_attrs["wall_s"] - 1.0
+    assert res.rows[0]["trials_complete"] == len(trials)
+    with pytest.raises(ConfigError, match="--timeout 0"):
+        _tune(tmp_path, "time", trials=None, timeout=0)
