@@ -300,37 +300,66 @@ def work(spec: StudySpec, on_trial: Callable[[Any], None] | None = None) -> int:
     return ran
 
 
-def _worker(spec: StudySpec, threads: int) -> int:
-    """In a spawned process: torch's threads, then :func:`work`."""
+def _worker(spec: StudySpec, threads: int, errors) -> None:
+    """In a spawned process: torch's threads, then :func:`work`; an error goes to ``errors`` as
+    (FedprotoError or not, its text)."""
     import torch
 
     torch.set_num_threads(threads)
-    return work(spec)
+    try:
+        work(spec)
+    except KeyboardInterrupt:
+        pass
+    except BaseException as e:
+        ours = isinstance(e, FedprotoError)
+        errors.put((ours, str(e) if ours else f"{type(e).__name__}: {e}"))
 
 
 def run_parallel(spec: StudySpec, jobs: int, threads: int, on_poll: Callable[[Any], None] | None = None) -> None:
     """Fill the study with ``jobs`` spawned processes (each its own storage connection and
-    ``threads`` torch threads); ``on_poll(study)`` about once a second while they run.
+    ``threads`` torch threads); ``on_poll(study)`` about once a second while they run. Ctrl-C
+    (or SIGTERM, which the command line reads as Ctrl-C) or a worker's error stops the others at
+    once: their running trials are interrupted and run again when the study resumes (:func:`reap`).
 
     Raises:
-        Whatever a worker raised (the first one).
+        ConfigError: a worker's FedprotoError (its message). RuntimeError: a worker's other error,
+            or a worker that died.
     """
     import multiprocessing
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 
     from fedproto.reproduce.parallel import thread_environment
 
     study = open_study(spec)
-    with thread_environment(threads), ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
-        futures = [ex.submit(_worker, spec, threads) for _ in range(jobs)]
-        while True:
-            done, pending = wait(futures, timeout=1.0, return_when=FIRST_EXCEPTION)
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(spec, threads, errors)) for _ in range(jobs)]
+    failure = None
+    try:
+        with thread_environment(threads):
+            for p in procs:
+                p.start()
+        while any(p.is_alive() for p in procs) and failure is None:
+            alive = next((p for p in procs if p.is_alive()), None)
+            if alive is not None:
+                alive.join(timeout=1.0)
             if on_poll is not None:
                 on_poll(study)
-            for f in done:
-                f.result()  # a worker's error, here
-            if not pending:
-                break
+            failure = None if errors.empty() else errors.get()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+    if failure is None and not errors.empty():
+        failure = errors.get()
+    if failure is not None:
+        fedproto_error, text = failure
+        raise (ConfigError if fedproto_error else RuntimeError)(f"a trial process stopped: {text}")
+    dead = [p.exitcode for p in procs if p.exitcode]
+    if dead:
+        raise RuntimeError(f"{len(dead)} trial process(es) died (exit codes {dead}: killed, or out of memory?); run "
+                           "the same command again to resume the study")
 
 
 __all__ = ["METRICS", "StudySpec", "counted", "file_lock", "fingerprint", "open_study", "reap", "run_parallel",
