@@ -190,6 +190,21 @@ def csv_rows(path):
         return list(csv.DictReader(f))
 
 
+class Interrupted(Exception):
+    """Raised by :func:`interrupt_at`'s callback: a run stopped from outside (a test's kill)."""
+
+
+def interrupt_at(round_: int):
+    """An ``on_round`` callback that stops a Simulation when round ``round_`` ends (raises
+    :class:`Interrupted`), so that a test can resume it from its checkpoint."""
+
+    def on_round(row):
+        if row["round"] == round_:
+            raise Interrupted
+
+    return on_round
+
+
 def digits_config(**kw):
     """A RunConfig of 6 digits clients (3 ways, 25 shots), 4 rounds, no evaluation, one thread; ``kw`` overrides."""
     base = dict(dataset="digits", clients=6, ways=3, shots=25, stdev=1, test_shots=10, rounds=4, eval_every=0,

@@ -10,10 +10,12 @@ import torch
 from conftest import (
     REFS,
     SMALL,
+    Interrupted,
     csv_rows,
     digits_config,
     digits_eval_config,
     honest_replies,
+    interrupt_at,
     needs_cifar,
 )
 
@@ -247,16 +249,8 @@ def test_options_validated_and_resumable(tmp_path):
     cfg = digits_config(proto_momentum=0.5, lambda_warmup=3, checkpoint_every=2)
     whole = Simulation(cfg, out=tmp_path / "a")
     whole.run()
-
-    class Stop(Exception):
-        pass
-
-    def stop(row):
-        if row["round"] == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        Simulation(cfg, out=tmp_path / "b", on_round=stop).run()
+    with pytest.raises(Interrupted):
+        Simulation(cfg, out=tmp_path / "b", on_round=interrupt_at(3)).run()
     resumed = Simulation(cfg, out=tmp_path / "b")
     resumed.run(resume=True)
     drop = ("train_time_s", "eval_time_s")

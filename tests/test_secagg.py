@@ -14,7 +14,7 @@ pytest.importorskip("Crypto", reason="secure aggregation uses the flower extra's
                     "\"fedproto[flower]\"")
 pytestmark = pytest.mark.flower
 
-from conftest import digits_config, run_cli  # noqa: E402
+from conftest import Interrupted, digits_config, interrupt_at, run_cli  # noqa: E402
 
 from fedproto.engine.loop import Observer  # noqa: E402
 from fedproto.errors import ConfigError, TrainingError  # noqa: E402
@@ -263,16 +263,8 @@ def test_secagg_contributor_history_survives_a_resume(tmp_path):
     after round 2 and resumed to 3 states the same epsilon_per_class as an uninterrupted one."""
     cfg = digits_config(secagg=True, dp="prototypes", aggregation="weighted", rounds=3, clients=5, checkpoint_every=1)
     whole = Simulation(cfg, out=tmp_path / "whole").run()["secure_aggregation"]
-
-    class Stop(Exception):
-        pass
-
-    def stop(row):
-        if row["round"] == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        Simulation(cfg, out=tmp_path / "part", on_round=stop).run()
+    with pytest.raises(Interrupted):
+        Simulation(cfg, out=tmp_path / "part", on_round=interrupt_at(3)).run()
     resumed = Simulation(cfg, out=tmp_path / "part").run(resume=True)["secure_aggregation"]
     assert whole["dp"]["epsilon_per_class"] and resumed["dp"]["epsilon_per_class"] == whole["dp"]["epsilon_per_class"]
     assert resumed["withheld_rounds"] == whole["withheld_rounds"] and len(whole["withheld_rounds"]) == 3

@@ -47,26 +47,25 @@ class Server:
         self.pks = pks
         return {f"{k}.{j}": pks[j][k] for j in self.group[cid] if j in pks for k in ("pk1", "pk2")}
 
+    @staticmethod
+    def _route(msgs: dict[int, Message], kind: str) -> dict[int, Message]:
+        """Each ``<kind>.<dst>`` entry of each sender's message, delivered to dst as ``<kind>.<src>``."""
+        out: dict[int, Message] = {i: {} for i in sorted(msgs)}
+        for src, msg in msgs.items():
+            for key, value in msg.items():
+                dst = int(key.split(".")[1])
+                if dst in out:
+                    out[dst][f"{kind}.{src}"] = value
+        return out
+
     def route(self, cts: dict[int, Message]) -> dict[int, Message]:
         """Step 3's ciphertexts for each client that completed step 2 (``ct.<src>``: from src)."""
         self.u2 = sorted(cts)
-        out: dict[int, Message] = {i: {} for i in self.u2}
-        for src, msg in cts.items():
-            for key, ct in msg.items():
-                dst = int(key.split(".")[1])
-                if dst in out:
-                    out[dst][f"ct.{src}"] = ct
-        return out
+        return self._route(cts, "ct")
 
     def route_tags(self, tags: dict[int, Message]) -> dict[int, Message]:
         """Step 4's view tags to their members (``tag.<src>``: from src), for step 5."""
-        out: dict[int, Message] = {i: {} for i in tags}
-        for src, msg in tags.items():
-            for key, tag in msg.items():
-                dst = int(key.split(".")[1])
-                if dst in out:
-                    out[dst][f"tag.{src}"] = tag
-        return out
+        return self._route(tags, "tag")
 
     def unmask_request(self, alive: Iterable[int]) -> tuple[list[int], list[int]]:
         """Step 4: (alive, dead) of the clients that completed step 2."""
