@@ -177,3 +177,15 @@ def test_a_name_chosen_from_a_list_gets_did_you_mean(tmp_path):
     with pytest.raises(ConfigError) as e:  # nothing near: no guess
         build_config(overrides={"distance": "zzz"})
     assert "did you mean" not in str(e.value)
+
+
+def test_numpy_scalars_are_read_as_python_numbers():
+    import numpy as np
+
+    cfg = build_config(overrides={"rounds": np.int64(3), "lr": np.float32(0.25), "clients": np.int32(4),
+                                  "lambda_proto": np.float64(2.0)})
+    assert (cfg.rounds, cfg.lr, cfg.clients, cfg.lambda_proto) == (3, 0.25, 4, 2.0)
+    assert type(cfg.rounds) is int and type(cfg.lr) is float
+    with pytest.raises(ConfigError) as e:  # still checked: the bound, with the value as a plain number
+        build_config(overrides={"rounds": np.int64(0)})
+    assert "rounds=0: Input should be greater than or equal to 1; use rounds=1 or more" in str(e.value)

@@ -315,12 +315,23 @@ def _normal_keys(data: dict[str, Any], file: Path | None = None,
     return out
 
 
+def _plain(value: Any) -> Any:
+    """An override as the Python value it stands for: a Path as its string, a numpy scalar
+    (``np.int64(3)``, ``np.float32(0.1)``, ``np.bool_(True)``) as the Python int, float or bool it holds."""
+    if isinstance(value, Path):
+        return str(value)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()  # np.bool_ -> bool, np.integer -> int, np.floating -> float
+    return value
+
+
 def build_config(file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Merge defaults, an optional TOML file and overrides (None values are ignored).
 
     TOML keys are the field names of :class:`RunConfig`, at the top level or under a ``[run]``
     table (both may be used in one file; only the same key in both places is refused); ``-`` may
-    stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`).
+    stand for ``_`` and ``lambda`` for ``lambda_proto`` (:data:`KEY_ALIASES`). Numpy scalars among the
+    overrides are read as the Python numbers they hold (``np.int64(3)`` as ``3``; a bool stays a bool).
 
     Raises:
         ConfigError: missing/unreadable/invalid TOML, unknown keys, a key given twice, or invalid
@@ -331,7 +342,7 @@ def build_config(file: str | Path | None = None, overrides: dict[str, Any] | Non
                           "build_config(overrides={...})")
     if overrides is not None and not isinstance(overrides, dict):
         raise ConfigError(f"overrides must be a dict of option names to values, not a {type(overrides).__name__}")
-    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in (overrides or {}).items() if v is not None}
+    overrides = {k: _plain(v) for k, v in (overrides or {}).items() if v is not None}
     data: dict[str, Any] = {}
     if file is not None:
         p = Path(file)
