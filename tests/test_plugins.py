@@ -5,6 +5,7 @@ loss term, registered without any library file changed for it, runs through ``fe
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import pytest
 import torch
@@ -369,3 +370,31 @@ def test_a_plugin_with_hooks_of_the_old_server_api_is_refused_at_registration():
                                           "no longer reads"):
         register_algorithm(OldServer)
     assert "oldserver" not in plugins.PLUGINS
+
+
+def _proto_options(annotation: object, default: object, **bounds: object) -> type:
+    """A FedProto subclass's Options that redeclares the inherited lambda_proto."""
+    from fedproto.algorithms.options import FedProtoOptions
+
+    return type("ProtoOptions", (FedProtoOptions,), {"__annotations__": {"lambda_proto": annotation},
+                                                     "lambda_proto": Field(default, **bounds)})
+
+
+@pytest.mark.parametrize("options, match", [
+    (_proto_options(Optional[float], -3.0, ge=0), "option 'lambda_proto' of algorithm 'redecl' has the default -3.0: "
+                                                  "Input should be greater than or equal to 0; fix its Field default"),
+    (_proto_options(Optional[float], "big"), "option 'lambda_proto' of algorithm 'redecl' has the default 'big': "
+                                             "Input should be a valid number"),
+    (_proto_options(int, 3), r"algorithm 'redecl' redeclares the option 'lambda_proto' as int, but FedProtoOptions "
+                             r"declares it as Optional\[float\].*keep its type: lambda_proto: Optional\[float\]"),
+])
+def test_an_inherited_option_redeclared_with_a_broken_default_or_another_type_is_refused(options, match):
+    """These were accepted and then blamed the user for a flag never typed (--lambda-proto -3.0), or
+    failed at set-up with a raw pydantic ValidationError (lambda_proto=0.5 for an int)."""
+    cls = type("Redecl", (FedProto,), {"name": "redecl", "Options": options})
+    with pytest.raises(ConfigError, match=match):
+        register_algorithm(cls)
+    assert "redecl" not in plugins.PLUGINS
+    ok = type("Redecl", (FedProto,), {"name": "redecl", "Options": _proto_options(Optional[float], 3.0, ge=0)})
+    register_algorithm(ok)  # a new default within the bounds, same type: accepted
+    plugins.unregister("redecl")

@@ -142,7 +142,9 @@ def register(cls: Any) -> None:
         ConfigError: ``cls`` has no ``name``, the name is one of the library's methods or not
             lowercase letters, digits, ``-`` and ``_``, or its
             ``Options`` is not an :class:`AlgorithmOptions` subclass, changes its ``model_config``,
-            has a field without a default or a field another option (or its alias, its off switch, a
+            has a field without a default or with a default its own Field refuses (type or bound,
+            an inherited option's new default too), redeclares an inherited option (``lambda_proto``
+            of a ``FedProto`` subclass) with another type, or has a field another option (or its alias, its off switch, a
             Flower run-config key, a flag of ``fedproto run``) already has (fields inherited
             from a library method's options, e.g. by subclassing ``FedProto``, are shared, not a clash).
     """
@@ -181,6 +183,27 @@ def own_fields(options: type[BaseModel]) -> set[str]:
     return set(options.model_fields) - shared
 
 
+def _check_inherited_types(name: str, options: type[BaseModel], mine: set[str]) -> None:
+    """Refuse an option inherited from a library method's options (``lambda_proto`` of a ``FedProto``
+    subclass) redeclared with another type: the run option keeps the library's type, so values valid
+    for it (``lambda_proto=0.5``) would fail the plug-in's narrower one at set-up."""
+    from fedproto.errors import ConfigError
+
+    for k, field in options.model_fields.items():
+        if k in mine:
+            continue
+        for base in options.__mro__:
+            lib = getattr(base, "model_fields", {}).get(k) if base.__module__ == "fedproto.algorithms.options" else None
+            if lib is not None and field.annotation != lib.annotation:
+                want, got = (a.__name__ if isinstance(a, type) else str(a).replace("typing.", "")
+                             for a in (lib.annotation, field.annotation))
+                raise ConfigError(f"algorithm {name!r} redeclares the option {k!r} as {got}, but {base.__name__} "
+                                  f"declares it as {want} (every method shares one {k!r}); keep its type: "
+                                  f"{k}: {want} = Field(<default>, ...)")
+            if lib is not None:
+                break
+
+
 def _check_options(name: str, options: Any) -> None:
     """Refuse ``options`` that would break every run once they join the run options (a plug-in
     loaded from an entry point is then skipped with a warning instead)."""
@@ -198,9 +221,10 @@ def _check_options(name: str, options: Any) -> None:
         if k in mine and field.is_required():
             raise ConfigError(f"option {k!r} of algorithm {name!r} has no default; give it one "
                               f"({k}: ... = Field(<default>, description=...)): every run has all options")
-    given = {k: f.default for k, f in options.model_fields.items() if k in mine and f.default_factory is None}
-    try:  # a default of the wrong type would break this algorithm's runs and warn in every other run
-        options(**given)
+    _check_inherited_types(name, options, mine)
+    given = {k: f.default for k, f in options.model_fields.items() if f.default_factory is None}
+    try:  # a default its own Field refuses (type or bound; an inherited option's new default too) would break
+        options(**given)  # this algorithm's runs, blaming the user for a flag never typed
     except ValueError as e:  # pydantic's ValidationError
         err = e.errors()[0] if hasattr(e, "errors") else {"loc": ("?",), "input": "?", "msg": str(e)}
         raise ConfigError(f"option {err['loc'][0]!r} of algorithm {name!r} has the default {err['input']!r}: "
