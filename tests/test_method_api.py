@@ -331,6 +331,55 @@ def test_a_plugin_can_replace_the_classification_loss(tmp_path):
         plugins.unregister("handce")
 
 
+class NoLossAvg(FedProto):
+    """A plug-in whose objective has no loss at all: no classification loss and no term."""
+
+    name = "nolossavg"
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        obj.classification, obj.terms = None, ()
+        return obj
+
+
+class StrLossProto(FedProto):
+    """A plug-in that puts a name where a LossTerm belongs."""
+
+    name = "strloss"
+
+    def objective(self, state, message):
+        obj = super().objective(state, message)
+        obj.classification = "cross_entropy"
+        return obj
+
+
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_an_objective_with_no_loss_is_said_and_a_bad_term_refused_on_every_path(execution, caplog):
+    """A breaker's plug-ins: one switched every loss off (it trained nothing and reported a normal
+    run: now said once), one gave a string as the classification loss (a different raw error on
+    each path: now one ConfigError naming the method and the value)."""
+    from fedproto.errors import ConfigError
+
+    for plugin in (NoLossAvg, StrLossProto):
+        register_algorithm(plugin)
+    try:
+        cfg = build_config(overrides={**SMALL, "algorithm": "strloss", "execution": execution, "rounds": 1})
+        with pytest.raises(ConfigError, match=r"method 'strloss': Objective.classification must be a LossTerm or "
+                                              r"None, got 'cross_entropy' \(str\)"):
+            Simulation(cfg, out=False).run()
+        cfg = build_config(overrides={**SMALL, "algorithm": "nolossavg", "execution": execution, "rounds": 2})
+        sim = Simulation(cfg, out=False)
+        before = [torch.cat([p.flatten() for p in s.model.parameters()]).clone() for s in sim.setup.states]
+        with caplog.at_level("WARNING"):
+            sim.run()
+        assert caplog.text.count("objective has no loss this round") == 1
+        for s, b in zip(sim.setup.states, before):
+            assert torch.equal(torch.cat([p.flatten() for p in s.model.parameters()]), b)  # indeed untrained
+    finally:
+        plugins.unregister("nolossavg")
+        plugins.unregister("strloss")
+
+
 def test_the_fednh_example_plugin_learns_on_every_executor(monkeypatch, tmp_path):
     """examples/fednh (FedNH as a plug-in package: server prototypes on the unit sphere as the
     classifier, cosine logits through Objective.classification): a few rounds on digits, the same

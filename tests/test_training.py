@@ -321,3 +321,29 @@ def test_resnet18_on_a_two_sample_trailing_batch_learns(caplog, batch_size):
     assert summary["accuracy"]["acc"]["mean"] > 0.7 and summary["accuracy"]["acc_proto"]["mean"] > 0.7
     assert all(m["nonfinite"] == 0.0 and 1.0 < m["emb_norm"] < 1e3 for m in per_client), per_client
     assert "emb_norm" not in summary["accuracy"] and not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_models_train_on_every_path_with_float32_prototype_sums(dtype):
+    """A breaker's float16 and bfloat16 models crashed the batched path (index_add_ of float32 rows
+    into half sums). Every path now trains them, and the prototype sums are kept in float32 or
+    better whatever the model's dtype."""
+    from conftest import own_digits_clients
+
+    from fedproto.federation import federate
+
+    got = {}
+    for execution in ("sequential", "batched", "auto"):
+        clients = own_digits_clients(2)
+        for c in clients:
+            c.model.to(dtype)
+        before = [torch.cat([p.detach().float().flatten() for p in c.model.parameters()]) for c in clients]
+        fed = federate(clients, num_classes=10, rounds=2, threads=1, execution=execution, out=False)
+        summary = fed.run()
+        for s, b in zip(fed.setup.states, before):
+            after = torch.cat([p.detach().float().flatten() for p in s.model.parameters()])
+            assert next(s.model.parameters()).dtype == dtype and not torch.equal(after, b), execution
+        protos = np.asarray(fed.message["protos"])
+        assert protos.dtype == np.float32 and np.isfinite(protos).all() and len(protos), execution
+        got[execution] = summary["accuracy"]["acc"]["mean"]
+    assert all(np.isfinite(v) for v in got.values())

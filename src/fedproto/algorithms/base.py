@@ -246,8 +246,27 @@ class ClientPart:
     def local_objective(self, state: ClientState, message: Message) -> Objective:
         """:meth:`objective` as every engine uses it: in the second stage (``head_only`` in the
         message, :meth:`broadcast`) each phase trains the head's parameters only; parameters the
-        user froze (``requires_grad=False``, :func:`fedproto.training.frozen_params`) never train."""
+        user froze (``requires_grad=False``, :func:`fedproto.training.frozen_params`) never train.
+
+        Raises:
+            ConfigError: the method's objective is malformed
+                (:meth:`fedproto.training.objective.Objective.problem`), naming the method. An
+                objective with no loss at all is logged once per run (the model is not trained).
+        """
         obj = self.objective(state, message)
+        why = (obj.problem() if isinstance(obj, Objective)
+               else f"objective() returned {type(obj).__name__}, not an Objective")
+        if why:
+            from fedproto.errors import ConfigError
+
+            raise ConfigError(f"method {self.name!r}: {why}")
+        if obj.trains_nothing() and not getattr(self, "_said_trains_nothing", False):
+            import logging
+
+            self._said_trains_nothing = True
+            logging.getLogger(__name__).warning(
+                "method %r: client %d's objective has no loss this round (no classification loss, no term, no anchor): "
+                "its model is not trained (said once per run)", self.name, state.cid)
         if "head_only" in message:
             head = state.model.is_head_param
             obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)

@@ -201,7 +201,8 @@ def train_group_generic(
     X = concat(xs, dev)  # a tensor, or fedproto.data.inputs.Inputs (dicts, tuples: leaf by leaf)
     Y = torch.cat([y.to(dev) for y in ys])
     C, d = m0.num_classes, m0.embedding_dim
-    sums = torch.zeros(G * C, d, dtype=P[names[0]].dtype, device=dev) if obj.collect else None
+    sums = (torch.zeros(G * C, d, dtype=torch.promote_types(P[names[0]].dtype, torch.float32), device=dev)
+            if obj.collect else None)  # prototype sums in float32 or better, a half-precision model's too
     counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
     ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
@@ -298,7 +299,7 @@ def train_group_generic(
                         if obj.collect and is_last_phase:
                             sel = sp.last[s][ids].to(dev).to(h.dtype).unsqueeze(1) * w
                             flat = (yb + (idd * C).unsqueeze(1)).reshape(-1)
-                            sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
+                            sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d).to(sums.dtype))
                             counts.index_add_(0, flat, sel.reshape(-1).long())
                 with torch.no_grad():
                     stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads

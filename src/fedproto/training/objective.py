@@ -243,6 +243,25 @@ class Objective:
         """The anchor's μ (0 without an anchor)."""
         return 0.0 if self.anchor is None else float(self.anchor.mu)
 
+    def problem(self) -> str:
+        """What is wrong with this objective as a method built it, or "": a ``classification`` that
+        is neither a :class:`LossTerm` nor None, or a term that is no :class:`LossTerm`. (No loss
+        at all is :meth:`trains_nothing`.)"""
+        c = self.classification
+        if c is not None and not isinstance(c, LossTerm):
+            return (f"Objective.classification must be a LossTerm or None, got {c!r} ({type(c).__name__}); "
+                    "subclass fedproto.training.LossTerm (see docs/architecture.md)")
+        bad = [t for t in self.terms if not isinstance(t, LossTerm)]
+        if bad:
+            return (f"Objective.terms must hold LossTerms, got {bad[0]!r} ({type(bad[0]).__name__}); subclass "
+                    "fedproto.training.LossTerm")
+        return ""
+
+    def trains_nothing(self) -> bool:
+        """True when there is no loss at all: no classification loss, no term, no anchor (e.g. a
+        prototype-as-classifier method before the first global prototypes)."""
+        return self.classification is None and not self.terms and not self.anchor_mu
+
 
 @dataclass
 class DPSGD:

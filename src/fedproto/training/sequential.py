@@ -72,7 +72,8 @@ def _train_client(
     obj = on_device(obj, dev)
     sums = counts = None
     if obj.collect:
-        sums = torch.zeros(C, model.embedding_dim, dtype=p0.dtype, device=dev)
+        # prototype sums in float32 or better whatever the model's dtype (a half-precision model's too)
+        sums = torch.zeros(C, model.embedding_dim, dtype=torch.promote_types(p0.dtype, torch.float32), device=dev)
         counts = torch.zeros(C, dtype=torch.long, device=dev)
     ce_total = lp_total = ex_total = 0.0
     steps = 0
@@ -132,7 +133,7 @@ def _train_client(
             norm_max = torch.maximum(norm_max, embedding_norm_max(h.detach(), -1))
             if obj.collect and is_last_phase and bool(last[s]):
                 hd = h.detach()
-                sums.index_add_(0, yb, hd)
+                sums.index_add_(0, yb, hd.to(sums.dtype))
                 counts += torch.bincount(yb, minlength=C)
     if gsm is not None:
         gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again

@@ -240,7 +240,8 @@ def train_stacked(
     ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
     X, Y = X.to(dev), Y.to(dev)
     Cin = X.shape[1]
-    sums = torch.zeros(G * C, d, dtype=X.dtype, device=dev) if obj.collect else None
+    # prototype sums in float32 or better whatever the model's dtype (a half-precision model's too)
+    sums = torch.zeros(G * C, d, dtype=torch.promote_types(X.dtype, torch.float32), device=dev) if obj.collect else None
     counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
     ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)  # float64 sums: exact for float32 and float64 runs
     lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
@@ -313,7 +314,7 @@ def train_stacked(
                 if obj.collect and is_last_phase:
                     sel = last[s][cur].to(h.dtype).unsqueeze(1) * w  # (Gc, B)
                     flat = (yb + ids_C).reshape(-1)
-                    sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d))
+                    sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d).to(sums.dtype))
                     counts.index_add_(0, flat, sel.reshape(-1).long())
         if cur is not None:
             _write_back(P, bufs, Pc, bufc, cur)
