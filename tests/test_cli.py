@@ -36,6 +36,14 @@ from fedproto.config import build_config
         (["--participation", "0"], "--participation 0: Input should be greater than 0; give --participation a "
                                    "value above 0"),  # the value as typed, not 0.0
         (["--lr", "1000"], "--lr 1000: Input should be less than or equal to 100; use --lr 100 or less"),
+        # a choice flag's near name, as TOML files and build_config give it
+        (["--partition", "dirichlt"], "'dirichlt' is not one of 'fewshot', 'natural', 'dirichlet'; did you mean "
+                                      "--partition dirichlet?"),
+        (["--execution", "batchd"], "did you mean --execution batched?"),
+        (["--aggregation", "medain"], "did you mean --aggregation median?"),
+        (["--lr-schedule", "coss"], "did you mean --lr-schedule cosine?"),
+        (["--model", "resnet19", "--data-dir", "/nonexistent", "--no-download"],
+         "unknown model 'resnet19'; did you mean 'resnet18'? (known: cnn, cnn-mh, resnet18"),
     ],
 )
 def test_bad_config_exits_2_with_message(args, expect, capsys, monkeypatch, tmp_path):

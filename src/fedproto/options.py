@@ -29,7 +29,7 @@ import click
 from pydantic.fields import FieldInfo
 
 from fedproto.config import FLOWER_KEYS
-from fedproto.errors import NO_VALUE, UNKNOWN, TypedFloat, unknown_text
+from fedproto.errors import NO_VALUE, UNKNOWN, TypedFloat, suggestion, unknown_text
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -144,6 +144,20 @@ class _TomlValue(click.ParamType):
         return parse_value(value) if isinstance(value, str) else value
 
 
+class _Choice(click.Choice):
+    """click's Choice whose refusal names the nearest choice: ``'dirichlt' is not one of ...; did
+    you mean --partition dirichlet?`` (as TOML files and build_config do)."""
+
+    def convert(self, value, param, ctx):
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as e:
+            near = suggestion(str(value), [str(c) for c in self.choices])
+            if near is None or param is None or not param.opts:
+                raise
+            self.fail(f"{e.message.rstrip('.')}; did you mean {param.opts[0]} {near}?", param, ctx)
+
+
 class _Int(click.types.IntParamType):
     """click's INT without Python's digit separators (``1_0`` is no way to write 10 on a command line)."""
 
@@ -177,7 +191,7 @@ def field_option(field: str) -> click.Option:
         return click.Option([field, f"{names[0]}/{names[-1]}", *names[1:-1]], default=None, help=help_text(field),
                             hidden=hidden)
     if choices:
-        return click.Option([field, *names], type=click.Choice([str(c) for c in choices]), default=None,
+        return click.Option([field, *names], type=_Choice([str(c) for c in choices]), default=None,
                             metavar="[" + "|".join(map(str, choices)) + "]", help=help_text(field), hidden=hidden)
     ptype = {int: _Int(), float: _Float(), str: click.STRING}.get(kind, _TomlValue())
     return click.Option([field, *names], type=ptype, default=None, metavar=_METAVAR.get(kind, "VALUE"),

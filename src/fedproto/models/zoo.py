@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedproto.errors import ModelError, opt
+from fedproto.errors import ModelError, opt, suggestion
 from fedproto.models.base import ProtoModel
 from fedproto.models.cnn import PaperCNN, ProjectedCNN
 from fedproto.models.names import MODEL_NAMES, zoo_name  # the one list of names (MODEL_NAMES re-exported)
@@ -47,6 +47,14 @@ def mh_resnet_strides(cid: int, num_clients: int) -> tuple[int, int]:
     return MH_STRIDES[0] if cid < -(-num_clients // 2) else MH_STRIDES[1]
 
 
+def _unknown_model(spec: str) -> ModelError:
+    """The error for an unknown model name: the nearest known name ("did you mean 'resnet18'?")
+    where one is close, and the known names."""
+    near = suggestion(spec, [n for n in MODEL_NAMES if ":" not in n])
+    guess = f"; did you mean {near!r}?" if near is not None else ""
+    return ModelError(f"unknown model {spec!r}{guess} (known: {', '.join(MODEL_NAMES)})")
+
+
 def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: int, input_size: int,
          embedding_dim: int, dropout: float) -> ProtoModel:
     if spec == "cnn":
@@ -60,7 +68,7 @@ def _one(spec: str, cid: int, num_clients: int, in_channels: int, num_classes: i
         return ResNet18(num_classes, in_channels, *mh_resnet_strides(cid, num_clients))
     if spec.startswith("projcnn:"):
         return ProjectedCNN(in_channels, num_classes, projcnn_channels(spec), embedding_dim, dropout=0.0)
-    raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
+    raise _unknown_model(spec)
 
 
 def model_seed(seed: int, cid: int) -> int:
@@ -200,6 +208,6 @@ def check_model_name(name: str) -> None:
         if spec.startswith("projcnn:"):
             projcnn_channels(spec)
             continue
-        raise ModelError(f"unknown model {spec!r}; known: {', '.join(MODEL_NAMES)}")
+        raise _unknown_model(spec)
 
 
