@@ -244,3 +244,95 @@ def test_a_time_budget_starts_no_trial_after_it(tmp_path):
     assert res.rows[0]["trials_complete"] == len(trials)
     with pytest.raises(ConfigError, match="--timeout 0"):
         _tune(tmp_path, "time", trials=None, timeout=0)
+
+
+def test_the_table_states_each_methods_trials_and_warns_when_they_differ(tmp_path):
+    """Tuned with 2 trials, then again into the same folder with 1 and a baseline (given as a
+    string, one name): the caption names each method's real count and warns."""
+    _tune(tmp_path, "fair", trials=2)
+    res = _tune(tmp_path, "fair", trials=1, baselines="local")
+    assert list(res.studies) == ["fedproto", "local"]
+    assert [r["trials_complete"] + r["trials_pruned"] + r["trials_failed"] for r in res.rows] == [2, 1]
+    caption = (tmp_path / "fair" / "table.md").read_text().splitlines()[0]
+    assert "trials per method: fedproto 2, local 1" in caption
+    assert "WARNING: the methods were tuned with different budgets" in caption and "--trials 2" in caption
+
+
+def test_best_toml_holds_the_seed_of_the_search(tmp_path):
+    from fedproto.options import tomllib
+
+    _tune(tmp_path, "seed", trials=1, seed=7)
+    best = tomllib.loads((tmp_path / "seed" / "best.toml").read_text())
+    assert best["seed"] == 7 and best["algorithm"] == "fedproto" and best["rounds"] == 2
+
+
+def test_an_option_fixed_and_searched_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"lambda_proto=0.5 is fixed and also searched \(the search space's "
+                                          r"lambda_proto=log:0.01:10\)"):
+        _tune(tmp_path, "both", options={**TINY, "lambda_proto": 0.5})
+    assert not (tmp_path / "both").exists()
+
+
+def test_output_folder_problems_are_refused_before_any_trial(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(ConfigError, match=rf"--out '{out}': '{afile}' is a file, not a folder"):
+            _tune(tmp_path, out=out)
+    (tmp_path / "o1" / "best.toml").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"best.toml' is a folder where fedproto tune writes a file"):
+        _tune(tmp_path, "o1")
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "plots").write_text("x")
+    with pytest.raises(ConfigError, match=r"plots' is a file where fedproto tune writes a folder"):
+        _tune(tmp_path, "o2", plots=True)
+    for name in ("o1", "o2"):
+        assert not (tmp_path / name / "study.db").exists()
+    code, out = run_cli(["tune", "--dataset", "digits", "--set", "clients=4", "--out", str(tmp_path / "new" / "o"),
+                         "--storage", "nosuchdb://x", "--threads", "1"], capsys, monkeypatch)
+    assert code == 2 and "--storage 'nosuchdb://x'" in out
+    assert not (tmp_path / "new").exists()
+
+
+def test_metric_and_space_a_method_does_not_use_are_refused_before_any_study(tmp_path):
+    with pytest.raises(ConfigError, match=r"--metric acc_proto: local does not report it \(it reports acc\)"):
+        _tune(tmp_path, "m", method="local", metric="acc_proto")
+    with pytest.raises(ConfigError, match=r"--metric acc_proto: local does not report it"):
+        _tune(tmp_path, "m", metric="acc_proto", baselines=["local"])
+    with pytest.raises(ConfigError, match=r"fedproto uses none of the search space's options \(fd_lambda is an "
+                                          r"option of fd\)"):
+        _tune(tmp_path, "m", space=["fd_lambda=log:0.1:1"])
+    assert not (tmp_path / "m").exists()
+
+
+def test_no_complete_trial_exits_1(tmp_path, capsys, monkeypatch):
+    import fedproto.tuning.study as st
+
+    def fails(spec, trial):
+        raise ConfigError("diverged")
+
+    monkeypatch.setattr(st, "run_trial", fails)
+    code, out = run_cli(["tune", "--dataset", "digits", "--set", "clients=4", "--rounds", "1", "--trials", "1",
+                         "--final-seeds", "0", "--threads", "1", "--out", str(tmp_path / "f")], capsys, monkeypatch)
+    assert code == 1 and "no trial of fedproto completed" in out and "diverged" in out
+
+
+def test_small_refusals_of_the_space_and_the_options(tmp_path):
+    from fedproto.tuning.space import parse_space
+
+    with pytest.raises(ConfigError, match=r"bool takes no arguments.*--set proto_normalize=true"):
+        parse_space(["proto_normalize=bool:true"])
+    with pytest.raises(ConfigError, match=r"a single choice \(mse\) searches nothing.*--set distance=mse"):
+        parse_space(["distance=cat:mse"])
+    with pytest.raises(ConfigError, match=r"log = 'no' is not a bool"):
+        parse_space(table={"lr": {"type": "float", "low": 0.01, "high": 1, "log": "no"}})
+    with pytest.raises(ConfigError, match=r"--threads -2: give a whole number, 1 or more"):
+        _tune(tmp_path, threads=-2)
+    for key in ("out_dir", "name", "threads"):
+        with pytest.raises(ConfigError, match=rf"--set: {key} = .* is set by fedproto tune itself"):
+            _tune(tmp_path, options={**TINY, key: "x" if key != "threads" else 2})
+    f = tmp_path / "t.toml"
+    f.write_text('dataset = "digits"\ntrials = 5\n')
+    with pytest.raises(ConfigError, match=r"trials = 5 is an option of fedproto tune, not a run option; give "
+                                          r"--trials 5"):
+        _tune(tmp_path, config=f)

@@ -44,7 +44,9 @@ def tune(
     jobs: int = typer.Option(1, help="Trials at once, each in its own process."),
     threads: Optional[int] = typer.Option(None, help="Thread budget the jobs share (default: the cores)."),
 ):
-    """Search run options on validation data (Optuna); retrain the best, report on test data."""
+    """Search run options on validation data (Optuna); retrain the best, report on test data.
+
+    Exits 2 on a bad option (before any trial), 1 when a method has no complete trial."""
     from fedproto import tuning
     from fedproto.reproduce import parse_list, parse_sets
 
@@ -63,6 +65,12 @@ def tune(
                           "again to resume", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     _print_table(result)
+    empty = [m for m, b in result.best.items() if b is None]
+    if empty:  # nothing to report for them: not a success
+        err_console.print(f"no trial of {', '.join(empty)} completed (all pruned or failed, or the --timeout came "
+                          "first): no best settings; see the errors above, or give more --trials or --timeout",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def _wording(option: str, value: Any = NO_VALUE) -> str:

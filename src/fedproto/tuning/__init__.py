@@ -18,6 +18,7 @@ The package: :mod:`~fedproto.tuning.space` (the search space), :mod:`~fedproto.t
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fedproto.errors import ConfigError
+
+log = logging.getLogger("fedproto.tuning")
 
 OUTPUTS = {"storage": "study.db", "best": "best.toml", "table": "table.md", "plots": "plots", "final": "final"}
 """What ``fedproto tune`` writes in its output folder."""
@@ -111,8 +114,11 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         study_name: the studies are ``<study_name>-<method>``. jobs: trials at once (processes).
         threads: the thread budget the jobs share (None: this machine's cores).
         seed: the sampler's, the split's and the trials' run seed; the final runs use
-            ``seed .. seed + final_seeds - 1``. val_fraction: each class's held-out share.
-        final_seeds: final runs per method (0: none). baselines: other methods, tuned alike.
+            ``seed .. seed + final_seeds - 1``; written into ``best.toml``. val_fraction: each
+            class's held-out share.
+        final_seeds: final runs per method (0: none). baselines: other methods, tuned alike (a
+            string: one name or a comma list); the caption names each method's trial count and
+            warns when they differ.
         metric: ``acc``, ``acc_proto`` or ``acc_global`` (validation and test).
         plots: write the study's plots (``out/plots``).
         clients: your own federation instead of a named dataset: ``make_clients(seed)`` returning a
@@ -124,11 +130,15 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         A :class:`TuneResult`.
     Raises:
         ConfigError: Optuna missing, an unknown option in the space ("did you mean"), a bound
-            the option refuses, bad budget values, a stored study made with other options.
+            the option refuses, bad budget values, a stored study made with other options, an
+            option both fixed and searched, a tune option among the run options, a metric a
+            method does not report, a space the method uses none of, an output folder that
+            cannot be written (:mod:`fedproto.tuning.checks`; all before any study is made).
     """
     require_optuna()
     from fedproto.config import build_config, normal_key
     from fedproto.reproduce.parallel import available_cores, check_jobs, thread_share
+    from fedproto.tuning import checks as ck
     from fedproto.tuning import report
     from fedproto.tuning import space as sp
     from fedproto.tuning import study as st
@@ -140,21 +150,27 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             raise ConfigError(f"--{name} {v!r}: give a whole number, {'0' if name == 'final-seeds' else '1'} or more")
     if timeout is not None and not timeout > 0:
         raise ConfigError(f"--timeout {timeout!r}: give the seconds per study, more than 0")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"--threads {threads!r}: give a whole number, 1 or more (or leave it out: the cores)")
+    if isinstance(baselines, str):  # one name (or a comma list), not its letters
+        baselines = [b.strip() for b in baselines.split(",") if b.strip()]
     trials = 20 if trials is None and timeout is None else trials
     jobs = check_jobs(jobs)
     file_opts, file_space = read_config(config)
+    ck.check_fixed(file_opts, options or {}, config)
     base = {normal_key(k): v for k, v in {**file_opts, **(options or {})}.items() if v is not None}
     if dataset is not None:
         base["dataset"] = dataset
     if "seed" in base:
         raise ConfigError(f"seed={base['seed']!r} among the fixed options: fedproto tune seeds every run itself; give "
                           "--seed (Python: seed=...) instead")
-    for k in ("name", "out_dir"):  # each trial and final run names itself, under --out
-        base.pop(k, None)
     items, table = _space_args(space)
     dims = sp.parse_space(items, {**file_space, **table}) if (items or table or file_space) else sp.parse_space(
         [f"{k}={v}" for k, v in sp.DEFAULT_SPACE.items()])
     methods = [method, *[b for b in baselines if b != method]]
+    ck.check_not_searched(base, dims, default=not (items or table or file_space))
+    ck.check_metric(metric, methods)
+    ck.check_space_used(dims, sp.for_method(dims, method), method)
     budget = threads or available_cores()
     share = thread_share(budget, jobs)
     from fedproto.tuning.split import tuning_setup
@@ -168,7 +184,9 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         if clients is None:
             tuning_setup(cfg, val_fraction, seed)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    created = ck.prepare_out(out, [OUTPUTS["best"], "table.md", "table.csv", "tune.json",
+                                   *[f"best-{m}.toml" for m in methods[1:]]],
+                             [OUTPUTS["final"], *([OUTPUTS["plots"]] if plots else [])])
     url = storage or st.sqlite_url(out / OUTPUTS["storage"])
     say = console.print if console is not None else (lambda *a, **k: None)
 
@@ -183,7 +201,12 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
                             None if timeout is None else time.time() + timeout, seed, val_fraction, metric,
                             str(out / ".tune.lock"),
                             st.fingerprint(m, mbase, mdims, val_fraction, metric, seed), clients, num_classes)
-        studies[m] = study = st.open_study(spec, create=True)
+        try:
+            studies[m] = study = st.open_study(spec, create=True)
+        except ConfigError:
+            ck.undo_out(created)  # a --storage that fails leaves no empty --out behind
+            raise
+        created = []
         _fill(spec, study, jobs, share, console)
         b = report.best_of(study)
         best[m] = b[0] if b else None
@@ -196,7 +219,7 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
         how = (f"fedproto run --config {out / name}" if clients is None else
                "federate(clients, num_classes, **tomllib.load(open(FILE, 'rb')))")
         files["best"][m] = report.write_best_toml(
-            out / name, {**base, "algorithm": m}, b[0],
+            out / name, {**base, "algorithm": m, "seed": seed}, b[0],
             f"fedproto tune: the best of study {spec.study_name!r} ({url}), trial {b[2]}, validation {metric} "
             f"{b[1]:.4f}\nrun it with: {how}")
         files["plots"] += [] if not plots else report.write_plots(study, out / OUTPUTS["plots"], prefix=f"{m}-")
@@ -224,7 +247,20 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
                 results[r.cell.method].append(r)
     rows = [report.table_row(m, studies[m], results[m], metric) for m in methods]
     data = "your clients" if clients is not None else base.get("dataset", "mnist")
-    caption = (f"fedproto tune on {data}: {trials or 'time-limited'} trials per method"
+    counts = {m: r["trials_complete"] + r["trials_pruned"] + r["trials_failed"] for m, r in zip(methods, rows)}
+    searched = {m: n for m, n in counts.items() if sp.for_method(dims, m)}  # the others: one run of their defaults
+    budget_text = (f"{next(iter(searched.values()))} trials per method" if len(set(searched.values())) == 1
+                   and len(searched) == len(counts) else "trials per method: " + ", ".join(
+                       f"{m} {n}" + ("" if m in searched else " (nothing to search: its defaults)")
+                       for m, n in counts.items()))
+    if len(set(searched.values())) > 1:
+        unfair = (f"the methods were tuned with different budgets ({', '.join(f'{m} {n}' for m, n in searched.items())}"
+                  f" trials): not a fair comparison; run again with --trials {max(searched.values())} to top the "
+                  "others up")
+        budget_text += f" (WARNING: {unfair})"
+        log.warning("%s", unfair)
+        say(f"warning: {unfair}", highlight=False, soft_wrap=True)
+    caption = (f"fedproto tune on {data}: {budget_text}"
                f"{f', {timeout:g} s' if timeout else ''}, scored on {val_fraction:g} of each client's training data "
                f"({metric}); test: the best settings retrained on the full training data, {final_seeds} seed(s)")
     files["table"], files["csv"] = report.write_table(rows, out, caption)

@@ -112,7 +112,10 @@ def parse_dimension(name: str, value: Any, where: str) -> Dimension:
         table = dict(value)
         kind = str(table.pop("type", "")).lower()
         kind = {"categorical": "cat", "integer": "int", "boolean": "bool", "uniform": "float"}.get(kind, kind)
-        if table.pop("log", False):
+        log = table.pop("log", False)
+        if not isinstance(log, bool):
+            raise ConfigError(f"{where}: log = {log!r} is not a bool; write log = true or log = false")
+        if log:
             kind = {"float": "log", "int": "intlog"}.get(kind, kind)
         if kind in ("cat",):
             choices = table.pop("choices", None)
@@ -133,6 +136,9 @@ def parse_dimension(name: str, value: Any, where: str) -> Dimension:
     if kind not in KINDS:
         raise ConfigError(f"{where}: unknown kind {kind!r}; use one of {', '.join(KINDS)} (e.g. {key}=log:0.01:10)")
     if kind == "bool":
+        if rest.strip():
+            raise ConfigError(f"{where}: bool takes no arguments (it searches false and true); write {key}=bool, or "
+                              f"fix the value with --set {key}={rest.strip()}")
         return Dimension(key, "cat", choices=(False, True))
     if kind == "cat":
         items = [t.strip() for t in rest.split(",")]
@@ -152,6 +158,10 @@ def _check(d: Dimension, where: str) -> Dimension:
     if d.kind == "cat":
         if not d.choices:
             raise ConfigError(f"{where}: no choices")
+        if len(d.choices) < 2:
+            one = toml_value(d.choices[0]).strip('"')
+            raise ConfigError(f"{where}: a single choice ({one}) searches nothing; give two or more, or fix the "
+                              f"value with --set {d.name}={one}")
         if len({toml_value(c) for c in d.choices}) != len(d.choices):
             raise ConfigError(f"{where}: a choice is given twice; give each once")
         return d
