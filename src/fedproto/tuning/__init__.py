@@ -11,7 +11,8 @@ method with the same budget and procedure: the table is fair.
 
 The package: :mod:`~fedproto.tuning.space` (the search space), :mod:`~fedproto.tuning.split`
 (validation splits), :mod:`~fedproto.tuning.study` (studies, trials, workers),
-:mod:`~fedproto.tuning.report` (best TOML, plots, final runs, table). Needs the ``tune`` extra
+:mod:`~fedproto.tuning.report` (best TOML, plots, final runs, table), :mod:`~fedproto.tuning.checks`
+(what is refused before any study is made). Needs the ``tune`` extra
 (``pip install "fedproto[tune]"``: Optuna).
 """
 
