@@ -144,8 +144,8 @@ def register(cls: Any) -> None:
             ``Options`` is not an :class:`AlgorithmOptions` subclass, changes its ``model_config``,
             has a field without a default or with a default its own Field refuses (type or bound,
             an inherited option's new default too), redeclares an inherited option (``lambda_proto``
-            of a ``FedProto`` subclass) with another type, or has a field another option (or its alias, its off switch, a
-            Flower run-config key, a flag of ``fedproto run``) already has (fields inherited
+            of a ``FedProto`` subclass) with another type, or has a field another option (or its
+            alias, its off switch, a Flower run-config key, a flag of ``fedproto run``) already has (fields inherited
             from a library method's options, e.g. by subclassing ``FedProto``, are shared, not a clash).
     """
     from fedproto.errors import ConfigError
