@@ -320,6 +320,12 @@ def test_reproduce_set_and_sweep_values_are_worded_as_given(capsys, monkeypatch,
     code, text = run_cli(base + ["--set", "rouns=3"], capsys, monkeypatch)
     assert code == 2 and "unknown option 'rouns'; did you mean 'rounds'?" in text
     assert "known options" not in text
+    code, text = run_cli(base + ["--set", "lambda=abc"], capsys, monkeypatch)  # named as typed, with the fix
+    assert code == 2 and "--set lambda=abc: Input should be a valid number; give --set lambda=... a number" in text
+    assert "lambda_proto" not in text, text
+    code, text = run_cli(base + ["--set", "device=gpu"], capsys, monkeypatch)
+    assert code == 2 and "--set device=gpu: should be one of auto, cpu, cuda, cuda:N, mps; did you mean --set " \
+        "device=cuda?" in " ".join(text.split()), text
 
 
 def test_participation_above_the_client_count_says_so(capsys, monkeypatch, tmp_path):

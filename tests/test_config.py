@@ -189,3 +189,28 @@ def test_numpy_scalars_are_read_as_python_numbers():
     with pytest.raises(ConfigError) as e:  # still checked: the bound, with the value as a plain number
         build_config(overrides={"rounds": np.int64(0)})
     assert "rounds=0: Input should be greater than or equal to 1; use rounds=1 or more" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    ({"lr": "0.1"}, "lr='0.1': Input should be a valid number; write it without quotes: lr=0.1"),
+    ({"lambda_proto": "2"}, "lambda_proto='2': Input should be a valid number; write it without quotes: "
+                            "lambda_proto=2"),
+    ({"rounds": "3"}, "rounds='3': Input should be a valid integer; write it without quotes: rounds=3"),
+    ({"lr": "abc"}, "lr='abc': Input should be a valid number; give lr a number"),
+    ({"device": "gpu"}, "device='gpu': should be one of auto, cpu, cuda, cuda:N, mps; did you mean device='cuda'?"),
+    ({"device": "xyz"}, "device='xyz': should be one of auto, cpu, cuda, cuda:N, mps; give one of those, e.g. "
+                        "device='auto'"),
+    ({"distance": "cosine"}, "distance='cosine': Input should be 'mse', 'squared_l2' or 'l2'; give one of those, "
+                             "e.g. distance='mse'"),
+])
+def test_a_refused_value_comes_with_its_fix(overrides, expect, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        build_config(overrides=overrides)
+    assert str(e.value) == "invalid configuration: " + expect
+    assert "^(" not in str(e.value)  # no regular expression
+    f = tmp_path / "run.toml"
+    f.write_text('lr = "0.1"\n')
+    with pytest.raises(ConfigError) as e:  # from a file: the line to write
+        build_config(f)
+    assert str(e.value).endswith(f"""lr = "0.1" in '{f}': Input should be a valid number; write it without """
+                                 "quotes: lr = 0.1")

@@ -17,7 +17,8 @@ from pydantic import ValidationError
 
 from fedproto.config_common import NAME_ABBREV, CommonConfig, result_fields_in
 from fedproto.config_fields import ADDED_FIELDS, DATASETS, RESULT_NEUTRAL, CommonFields
-from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, RawValue, opt, register_option_names, same_value
+from fedproto.config_fixes import bound_fix, pattern_message, toml_value
+from fedproto.errors import NO_VALUE, UNKNOWN, ConfigError, opt, register_option_names, same_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -161,27 +162,6 @@ def rebuild_config(classes: tuple, values: dict[str, Any], given: tuple[str, ...
     return model.model_construct(_fields_set={k for k in given if k in fields}, **fields)
 
 
-def toml_value(value: Any) -> str:
-    """``value`` as a TOML file writes it: ``"3"`` (a string keeps its quotes), ``true``,
-    ``["cnn"]``, ``1979-05-27``, ``{a = 1}``."""
-    import json
-    import math
-
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str) and not isinstance(value, RawValue):  # JSON's escapes are TOML's, but for DEL
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if value != value else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    return str(value)
-
-
 def _format(key: str, value: Any, file: Path) -> str:
     """A value read from a TOML file, named as the user wrote it: ``rounds = "3" in 'run.toml'``."""
     return f"{key} = {toml_value(value)} in {str(file)!r}"
@@ -219,7 +199,7 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
             in_file = where(loc, e["input"])
             ref = in_file or opt(loc, e["input"])
             fix = bound_fix(loc, e, from_file[loc][0] if in_file else None)
-            lines.append(f"{ref}: {e['msg'].removeprefix('Value error, ')}{fix}")
+            lines.append(f"{ref}: {pattern_message(e)}{fix}")
             first = first or {"option": loc, "value": e["input"]}
         else:
             lines.append(e["msg"].removeprefix("Value error, "))
@@ -228,41 +208,6 @@ def _config_error(err: ValidationError, from_file: dict[str, tuple[str, Any]] | 
         c = causes[0].rewritten(where)
         return ConfigError(f"invalid configuration: {c.message}", option=c.option, value=c.value, hint=c.hint)
     return ConfigError("invalid configuration: " + "; ".join(lines), **first)
-
-
-def bound_fix(option: str, err: dict, key: str | None = None) -> str:
-    """The fix of a pydantic error ``err`` (one of ``ValidationError.errors()``) about ``option``'s
-    value, as ``; use --clients 1 or more`` (worded per front end; for a value read from a TOML file,
-    its ``key`` as written there: ``; use clients = 1 or more``): a bound (ge, gt, le, lt), a number
-    that is not finite or not whole; '' for other errors."""
-    ctx = {k: (int(v) if isinstance(v, float) and v.is_integer() else v)  # 100, not 100.0
-           for k, v in (err.get("ctx") or {}).items()}
-    kind = err.get("type", "")
-
-    def word(v: Any) -> str:
-        return f"{key} = {toml_value(v)}" if key else opt(option, v)
-
-    name = key or opt(option)
-    if kind == "greater_than_equal":
-        return f"; use {word(ctx['ge'])} or more"
-    if kind == "greater_than":
-        return f"; give {name} a value above {ctx['gt']}"
-    if kind == "less_than_equal":
-        return f"; use {word(ctx['le'])} or less"
-    if kind == "less_than":
-        return f"; give {name} a value below {ctx['lt']}"
-    if kind == "finite_number":
-        return f"; give {name} a finite number"
-    if kind in ("int_from_float", "int_parsing", "int_type"):
-        return f"; give {name} a whole number"
-    if kind == "literal_error" and isinstance(err.get("input"), str):  # a name chosen from a list
-        import difflib
-        import re
-
-        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
-        near = difflib.get_close_matches(err["input"], choices, n=1)
-        return f"; did you mean {word(near[0])}?" if near else ""
-    return ""
 
 
 def _aliases() -> dict[str, str]:

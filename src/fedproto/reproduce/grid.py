@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from fedproto import paper
 from fedproto.config import RunConfig, build_config, config_model, normal_key
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
-from fedproto.errors import ConfigError, same_value, unknown_text
+from fedproto.errors import NO_VALUE, ConfigError, opt, same_value, unknown_text
 from fedproto.models.names import mh_variant
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
@@ -154,7 +155,35 @@ def parse_sets(items: Sequence[str] | None, grid: bool = True) -> dict[str, Any]
         if k in out:
             raise ConfigError(f"--set {k} is given twice (or under two spellings); keep one")
         out[k] = parse_value(v.strip())
+        _check_set(k, item.split("=", 1)[0].strip(), out[k])
     return out
+
+
+def _check_set(field: str, typed: str, value: Any) -> None:
+    """Refuse a ``--set`` value its option's own type or bounds refuse, before any cell runs,
+    named as typed (``--set lambda=abc``, not ``lambda_proto``), with the fix."""
+    from typing import Annotated
+
+    from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+    from fedproto.config_fixes import bound_fix, pattern_message
+    from fedproto.options import set_wording
+
+    model = config_model()
+    info, rules = model.model_fields[field], {k: model.model_config[k] for k in ("strict", "allow_inf_nan")}
+    try:
+        with warnings.catch_warnings():  # pydantic notes that a TypeAdapter ignores validate_default
+            warnings.simplefilter("ignore")
+            adapter = TypeAdapter(Annotated[info.annotation, info], config=ConfigDict(**rules))
+        adapter.validate_python(value)
+    except ValidationError as e:
+        err = e.errors()[0]
+
+        def typed_wording(option: str, v: Any = NO_VALUE) -> str | None:
+            return set_wording(option, v).replace(f"--set {field}=", f"--set {typed}=") if option == field else None
+
+        raise ConfigError(f"{opt(field, value)}: {pattern_message(err)}{bound_fix(field, err)}", option=field,
+                          value=value).rewritten(typed_wording) from None
 
 
 def parse_sweep(spec: str) -> tuple[str, str, list[Any]]:
@@ -324,8 +353,8 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
                 try:
                     cfg = cell_config(dataset, ways, m, s, runs, name, rounds, {**(sets or {}), fld: v}, data_dir)
                 except ConfigError as e:  # the swept value named as the --sweep the user typed
-                    raise e.rewritten(lambda o, x, v=v: _sweep_ref(param, v) if o == fld and same_value(x, v)
-                                      else None) from None
+                    raise e.rewritten(lambda o, x, v=v: None if o != fld else f"--sweep {param}=..." if x is NO_VALUE
+                                      else _sweep_ref(param, v) if same_value(x, v) else None) from None
                 cells.append(Cell(dataset, ways, m, s, cfg, name, param, v))
     return cells
 
