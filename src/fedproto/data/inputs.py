@@ -195,6 +195,26 @@ def finite(x: Any) -> bool:
                and t.is_floating_point())
 
 
+def first_nonfinite(x: Any, path: str = "input") -> tuple[str, int] | None:
+    """Where in-memory inputs ``x`` (a tensor or array (n, ...), :class:`Inputs`, or a dict, tuple
+    or list of them, one row per item) first hold NaN or inf: (the field, as
+    ``"input['a']['b']"``, and the item, its row); None when every floating value is finite."""
+    x = x.tree if isinstance(x, Inputs) else x
+    if isinstance(x, np.ndarray) and x.dtype.kind in "fc":
+        x = torch.from_numpy(x)
+    if isinstance(x, torch.Tensor):
+        if not (x.is_floating_point() or x.is_complex()) or x.ndim == 0:
+            return None
+        bad = (~torch.isfinite(x)).reshape(len(x), -1).any(1)
+        return (path, int(bad.nonzero()[0, 0])) if bool(bad.any()) else None
+    items = x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, (tuple, list)) else ()
+    for k, v in items:
+        found = first_nonfinite(v, f"{path}[{k!r}]")
+        if found is not None:
+            return found
+    return None
+
+
 def describe(x: Any) -> str:
     """A batch's shape for messages: ``(1, 3, 28, 28)``, ``{'input_ids': (1, 12) int64, ...}``."""
     if isinstance(x, Inputs):

@@ -16,7 +16,7 @@ from fedproto.data.inputs import (
     as_inputs,
     as_leaf,
     cast_floats,
-    finite,
+    first_nonfinite,
     is_structure,
     leaves,
     tree_map,
@@ -57,11 +57,11 @@ def _as_input(x: Any, i: int) -> Any:
 log = logging.getLogger(__name__)
 
 NAN_SCAN_ITEMS = 1000
-"""Items of each Dataset split whose inputs are checked for NaN and inf before round 1: every item
-of a Dataset of at most this many, else this many spread evenly over it. The training split's other
-items are checked when a batch first reads them (the run stops there, naming the client, item and
-field); a test item found then leaves its client out of the headline accuracy (summary.json
-``left_out``)."""
+"""Every item of a Dataset split is checked for NaN and inf before round 1, in the pass that reads its
+labels (:func:`dataset_labels`); of a torchvision dataset whose labels are its ``targets`` (not read item
+by item), every item when it has at most this many, else this many spread over it (:func:`scan_nonfinite`).
+An item that holds NaN only when read later (a transform) stops the run when a training batch reads it
+(naming the client, item and field); a test item leaves its client out of the headline (``left_out``)."""
 
 
 def nonfinite_field(x: Any, path: str = "input") -> str | None:
@@ -81,15 +81,17 @@ def nonfinite_field(x: Any, path: str = "input") -> str | None:
     return None
 
 
-def nonfinite_message(cid: int | None, what: str, item: int, field: str) -> str:
-    """The error for item ``item`` of client ``cid``'s ``what`` Dataset whose ``field`` holds NaN or inf."""
+def nonfinite_message(cid: int | None, what: str, item: int, field: str, in_memory: bool = False) -> str:
+    """The error for item ``item`` (a row of in-memory inputs) of client ``cid``'s ``what`` split
+    whose ``field`` holds NaN or inf."""
     who = f"client {cid}: " if cid is not None else ""
-    return (f"{who}{what} item {item}: its {field} holds NaN or infinite values; clean or drop that item (its "
-            "Dataset's __getitem__ or transform returns it)")
+    source = "row" if in_memory else "Dataset's __getitem__ or transform returns it"
+    return f"{who}{what} item {item}: its {field} holds NaN or infinite values; clean or drop that item (its {source})"
 
 
 def scan_nonfinite(x: LazyInputs) -> None:
-    """Check the inputs of up to :data:`NAN_SCAN_ITEMS` items of ``x`` (all when it has no more).
+    """Check the inputs of up to :data:`NAN_SCAN_ITEMS` items of ``x`` (all when it has no more): for a
+    Dataset whose labels were not read item by item (:func:`dataset_labels`).
 
     Raises:
         DataError: the first item found with NaN or inf (names the client, the split, the item and the field).
@@ -241,7 +243,7 @@ def _label_array(values: Sequence[Any]) -> np.ndarray:
     return np.asarray(values, dtype=object)
 
 
-def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
+def dataset_labels(ds: torch.utils.data.Dataset, on_input: Any = None) -> np.ndarray:
     """The labels a map-style Dataset yields, ``ds[i][1]`` for every i, as an array (n,).
 
     Every item is read (its transforms run once), except for a torchvision dataset read by
@@ -249,6 +251,7 @@ def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
     ImageFolder...): its ``targets`` are used once they equal the labels of
     :data:`LABEL_CHECKS` items spread over the dataset. A ``targets`` attribute is never trusted
     otherwise: a ``target_transform`` or a ``__getitem__`` that changes the label decides.
+    ``on_input(i, x)`` is called with each item's input read for its label (to check it).
 
     Raises:
         DataError: an item is not an ``(x, y)`` pair.
@@ -260,17 +263,24 @@ def dataset_labels(ds: torch.utils.data.Dataset) -> np.ndarray:
         idx = np.unique(np.linspace(0, n - 1, min(n, LABEL_CHECKS)).round().astype(np.int64)) if n else []
         if all(_label_value(_pair(ds[int(i)], int(i))[1], int(i)) == targets[i] for i in idx):
             return targets
-    return _label_array([_label_value(_pair(ds[i], i)[1], i) for i in range(n)])
+    out = []
+    for i in range(n):
+        x, y = _pair(ds[i], i)
+        if on_input is not None:
+            on_input(i, x)
+        out.append(_label_value(y, i))
+    return _label_array(out)
 
 
 _ID_HINT = ("map each class to an id 0..C-1 (e.g. {name: i for i, name in enumerate(sorted(names))}, or "
             "torchvision's class_to_idx)")
 
 
-def _labels(split: Any) -> torch.Tensor:
-    """Integer labels (n,) of a split; raises ValueError/DataError with the offending value."""
+def _labels(split: Any, on_input: Any = None) -> torch.Tensor:
+    """Integer labels (n,) of a split (``on_input``: see :func:`dataset_labels`); raises
+    ValueError/DataError with the offending value."""
     if isinstance(split, torch.utils.data.Dataset):
-        raw = dataset_labels(split)
+        raw = dataset_labels(split, on_input)
     else:
         y = split[1]
         raw = (np.asarray(y.cpu()) if isinstance(y, torch.Tensor) else
@@ -349,7 +359,6 @@ def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = Non
             x[0 : min(len(x), PROBE_ITEMS)]
         except DataError as e:
             raise (e if e.message.startswith(f"client {cid}:") else e.prefixed(f"client {cid}: {what}: ")) from None
-        scan_nonfinite(x)
     elif isinstance(split, (tuple, list)) and len(split) == 2:
         try:
             x = _memory_inputs(split[0], len(split[1]) if hasattr(split[1], "__len__") else -1)
@@ -359,10 +368,17 @@ def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = Non
     else:
         raise DataError(f"client {cid}: {what} is a {type(split).__name__}; give (x, y) tensors or arrays, or a "
                         "map-style torch Dataset of (x, y) items")
+    checked: list[int] = []  # the items whose inputs the label pass checked for NaN and inf
+
+    def check(i: int, xi: Any) -> None:
+        if (field := nonfinite_field(xi)) is not None:
+            raise DataError(nonfinite_message(cid, what, i, field))
+        checked.append(i)
+
     try:
-        y = _labels(split)
+        y = _labels(split, check)
     except DataError as e:
-        raise e.prefixed(f"client {cid}: {what}: ") from None
+        raise (e if e.message.startswith(f"client {cid}:") else e.prefixed(f"client {cid}: {what}: ")) from None
     except ValueError as e:
         raise DataError(f"client {cid}: cannot read {what} labels as integers: {e}") from None
     except (TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
@@ -377,9 +393,8 @@ def _split(split: Any, cid: int, what: str, num_classes: int, collate: Any = Non
     if bool(bad.any()):
         raise DataError(f"client {cid}: {what} label {int(y[bad][0])} is outside 0..{num_classes - 1} "
                         f"(num_classes={num_classes}); relabel, or raise num_classes")
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
-        n = int((~torch.isfinite(x)).flatten(1).any(1).sum())
-        raise DataError(f"client {cid}: {n} {what} input(s) hold NaN or infinite values; clean or drop them")
-    if not isinstance(x, (torch.Tensor, LazyInputs)) and not finite(x):
-        raise DataError(f"client {cid}: {what} inputs hold NaN or infinite values; clean or drop them")
+    if isinstance(x, LazyInputs) and len(checked) < len(x):  # labels from a torchvision dataset's targets
+        scan_nonfinite(x)
+    if not isinstance(x, LazyInputs) and (found := first_nonfinite(x)) is not None:
+        raise DataError(nonfinite_message(cid, what, found[1], found[0], in_memory=True))
     return x, y
