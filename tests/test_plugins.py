@@ -398,3 +398,20 @@ def test_an_inherited_option_redeclared_with_a_broken_default_or_another_type_is
     ok = type("Redecl", (FedProto,), {"name": "redecl", "Options": _proto_options(Optional[float], 3.0, ge=0)})
     register_algorithm(ok)  # a new default within the bounds, same type: accepted
     plugins.unregister("redecl")
+
+
+def test_an_option_whose_bounds_a_plugin_narrows_is_refused_as_a_config_error():
+    """A FedProto subclass with lambda_proto >= 1: a run value of 0.5 was a raw pydantic ValidationError
+    from set-up; now a ConfigError naming the option, the value, the algorithm and the fix."""
+    from fedproto.engine.setup import build_algorithm
+
+    register_algorithm(type("Narrow", (FedProto,), {"name": "narrow", "Options": _proto_options(Optional[float], 3.0,
+                                                                                                 ge=1)}))
+    try:
+        cfg = build_config(overrides={**SMALL, "algorithm": "narrow", "lambda_proto": 0.5})
+        with pytest.raises(ConfigError) as e:
+            build_algorithm(cfg, 8)
+        assert str(e.value) == ("lambda_proto=0.5: algorithm 'narrow' (its Options narrow 'lambda_proto') refuses it: "
+                                "Input should be greater than or equal to 1; use lambda_proto=1 or more")
+    finally:
+        plugins.unregister("narrow")

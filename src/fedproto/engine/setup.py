@@ -15,12 +15,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
 from fedproto.algorithms.options import owners
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, check_architectures, check_model_needs, model_needs
 from fedproto.config import CommonConfig, RunConfig
+from fedproto.config_fixes import bound_fix
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.devices import resolve_device
@@ -42,7 +44,14 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     options = method_options(cls)
     if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
         # a plug-in built by its parent's from_config (e.g. a FedProto subclass): every option it reads
-        alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
+        try:
+            alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
+        except ValidationError as e:  # a plug-in whose Options narrow an inherited option's bounds
+            err = e.errors()[0]
+            k = str(err["loc"][0]) if err.get("loc") else "?"
+            fix = bound_fix(k, err) or f"; give {opt(k)} a value algorithm {cfg.algorithm!r} accepts"
+            raise ConfigError(f"{opt(k, err.get('input'))}: algorithm {cfg.algorithm!r} (its Options narrow {k!r}) "
+                              f"refuses it: {err['msg']}{fix}", option=k, value=err.get("input")) from None
     return alg
 
 
