@@ -323,6 +323,9 @@ def test_reproduce_set_and_sweep_values_are_worded_as_given(capsys, monkeypatch,
     code, text = run_cli(base + ["--set", "lambda=abc"], capsys, monkeypatch)  # named as typed, with the fix
     assert code == 2 and "--set lambda=abc: Input should be a valid number; give --set lambda=... a number" in text
     assert "lambda_proto" not in text, text
+    code, text = run_cli(base + ["--set", 'lr="0.1"'], capsys, monkeypatch)
+    assert code == 2 and '--set lr="0.1": Input should be a valid number; write it without quotes: --set lr=0.1' \
+        in " ".join(text.split()), text
     code, text = run_cli(base + ["--set", "device=gpu"], capsys, monkeypatch)
     assert code == 2 and "--set device=gpu: should be one of auto, cpu, cuda, cuda:N, mps; did you mean --set " \
         "device=cuda?" in " ".join(text.split()), text

@@ -155,13 +155,13 @@ def parse_sets(items: Sequence[str] | None, grid: bool = True) -> dict[str, Any]
         if k in out:
             raise ConfigError(f"--set {k} is given twice (or under two spellings); keep one")
         out[k] = parse_value(v.strip())
-        _check_set(k, item.split("=", 1)[0].strip(), out[k])
+        _check_set(k, item.split("=", 1)[0].strip(), out[k], v.strip())
     return out
 
 
-def _check_set(field: str, typed: str, value: Any) -> None:
+def _check_set(field: str, typed: str, value: Any, text: str) -> None:
     """Refuse a ``--set`` value its option's own type or bounds refuse, before any cell runs,
-    named as typed (``--set lambda=abc``, not ``lambda_proto``), with the fix."""
+    named as typed (``--set lambda=abc``, not ``lambda_proto``; ``text``: the value as typed), with the fix."""
     from typing import Annotated
 
     from pydantic import ConfigDict, TypeAdapter, ValidationError
@@ -180,6 +180,8 @@ def _check_set(field: str, typed: str, value: Any) -> None:
         err = e.errors()[0]
 
         def typed_wording(option: str, v: Any = NO_VALUE) -> str | None:
+            if option == field and v is not NO_VALUE and type(v) is type(value) and same_value(v, value):
+                return f"--set {typed}={text}"  # lr="0.1" keeps its quotes
             return set_wording(option, v).replace(f"--set {field}=", f"--set {typed}=") if option == field else None
 
         raise ConfigError(f"{opt(field, value)}: {pattern_message(err)}{bound_fix(field, err)}", option=field,
