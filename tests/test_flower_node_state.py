@@ -11,6 +11,8 @@ import torch
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.flower
 
+from conftest import Interrupted, interrupt_at  # noqa: E402
+
 from fedproto.config import build_config  # noqa: E402
 from fedproto.flower import node_state  # noqa: E402
 from fedproto.flower.common import run_config  # noqa: E402
@@ -60,16 +62,9 @@ def test_server_files_holding_models_or_prototypes_are_private(tmp_path):
         cfg = build_config(overrides=dict(dataset="digits", clients=3, ways=3, shots=10, stdev=1, test_shots=5,
                                           rounds=2, eval_every=0, threads=1, checkpoint_every=1, save_models=True))
 
-        class Stop(Exception):
-            pass
-
-        def stop(row):
-            if row["round"] == 1:
-                raise Stop
-
         run = tmp_path / "run"
-        with pytest.raises(Stop):
-            Simulation(cfg, out=run, on_round=stop).run()
+        with pytest.raises(Interrupted):
+            Simulation(cfg, out=run, on_round=interrupt_at(1)).run()
         assert _mode(run / "checkpoint.pt") == 0o600 and _mode(run) == 0o700
         Simulation(cfg, out=run).run(resume=True)
         assert {n: _mode(run / n) for n in ("prototypes.npz", "models.pt", "metrics.jsonl", "summary.json")} == {

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 
 import pytest
+from conftest import Interrupted, interrupt_at
 
 from fedproto.errors import ConfigError
 from fedproto.tensorboard import TensorBoardObserver
@@ -112,16 +113,9 @@ def test_tensorboard_resume_that_redoes_a_round_logs_it_once(tmp_path, caplog):
 
     cfg = build_config(overrides={**SMALL, "rounds": 4, "checkpoint_every": 2})
 
-    class Stop(Exception):
-        pass
-
-    def stop_at_3(row):
-        if row["round"] == 3:
-            raise Stop
-
     run = tmp_path / "run"
-    with pytest.raises(Stop):
-        Simulation(cfg, out=run, on_round=stop_at_3).run()
+    with pytest.raises(Interrupted):
+        Simulation(cfg, out=run, on_round=interrupt_at(3)).run()
     before = _steps_per_file(run / "tensorboard")
     assert list(before.values()) == [[1, 2, 3]]  # round 3 was logged before the stop
     assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
