@@ -72,7 +72,7 @@ from fedproto.secagg.primitives import (
     split,
     threshold,
 )
-from fedproto.secagg.server import Server  # the server's side, re-exported here
+from fedproto.secagg.protocol_server import Server  # the server's side, re-exported here
 
 log = logging.getLogger(__name__)
 

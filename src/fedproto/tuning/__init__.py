@@ -11,7 +11,7 @@ method with the same budget and procedure: the table is fair.
 
 The package: :mod:`~fedproto.tuning.space` (the search space), :mod:`~fedproto.tuning.split`
 (validation splits), :mod:`~fedproto.tuning.study` (studies, trials, workers),
-:mod:`~fedproto.tuning.report` (best TOML, plots, final runs, table), :mod:`~fedproto.tuning.checks`
+:mod:`~fedproto.tuning.report` (best TOML, plots, final runs, table), :mod:`~fedproto.tuning.preflight`
 (what is refused before any study is made). Needs the ``tune`` extra
 (``pip install "fedproto[tune]"``: Optuna).
 """
@@ -134,12 +134,12 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             the option refuses, bad budget values, a stored study made with other options, an
             option both fixed and searched, a tune option among the run options, a metric a
             method does not report, a space the method uses none of, an output folder that
-            cannot be written (:mod:`fedproto.tuning.checks`; all before any study is made).
+            cannot be written (:mod:`fedproto.tuning.preflight`; all before any study is made).
     """
     require_optuna()
     from fedproto.config import build_config, normal_key
     from fedproto.reproduce.parallel import available_cores, check_jobs, thread_share
-    from fedproto.tuning import checks as ck
+    from fedproto.tuning import preflight as ck
     from fedproto.tuning import report
     from fedproto.tuning import space as sp
     from fedproto.tuning import study as st
