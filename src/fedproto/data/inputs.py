@@ -199,17 +199,28 @@ def first_nonfinite(x: Any, path: str = "input") -> tuple[str, int] | None:
     """Where in-memory inputs ``x`` (a tensor or array (n, ...), :class:`Inputs`, or a dict, tuple
     or list of them, one row per item) first hold NaN or inf: (the field, as
     ``"input['a']['b']"``, and the item, its row); None when every floating value is finite."""
-    x = x.tree if isinstance(x, Inputs) else x
+    return find_leaf(x.tree if isinstance(x, Inputs) else x, _first_bad_row, path)
+
+
+def _first_bad_row(x: Any) -> int | None:
+    """The first row of a floating (n, ...) tensor or array holding NaN or inf, else None."""
     if isinstance(x, np.ndarray) and x.dtype.kind in "fc":
         x = torch.from_numpy(x)
-    if isinstance(x, torch.Tensor):
-        if not (x.is_floating_point() or x.is_complex()) or x.ndim == 0:
-            return None
-        bad = (~torch.isfinite(x)).reshape(len(x), -1).any(1)
-        return (path, int(bad.nonzero()[0, 0])) if bool(bad.any()) else None
-    items = x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, (tuple, list)) else ()
+    if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()) or x.ndim == 0:
+        return None
+    bad = (~torch.isfinite(x)).reshape(len(x), -1).any(1)
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
+def find_leaf(x: Any, test: Any, path: str = "input") -> tuple[str, Any] | None:
+    """Depth first over a nested dict, tuple or list ``x``, the first leaf where ``test(leaf)`` is
+    not None: (its path, as ``"input['a'][1]"``, and what ``test`` returned); None when none is."""
+    items = x.items() if isinstance(x, Mapping) else enumerate(x) if isinstance(x, (tuple, list)) else None
+    if items is None:
+        got = test(x)
+        return None if got is None else (path, got)
     for k, v in items:
-        found = first_nonfinite(v, f"{path}[{k!r}]")
+        found = find_leaf(v, test, f"{path}[{k!r}]")
         if found is not None:
             return found
     return None

@@ -16,6 +16,7 @@ from fedproto.data.inputs import (
     as_inputs,
     as_leaf,
     cast_floats,
+    find_leaf,
     first_nonfinite,
     is_structure,
     leaves,
@@ -67,18 +68,16 @@ An item that holds NaN only when read later (a transform) stops the run when a t
 def nonfinite_field(x: Any, path: str = "input") -> str | None:
     """Where an item's input ``x`` (a tensor, an array, or a dict, tuple or list of them) holds NaN
     or inf: ``"input"``, ``"input['pixels']"``, ``"input[1]"``; None when every floating value is finite."""
-    if isinstance(x, torch.Tensor):
-        return path if x.is_floating_point() and not bool(torch.isfinite(x).all()) else None
-    if isinstance(x, np.ndarray):
-        return path if x.dtype.kind in "fc" and not bool(np.isfinite(x).all()) else None
-    if isinstance(x, float):
-        return path if not np.isfinite(x) else None
-    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (tuple, list)) else ()
-    for k, v in items:
-        found = nonfinite_field(v, f"{path}[{k!r}]")
-        if found is not None:
-            return found
-    return None
+    found = find_leaf(x, _nonfinite_leaf, path)
+    return None if found is None else found[0]
+
+
+def _nonfinite_leaf(x: Any) -> bool | None:
+    """True for a floating tensor, array or float holding NaN or inf, else None."""
+    bad = ((isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()))
+           or (isinstance(x, np.ndarray) and x.dtype.kind in "fc" and not bool(np.isfinite(x).all()))
+           or (isinstance(x, float) and not np.isfinite(x)))
+    return True if bad else None
 
 
 def nonfinite_message(cid: int | None, what: str, item: int, field: str, in_memory: bool = False) -> str:
