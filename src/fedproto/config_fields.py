@@ -42,7 +42,7 @@ ADDED_FIELDS = {"personal_layers": "head", "lambda_warmup": 0, "proto_momentum":
                "dp_grad_clip": 1.0, "dp_delta": 1e-5, "attack": "none", "attackers": 0, "attack_scale": 100.0,
                "overlap": False, "dp_reproducible_noise": True, "class_check": 0.0, "optimizer": "sgd",
                "lr_schedule": "constant", "lr_step_rounds": 30, "lr_gamma": 0.1, "lr_min": 0.0, "shared_init": False,
-               "secagg": False, "secagg_honest": 2, "secagg_min_contributors": 1}
+               "secagg": False, "secagg_honest": 2, "secagg_min_contributors": 1, "precision": "fp32"}
 """Fields added after results were stored, with the behaviour older runs had: a stored config
 without the field is compared as if it held this value (older FedPer/FedRep runs kept only the
 last layer on the client, so they are run again under today's default ``fc``; the FedProto
@@ -186,3 +186,8 @@ class CommonFields(BaseModel):
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda|cuda:\d{1,3}|mps)$",
                         description="Where clients train: auto | cpu | cuda | cuda:N | mps (auto: the first "
                         "CUDA GPU if torch sees one)")
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
+        "fp32", description="Arithmetic of the training forward passes: fp32 | bf16 (autocast to bfloat16 on a CPU "
+        "with native bf16 instructions, avx512_bf16 or amx_bf16, and on CUDA GPUs; elsewhere a warning and fp32) | "
+        "fp16 (autocast to float16 with loss scaling, CUDA GPUs only) | auto (bf16 where native, else fp32); "
+        "weights, losses, prototypes and aggregation stay float32; the precision used is summary.json's precision")

@@ -214,7 +214,8 @@ PANELS: dict[str, tuple[str, ...]] = {
                                "dp_clip", "dp_grad_clip", "dp_delta", "dp_reproducible_noise", "attack", "attackers",
                                "attack_scale", "secagg", "secagg_threshold", "secagg_neighbours",
                                "secagg_honest", "secagg_min_contributors", "secagg_hide_labels"),
-    "Execution": ("execution", "group_size", "threads", "workers", "device", "checkpoint_every"),
+    "Execution": ("execution", "group_size", "threads", "workers", "device", "precision",
+                  "checkpoint_every"),
     "Output": ("eval_every", "eval_full_test", "out_dir", "name", "save_models", "tensorboard"),
 }
 """The groups of ``fedproto run --help`` (its panels) and of the options page (its sections), in

@@ -25,7 +25,7 @@ from fedproto.config import CommonConfig, RunConfig
 from fedproto.config_fixes import bound_fix
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
-from fedproto.devices import resolve_device
+from fedproto.devices import resolve_device, resolve_precision
 from fedproto.errors import ConfigError, PartitionError, opt
 from fedproto.models.zoo import build_client_models
 from fedproto.plugins import method_options
@@ -212,7 +212,8 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     warning naming the clients whose test sets hold classes absent from their training sets,
     and ``batch_size`` capped at the largest client's training samples (a wider batch only adds
     padding; the cap is ``Setup.algorithm.opt.batch_size``, and ``config.json``'s
-    ``batch_size_in_force``).
+    ``batch_size_in_force``), and the precision the clients train in
+    (:func:`fedproto.devices.resolve_precision`: ``Setup.algorithm.opt.precision``).
 
     Args:
         cfg: the validated run configuration.
@@ -234,7 +235,8 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
         ModelError: embedding sizes differ where the method needs one (names the clients and the
             methods that run these models). ConfigError: architectures differ where the method
             averages weights (names the methods that run these models), the batch size leaves a
-            client without a batch, or the algorithm refuses the clients' models or labels.
+            client without a batch, the algorithm refuses the clients' models or labels, or
+            ``precision`` is fp16 on a device other than a CUDA GPU.
     """
     models = [s.model for s in states]
     needs = model_needs(get_algorithm(cfg.algorithm))  # what the method needs of the models, checked as stated
@@ -263,8 +265,12 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     largest = max((len(x.y) for x in data), default=1)
     if alg.opt.batch_size > largest > 0:
         alg.opt = replace(alg.opt, batch_size=largest)
+    # the precision the clients train in on this run's device (bf16 on a CPU without it: a warning, fp32;
+    # fp16 off a GPU: refused); alg.opt carries it to every training path, worker processes and Flower nodes
+    device = resolve_device(cfg.device)
+    alg.opt = replace(alg.opt, precision=resolve_precision(getattr(cfg, "precision", "fp32"), device))
     setup = Setup(dataset, partition, states, data, alg, d)
-    return setup.to_device(resolve_device(cfg.device)) if place else setup
+    return setup.to_device(device) if place else setup
 
 
 def warn_unseen_test_classes(states: list[ClientState], data: list[ClientData]) -> dict[int, list[int]]:

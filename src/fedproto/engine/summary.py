@@ -110,6 +110,7 @@ def build_summary(cfg: RunConfig, alg: Algorithm, executor: Any, history: list[d
         "train_time_s": train_time,
         "execution": cfg.execution,
         "processes": executor.processes,
+        "precision": alg.opt.precision,  # the precision used (the option's bf16 is fp32 on a CPU without bf16)
     }
     trained = rounds_trained(history, S)
     never = [i for i, n in enumerate(trained) if n == 0]

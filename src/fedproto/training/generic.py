@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedproto.data.inputs import concat, move, tree_map
+from fedproto.devices import LossScale, autocast_call
 from fedproto.grouped import grouped_call, grouped_forward, grouped_graph
 from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
@@ -222,6 +223,7 @@ def train_group_generic(
                 for k, p in m.named_parameters():
                     p.copy_(P[k][g])
         return out
+    scaler = LossScale(G, dev, opt.precision == "fp16")  # fp16: per-client loss scales (a no-op otherwise)
     with Functional(m0) as fn:
         for pi, ph in enumerate(obj.phases):
             for m in models:  # the modes the sequential path leaves each model in
@@ -270,7 +272,9 @@ def train_group_generic(
                     mk = {d_.name: torch.stack([masks[g][pi][s][d_.name] for g in ids.tolist()]).to(dev)
                           for d_ in calls}
                     nz = {k: v[s][idd, :c] for k, v in noise.items()}
-                    logits, h = grouped_call(gm, pin, xb) if gm is not None else fn(pin, bin_, xb, mk, nz)
+                    # the forward under autocast (opt.precision), its outputs back in float32 for the losses
+                    logits, h = (autocast_call(opt.precision, dev, grouped_call, gm, pin, xb) if gm is not None
+                                 else autocast_call(opt.precision, dev, fn, pin, bin_, xb, mk, nz))
                     if not whole:
                         with torch.no_grad():
                             for k in bnames:
@@ -282,7 +286,8 @@ def train_group_generic(
                             if k in ref:
                                 loss_g = loss_g + 0.5 * obj.anchor_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
                     if train_names:
-                        gs = torch.autograd.grad(loss_g.sum(), [pin[k] for k in train_names], allow_unused=True)
+                        gs = torch.autograd.grad(scaler.scale(loss_g, idd).sum(), [pin[k] for k in train_names],
+                                                 allow_unused=True)
                         for k, gr in zip(train_names, gs):
                             if whole or gr is None:
                                 grads[k] = gr
@@ -303,6 +308,11 @@ def train_group_generic(
                             counts.index_add_(0, flat, sel.reshape(-1).long())
                 with torch.no_grad():
                     stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
+                    cur_d = cur.to(dev)
+                    ok = scaler.unscale([grads[k] for k in stepped], cur_d)  # fp16: clients with finite gradients
+                    skipped = None if ok is None or bool(ok.all()) else ~ok
+                    held = [*(Pc[k] for k in stepped), *momc.values()]
+                    kept = [t[skipped].clone() for t in held] if skipped is not None else None
                     if opt.optimizer != "sgd" and stepped:
                         adam_step_stacked(opt, [Pc[k] for k in stepped], [grads[k] for k in stepped],
                                           [momc["m", k] for k in stepped], [momc["v", k] for k in stepped],
@@ -316,6 +326,10 @@ def train_group_generic(
                             p.add_(momc["m", k], alpha=-opt.round_lr)
                         else:
                             p.add_(gr, alpha=-opt.round_lr)
+                    if kept is not None:  # fp16: a client with an overflow skips its step, as GradScaler.step does
+                        for t, v in zip(held, kept):
+                            t[skipped] = v
+                    scaler.update(ok, cur_d)
             if cur is not None:
                 _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
     with torch.no_grad():

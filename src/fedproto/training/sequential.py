@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fedproto.data.inputs import move
+from fedproto.devices import autocast_call
 from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
@@ -80,6 +81,8 @@ def _train_client(
     norm_max = torch.zeros((), dtype=torch.float64, device=dev)
     named = dict(model.named_parameters())
     net, gsm = model, None
+    # fp16: torch's loss scaler, one per client and round (as the optimizer); bf16 needs none
+    scaler = torch.amp.GradScaler(dev.type) if opt.precision == "fp16" else None
     if obj.dp_sgd is not None:
         from opacus import GradSampleModule
 
@@ -118,14 +121,20 @@ def _train_client(
                 xb = augment_batch(xb, aug[s][valid])
             nb = {k: v[s][valid].to(dev) for k, v in noise.items()} if noise else None
             with torch.set_grad_enabled(optim is not None):
-                logits, h = (net if optim is not None else model)(xb, nb)
+                # the forward under autocast (opt.precision), its outputs back in float32 for the losses
+                logits, h = autocast_call(opt.precision, dev, net if optim is not None else model, xb, nb)
                 ce, lp, extra, loss = step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
                 if obj.anchor_mu > 0 and obj.anchor.ref is not None:
                     loss = loss + anchor_loss(obj, named)
             if optim is not None:
                 optim.zero_grad(set_to_none=True)
-                loss.backward()
-                optim.step()
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(optim)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    optim.step()
             ce_total += float(ce.detach())
             lp_total += float(lp.detach())
             ex_total += float(extra.detach())

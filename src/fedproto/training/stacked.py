@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from fedproto.devices import LossScale, autocast_call
 from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
@@ -248,6 +249,7 @@ def train_stacked(
     ex_tot = torch.zeros(G, dtype=torch.float64, device=dev)
     nsteps = torch.zeros(G, device=dev)
     norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
+    scaler = LossScale(G, dev, opt.precision == "fp16")  # fp16: per-client loss scales (a no-op otherwise)
     for pi, ph in enumerate(obj.phases):
         sp = phases[pi]
         train_names = [k for k in names if ph.trains is None or ph.trains(k)]
@@ -282,18 +284,22 @@ def train_stacked(
             yb = Y[idx].reshape(B, Gc).t()
             w = weight[s][cur]
             nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
-            logits, h = m0.grouped_forward(Pc, xb, Gc, nz)
+            # the forward under autocast (opt.precision), its outputs back in float32 for the losses and sums
+            logits, h = autocast_call(opt.precision, dev, m0.grouped_forward, Pc, xb, Gc, nz)
             ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
             if refc is not None:
                 for k in refc:
                     loss_g = loss_g + 0.5 * obj.anchor_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
-            gs = torch.autograd.grad(loss_g.sum(), [Pc[k] for k in train_names], allow_unused=True) if train_names \
-                else ()  # () : all frozen
+            gs = torch.autograd.grad(scaler.scale(loss_g, cur).sum(), [Pc[k] for k in train_names],
+                                     allow_unused=True) if train_names else ()  # () : all frozen
             stepped = [k for k, g in zip(train_names, gs) if g is not None]  # torch.optim skips a None gradient
             plist = [Pc[k] for k in stepped]
             grads = [g for g in gs if g is not None]
             with torch.no_grad():
                 blist = [bufc["m", k] for k in stepped]
+                ok = scaler.unscale(grads, cur)  # fp16: the clients whose gradients are finite (None otherwise)
+                skipped = None if ok is None or bool(ok.all()) else ~ok
+                kept = [t[skipped].clone() for t in (*plist, *bufc.values())] if skipped is not None else None
                 if opt.optimizer != "sgd" and plist:  # Adam/AdamW: torch's own update on the stacked rows
                     adam_step_stacked(opt, plist, grads, blist, [bufc["v", k] for k in stepped],
                                       [adam_steps[k] for k in stepped])
@@ -306,6 +312,10 @@ def train_stacked(
                     else:
                         torch._foreach_copy_(blist, grads)
                     torch._foreach_add_(plist, blist, alpha=-opt.round_lr)
+                if kept is not None:  # fp16: a client with an overflow skips its step, as GradScaler.step does
+                    for t, v in zip((*plist, *bufc.values()), kept):
+                        t[skipped] = v
+                scaler.update(ok, cur)
                 ce_tot.index_add_(0, cur, ce.detach().double())
                 lp_tot.index_add_(0, cur, lp.detach().double())
                 ex_tot.index_add_(0, cur, extra.detach().double())

@@ -103,7 +103,8 @@ class LocalExecutor(Executor):
 
     def config_record(self) -> dict[str, Any]:
         return {"batch_size_in_force": int(self.setup.algorithm.opt.batch_size),
-                "device_in_use": str(self.setup.device), "partition_summary": self.setup.partition.summary()}
+                "device_in_use": str(self.setup.device), "precision_in_use": self.setup.algorithm.opt.precision,
+                "partition_summary": self.setup.partition.summary()}
 
     def client_states(self) -> list[dict]:
         return [{"model": s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states]
