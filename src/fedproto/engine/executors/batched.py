@@ -19,11 +19,13 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from fedproto.algorithms.base import ClientData, Message
 from fedproto.engine.executors.local import LocalExecutor, client_step, custom_step
 from fedproto.engine.executors.paths import explain_paths
+from fedproto.engine.executors.store import ClientStore, StoredClientState, arch_model, borrowed, stored_group
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.training import (
@@ -33,11 +35,14 @@ from fedproto.training import (
     can_batch,
     generic_batch_problem,
     generic_key,
+    frozen_params,
     portable_objective,
+    respect_frozen,
     stack_plans,
     stacked_refs,
     train_group,
     train_group_generic,
+    train_stacked,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +134,7 @@ class BatchedExecutor(LocalExecutor):
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             by_arch[self._group_key(i)].append(i)
-        batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([self.setup.states[i].model for i in m])]
+        batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([arch_model(self.setup.states[i]) for i in m])]
         # the generic path: with execution="batched" for every model it can batch; with "auto" only for CNNs of standard
         # layers on images (the grouped operations of fedproto.grouped), measured 1.3-2x faster than the sequential
         # path on this project's 2-core CPU; vmap (BatchNorm, dropout: ResNet18 0.44x) was slower (docs/benchmarks.md)
@@ -161,7 +166,7 @@ class BatchedExecutor(LocalExecutor):
         """Client ``i``'s batching key: the hand-written batched path's (:func:`batch_key`) where its
         model has one, else the generic path's (:func:`generic_key`); None: it trains sequentially
         (data read from a Dataset, :class:`fedproto.federation.LazyInputs`, always does)."""
-        model = self.setup.states[i].model
+        model = arch_model(self.setup.states[i])  # a stored client's template: no module built (store.py)
         if not self.setup.data[i].in_memory:
             return None
         if model.batch_params:
@@ -173,7 +178,7 @@ class BatchedExecutor(LocalExecutor):
         (:func:`~fedproto.training.train_group_generic`): their models have no hand-written batched
         forward and ``torch.func.vmap`` runs their training step (:func:`generic_batch_problem`,
         checked once per architecture and run; a model it cannot batch trains sequentially, logged)."""
-        model = self.setup.states[members[0]].model
+        model = arch_model(self.setup.states[members[0]])
         if model.batch_params:
             return False
         key = self._group_key(members[0])
@@ -196,7 +201,7 @@ class BatchedExecutor(LocalExecutor):
         ``execution="auto"`` uses; checked once per architecture and run."""
         from fedproto.grouped import grouped_graph
 
-        model = self.setup.states[members[0]].model
+        model = arch_model(self.setup.states[members[0]])
         key = self._group_key(members[0])
         if key is None or model.batch_params:
             return False
@@ -214,6 +219,10 @@ class BatchedExecutor(LocalExecutor):
 
             W, threads = plan_workers(self.workers, self.threads, batched_clients, str(self.setup.device),
                                       self.rounds)
+            if W > 1 and any(isinstance(s, StoredClientState) for s in self.setup.states):
+                log.info("the clients' weights live in a ClientStore: training in one process (worker processes "
+                         "would need a module per client)")
+                W, threads = 1, self.threads or torch.get_num_threads()
             self._worker_threads = threads
             self.processes = W
             if self.workers > 1 and W == 1:
@@ -247,10 +256,34 @@ class BatchedExecutor(LocalExecutor):
         objs: list[Objective] = []
         plans = []
         for i in group:
-            alg.prepare(S[i], msgs[i])
-            objs.append(alg.local_objective(S[i], msgs[i]))
-            plans.append(alg.plan(S[i], objs[-1], len(D[i].y), client_rng(self.seed, round, i)))
+            with borrowed(S[i]):  # a stored client's model is bound for these calls only (store.py)
+                alg.prepare(S[i], msgs[i])
+                objs.append(alg.local_objective(S[i], msgs[i]))
+                plans.append(alg.plan(S[i], objs[-1], len(D[i].y), client_rng(self.seed, round, i)))
         return objs, plans
+
+    def _train_stored(self, store: ClientStore, group: list[int], plans, obj, opt, objs) -> list[TrainResult]:
+        """:func:`~fedproto.training.train_group` of a group whose clients live in ``store``, from and
+        back into their rows (:meth:`ClientStore.stacked`, :meth:`ClientStore.write`): the same stacked
+        weights, the same :func:`~fedproto.training.train_stacked` call, with the first client's model
+        mode (the batched forward reads it) as its module would have it."""
+        S, D = self.setup.states, self.setup.data
+        with borrowed(S[group[0]]) as m0:
+            names = m0.batch_params
+            frozen = frozen_params(m0)  # a stored client without a module of its own has the template's
+            obj = respect_frozen(obj, frozen)
+            objs = [respect_frozen(o, frozen) for o in objs]
+            P = store.stacked(group)
+            ref = stacked_refs(obj, objs, names, len(group))
+            xs = [D[i].x for i in group]
+            offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
+            X = torch.cat(xs).contiguous()
+            Y = torch.cat([D[i].y for i in group])
+            del xs
+            phases = [stack_plans(plans, pi, offsets, opt.batch_size) for pi in range(len(obj.phases))]
+            out = train_stacked(m0, P, X, Y, phases, obj, opt, ref)
+        store.write(group, P)
+        return out
 
     def train_clients(self, round: int, msgs: dict[int, Message]) -> dict[int, tuple[Message, TrainResult]]:
         """Client id -> (message, TrainResult) of one round: batched groups (in worker processes where
@@ -265,7 +298,7 @@ class BatchedExecutor(LocalExecutor):
             if w == 0:
                 continue
             objs, plans = self._group_inputs(round, group, msgs)
-            names = S[group[0]].model.batch_params
+            names = arch_model(S[group[0]]).batch_params
             ref = stacked_refs(objs[0], objs, names, len(group))
             obj = portable_objective(objs[0], names)
             phases = [stack_plans(plans, pi, pool.offsets(group), opt.batch_size) for pi in range(len(obj.phases))]
@@ -283,9 +316,17 @@ class BatchedExecutor(LocalExecutor):
                     continue
                 if len(group) == 1:
                     i = group[0]
-                    out[i] = client_step(alg, S[i], msgs[i], D[i], self.seed, round)
+                    with borrowed(S[i]):
+                        out[i] = client_step(alg, S[i], msgs[i], D[i], self.seed, round)
                     continue
                 objs, plans = self._group_inputs(round, group, msgs)
+                store = stored_group([S[i] for i in group])
+                if store is not None and store.template.batch_params:
+                    results = self._train_stored(store, group, plans, objs[0], opt, objs)
+                    for i, res in zip(group, results):
+                        with borrowed(S[i]):
+                            out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
+                    continue
                 ms = [S[i].model for i in group]
                 if ms[0].batch_params:
                     results = train_group(ms, [D[i].x for i in group], [D[i].y for i in group], plans, objs[0],

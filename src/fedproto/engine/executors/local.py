@@ -15,6 +15,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.engine.executors.base import Executor, RoundReplies
+from fedproto.engine.executors.store import StoredClientState, borrowed
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.models.base import count_parameters
@@ -61,7 +62,11 @@ class LocalExecutor(Executor):
 
     def join_messages(self) -> dict[int, Message]:
         alg = self.setup.algorithm
-        return {s.cid: alg.join_message(s) for s in self.setup.states}
+        out = {}
+        for s in self.setup.states:
+            with borrowed(s):  # a stored client's model is bound for the call only (store.py)
+                out[s.cid] = alg.join_message(s)
+        return out
 
     def initial_message(self, algorithm: Algorithm) -> Message:
         """:meth:`Algorithm.initial_message` of the clients' states (what the join messages would give; a
@@ -74,11 +79,19 @@ class LocalExecutor(Executor):
     def train_clients(self, round: int, sent: dict[int, Message]) -> dict[int, tuple[Message, TrainResult]]:
         """Client id -> (message, TrainResult) of one round (the sequential reference)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
-        return {i: client_step(alg, S[i], sent[i], D[i], self.seed, round) for i in sent}
+        out = {}
+        for i in sent:
+            with borrowed(S[i]):
+                out[i] = client_step(alg, S[i], sent[i], D[i], self.seed, round)
+        return out
 
     def evaluate(self, messages: dict[int, Message]) -> list[dict[str, float]]:
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
-        return [alg.evaluate(S[i], messages[i], D[i]) for i in range(self.num_clients)]
+        out = []
+        for i in range(self.num_clients):
+            with borrowed(S[i]):
+                out.append(alg.evaluate(S[i], messages[i], D[i]))
+        return out
 
     def client_report(self, cid: int) -> dict[str, float]:
         return self.setup.algorithm.client_report(self.setup.states[cid])
@@ -97,9 +110,13 @@ class LocalExecutor(Executor):
         return out
 
     def client_rows(self) -> list[dict[str, Any]]:
-        return [{"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
-                 "train_samples": len(self.setup.data[i].y), "test_samples": len(self.setup.data[i].test_y),
-                 "params": count_parameters(s.model)} for i, s in enumerate(self.setup.states)]
+        rows = []
+        for i, s in enumerate(self.setup.states):
+            with borrowed(s) as m:
+                rows.append({"client": i, "ways": len(s.classes), "classes": " ".join(map(str, s.classes)),
+                             "train_samples": len(self.setup.data[i].y), "test_samples": len(self.setup.data[i].test_y),
+                             "params": count_parameters(m)})
+        return rows
 
     def config_record(self) -> dict[str, Any]:
         return {"batch_size_in_force": int(self.setup.algorithm.opt.batch_size),
@@ -107,11 +124,15 @@ class LocalExecutor(Executor):
                 "partition_summary": self.setup.partition.summary()}
 
     def client_states(self) -> list[dict]:
-        return [{"model": s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states]
+        return [{"model": s.store.state_dict(s.cid) if isinstance(s, StoredClientState) and not s.materialized
+                 else s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states]
 
     def restore_clients(self, states: list[dict]) -> None:
         for s, c in zip(self.setup.states, states):
-            s.model.load_state_dict(c["model"])
+            if isinstance(s, StoredClientState) and not s.materialized:
+                s.store.load_state_dict(s.cid, c["model"])
+            else:
+                s.model.load_state_dict(c["model"])
             s.extra = dict(c["extra"])
 
     def data_fingerprint(self) -> list[list[int]]:
