@@ -71,6 +71,9 @@ EXPIRY: dict[str, float] = {}
 """``{"at": t}``: when the message this process is running expires (``created_at + ttl``, Unix
 seconds), set by :func:`drop_expired`; the executor's child reads it to end a ClientApp that
 outlives its message (:mod:`fedproto.flower.prefork`)."""
+SEEN_HOOKS: list = []
+"""Called (no arguments) when a message reaches the ClientApp, before it is run or refused: the warm
+executor's child tells its executor it got its message (:func:`fedproto.flower.tasks.child_reporter`)."""
 
 
 class MessageExpired(RuntimeError):
@@ -96,6 +99,8 @@ def drop_expired(msg: Message, context: Context, call_next) -> Message:
     if not math.isfinite(at) and at != math.inf:  # no expiry known: run it, never ended for it
         at = math.inf
     EXPIRY["at"] = at
+    for hook in SEEN_HOOKS:
+        hook()
     late = time.time() - at
     if late > 0:
         rnd = msg.content[CONFIG].get("round", "?") if CONFIG in msg.content else "?"

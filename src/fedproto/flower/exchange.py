@@ -62,21 +62,30 @@ class MessageExchange:
         error), unavailable nodes by node id (the SuperLink's answer for a node it knows is gone:
         no wait), node ids that did not reply in time).
 
-        A reply is matched to the message it answers (``reply_to_message_id``): an error reply the
-        SuperLink sends for an unavailable node carries the SuperLink's node id as its source, so
-        matching by source node recorded it as a timeout. A grid that sets no message
-        ids (a test double) is matched by source node."""
+        A reply counts only for the message it answers: its ``reply_to_message_id`` is that message's id
+        and its run id the message's (an error reply the SuperLink sends for an unavailable node carries
+        the SuperLink's node id as its source; a reply a node sends late, to an earlier message, is the
+        node's but not this message's). Any other reply is left out and logged. A grid that sets no
+        message ids (a test double) is matched by source node."""
         if not messages:
             return {}, {}, {}, []
         replies = self._send_and_receive(messages)
         by_message = {rep.metadata.reply_to_message_id: rep for rep in replies if rep.metadata.reply_to_message_id}
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
+        ids = {m.metadata.message_id for m in messages if m.metadata.message_id}
+        for rep in replies:
+            if ids and rep.metadata.reply_to_message_id not in ids:
+                log.warning("a reply of node %s to message %r answers no message of this exchange: left out",
+                            rep.metadata.src_node_id, rep.metadata.reply_to_message_id[:16])
+        run_id = self._run_id()
         ok, failed, unavailable, missing = {}, {}, {}, []
         for m in messages:
             nid = m.metadata.dst_node_id
-            rep = by_message.get(m.metadata.message_id) if m.metadata.message_id else None
-            if rep is None:
-                rep = by_node.get(nid)
+            rep = by_message.get(m.metadata.message_id) if m.metadata.message_id else by_node.get(nid)
+            if rep is not None and m.metadata.message_id and run_id and rep.metadata.run_id != run_id:
+                log.warning("the reply to message %r of node %d is of run %d, not this run's %d: left out",
+                            m.metadata.message_id[:16], nid, rep.metadata.run_id, run_id)
+                rep = None
             if rep is None:
                 missing.append(nid)
             elif rep.has_error():
@@ -90,6 +99,13 @@ class MessageExchange:
             else:
                 ok[nid] = rep
         return ok, failed, unavailable, missing
+
+    def _run_id(self) -> int:
+        """This run's Flower run id (the grid's), or 0 where the grid has none (a test double)."""
+        try:
+            return int(self.grid.run.run_id)
+        except Exception:  # noqa: BLE001 - a grid without a run
+            return 0
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
         """Push ``messages`` and pull their replies every ``poll_interval`` seconds until all are in

@@ -33,7 +33,12 @@ retries for as long as the SuperNode waits); and a stop signal (SIGTERM, SIGINT,
 SIGINT Flower raises in it when the SuperNode says its run is no longer running) ends it within
 :data:`CHILD_STOP_GRACE` seconds even when Flower's own graceful exit hangs. The executor, stopped by
 SIGTERM, SIGINT or SIGHUP, passes SIGTERM on to its children and kills those still running
-:data:`CHILD_STOP_GRACE` seconds later before it exits.
+:data:`CHILD_STOP_GRACE` seconds later before it exits. **No reply goes to a message the SuperNode no
+longer waits for** (:mod:`fedproto.flower.tasks`): a task created after another shows that the SuperNode
+stopped waiting for the other's message, so a child that has not got it is ended and its task finished with
+no reply, and the task of a child that ended without getting the message it pulled is kept alive meanwhile;
+else Flower makes up an error reply for it that the SuperNode pushes in place of the next real one, and the
+node stays one reply behind (the drill's node after a SuperLink restart).
 Changing a node's data files while it runs is noticed (the kept arrays are keyed by each file's
 size and modification time); its ``--node-config`` should match the SuperNode's, but a mismatch
 only costs speed (the ClientApp reads what the SuperNode's node config names).
@@ -61,9 +66,9 @@ from fedproto.flower.children import (
     STOP_SIGNALS,
     bind_to_parent,
     end_children,
-    reaped,
     start_watchdog,
 )
+from fedproto.flower.tasks import TaskLedger, child_reporter
 
 FLOWER_VERSIONS = ("1.42.",)
 """Flower versions whose Runtime API this executor was written against."""
@@ -169,28 +174,44 @@ def _check_flower() -> None:
                           "run the SuperNode without --isolation process (Flower then starts flwr-clientapp itself)")
 
 
-def _runtime_client(address: str, insecure: bool, root_certificates: str | None, secret: bytes | None):
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
+def _runtime_client(address: str, insecure: bool, root_certificates: str | None, secret: bytes | None,
+                    token: str | None = None):
+    """A client of the SuperNode's Runtime API: the executor's own (``AcquireTask``), or, with ``token``, one
+    acting for that task (its heartbeat, its end; one try per call, so a SuperNode gone does not hold the loop)."""
+    from flwr.supercore.interceptors import (
+        RuntimeTokenHttpInterceptor,
+        RuntimeVersionHttpInterceptor,
+        SuperExecAuthHttpInterceptor,
+    )
     from flwr.supercore.retry import make_simple_http_retry_invoker
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.tls import validate_and_resolve_root_certificates
 
     interceptors: list = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
-    if secret:
+    if token:
+        interceptors.append(RuntimeTokenHttpInterceptor(token))
+    elif secret:
         interceptors.append(SuperExecAuthHttpInterceptor(master_secret=secret,
                                                          protected_methods=frozenset({"/flwr.proto.Runtime/AcquireTask"})))
+    invoker = make_simple_http_retry_invoker()
+    if token:
+        invoker.max_tries = 1
     return RuntimeHttpClient.from_server_address(
         server_address=address, insecure=insecure,
         root_certificates=validate_and_resolve_root_certificates(root_certificates, insecure),
-        interceptors=interceptors, retry_invoker=make_simple_http_retry_invoker())
+        interceptors=interceptors, retry_invoker=invoker)
 
 
-def _run_child(address: str, token: str, insecure: bool, root_certificates: str | None, parent: int) -> None:
-    """In the forked child: Flower's ClientApp entry for ``token``; never returns."""
+def _run_child(address: str, token: str, insecure: bool, root_certificates: str | None, parent: int,
+               report: int | None = None) -> None:
+    """In the forked child: Flower's ClientApp entry for ``token``, telling the executor's ledger what it does
+    through pipe ``report`` (:func:`fedproto.flower.tasks.child_reporter`); never returns."""
     code = 1
     bind_to_parent(parent)
     start_watchdog(parent=parent)
     try:
+        if report is not None:
+            child_reporter(report)
         from flwr.supercore.tls import validate_and_resolve_root_certificates
         from flwr.supernode.runtime.run_clientapp import run_clientapp
 
@@ -239,7 +260,7 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
         raise SystemExit(0)
 
     old = {s: signal.signal(s, _stop) for s in STOP_SIGNALS}
-    children: set[int] = set()
+    ledger = TaskLedger(lambda token: _runtime_client(address, insecure, root_certificates, secret, token))
     started, me = 0, os.getpid()
     try:
         while max_tasks is None or started < max_tasks:
@@ -251,15 +272,22 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
                 time.sleep(1.0)
                 continue
             if res.HasField("task") and res.token:
+                task = res.task
+                # a newer task: the SuperNode no longer waits for the messages of older tasks not yet answered
+                ledger.newer_task(task.task_id, task.run_id, task.pending_at)
+                r, w = os.pipe()
                 pid = os.fork()
                 if pid == 0:  # the child
-                    _run_child(address, res.token, insecure, root_certificates, me)
-                children.add(pid)
+                    os.close(r)
+                    _run_child(address, res.token, insecure, root_certificates, me, w)
+                os.close(w)
+                ledger.add(task.task_id, task.run_id, task.pending_at, res.token, pid, r)
                 started += 1
-                log.info("task %d (run %d): ClientApp in process %d", res.task.task_id, res.task.run_id, pid)
-            children -= reaped(children)
+                log.info("task %d (run %d): ClientApp in process %d", task.task_id, task.run_id, pid)
+            ledger.reap()
+            ledger.tend()
             time.sleep(poll_interval)
-        for pid in children:  # max_tasks reached: let the running tasks finish
+        for pid in ledger.children():  # max_tasks reached: let the running tasks finish
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
@@ -268,7 +296,7 @@ def serve(address: str, insecure: bool = False, root_certificates: str | None = 
         for s in STOP_SIGNALS:  # a second signal does not cut the children's end short
             signal.signal(s, signal.SIG_IGN)
         client.close()
-        end_children(children)
+        end_children(ledger.children())
         for s, h in old.items():
             signal.signal(s, h)
     return started
