@@ -114,12 +114,19 @@ def worker(args) -> dict:
         ov["workers"] = args.workers
     cfg = build_config(overrides=ov)
     t = time.perf_counter()
-    setup = prepare(cfg, progress=False)
+    store = {"off": False, "memory": True}.get(args.client_store, args.client_store)
+    setup = prepare(cfg, progress=False, **({"client_store": store} if store else {}))
     setup_s = time.perf_counter() - t
+    setup_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t_run = time.perf_counter()
     sim = Simulation(cfg, setup=setup, out=False)
     if args.profile:
         return {"profile": _profile(sim)}
+    if args.skip_final_eval:  # the loop evaluates every client after the last round: not part of a round's cost
+        sim.executor.evaluate = lambda messages: [{} for _ in range(sim.executor.num_clients)]
+    load_before = os.getloadavg()
     sim.run()
+    load_after = os.getloadavg()
     times = [r["train_time_s"] for r in sim.history[1:]]  # drop the warm-up round (and the workers' start)
     med = statistics.median(times)
     n_samples = sum(len(d.x) for d in setup.data)
@@ -133,9 +140,17 @@ def worker(args) -> dict:
         "round_s_median": med, "round_s_all": times, "samples_per_s": n_samples / med,
         "train_samples": n_samples, "eval_s": eval_s, "model_gflops": n_samples * flops / med / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "workers_peak_rss_mb": getattr(sim, "worker_peak_rss_mb", 0.0),
+        "workers_peak_rss_mb": getattr(sim, "worker_peak_rss_mb", 0.0), "setup_rss_mb": setup_rss_mb,
+        "store_bytes": _store_bytes(setup), "load_before": load_before, "load_after": load_after,
+        "run_wall_s": time.perf_counter() - t_run,
         "acc_mean": sim.history[-1].get("acc_mean"), "acc_proto_mean": sim.history[-1].get("acc_proto_mean"),
     }
+
+
+def _store_bytes(setup) -> int:
+    """Bytes of the clients' ClientStore rows (0: one module per client)."""
+    st = getattr(setup.states[0], "store", None)
+    return st.nbytes if st is not None else 0
 
 
 def _profile(sim, top: int = 10) -> list[dict]:
@@ -190,6 +205,11 @@ def main() -> None:
     p.add_argument("--shots", type=int, default=100, help=argparse.SUPPRESS)
     p.add_argument("--stdev", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--client-store", default="off", help="scaling runs: the clients' weights in one flat store "
+                   "('memory'), in a file in this folder (a path), or one module per client ('off', the default); "
+                   "fedproto.engine.executors.store")
+    p.add_argument("--skip-final-eval", action="store_true", help="scaling runs: leave out the evaluation of every "
+                   "client after the last round (at 100,000 clients it takes longer than the rounds)")
     p.add_argument("--rounds", type=positive, default=5, help="timed rounds after one warm-up round (default 5)")
     p.add_argument("--threads", type=int, default=0, help="threads of each run in all (default: every core)")
     p.add_argument("--repeats", type=positive, default=3, help="alternating runs per mode (default 3)")
@@ -299,16 +319,24 @@ def main() -> None:
         shared = "; runs over 3,333 clients share samples: --overlap" if max(sizes) * 15 > 50_000 else ""
         print(f"\nScaling (batched, {W} process{'es' if W > 1 else ''}, ways 3, shots 5, stdev 0{shared}), median of "
               "the timed rounds:")
+        store = {"off": "one module per client", "memory": "ClientStore in memory"}.get(
+            args.client_store, f"ClientStore in a file in {args.client_store}")
+        print(f"clients' weights: {store}{'; no final evaluation' if args.skip_final_eval else ''}")
         print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
-              "worker) |")
-        print("|---|---|---|---|---|")
+              "worker) | peak RSS MB after set-up | store MB | load average (1 min) before/after | s of each "
+              "timed round |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for m in sizes:
             r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
                            overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=W,
-                           no_eval=True)
+                           no_eval=True, client_store=args.client_store if args.client_store != "off" else None,
+                           skip_final_eval=args.skip_final_eval)
             scale.append(r)
+            load = "/".join(f"{x:.1f}" for x in (*r["load_before"][:1], *r["load_after"][:1]))
             print(f"| {m} | {r['train_samples']} | {r['round_s_median']:.3f} | "
-                  f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} |")
+                  f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} | "
+                  f"{r['setup_rss_mb']:.0f} | {r['store_bytes'] / 1e6:.0f} | {load} | "
+                  f"{' '.join(f'{x:.1f}' for x in r['round_s_all'])} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"matmul_gflops": gf, "modes": rows, "profile": prof, "full_run_s": full, "scale": scale}, f,

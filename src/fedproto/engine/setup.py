@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -170,7 +171,7 @@ def partition_run(cfg: RunConfig, ds: Dataset) -> Partition:
 
 
 def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True,
-            client_store: bool | None = None) -> Setup:
+            client_store: bool | str | os.PathLike | None = None) -> Setup:
     """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
 
     ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
@@ -180,8 +181,10 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     ``client_store``: keep the clients' weights in one flat
     :class:`~fedproto.engine.executors.store.ClientStore` (rows per client, no module per client:
     about 87 KB a PaperCNN client instead of 105 KB; the same numbers) where every client has one
-    storable architecture (:func:`client_states`); None: the ``FEDPROTO_CLIENT_STORE``
-    environment variable (``1``: on), else off.
+    storable architecture (:func:`client_states`); a folder: the same store in a file there (the
+    process keeps a few thousand rows resident, the page cache the rest); None: the
+    ``FEDPROTO_CLIENT_STORE`` environment variable (``1``: in memory, a folder: in a file there),
+    else off.
     """
     if cfg.dataset == "custom":
         raise ConfigError("dataset 'custom' holds your own clients: build the run with fedproto.federation.federate("
@@ -196,12 +199,15 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
     if client_store is None:
-        client_store = os.environ.get("FEDPROTO_CLIENT_STORE", "0").strip().lower() in ("1", "true", "yes", "on")
+        env = os.environ.get("FEDPROTO_CLIENT_STORE", "0").strip()
+        client_store = env.lower() in ("1", "true", "yes", "on") or (env.lower() not in ("", "0", "false", "no", "off")
+                                                                     and env)
     states = client_states(cfg, part, ds, client_store)
     return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
 
 
-def client_states(cfg: RunConfig, part: Partition, ds: Dataset, store: bool = False) -> list[ClientState]:
+def client_states(cfg: RunConfig, part: Partition, ds: Dataset,
+                  store: bool | str | os.PathLike = False) -> list[ClientState]:
     """One :class:`ClientState` per client with its model (:func:`~fedproto.models.zoo.build_client_models`).
 
     With ``store``, where one model spec builds every client (no ``-mh`` spec, no list, no
@@ -209,7 +215,9 @@ def client_states(cfg: RunConfig, part: Partition, ds: Dataset, store: bool = Fa
     are built one at a time exactly as there (same seeds, same order), copied into one
     :class:`~fedproto.engine.executors.store.ClientStore` and dropped: the states are
     :class:`~fedproto.engine.executors.store.StoredClientState` (peak memory: the store, (N, P)
-    float32, and one module). Otherwise, or when the first model is not storable, modules.
+    float32, and one module). ``store`` a folder: the rows in a file there
+    (:class:`~fedproto.engine.executors.store.ClientStore`'s ``path``; removed when the store goes).
+    Otherwise, or when the first model is not storable, modules.
     """
     from fedproto.engine.executors.store import ClientStore, StoredClientState, storable
     from fedproto.models.zoo import build_client_model
@@ -224,7 +232,12 @@ def client_states(cfg: RunConfig, part: Partition, ds: Dataset, store: bool = Fa
 
         first = one(0)
         if storable(first):
-            st = ClientStore(first, n)
+            path = None
+            if not isinstance(store, bool):
+                import uuid
+
+                path = Path(store) / f"fedproto-client-store-{os.getpid()}-{uuid.uuid4().hex[:8]}.f32"
+            st = ClientStore(first, n, path)
             st.put(0, first)
             for i in range(1, n):
                 st.put(i, one(i))

@@ -26,9 +26,13 @@ Every number is the one the per-client modules give: the rows hold the same floa
 from __future__ import annotations
 
 import copy
+import mmap
+import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -36,6 +40,13 @@ from torch import nn
 
 from fedproto.algorithms.base import ClientState
 from fedproto.models.base import ProtoModel
+
+
+def _drop_file(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
 
 
 def storable(model: nn.Module) -> bool:
@@ -57,6 +68,13 @@ class ClientStore:
         template: a model of the architecture (its weights are not used; a copy is kept as the
             store's template and scratch module). Must be :func:`storable`.
         n: rows (clients).
+        path: a file to hold the rows instead of memory (created, ``n x P x itemsize`` bytes; removed
+            by :meth:`close` or when the store is collected). The rows are then a shared mapping of
+            the file whose pages are handed back to the kernel every ``release_every`` rows read or
+            written (``madvise(MADV_DONTNEED)``: written pages stay in the page cache and the file,
+            so nothing is lost): the process's resident memory holds about ``release_every`` rows,
+            the page cache the rest (it can write them out and drop them under memory pressure).
+            The numbers are those of the memory store: the same values go through the same rows.
 
     Attributes:
         rows: (n, P) tensor of the template's dtype (float32 by default): row i is client i's
@@ -66,7 +84,8 @@ class ClientStore:
         filled: (n,) bool, rows written by :meth:`put` (a store is complete when all are).
     """
 
-    def __init__(self, template: nn.Module, n: int):
+    def __init__(self, template: nn.Module, n: int, path: str | os.PathLike | None = None,
+                 release_every: int = 4096):
         if not storable(template):
             raise ValueError(f"{type(template).__name__} cannot live in a ClientStore (it needs batch_params, no "
                              "buffers, and parameters of one floating-point dtype)")
@@ -78,7 +97,21 @@ class ClientStore:
         self.offsets = [int(o) for o in np.cumsum([0] + sizes)]
         self.params_per_client = self.offsets[-1]
         self.key = template.arch_key()
-        self.rows = torch.zeros(n, self.params_per_client, dtype=named[0][1].dtype)
+        dtype = named[0][1].dtype
+        self.path, self.release_every, self._touched, self._map = None, int(release_every), 0, None
+        if path is None:
+            self.rows = torch.zeros(n, self.params_per_client, dtype=dtype)
+        else:
+            self.path = Path(path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            nbytes = n * self.params_per_client * torch.empty(0, dtype=dtype).element_size()
+            with open(self.path, "wb") as f:
+                f.truncate(nbytes)  # sparse: zeros until written
+            with open(self.path, "r+b") as f:
+                self._map = mmap.mmap(f.fileno(), nbytes) if nbytes else None
+            buf = self._map if self._map is not None else bytearray(0)
+            self.rows = torch.frombuffer(buf, dtype=dtype).view(n, self.params_per_client)
+            self._finalizer = weakref.finalize(self, _drop_file, self.path)
         self.training = torch.ones(n, dtype=torch.bool)
         self.filled = torch.zeros(n, dtype=torch.bool)
         self._scratch: nn.Module | None = copy.deepcopy(self.template)
@@ -86,6 +119,27 @@ class ClientStore:
 
     def __len__(self) -> int:
         return self.rows.shape[0]
+
+    def _touch(self, rows: int) -> None:
+        """Count rows read or written; a file-backed store hands its pages back every ``release_every``."""
+        if self._map is None:
+            return
+        self._touched += rows
+        if self._touched >= self.release_every:
+            self.release()
+
+    def release(self) -> None:
+        """Hand a file-backed store's resident pages back to the kernel (their data stays in the page
+        cache and the file); nothing for a memory store."""
+        self._touched = 0
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Remove a file-backed store's file (the rows are then unreadable); nothing for a memory store."""
+        if self._map is not None:
+            self.rows = torch.zeros(0, self.params_per_client, dtype=self.rows.dtype)
+            self._finalizer()
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +164,7 @@ class ClientStore:
             row[a:b].copy_(p.detach().reshape(-1))
         self.training[i] = model.training
         self.filled[i] = True
+        self._touch(1)
 
     def views(self, i: int) -> dict[str, torch.Tensor]:
         """Name -> client ``i``'s parameter as a view of its row (writing into it writes the row)."""
@@ -119,6 +174,7 @@ class ClientStore:
     def stacked(self, ids: Sequence[int]) -> dict[str, torch.Tensor]:
         """Name -> (G, *shape) copy of the parameters of clients ``ids`` (what ``train_group`` stacks)."""
         block = self.rows[torch.as_tensor(list(ids), dtype=torch.long)]
+        self._touch(len(ids))
         return {k: block[:, a:b].reshape(len(ids), *s).clone()
                 for k, s, a, b in zip(self.names, self.shapes, self.offsets, self.offsets[1:])}
 
@@ -128,12 +184,14 @@ class ClientStore:
         idx = torch.as_tensor(list(ids), dtype=torch.long)
         block = torch.cat([P[k].detach().reshape(len(idx), -1) for k in self.names], dim=1)
         self.rows[idx] = block.to(self.rows.dtype)
+        self._touch(len(idx))
 
     def bind(self, module: nn.Module, i: int) -> nn.Module:
         """Set ``module``'s parameters to views of row ``i`` and its mode to the client's; returns it."""
         for p, v in zip(module.parameters(), self.views(i).values()):
             p.data = v
         module.train(bool(self.training[i]))
+        self._touch(1)
         return module
 
     def module(self, i: int) -> nn.Module:
@@ -178,8 +236,13 @@ class ClientStore:
 
     def to(self, device: torch.device | None = None, dtype: torch.dtype | None = None) -> ClientStore:
         """Move or cast the rows (and the template) in place; modules bound to rows must be bound again
-        (:meth:`StoredClientState.rebind`). Returns self."""
-        self.rows = self.rows.to(device=device, dtype=dtype)
+        (:meth:`StoredClientState.rebind`). Returns self. A file-backed store that changes dtype or
+        device is held in memory from then on."""
+        rows = self.rows.to(device=device, dtype=dtype)
+        if self._map is not None and rows.data_ptr() != self.rows.data_ptr():  # a copy in memory now
+            self._map, self.path = None, None
+            self._finalizer()
+        self.rows = rows
         for m in (self.template, self._scratch):
             if m is not None:
                 m.to(device=device, dtype=dtype)
