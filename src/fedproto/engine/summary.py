@@ -85,7 +85,7 @@ def _evaluated(per_client: list[ClientMetrics], last: Row) -> list[str]:
     return [k for k in keys if f"{k}_mean" in last and f"{k}_std" in last]
 
 
-def _precision_used(cfg: RunConfig, executor: Any) -> str:
+def _precision_used(cfg: CommonConfig, executor: Any) -> str:
     """The precision the clients trained in (:func:`fedproto.devices.resolve_precision`: the option's
     bf16 is fp32 on a CPU without bf16): the simulator's executors know it
     (``precision_in_use``); on Flower each node resolves it on its own device (a node that falls
