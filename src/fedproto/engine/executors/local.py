@@ -15,7 +15,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.engine.executors.base import Executor, RoundReplies
-from fedproto.engine.executors.store import StoredClientState, borrowed
+from fedproto.engine.executors.store import StoredClientState, borrowed, transient_modules
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.models.base import count_parameters
@@ -71,7 +71,8 @@ class LocalExecutor(Executor):
     def initial_message(self, algorithm: Algorithm) -> Message:
         """:meth:`Algorithm.initial_message` of the clients' states (what the join messages would give; a
         weight-sharing method's architecture check then names the clients by their models)."""
-        return algorithm.initial_message(self.setup.states)
+        with transient_modules(self.setup.states):  # stored clients: no module kept per client (store.py)
+            return algorithm.initial_message(self.setup.states)
 
     def train(self, round: int, sent: dict[int, Message], downlink=None) -> RoundReplies:
         return RoundReplies(self.train_clients(round, sent), sent)

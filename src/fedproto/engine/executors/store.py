@@ -350,3 +350,17 @@ def stored_group(states: Sequence[ClientState]) -> ClientStore | None:
     ok = all(isinstance(s, StoredClientState) and s.store is store and not s.materialized for s in states)
     return store if ok else None
 
+
+
+@contextmanager
+def transient_modules(states: Sequence[ClientState]) -> Iterator[None]:
+    """For a call that reads many clients' ``state.model`` at once (a weight-sharing method's
+    ``initial_message`` checks every client's shapes): the modules stored clients build during the
+    block are let go after it (their parameters were views of the rows: nothing is lost)."""
+    before = {id(s) for s in states if isinstance(s, StoredClientState) and s.materialized}
+    try:
+        yield
+    finally:
+        for s in states:
+            if isinstance(s, StoredClientState) and s.materialized and id(s) not in before:
+                s.__dict__["_module"] = None
