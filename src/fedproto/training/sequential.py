@@ -44,6 +44,9 @@ def train_client(
 
     Parameters with ``requires_grad=False`` (:func:`frozen_params`) are not trained and keep their
     flag; BatchNorm layers whose parameters are all frozen run in eval mode (:func:`frozen_batchnorms`).
+    With ``opt.precision`` ``bf16``/``fp16`` the forward passes run under
+    :func:`fedproto.devices.autocast_call` (``fp16`` with ``torch.amp.GradScaler``); the weights, the
+    losses and the prototype sums (``TrainResult.sums``, float32 or better) keep their dtypes.
 
     Args:
         model: the client's model (trained in place). x: (n, C, H, W) local inputs, or any inputs the
@@ -163,7 +166,9 @@ def embedding_norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = N
 
 @torch.no_grad()
 def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Tensor:
-    """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference)."""
+    """Embeddings (n, d) of ``x`` in eval mode (used for eq. 3 after training and for inference), in
+    the model's own dtype whatever the run's ``precision`` (evaluation and the prototypes computed
+    from these embeddings are not autocast)."""
     model.eval()
     dev = next(model.parameters()).device
     out = [model.embed(move(x[i : i + batch], dev)) for i in range(0, len(x), batch)]
@@ -172,7 +177,7 @@ def embed_all(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> torch.Ten
 
 @torch.no_grad()
 def predict(model: ProtoModel, x: torch.Tensor, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (n, C) and embeddings (n, d) in eval mode."""
+    """Logits (n, C) and embeddings (n, d) in eval mode, in the model's own dtype (not autocast)."""
     model.eval()
     dev = next(model.parameters()).device
     logits, hs = [], []

@@ -232,6 +232,10 @@ def train_stacked(
         ref: name -> (G, *shape) reference weights of the anchor (:class:`WeightAnchor`), or None.
     Returns:
         One :class:`TrainResult` per client.
+
+    With ``opt.precision`` ``bf16``/``fp16`` the grouped forward runs under
+    :func:`fedproto.devices.autocast_call`; ``fp16`` scales each client's loss
+    (:class:`fedproto.devices.LossScale`) and skips the step of a client whose gradients overflow.
     """
     names = m0.batch_params
     G = next(iter(P.values())).shape[0]
