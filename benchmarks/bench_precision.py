@@ -95,9 +95,12 @@ def speed(args, extra: list[str], out_dir: str) -> dict:
         out["median"][p] = {k: statistics.median(r[k] for r in mine) for k in ("wall_s", "cpu_s", "run_wall_s")}
     a, b = args.precisions[0], args.precisions[-1]
     for k in ("wall_s", "cpu_s", "run_wall_s"):
-        ratios = [next(r for r in rows if r["pair"] == i and r["precision"] == b)[k]
-                  / next(r for r in rows if r["pair"] == i and r["precision"] == a)[k] for i in range(1, args.pairs + 1)]
-        out[f"ratio_{b}_over_{a}_{k}"] = {"per_pair": [round(x, 3) for x in ratios], "median": statistics.median(ratios)}
+        def of(i, p, k=k):
+            return next(r for r in rows if r["pair"] == i and r["precision"] == p)[k]
+
+        ratios = [of(i, b) / of(i, a) for i in range(1, args.pairs + 1)]
+        out[f"ratio_{b}_over_{a}_{k}"] = {"per_pair": [round(x, 3) for x in ratios],
+                                          "median": statistics.median(ratios)}
     return out
 
 
