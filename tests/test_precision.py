@@ -189,3 +189,24 @@ def test_loss_scale_skips_overflowing_clients_and_unscales_the_others():
     off = LossScale(2, "cpu", enabled=False)
     t = torch.tensor([1.0, 2.0])
     assert off.scale(t, torch.tensor([0, 1])) is t and off.unscale([t], torch.tensor([0, 1])) is None
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run benchmarks/gpu_check.sh)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("execution", ["sequential", "batched"])
+def test_cuda_trains_in_reduced_precision_with_float32_prototypes(precision, execution):
+    """On a GPU: bf16, and fp16 with loss scaling, on both executors; reported, finite, float32
+    prototypes sent and aggregated, accuracy near the GPU's fp32 run."""
+    assert resolve_precision("auto", "cuda") == "bf16"
+    rec: list = []
+    _, s32 = _run("fp32", device="cuda", execution=execution, model="cnn")
+    sim, summary = _run(precision, rec, device="cuda", execution=execution, model="cnn")
+    assert summary["precision"] == precision
+    assert all(np.isfinite(w.cpu().numpy()).all() for w in flat_weights(sim))
+    for messages, glob in rec:
+        assert all(np.asarray(m["protos"]).dtype == np.float32 for m in messages.values())
+        assert np.asarray(glob["protos"]).dtype == np.float32
+    assert abs(_acc(summary) - _acc(s32)) < 0.15
