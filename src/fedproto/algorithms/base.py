@@ -15,12 +15,15 @@ training part of many clients at once (:func:`fedproto.training.train_group`) be
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
+from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.server import ServerPart
 from fedproto.algorithms.state import Alert, ServerState  # noqa: F401 (re-exported for methods)
 from fedproto.data.inputs import Inputs, place
@@ -38,6 +41,10 @@ from fedproto.training import (
     respect_frozen,
     train_client,
 )
+from fedproto.training.plans import Plan
+
+if TYPE_CHECKING:
+    from fedproto.plugins import AlgorithmOptions
 
 Message = dict[str, np.ndarray]
 
@@ -199,7 +206,7 @@ class ClientState:
     classes: np.ndarray
     extra: dict[str, Any] = field(default_factory=dict)
 
-class ClientPart:
+class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothing must be implemented)
     """The client part of an algorithm: what runs where the client's data is (the simulator's
     executors, a Flower node). It sees one client's state (:class:`ClientState`), the server's
     message to it and its data; it sends the server messages only.
@@ -210,8 +217,39 @@ class ClientPart:
     client's message); :meth:`client_update` composes them for one client. :meth:`evaluate` and
     :meth:`full_test_metrics` score the client's model; :meth:`join_message` is what a client sends
     when it joins; :meth:`client_report` what it reports about itself; :meth:`check_models` refuses
-    models its options cannot train.
+    models its options cannot train; :meth:`include` names the tensors it shares.
+
+    An abstract base whose hooks all have a default (the client part of Local, which trains with
+    cross-entropy and sends nothing); usable alone, without a server strategy:
+    ``ClientPart(num_classes, opt, local_epochs).client_update(state, {}, data, 1, rng)``.
+
+    Args:
+        num_classes: C, the size of the label space. opt: the optimiser settings
+            (:class:`~fedproto.training.OptimConfig`; the round's learning rate is passed to
+            :meth:`client_update`). local_epochs: epochs of local training a round.
+        freeze_after: two-stage training; the client part reads it only to refuse models with no
+            known head (:meth:`check_models`); the stage itself comes in the message (``head_only``).
     """
+
+    name: str = "base"
+    """The method's registry name (the words of its errors and warnings)."""
+
+    freeze_after: int = 0
+    """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
+    server's messages carry ``head_only``); 0: off. The constructor argument of the same name."""
+
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, *, freeze_after: int = 0) -> None:
+        self.num_classes = num_classes
+        self.opt = opt
+        self.local_epochs = local_epochs
+        self.freeze_after = int(freeze_after)
+
+    def include(self, model: ProtoModel) -> Callable[[str], bool] | None:
+        """Which of ``model``'s tensors this method shares, as a predicate on their names (None:
+        all of them). Called at set-up, on the first client's model, for the architecture check of
+        a method whose ``model_needs`` is one architecture (the tensors compared), and by
+        weight-sharing methods for their messages. Default: None."""
+        return None
 
     def check_models(self, models: list[ProtoModel]) -> None:
         """Refuse client models this algorithm's options cannot train (raise ``ConfigError`` naming
@@ -237,7 +275,9 @@ class ClientPart:
         return {}
 
     def prepare(self, state: ClientState, message: Message) -> None:
-        """Apply the server message to the client before training (e.g. load global weights)."""
+        """Apply the server message to the client before training (e.g. load global weights).
+        Called once a round per sampled client, before :meth:`local_objective`. Default: nothing."""
+        return None
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
@@ -277,7 +317,7 @@ class ClientPart:
         """Build the client's message after local training."""
         return {}
 
-    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator):
+    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator) -> Plan:
         """The client's batch plan for this round (:func:`fedproto.training.make_plan` with its
         model's dropout masks and trailing-batch rule); both execution paths take it from here."""
         m = state.model
@@ -327,7 +367,8 @@ class ClientPart:
 class Algorithm(ClientPart, ServerPart):
     """A method: its name, its options and its two parts (:class:`ClientPart`, :class:`ServerPart`).
     A method's module subclasses this and overrides the hooks of either part; the executors call
-    the client part only, the round loop the server part only.
+    the client part only, the round loop the server part only. :meth:`ServerPart.aggregate` is
+    abstract: a method without it cannot be instantiated (TypeError naming it).
 
     Attributes:
         name: registry name. shares_weights: True if messages carry model weights (such
@@ -336,27 +377,42 @@ class Algorithm(ClientPart, ServerPart):
 
     name = "base"
 
-    Options: Any = None
+    Options: ClassVar[type[AlgorithmOptions] | None] = None
     """The algorithm's own options (:class:`fedproto.plugins.AlgorithmOptions`; the library's methods:
     :mod:`fedproto.algorithms.options`), which become run options (flags, TOML keys, keywords);
     :meth:`from_config` fills ``self.options``."""
 
-    shares_weights = False
+    options: Any = None
+    """The values of :attr:`Options` (with those of the methods it subclasses,
+    :func:`fedproto.plugins.method_options`) for this run, set by :meth:`from_config`; None for a
+    method without options. Typed ``Any``: each method reads the fields of its own options model."""
 
-    sequential_only = False
+    embedding_dim: int = 0
+    """d, the clients' embedding size (the prototype size), given to :meth:`from_config`."""
+
+    model_needs: ClassVar[str] = ONE_EMBEDDING
+    """What the clients' models must share (:mod:`fedproto.algorithms.requirements`: one of
+    ``NEEDS``), checked at set-up before round 1 on every front end (and by a Flower node for its
+    embedding size). Default: one embedding size."""
+
+    shares_weights: ClassVar[bool] = False
+
+    sequential_only: ClassVar[bool] = False
     """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
 
-    freeze_after = 0
-    """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
-    server's messages carry ``head_only``); 0: off. Set from the config by the engine."""
+    seed: int = 0
+    """The run's seed (``seed`` option, given to :meth:`from_config`): see :meth:`generator`."""
 
-    seed = 0
-    """The run's seed (``seed`` option; set by the engine on every front end): see :meth:`generator`."""
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, *, freeze_after: int = 0) -> None:
+        ClientPart.__init__(self, num_classes, opt, local_epochs, freeze_after=freeze_after)
+        ServerPart.__init__(self, freeze_after=freeze_after)
 
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1):
-        self.num_classes = num_classes
-        self.opt = opt
-        self.local_epochs = local_epochs
+    def initial_message(self, states: list[ClientState]) -> Message:
+        """The server's first broadcast, built in-process from the clients' states (the simulator;
+        both parts in one process): :meth:`initial_message_from` of every client's
+        :meth:`join_message`, by client id. A weight-sharing method may check the clients' models
+        here first (FedAvg names the clients whose models differ)."""
+        return self.initial_message_from({s.cid: self.join_message(s) for s in states})
 
     def generator(self, *keys: int) -> np.random.Generator:
         """A numpy generator seeded from the run's seed and ``keys`` (e.g. the round, a client id,
@@ -367,16 +423,30 @@ class Algorithm(ClientPart, ServerPart):
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> Algorithm:
-        """Build from a :class:`fedproto.config.RunConfig`: ``cls(num_classes, opt, local_epochs)``,
-        then, for an algorithm with ``Options`` (its own typed options,
-        :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their
-        values from the run config and ``self.embedding_dim``."""
+        """Build from a :class:`fedproto.config.RunConfig` (``cfg``; typed ``Any`` as the config is
+        a layer above and composed at run time with the plug-ins' options): ``cls(num_classes, opt,
+        local_epochs, freeze_after=...)``, then, for an algorithm with ``Options`` (its own typed
+        options, :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their values
+        from the run config, ``self.embedding_dim`` and ``self.seed``. A method's own
+        ``from_config`` passes ``freeze_after`` to its constructor."""
         from fedproto.plugins import method_options
 
-        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs)
+        alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, freeze_after=cfg.freeze_after)
         alg.seed = int(cfg.seed)
         options = method_options(cls)
         if options is not None:
             alg.options = options(**{k: getattr(cfg, k) for k in options.model_fields})
         alg.embedding_dim = embedding_dim
+        return alg
+
+    @classmethod
+    def from_run(cls, cfg: Any, embedding_dim: int) -> Algorithm:
+        """What the engine builds a run's method with (``build_algorithm``, every front end):
+        :meth:`from_config`, the method's own. A ``from_config`` that builds without the run's
+        ``freeze_after`` or ``seed`` (a plug-in written before they were constructor arguments, or
+        one that sets neither) gets them here, as the engine gave them before, so it runs as it
+        did."""
+        alg = cls.from_config(cfg, embedding_dim)
+        alg.freeze_after = int(cfg.freeze_after)  # the same value where from_config passed it (every built-in)
+        alg.seed = int(cfg.seed)
         return alg

@@ -25,6 +25,8 @@ Messages: up ``classes`` (K,) int64, ``logits`` (K, C) float32, ``counts`` (K,) 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -66,8 +68,8 @@ class FD(Algorithm):
     Options = FDOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, fd_lambda: float = 1.0,
-                 fd_temperature: float = 1.0):
-        super().__init__(num_classes, opt, local_epochs)
+                 fd_temperature: float = 1.0, *, freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         if fd_lambda < 0 or not fd_temperature > 0:
             raise ValueError(f"fd_lambda={fd_lambda} (>= 0), fd_temperature={fd_temperature} (> 0): "
                              "one is out of range")
@@ -79,8 +81,9 @@ class FD(Algorithm):
         return f" or {opt('fd_lambda')} (now {self.fd_lambda:g})" if self.fd_lambda > 0 else ""
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FD:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fd_lambda, cfg.fd_temperature)
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FD:
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fd_lambda, cfg.fd_temperature,
+                   freeze_after=cfg.freeze_after)
 
     # -- server ---------------------------------------------------------------------------------
     def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:

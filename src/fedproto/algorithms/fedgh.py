@@ -27,6 +27,8 @@ with the lowest id (sent once when the clients join).
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
@@ -43,6 +45,8 @@ from fedproto.algorithms.state import ServerState
 from fedproto.htmath import fedgh_train_head
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
+
+T = TypeVar("T")
 
 
 def protos_problem(reply: Message, num_classes: int, embedding_dim: int) -> str:
@@ -80,20 +84,20 @@ class FedGH(Algorithm):
     Options = FedGHOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, server_epochs: int = 1,
-                 server_lr: float = 0.01, server_batch_size: int = 1, seed: int = 0):
-        super().__init__(num_classes, opt, local_epochs)
+                 server_lr: float = 0.01, server_batch_size: int = 1, seed: int = 0, *, freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
         self.seed = seed
         # the paper's regime (one pass, one pair per step) keeps the upload order; any other shuffles as the reference
         self.shuffles = server_epochs > 1 or server_batch_size > 1
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedGH:
-        def given(value, default):
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedGH:
+        def given(value: T | None, default: T) -> T:
             return default if value is None else value
 
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, given(cfg.server_epochs, 1),
-                   given(cfg.server_lr, 0.01), given(cfg.server_batch_size, 1), cfg.seed)
+                   given(cfg.server_lr, 0.01), given(cfg.server_batch_size, 1), cfg.seed, freeze_after=cfg.freeze_after)
 
     # -- server ---------------------------------------------------------------------------------
     def join_message(self, state: ClientState) -> Message:

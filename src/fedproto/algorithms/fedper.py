@@ -23,6 +23,8 @@ personal layers (as they are after its last local training), on its own test set
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedproto.algorithms.base import optim_config
 from fedproto.algorithms.fedavg import FedAvg
 from fedproto.algorithms.options import FedPerOptions
@@ -49,15 +51,17 @@ class FedPer(FedAvg):
                        "with the client's own personal layers as its last local training left them, on the client's "
                        "own test set")
 
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, personal_layers: str = "fc"):
-        super().__init__(num_classes, opt, local_epochs)
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, personal_layers: str = "fc", *,
+                 freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         if personal_layers not in PERSONAL_LAYERS:
             raise ValueError(f"personal_layers {personal_layers!r}: use one of {', '.join(PERSONAL_LAYERS)}")
         self.personal_layers = personal_layers
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedPer:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.personal_layers)
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedPer:
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.personal_layers,
+                   freeze_after=cfg.freeze_after)
 
     def is_personal(self, model: ProtoModel):
         """Predicate on tensor names: True for the tensors that stay on the client."""

@@ -15,6 +15,7 @@ its reply and set-up checks :class:`~fedproto.algorithms.fedproto_checks.ProtoSe
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,8 +149,10 @@ class FedProto(ProtoServerChecks, Algorithm):
         dp_delta: float = 1e-5,
         dp_reproducible_noise: bool = False,
         class_check: float = 0.0,
-    ):
-        super().__init__(num_classes, opt, local_epochs)
+        *,
+        freeze_after: int = 0,
+    ) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         if not 0.0 <= trim < 0.5 or min_contributors < 1 or exclude_outliers < 0:
             raise ValueError(f"trim={trim} (in [0, 0.5)), min_contributors={min_contributors} (>= 1), "
                              f"exclude_outliers={exclude_outliers} (>= 0): one is out of range")
@@ -192,12 +195,13 @@ class FedProto(ProtoServerChecks, Algorithm):
         self._steps: ProtoSteps | None = None
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedProto:
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedProto:
         """Built from the run config: every :class:`~fedproto.algorithms.options.FedProtoOptions`
         field is a keyword of the same name (λ: the dataset's when not given, ``cfg.lam``)."""
         values = {k: getattr(cfg, k) for k in FedProtoOptions.model_fields}
         values["lambda_proto"] = cfg.lam
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, embedding_dim=embedding_dim, **values)
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, embedding_dim=embedding_dim,
+                   freeze_after=cfg.freeze_after, **values)
 
     def _table(self, message: Message):
         if "protos" not in message or len(message["classes"]) == 0:

@@ -18,6 +18,8 @@ user froze (``requires_grad=False``) are neither sent nor trained, so the term l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
@@ -36,8 +38,9 @@ class FedProx(FedAvg):
     name = "fedprox"
     Options = FedProxOptions
 
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, prox_mu: float = 0.01):
-        super().__init__(num_classes, opt, local_epochs)
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, prox_mu: float = 0.01, *,
+                 freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         if prox_mu < 0:
             raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
         self.prox_mu = float(prox_mu)
@@ -48,8 +51,8 @@ class FedProx(FedAvg):
         return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedProx:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu)
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedProx:
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu, freeze_after=cfg.freeze_after)
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         """Cross-entropy + mu/2 ||w - w_global||², the reference being this round's global weights."""

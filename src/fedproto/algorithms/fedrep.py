@@ -24,6 +24,8 @@ FedPer.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedper import FedPer
 from fedproto.algorithms.options import FedRepOptions
@@ -45,15 +47,16 @@ class FedRep(FedPer):
     Options = FedRepOptions
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, rep_head_epochs: int = 9,
-                 personal_layers: str = "fc"):
-        super().__init__(num_classes, opt, local_epochs, personal_layers)
+                 personal_layers: str = "fc", *, freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, personal_layers, freeze_after=freeze_after)
         if rep_head_epochs < 1:
             raise ValueError(f"rep_head_epochs must be >= 1, got {rep_head_epochs}")
         self.rep_head_epochs = int(rep_head_epochs)
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedRep:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs, cfg.personal_layers)
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedRep:
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs, cfg.personal_layers,
+                   freeze_after=cfg.freeze_after)
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         is_head = self.is_personal(state.model)

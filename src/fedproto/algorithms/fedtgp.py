@@ -34,6 +34,8 @@ Messages: down ``classes`` (C,) int64 (every class), ``protos`` (C, d) float32; 
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import numpy as np
 
 from fedproto.algorithms.base import Message, optim_config
@@ -43,6 +45,9 @@ from fedproto.algorithms.proto_steps import prototype_files
 from fedproto.algorithms.state import ServerState
 from fedproto.htmath import tgp_init, tgp_server_train
 from fedproto.prototypes import lambda_at
+from fedproto.training import OptimConfig
+
+T = TypeVar("T")
 
 
 class FedTGP(FedProto):
@@ -60,22 +65,24 @@ class FedTGP(FedProto):
     name = "fedtgp"
     Options = FedTGPOptions
 
-    def __init__(self, num_classes, opt, local_epochs=1, lambda_proto=1.0, distance="mse",
-                 proto_source="last_epoch", proto_classes="own", embedding_dim=50, server_epochs=100,
-                 server_lr=0.1, server_batch_size=10, margin_threshold=100.0, seed=0):
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, lambda_proto: float = 1.0,
+                 distance: str = "mse", proto_source: str = "last_epoch", proto_classes: str = "own",
+                 embedding_dim: int = 50, server_epochs: int = 100, server_lr: float = 0.1,
+                 server_batch_size: int = 10, margin_threshold: float = 100.0, seed: int = 0, *,
+                 freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, lambda_proto, distance, proto_source, "mean",
-                         proto_classes, embedding_dim)
+                         proto_classes, embedding_dim, freeze_after=freeze_after)
         self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
         self.margin_threshold, self.seed = margin_threshold, seed
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FedTGP:
-        def given(value, default):
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FedTGP:
+        def given(value: T | None, default: T) -> T:
             return default if value is None else value
 
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.lam, cfg.distance, cfg.proto_source,
                    cfg.proto_classes, embedding_dim, given(cfg.server_epochs, 100), given(cfg.server_lr, 0.1),
-                   given(cfg.server_batch_size, 10), cfg.tgp_margin, cfg.seed)
+                   given(cfg.server_batch_size, 10), cfg.tgp_margin, cfg.seed, freeze_after=cfg.freeze_after)
 
     def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
         """Train the generator (``state.checkpoint["tgp_state"]``; from the run's seed at the first

@@ -27,6 +27,8 @@ M-step (what the client would load next), on its own test set.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
@@ -68,16 +70,18 @@ class FeSEM(FedAvg):
     global_protocol = ("global: the centre of the client's cluster after the last round's aggregation (E- and "
                        "M-step), before any local training, on the client's own test set")
 
-    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0):
-        super().__init__(num_classes, opt, local_epochs)
+    def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0, *,
+                 freeze_after: int = 0) -> None:
+        super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         if clusters < 1:
             raise ValueError(f"fesem_clusters must be >= 1, got {clusters}")
         self.clusters = int(clusters)
         self.seed = int(seed)
 
     @classmethod
-    def from_config(cls, cfg, embedding_dim: int) -> FeSEM:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed)
+    def from_config(cls, cfg: Any, embedding_dim: int) -> FeSEM:
+        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed,
+                   freeze_after=cfg.freeze_after)
 
     # -- server ---------------------------------------------------------------------------------
     def initial_message_from(self, joins: dict[int, Message]) -> Message:

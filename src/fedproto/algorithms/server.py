@@ -1,10 +1,15 @@
 """The server strategy of a method (docs/architecture.md, "Algorithm"): :class:`ServerPart`, the
 hooks the round loop calls on the server, which sees messages only. :class:`fedproto.algorithms.base.Algorithm`
 joins it with the client part (:class:`fedproto.algorithms.base.ClientPart`).
+
+``ServerPart`` is an abstract base (as Flower's ``Strategy``): :meth:`ServerPart.aggregate` must be
+implemented, every other hook has a default. It imports no client code (no model, no training) and
+is usable alone: ``MyStrategy(freeze_after=0).aggregate(1, {cid: reply, ...})``.
 """
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import numpy as np
@@ -12,9 +17,15 @@ import numpy as np
 from fedproto.algorithms.state import Message, ServerState
 
 
-class ServerPart:
+class ServerPart(abc.ABC):
     """The server strategy of an algorithm: what runs on the server, which sees messages only,
     never a client's state, model or data (docs/architecture.md, "Algorithm").
+
+    Args:
+        freeze_after: two-stage training (the ``freeze_after`` run option): after this round the
+            server's messages carry ``head_only`` (:meth:`broadcast`); 0: off. The run's value is
+            passed by :meth:`fedproto.algorithms.base.Algorithm.from_config`; the engine writes
+            nothing onto the object.
 
     Hooks: :meth:`initial_message_from` (the first broadcast from the clients' join messages),
     :meth:`aggregate` (the round's checked replies and the previous
@@ -28,9 +39,20 @@ class ServerPart:
     is the returned state.
     """
 
+    name: str = "base"
+    """The method's registry name (the words of its errors and warnings)."""
+
+    freeze_after: int = 0
+    """Two-stage training: after this round only the head trains (:meth:`broadcast` adds
+    ``head_only``); 0: off. Set by the constructor argument of the same name."""
+
+    def __init__(self, *, freeze_after: int = 0) -> None:
+        self.freeze_after = int(freeze_after)
+
     def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
         """Refuse a set-up this algorithm cannot use (raise ``ConfigError``), given the run's
         config and each client's (n_i,) training labels; called before round 1. Default: none."""
+        return None
 
     def setup_warnings(self, cfg: Any) -> list[str]:
         """Warnings about this method's options the engine logs once before round 1, each one
@@ -81,15 +103,14 @@ class ServerPart:
         return f"unexpected entries {sorted(reply)[:5]} (this algorithm sends nothing)" if reply else ""
 
     def initial_message_from(self, joins: dict[int, Message]) -> Message:
-        """The server's first broadcast from the clients' :meth:`join_message` replies, keyed by
-        client id (default: empty). Lets a server that holds no client model (Flower) start."""
+        """The server's first broadcast (before :meth:`broadcast` adds the round's entries) from the
+        clients' join messages (``ClientPart.join_message``), keyed by client id, in increasing id
+        order: each a ``dict[str, numpy.ndarray]`` (weight sharing: the client's initial weights).
+        Called once before round 1 (on Flower, from the nodes' query replies). Default: empty. Lets a
+        server that holds no client model (Flower) start."""
         return {}
 
-    def initial_message(self, states: list[Any]) -> Message:
-        """The server's first broadcast, built in-process from the clients' states:
-        :meth:`initial_message_from` of every client's :meth:`join_message`."""
-        return self.initial_message_from({s.cid: self.join_message(s) for s in states})
-
+    @abc.abstractmethod
     def aggregate(self, round: int, messages: dict[int, Message],
                   state: ServerState | None = None) -> ServerState | Message:
         """Combine the round's checked client messages, keyed by client id (with client sampling,
@@ -118,15 +139,15 @@ class ServerPart:
         checkpoint raises ``KeyError`` when they are missing."""
         return ServerState(message, checkpoint=dict(checkpoint))
 
-    def summary_entries(self, cfg: Any, per_client: list[dict]) -> dict[str, Any]:
+    def summary_entries(self, cfg: Any, per_client: list[dict[str, Any]]) -> dict[str, Any]:
         """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
         the run's options and the final per-client metrics (default: none)."""
         return {}
 
     def broadcast(self, round: int, message: Message) -> Message:
-        """The server message for round ``round`` (1-based): ``message`` (from
-        :meth:`initial_message` or :meth:`aggregate`) plus ``head_only`` (one int8) in the second
-        stage, rounds after :attr:`freeze_after`."""
+        """The server message for round ``round`` (1-based), called once a round before the
+        downlinks: ``message`` (from :meth:`initial_message_from` or :meth:`aggregate`) plus
+        ``head_only`` ((1,) int8, ones) in the second stage, rounds after :attr:`freeze_after`."""
         if self.freeze_after and round > self.freeze_after:
             return {**message, "head_only": np.ones(1, np.int8)}
         return message

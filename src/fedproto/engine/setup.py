@@ -40,9 +40,7 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (:func:`fedproto.algorithms.get_algorithm`; raises
     :class:`ConfigError` for an unknown name)."""
     cls = get_algorithm(cfg.algorithm)
-    alg = cls.from_config(cfg, embedding_dim)
-    alg.freeze_after = cfg.freeze_after
-    alg.seed = int(cfg.seed)  # also where a method's own from_config does not set it (Algorithm.generator)
+    alg = cls.from_run(cfg, embedding_dim)  # from_config, freeze_after and seed passed in (Algorithm.from_run)
     options = method_options(cls)
     if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
         # a plug-in built by its parent's from_config (e.g. a FedProto subclass): every option it reads
@@ -327,10 +325,9 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     if whole:
         alg.check_setup(cfg, [x.y.cpu().numpy() for x in data])
     if needs == ONE_ARCHITECTURE:
-        include = getattr(alg, "include", None)
         own = ("give every client a model of one architecture (the same class and layer sizes)"
                if cfg.dataset == "custom" else None)  # your own models: no zoo name to suggest
-        check_architectures(cfg.algorithm, models, include(models[0]) if callable(include) else None, own)
+        check_architectures(cfg.algorithm, models, alg.include(models[0]), own)
     alg.check_models(models)
     warn_unseen_test_classes(states, data)
     # a batch wider than the largest client only adds padding (and memory for its dropout masks);
