@@ -1435,6 +1435,44 @@ def test_the_server_pulls_replies_at_its_own_poll_interval():
         FlowerOptions.from_user_config({"poll-interval": 0})
 
 
+class OneBehindGrid(PushPullGrid):
+    """Node 1001 is one reply behind (the drill's node after a SuperLink restart): each pull brings its reply to the
+    message before, never to the one asked."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.held: list = []
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        late = [m for m in messages if m.metadata.dst_node_id == 1001]
+        for m in late:  # its reply to this message comes with the next one
+            self._ready[m.metadata.message_id], self.held[:] = list(self.held), self._ready[m.metadata.message_id]
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.pulls += 1
+        out = []
+        for i in list(message_ids):
+            out += self._ready.pop(i, None) or []
+        return out
+
+
+def test_a_reply_to_an_earlier_message_is_not_counted_for_the_next_one(tmp_path):
+    """A reply counts only for the message (id and run) it answers: the late reply of a node one message behind
+    was matched by its source node and counted as the next round's."""
+    from fedproto.flower.common import FlowerOptions
+
+    folders = write_node_folders(tmp_path / "data")
+    uc = _own_config(**{"round-timeout": 8, "rounds": 2})
+    grid = OneBehindGrid(uc, node_configs=node_configs(folders))
+    eng = FlowerEngine(run_config(uc), grid, out=False, options=FlowerOptions(poll_interval=0.01, round_timeout=8.0,
+                                                                             wait_nodes=3))
+    assert sorted(eng.nodes) == [0, 2]  # node 1001's query reply never came back as the query's
+    eng.run()
+    assert [row["replied"] for row in eng.history] == [[0, 2], [0, 2]]
+
+
 def test_a_poll_interval_that_floods_the_superlink_or_outlasts_the_round_is_refused():
     """poll-interval=1e-6 (a million pulls a second) and 1e9 were accepted; one not below
     round-timeout made every round last the whole round-timeout."""
@@ -1982,18 +2020,49 @@ def test_a_run_that_cannot_start_writes_failure_json_naming_the_nodes_seen(tmp_p
                           "online [1000, 1001, 1002] but not enough joined: on a loaded machine raise wait-nodes "
                           "(e.g. wait-nodes=300)"), msg
     assert "node 1000 did not join (failed its query: Runtime task-token authentication failed (code 1))" in msg
-    assert "node 1002 did not join (no answer within round-timeout=1 s)" in msg
+    assert "node 1002 did not join (no answer within the join wait (wait-nodes=0 s))" in msg
     failure = json.loads((out / "failure.json").read_text())
     assert failure["rounds_completed"] == 0 and failure["error"] == "TrainingError" and failure["message"] == msg
     assert failure["nodes_seen"] == {
         "online": [1000, 1001, 1002], "joined": {}, "refused": {},
         "unanswered": {"1000": "failed its query: Runtime task-token authentication failed (code 1)",
                        "1001": "failed its query: Runtime task-token authentication failed (code 1)",
-                       "1002": "no answer within round-timeout=1 s"}}
+                       "1002": "no answer within the join wait (wait-nodes=0 s)"}}
+    assert failure["missing"] == {"clients": [0, 1, 2], "never_connected": 0, "online_not_joined": [1000, 1001, 1002]}
     assert failure["checkpoint"] is False and "resume" not in failure
-    assert failure["restart"].startswith("flwr run YOUR_APP_FOLDER --stream --run-config '")
-    assert "wait-nodes=300.0" in failure["restart"] and "min-replies=2" in failure["restart"]
-    assert sorted(p.name for p in out.iterdir()) == ["failure.json"]
+    # a command to paste: the app folder written beside failure.json, the longer wait in its run config
+    app = out.absolute() / "restart-app"
+    assert failure["restart"] == shlex.join(["flwr", "run", str(app), "--stream"])
+    got = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert got["wait-nodes"] == 300.0 and got["min-replies"] == 2 and got["resume-from"] == ""
+    assert sorted(p.name for p in out.iterdir()) == ["failure.json", "restart-app"]
+    # what the run folder holds is the server's alone, also for a run that never started
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes == {".": 0o700, "failure.json": 0o600, "restart-app": 0o700, "restart-app/pyproject.toml": 0o600}
+
+
+def test_a_run_missing_a_node_says_which_and_does_not_suggest_a_longer_wait(tmp_path):
+    """The drill's failure.json suggested wait-nodes=300 when a node was simply not started. Now it names the
+    client that never connected, keeps the wait, and the join wait ends at wait-nodes, not at a query's deadline."""
+    from fedproto.flower.common import FlowerOptions
+
+    folders = write_node_folders(tmp_path / "data")
+    uc = _own_config(**{"min-replies": 3, "wait-nodes": 2, "round-timeout": 60})
+    grid = LocalGrid(uc, node_configs=node_configs(folders)[:2])  # client 2's SuperNode was never started
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    with pytest.raises(TrainingError) as err:
+        FlowerEngine(run_config(uc), grid, out=out, options=FlowerOptions.from_user_config(uc), run_cfg=uc)
+    took = time.monotonic() - t0
+    assert 2 <= took < 10, took  # wait-nodes is the limit (was: a fixed wait, a query's round-timeout on top)
+    msg = str(err.value)
+    assert "1 of 3 SuperNodes never connected (client-id 2 did not join): start them" in msg, msg
+    assert "wait-nodes=300" not in msg
+    failure = json.loads((out / "failure.json").read_text())
+    assert failure["missing"] == {"clients": [2], "never_connected": 1, "online_not_joined": []}
+    app = tomllib.loads((out / "restart-app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert app["wait-nodes"] == 2 and "YOUR_APP_FOLDER" not in failure["restart"]
+    assert (out / "failure.json").stat().st_mode & 0o777 == 0o600 and out.stat().st_mode & 0o777 == 0o700
 
 
 class FirstQueryFailsGrid(LocalGrid):

@@ -29,6 +29,18 @@ def make_private_folder(folder: str | Path) -> Path:
     return folder
 
 
+def make_private_tree(folder: str | Path) -> None:
+    """``folder`` and every folder in it ``0700``, every file in it ``0600`` (a run folder that holds what
+    nodes sent, also files other code wrote into it); symbolic links are left alone. Never raises."""
+    for root, _dirs, files in os.walk(folder):
+        for name, mode in [(root, PRIVATE_FOLDER), *((os.path.join(root, f), PRIVATE_FILE) for f in files)]:
+            try:
+                if not os.path.islink(name) and os.stat(name).st_mode & 0o777 != mode:
+                    os.chmod(name, mode)
+            except OSError:
+                pass
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], private: bool = False) -> None:
     """Write ``path`` atomically: ``write(f)`` fills a same-folder temp file, which is fsynced,
     given the usual permissions and renamed over ``path``; on any error it is removed.

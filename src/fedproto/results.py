@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedproto.atomic import atomic_write, atomic_write_bytes, outermost_new, remove_empty_folders
+from fedproto.atomic import atomic_write, atomic_write_bytes, make_private_folder, outermost_new, remove_empty_folders
 
 if TYPE_CHECKING:
     import torch
@@ -71,10 +71,10 @@ def _clean(obj: Any, inf_ok: bool = False) -> Any:
     return obj
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
+def atomic_write_json(path: Path, obj: Any, private: bool = False) -> None:
     """JSON via :func:`atomic_write_bytes`: NaN written as null, an infinite epsilon as ``"inf"``
-    (:data:`INF_KEYS`), other infinities as null."""
-    atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
+    (:data:`INF_KEYS`), other infinities as null (``private``: 0600 in a 0700 folder)."""
+    atomic_write_bytes(path, (json.dumps(_clean(obj), indent=2) + "\n").encode(), private)
 
 
 MODELS_FILE = "models.pt"
@@ -85,7 +85,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
                 "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
-                "tensorboard", "resume-app")
+                "tensorboard", "resume-app", "restart-app")
 """Files (and the ``tensorboard`` folder of event files, the ``resume-app`` folder of a stopped
 Flower run: :func:`fedproto.flower.server_app.write_resume_app`) a run writes. A new run in the same folder never
 mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to
@@ -104,8 +104,7 @@ def is_private(name: str | Path) -> bool:
 
 
 PREVIOUS = ".previous"
-"""Sub-folder holding the finished run a new run in the same folder replaces, until it finishes
-(restored when it fails without a checkpoint to resume from)."""
+"""Sub-folder of the finished run a new run in the folder replaces until it finishes (or fails with no checkpoint)."""
 
 
 def _remove(path: Path) -> None:
@@ -150,8 +149,8 @@ class RunDir:
         ConfigError: the folder cannot be created or written (names the path).
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, private: bool = False):  # private: 0700, its files 0600 (Flower server)
+        self.path, self.private = Path(path), private
         self._metrics = self.path / "metrics.jsonl"
         self._created = not self.path.exists()
         # ".." resolved by name (os.path.abspath), so "new/../run" creates (and may remove) "run" alone
@@ -159,7 +158,7 @@ class RunDir:
         self._created_top = outermost_new(self.path)
         self._begun = False
         try:
-            self._abs.mkdir(parents=True, exist_ok=True)
+            make_private_folder(self._abs) if private else self._abs.mkdir(parents=True, exist_ok=True)
             fd, probe = tempfile.mkstemp(dir=self.path, prefix=".write-check-")
             os.close(fd)
             os.unlink(probe)
@@ -201,7 +200,8 @@ class RunDir:
                     _remove(self.path / name)
                 for tmp in self.path.glob(f".{name}.*.tmp"):  # left by a killed process mid-write
                     tmp.unlink(missing_ok=True)
-            atomic_write_bytes(self._metrics, "".join(json.dumps(_clean(r)) + "\n" for r in history or ()).encode())
+            rows = "".join(json.dumps(_clean(r)) + "\n" for r in history or ())
+            atomic_write_bytes(self._metrics, rows.encode(), self.private)
         except OSError as e:
             if moved:  # all or nothing: put the finished run moved aside back where it was
                 restore_orphan(self.path, force=True)
@@ -243,7 +243,7 @@ class RunDir:
 
             raise ConfigError(f"another fedproto process (pid {owner}) is writing {str(self.path)!r}; wait for it "
                               f"to finish or stop it, or write this run elsewhere ({opt('out_dir|name')})")
-        self._write(atomic_write_bytes, self.path / LOCK, str(os.getpid()).encode())
+        self._write(atomic_write_bytes, self.path / LOCK, str(os.getpid()).encode(), self.private)
 
     def release(self) -> None:
         """Drop this process's mark (never raises)."""
@@ -280,7 +280,7 @@ class RunDir:
 
     # Every writer below raises ConfigError (naming the file) instead of OSError, e.g. on a full disk.
     def write_config(self, cfg: dict) -> None:
-        self._write(atomic_write_json, self.path / "config.json", cfg)
+        self._write(atomic_write_json, self.path / "config.json", cfg, self.private)
 
     def log_round(self, row: dict) -> None:
         def append():
@@ -291,7 +291,7 @@ class RunDir:
         self._write(append)
 
     def write_summary(self, summary: dict) -> None:
-        self._write(atomic_write_json, self.path / "summary.json", summary)
+        self._write(atomic_write_json, self.path / "summary.json", summary, self.private)
 
     def write_clients(self, rows: Iterable[dict]) -> None:
         rows = list(rows)
@@ -301,7 +301,7 @@ class RunDir:
             w.writeheader()
             for r in rows:
                 w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()})
-        self._write(atomic_write_bytes, self.path / "clients.csv", buf.getvalue().encode())
+        self._write(atomic_write_bytes, self.path / "clients.csv", buf.getvalue().encode(), self.private)
 
     def write_arrays(self, name: str, arrays: dict[str, np.ndarray]) -> None:
         """``name`` (an ``.npz`` file of the run folder, e.g. ``prototypes.npz``) holding ``arrays``,

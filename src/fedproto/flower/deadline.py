@@ -45,6 +45,13 @@ class RoundDeadline:
             return self.floor
         return max(self.floor, self.factor * statistics.median(self.measured))
 
+    def adapted(self, least: float) -> float:
+        """``max(least, factor x median(measured))`` (s): a wait of ``least`` seconds that grows with the measured
+        exchanges, as a deadline does, without this deadline's floor (the join wait: ``wait-nodes``)."""
+        if not self.measured:
+            return float(least)
+        return max(float(least), self.factor * statistics.median(self.measured))
+
     def record(self, seconds: float) -> None:
         """Adds the duration (s) of an exchange in which every node replied, or the time waited in
         one in which none replied in time; a negative duration is ignored."""

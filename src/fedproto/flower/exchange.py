@@ -56,11 +56,11 @@ class MessageExchange:
         return Message(RecordDict({**(content or {}), **self._config(config)}), dst_node_id=dst, message_type=kind,
                        ttl=self.deadline.seconds() + TTL_MARGIN, group_id=group)
 
-    def _exchange(self, messages: list[Message]) -> tuple[dict[int, Message], dict[int, str], dict[int, str],
-                                                            list[int]]:
-        """Send, wait up to ``round_timeout``: (replies by node id, failures by node id (the node's
-        error), unavailable nodes by node id (the SuperLink's answer for a node it knows is gone:
-        no wait), node ids that did not reply in time).
+    def _exchange(self, messages: list[Message], limit: float | None = None) -> tuple[
+            dict[int, Message], dict[int, str], dict[int, str], list[int]]:
+        """Send, wait up to the deadline (at most ``limit`` s, e.g. what is left of the join wait): (replies
+        by node id, failures by node id (the node's error), unavailable nodes by node id (the SuperLink's
+        answer for a node it knows is gone: no wait), node ids that did not reply in time).
 
         A reply counts only for the message it answers: its ``reply_to_message_id`` is that message's id
         and its run id the message's (an error reply the SuperLink sends for an unavailable node carries
@@ -69,7 +69,7 @@ class MessageExchange:
         message ids (a test double) is matched by source node."""
         if not messages:
             return {}, {}, {}, []
-        replies = self._send_and_receive(messages)
+        replies = self._send_and_receive(messages, limit)
         by_message = {rep.metadata.reply_to_message_id: rep for rep in replies if rep.metadata.reply_to_message_id}
         by_node = {rep.metadata.src_node_id: rep for rep in replies}
         ids = {m.metadata.message_id for m in messages if m.metadata.message_id}
@@ -107,7 +107,7 @@ class MessageExchange:
         except Exception:  # noqa: BLE001 - a grid without a run
             return 0
 
-    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
+    def _send_and_receive(self, messages: list[Message], limit: float | None = None) -> list[Message]:
         """Push ``messages`` and pull their replies every ``poll_interval`` seconds until all are in
         or ``round_timeout`` has passed. Flower's own ``Grid.send_and_receive`` waits a fixed 3 s
         between pulls (flwr 1.42), which made every round last at least 3 s more than its slowest
@@ -117,7 +117,8 @@ class MessageExchange:
         except NotImplementedError:
             return list(self.grid.send_and_receive(messages, timeout=self.opts.round_timeout))
         start = time.monotonic()
-        end = start + self.deadline.seconds()  # round-timeout, longer once rounds ran slow (fedproto.flower.deadline)
+        wait = self.deadline.seconds()  # round-timeout, longer once rounds ran slow (fedproto.flower.deadline)
+        end = start + (wait if limit is None else max(0.0, min(wait, limit)))
         out: list[Message] = []
         while pending:
             got = list(self._grid("pull_messages", pending))

@@ -76,14 +76,15 @@ class NodeMembership:
                             f"fewer than {need}")
         return out
 
-    def _query_new(self, strict: bool = False) -> list[int]:
+    def _query_new(self, strict: bool = False, limit: float | None = None) -> list[int]:
         """Ask nodes not seen before who they are; returns the client ids that joined. A node
         that fails the query (its own data or model refused, e.g. labels outside the classes) is
         logged with its reason and not asked again; at the start (round 0) a failure that names no
         exception of the ClientApp (Flower's own, e.g. under load) is asked again while the wait
         lasts. ``strict`` (the start): two nodes with one client id raise ConfigError; later, a new
         node with a known client id is refused while the client's node is still connected, and
-        replaces it once that node is gone (the client came back)."""
+        replaces it once that node is gone (the client came back). ``limit``: the most seconds to wait for
+        the answers (what is left of the join wait), else the exchange's deadline."""
         connected = set(self._grid("get_node_ids"))
         for nid, cid in list(self._duplicates.items()):  # the client's first node is gone: ask again
             if self.nodes.get(cid) not in connected:
@@ -93,12 +94,13 @@ class NodeMembership:
         new = [nid for nid in connected if nid not in known]
         if not new:
             return []
-        ok, failed, unavailable, late = self._exchange([self._message({}, nid, QUERY) for nid in new])
+        ok, failed, unavailable, late = self._exchange([self._message({}, nid, QUERY) for nid in new], limit)
         for nid, why in unavailable.items():  # gone again before it answered: asked again when it is back
             log.warning("node %d is unavailable: %s", nid, why)
             self.unanswered[nid] = f"unavailable: {why}"
         for nid in late:  # asked again at the next look
-            self.unanswered[nid] = f"no answer within round-timeout={self.opts.round_timeout:g} s"
+            self.unanswered[nid] = (f"no answer within round-timeout={self.opts.round_timeout:g} s" if limit is None
+                                    else f"no answer within the join wait (wait-nodes={self.opts.wait_nodes:g} s)")
         for nid, why in failed.items():
             if self.round == 0 and not _APP_ERROR.search(why):  # Flower's own failure at the start (a task token
                 self.unanswered[nid] = f"failed its query: {why}"  # refused under load): asked again while waiting
@@ -165,27 +167,35 @@ class NodeMembership:
         return ""
 
     def _discover(self, wait_s: float) -> None:
+        """Wait for the run's nodes to join: at most ``wait_s`` seconds (``wait-nodes``), or longer where the
+        nodes' answers were measured slower (``3 x`` their median, :meth:`RoundDeadline.adapted`); no longer
+        than that, also while a query is out (it waits only what is left), and not at all once every client has
+        joined or been refused."""
         m = self.cfg.clients
         need = m if not self.own_data else self.opts.min_replies
-        deadline = time.monotonic() + wait_s
+        start = time.monotonic()
         first = True
         self.online_seen: set[int] = set()  # every node the SuperLink listed as online during the wait
         self.unanswered: dict[int, str] = {}  # node id -> why its query got no answer (asked again)
         while True:
             nids = list(self._grid("get_node_ids"))
             self.online_seen.update(int(n) for n in nids)
-            self._query_new(strict=first)
+            wait_s = self.deadline.adapted(wait_s)  # slow answers (a loaded machine): a longer join wait
+            deadline = start + wait_s
+            self._query_new(strict=first, limit=max(self.opts.poll_interval, deadline - time.monotonic()))
             first = False
             if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
                 nid, why = next(iter(self.refused.items()))
                 e = TrainingError(f"node {nid} refused to join: {why}")
                 e.nodes_seen = self.nodes_seen()
                 raise e
-            if len(self.nodes) >= m or time.monotonic() >= deadline:
+            settled = set(self.nodes) | {r["client_id"] for r in self.refusals if r.get("client_id") is not None}
+            if len(self.nodes) >= m or len(settled & set(range(m))) >= m or time.monotonic() >= start + wait_s:
                 break
             if len(nids) < m:
                 log.warning("waiting up to %g s for %d SuperNodes (%d joined)", wait_s, m, len(self.nodes))
             time.sleep(1.0)
+        self.join_wait_s = time.monotonic() - start
         if len(self.nodes) < need:
             raise self._not_started(wait_s, need)
         if len(self.nodes) < m:
@@ -199,15 +209,23 @@ class NodeMembership:
         which = "" if self.own_data else " (one per partition-id 0..clients-1)"
         said = "".join(f"; node {n} refused: {why}" for n, why in list(self.refused.items())[:5])
         said += "".join(f"; node {n} did not join ({why})" for n, why in list(self.unanswered.items())[:5])
-        if len(online) >= need:  # they are there but did not join: slow (a loaded machine) or failing
+        there = sorted(set(online) - set(self.nodes.values()) - set(self.refused))  # online, not joined
+        clients = sorted(set(range(m)) - set(self.nodes))
+        absent = max(0, m - len(online))
+        key = "client-id" if self.own_data else "partition-id"
+        if there:  # they are there but did not join: slow (a loaded machine) or failing
             fix = (f"{len(online)} node(s) were online {online[:10]} but not enough joined: on a loaded machine raise "
                    f"wait-nodes (e.g. wait-nodes={max(300, 5 * wait_s):g}) and round-timeout, and read the nodes' "
                    "logs for the reasons")
-        else:
-            fix = f"{len(online)} node(s) were online {online[:10]}: start the missing SuperNodes (or raise wait-nodes)"
+        else:  # nobody was waiting to join: a longer wait changes nothing
+            fix = (f"{len(online)} node(s) were online {online[:10]}; {absent} of {m} SuperNodes never connected "
+                   f"({key} {', '.join(map(str, clients[:10]))} did not join): start them, then run the restart "
+                   "command of failure.json")
         e = TrainingError(f"{len(self.nodes)} SuperNodes joined within {wait_s:g} s, but the run has clients={m} and "
                           f"needs {need}{which}: {fix}{said}")
         e.nodes_seen = self.nodes_seen()
+        e.missing = {"clients": clients, "never_connected": absent, "online_not_joined": there}
+        e.fix = fix
         return e
 
     def nodes_seen(self) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedproto.atomic import make_private_tree
 from fedproto.checkpoint import load_checkpoint
 from fedproto.config import RunConfig
 from fedproto.engine.lifecycle import check_observers, run_rounds, standard_observers
@@ -41,6 +42,7 @@ from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError, TrainingError, first_line
 from fedproto.flower.common import FlowerOptions, run_config
 from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
+from fedproto.flower.resume_app import RESTART_APP, RESUME_APP, RESUME_WAIT_NODES, resume_config, write_resume_app
 from fedproto.flower.secagg import install as install_secagg
 from fedproto.results import RunDir, atomic_write_json
 from fedproto.tensorboard import tensorboard_observers
@@ -98,7 +100,9 @@ class FlowerEngine:
             if not out.is_dir():
                 raise ConfigError(f"resume-from={opts.resume_from!r} is not a folder; give the run folder of the "
                                   "interrupted run (it holds config.json and checkpoint.pt)")
-        self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name())
+        # what the nodes sent stays the server's: the run folder 0700 from its creation, its files 0600
+        self.run_dir = None if out is False else RunDir(out if out is not None else Path(cfg.out_dir) / cfg.run_name(),
+                                                        private=True)
         self.run_key = self._run_key()
         self._checkpoint = self._resumable() if opts.resume_from else None  # checked before any node is asked
         try:
@@ -192,6 +196,7 @@ class FlowerEngine:
             return run_rounds(self.loop, rd, ckpt, str(rd.checkpoint), self._record_failure)
         finally:
             rd.release()
+            make_private_tree(rd.path)  # also what others wrote (TensorBoard's event files, plots)
 
     def _resume_command(self) -> str:
         """The command that continues this run: ``flwr run <run folder>/resume-app --stream``
@@ -201,12 +206,12 @@ class FlowerEngine:
 
         try:
             if self.run_cfg:  # else an engine built without Flower's run config (in-process): no app to write
-                return f"flwr run {shlex.quote(str(write_resume_app(self.run_dir.path, self.run_cfg)))} --stream"
+                return shlex.join(["flwr", "run", str(write_resume_app(self.run_dir.path, self.run_cfg)), "--stream"])
         except (OSError, ValueError) as err:
             log.warning("cannot write the resume app in %s: %s", self.run_dir.path, err)
         overrides = resume_config({**self.run_cfg, "resume-from": None}) + \
             f"resume-from={json.dumps(str(self.run_dir.path.absolute()))}"
-        return f"flwr run YOUR_APP_FOLDER --stream --run-config {shlex.quote(overrides)}"
+        return shlex.join(["flwr", "run", "YOUR_APP_FOLDER", "--stream", "--run-config", overrides])
 
     def _record_start_failure(self, e: TrainingError) -> None:
         """``failure.json`` of a run that never reached round 1: why, the nodes seen (``nodes_seen``: online,
@@ -216,15 +221,26 @@ class FlowerEngine:
             return
         import shlex
 
-        again = shlex.quote(resume_config({**self.run_cfg, "wait-nodes": max(300.0, 5 * self.opts.wait_nodes)}).strip())
+        missing = getattr(e, "missing", {})
+        # nodes online that did not join in time: a longer wait; nodes missing: the same wait, once they are started
+        wait = max(300.0, 5 * self.opts.wait_nodes) if missing.get("online_not_joined") else self.opts.wait_nodes
+        run_cfg = {**self.run_cfg, "wait-nodes": wait}
+        try:
+            if not self.run_cfg:
+                raise ValueError("no Flower run config")
+            restart = shlex.join(["flwr", "run", str(write_resume_app(self.run_dir.path, run_cfg, RESTART_APP)),
+                                  "--stream"])
+        except (OSError, ValueError):  # an engine built in-process: the user's own app with the run config
+            restart = shlex.join(["flwr", "run", "YOUR_APP_FOLDER", "--stream", "--run-config",
+                                  resume_config(run_cfg).strip()])
         record = {"round": 1, "rounds_completed": 0, "error": type(e).__name__, "message": str(e)[:2000],
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "nodes_seen": getattr(e, "nodes_seen", None),
-                  "checkpoint": self._checkpoint is not None,
-                  "restart": f"flwr run YOUR_APP_FOLDER --stream --run-config {again}"}
+                  "missing": missing, "checkpoint": self._checkpoint is not None, "restart": restart,
+                  "restart_note": getattr(e, "fix", "")}
         if self._checkpoint is not None:
             record["resume"] = self._resume_command()
         try:
-            atomic_write_json(self.run_dir.path / "failure.json", record)
+            atomic_write_json(self.run_dir.path / "failure.json", record, private=True)
         except OSError as err:
             log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
         log.error("fedproto: the run did not start (%s); %s", first_line(e), self.run_dir.path / "failure.json")
@@ -244,85 +260,11 @@ class FlowerEngine:
                                  "SuperLink again; flwr uses the default connection of FLWR_HOME/config.toml "
                                  "([superlink] default = ...): for another, put its name after the app folder"}
         try:
-            atomic_write_json(self.run_dir.path / "failure.json", record)
+            atomic_write_json(self.run_dir.path / "failure.json", record, private=True)
         except OSError as err:  # never hide the run's own error behind this one
             log.warning("cannot write %s: %s", self.run_dir.path / "failure.json", err)
         log.error("fedproto: the run stopped in round %d (%s); rounds 1..%d are in %s%s", done + 1, type(e).__name__,
                   done, self.run_dir.path, f"; continue it with: {record['resume']}" if record["checkpoint"] else "")
-
-
-RESUME_APP = "resume-app"
-"""The folder, inside a stopped run's folder, of the Flower App that continues it (:func:`write_resume_app`)."""
-RESUME_WAIT_NODES = 180.0
-"""The least ``wait-nodes`` (s) of a resumed run: after a SuperLink restart the SuperNodes need about
-a minute to reconnect (Flower's retries with backoff)."""
-
-
-def write_resume_app(run_dir: Path, run_cfg: dict) -> Path:
-    """Write ``<run_dir>/resume-app/pyproject.toml``: a Flower App with fedproto's components whose
-    ``[tool.flwr.app.config]`` is the stopped run's run config (every key, as the SuperLink gave it
-    to the ServerApp) with ``resume-from`` set to ``run_dir`` (absolute) and ``wait-nodes`` at least
-    :data:`RESUME_WAIT_NODES`, so that ``flwr run <run_dir>/resume-app --stream`` continues the run
-    as printed (the checkpoint's options are the run's; ``wait-nodes`` is not a run option).
-
-    Returns:
-        The app folder (absolute).
-    Raises:
-        OSError: the folder cannot be written.
-        ValueError: a value that is not a bool, number or string (Flower's run configs hold only
-            those), naming its key, or a text TOML cannot hold; nothing is written then.
-    """
-    import math
-
-    import tomllib
-
-    from fedproto.atomic import atomic_write_bytes
-    from fedproto.config import toml_value
-
-    app_dir = run_dir.absolute() / RESUME_APP
-    cfg = {str(k): v for k, v in run_cfg.items()
-           if k not in ("resume-from", "resume_from", "wait-nodes", "wait_nodes")}
-    bad = {k: v for k, v in cfg.items() if not isinstance(v, (bool, int, float, str))}
-    if bad:
-        k, v = next(iter(bad.items()))
-        raise ValueError(f"run config {k}={v!r}: a Flower run config holds bools, numbers and strings only")
-    try:
-        wait = float(run_cfg.get("wait-nodes", run_cfg.get("wait_nodes", 0.0)) or 0.0)
-    except (TypeError, ValueError):
-        wait = 0.0
-    cfg.update({"resume-from": str(run_dir.absolute()),
-                "wait-nodes": max(wait, RESUME_WAIT_NODES) if math.isfinite(wait) else RESUME_WAIT_NODES})
-    lines = ["# Written by the fedproto ServerApp when its run stopped: `flwr run <this folder> --stream` continues",
-             "# the run from its checkpoint (docs/flower.md, 'A server restart loses nothing').",
-             "[build-system]", 'requires = ["hatchling"]', 'build-backend = "hatchling.build"', "",
-             "[project]", 'name = "fedproto-resume"', 'version = "0.1.0"',
-             'description = "Continues a stopped fedproto run from its checkpoint"', 'license = "MIT"',
-             'dependencies = ["fedproto[flower]"]', "", "[tool.hatch.build.targets.wheel]", 'packages = ["."]', "",
-             "[tool.flwr.app]", 'publisher = "fedproto"', "", "[tool.flwr.app.components]",
-             'serverapp = "fedproto.flower.server_app:app"', 'clientapp = "fedproto.flower.client_app:app"', "",
-             "[tool.flwr.app.config]", *(f"{toml_value(str(k))} = {toml_value(v)}" for k, v in cfg.items())]
-    text = "\n".join(lines) + "\n"
-    try:  # what is written must read back: never a file flwr run cannot parse
-        tomllib.loads(text)
-        data = text.encode("utf-8")
-    except (tomllib.TOMLDecodeError, UnicodeError) as e:
-        raise ValueError(f"the run config cannot be written as TOML ({e})") from None
-    app_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(app_dir / "pyproject.toml", data)
-    return app_dir
-
-
-def resume_config(run_cfg: dict) -> str:
-    """``key=value `` pairs of a Flower run config, for ``--run-config "..."`` in a shell: strings
-    as TOML literal strings (single quotes), ``resume-from`` left out."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return f"'{v}'" if "'" not in str(v) else json.dumps(str(v))
-
-    return "".join(f"{k}={value(v)} " for k, v in run_cfg.items() if k not in ("resume-from", "resume_from"))
 
 
 class Stopped(Exception):
@@ -390,4 +332,5 @@ def main(grid: Grid, context: Context) -> None:
                 100 * acc.get("std", float("nan")), over, summary["params_per_round"]["up"] / 1e3, out)
 
 
-__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "FlowerEngine", "Stopped", "app", "failure_on_signal", "main"]
+__all__ = ["NODE_UNAVAILABLE", "REPLY_UNAVAILABLE", "RESTART_APP", "RESUME_APP", "RESUME_WAIT_NODES", "FlowerEngine",
+           "Stopped", "app", "failure_on_signal", "main", "resume_config", "write_resume_app"]
