@@ -266,3 +266,30 @@ def test_a_stopping_supervisor_waits_for_the_deactivation_a_bounded_time(tmp_pat
         silent.close()
     assert DEACTIVATE_LIMIT - 0.5 < took < DEACTIVATE_LIMIT + 4, err
     assert "could not deactivate node 6" in err and "no answer within 5 s" in err
+
+
+def test_a_supervisor_stopped_while_waiting_to_restart_says_so(tmp_path):
+    """The drill: "restart 1 in 5 s", then a quick SIGTERM, and the supervisor exited without a word. Now it says
+    it was stopped, by which signal, and that it does not restart; it exits at once (not after the 5 s)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    sup = subprocess.Popen([sys.executable, "-m", "fedproto.flower.supervise", "--backoff", "5", "--",
+                            sys.executable, "-c", "import sys; sys.exit(3)"],
+                           env={**os.environ, "PYTHONPATH": src}, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    t0 = time.monotonic()
+    while not any("restart 1 in 5 s" in x for x in lines):
+        assert time.monotonic() - t0 < 60, lines
+        lines.append(sup.stderr.readline())
+    t1 = time.monotonic()
+    sup.send_signal(signal.SIGTERM)
+    rest = sup.communicate(timeout=30)[1]
+    took = time.monotonic() - t1
+    assert sup.returncode == 0 and took < 3, (took, rest)
+    assert ("fedproto.flower.supervise: stopped by SIGTERM while waiting to restart "
+            f"{sys.executable} (restart 1): not restarted; exiting") in rest, rest

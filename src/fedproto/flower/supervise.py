@@ -184,7 +184,9 @@ def supervise(command: Sequence[str], backoff: float = 5.0, max_backoff: float =
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and stop["signal"] is None:
                 time.sleep(min(0.2, deadline - time.monotonic()))
-            if stop["signal"] is not None:
+            if stop["signal"] is not None:  # stopped while waiting to restart: say so, never exit silently
+                _say(f"stopped by {signal.Signals(stop['signal']).name} while waiting to restart {command[0]} "
+                     f"(restart {restarts}): not restarted; exiting")
                 return 0
             wait = backoff if flower in RETRY_STEADY else min(wait * 2, max_backoff)
     finally:
