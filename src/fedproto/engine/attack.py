@@ -8,10 +8,10 @@ import numpy as np
 
 from fedproto.algorithms.base import HEALTH_KEYS
 from fedproto.attacks import attacker_ids, corrupt_message
-from fedproto.config import RunConfig
+from fedproto.config_common import CommonConfig
 from fedproto.engine.executors.base import RoundReplies
 from fedproto.engine.loop import Observer, RoundLoop, Stage
-from fedproto.engine.summary import summarize
+from fedproto.engine.summary import ClientMetrics, Summary, summarize
 
 
 class SimulatedAttack(Stage, Observer):
@@ -23,7 +23,7 @@ class SimulatedAttack(Stage, Observer):
         cfg: the run's options. num_clients: m.
     """
 
-    def __init__(self, cfg: RunConfig, num_clients: int):
+    def __init__(self, cfg: CommonConfig, num_clients: int) -> None:
         self.cfg = cfg
         self.attackers = frozenset(attacker_ids(cfg.seed, num_clients, cfg.attackers))
 
@@ -34,7 +34,7 @@ class SimulatedAttack(Stage, Observer):
             msg, res = replies.replies[i]
             replies.replies[i] = (corrupt_message(msg, cfg.attack, rng, cfg.num_classes, cfg.attack_scale), res)
 
-    def summary(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def summary(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         if not self.attackers:
             return
         honest = [m for i, m in enumerate(per_client) if i not in self.attackers]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fedproto.algorithms.base import Algorithm, Message
+from fedproto.training import TrainResult
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def unusable(alg: Algorithm, cid: int, reply: Any, sent: Message, embedding_dim:
     return "" if clean else (_joined(parts) or "nothing usable")
 
 
-def check_replies(alg: Algorithm, embedding_dim: int, round: int, sent: dict[int, Message], replies: dict,
+def check_replies(alg: Algorithm, embedding_dim: int, round: int, sent: dict[int, Message],
+                  replies: dict[int, tuple[Message, TrainResult]],
                   who: Callable[[int], str] = lambda i: f"client {i}") -> tuple[dict[int, str], set[int]]:
     """Check every reply of round ``round`` before aggregation. A reply that is not what the
     algorithm sends (:func:`reply_problem`: types, keys, shapes) is dropped whole; then the

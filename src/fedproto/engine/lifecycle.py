@@ -12,15 +12,18 @@ simulated attack and full-test evaluation, which need the clients' data in this 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from fedproto.config import RunConfig
+import torch
+
+from fedproto.config_common import CommonConfig
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.checkpoints import Checkpoints, restore
 from fedproto.engine.observers.health import Health
 from fedproto.engine.observers.progress import Progress
 from fedproto.engine.observers.rundir import RunFolder
+from fedproto.engine.summary import Row, Summary
 from fedproto.errors import ConfigError
 from fedproto.results import RunDir
 
@@ -42,10 +45,11 @@ def check_observers(observers: Sequence[Any]) -> list[Observer]:
     return out
 
 
-def standard_observers(cfg: RunConfig, health: Health, run_dir: RunDir | None, config_record: Callable[[], dict],
-                       on_round: Callable[[dict], None] | None, *, checkpoint_every: int,
-                       before: Sequence[Observer] = (), run_folder: Sequence[Observer] = (),
-                       user: Sequence[Observer] = (), models: Callable[[], Any] | None = None) -> list[Observer]:
+def standard_observers(cfg: CommonConfig, health: Health, run_dir: RunDir | None,
+                       config_record: Callable[[], dict[str, Any]], on_round: Callable[[Row], None] | None, *,
+                       checkpoint_every: int, before: Sequence[Observer] = (), run_folder: Sequence[Observer] = (),
+                       user: Sequence[Observer] = (),
+                       models: Callable[[], Iterable[torch.nn.Module]] | None = None) -> list[Observer]:
     """A run's observers, in the order the loop calls them: ``health`` (a non-finite loss stops
     the run, the method's alerts), the front end's own ``before`` (the simulator's attack and
     full test), with a run folder :class:`RunFolder` then :class:`Checkpoints` every
@@ -58,8 +62,8 @@ def standard_observers(cfg: RunConfig, health: Health, run_dir: RunDir | None, c
     return [*obs, *user, Progress(on_round)]
 
 
-def run_rounds(loop: RoundLoop, run_dir: RunDir | None, checkpoint: dict | None = None, where: str = "",
-               on_error: Callable[[BaseException], None] | None = None) -> dict:
+def run_rounds(loop: RoundLoop, run_dir: RunDir | None, checkpoint: dict[str, Any] | None = None, where: str = "",
+               on_error: Callable[[BaseException], None] | None = None) -> Summary:
     """Run ``loop`` (whose ``message`` is set) from a ``checkpoint`` (None: round 1) into
     ``run_dir`` (None: write nothing): restore, :meth:`RunDir.begin`, :meth:`RoundLoop.run`; on
     any error ``on_error(e)`` and :meth:`RunDir.abort` (an earlier finished run comes back unless

@@ -20,11 +20,11 @@ import numpy as np
 
 from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, Message, message_size
 from fedproto.algorithms.state import ServerState, server_update
-from fedproto.config import RunConfig
+from fedproto.config_common import CommonConfig
 from fedproto.engine.checks import check_replies
 from fedproto.engine.executors.base import Executor, RoundReplies
 from fedproto.engine.seeding import sample_clients
-from fedproto.engine.summary import build_summary, rounds_trained, summarize
+from fedproto.engine.summary import ClientMetrics, Row, Summary, build_summary, rounds_trained, summarize
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +51,16 @@ class Observer:
     def aggregated(self, loop: RoundLoop, round: int) -> None:
         """After the server aggregated round ``round`` (``loop.message`` is the new message)."""
 
-    def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
+    def evaluated(self, loop: RoundLoop, round: int, per_client: list[ClientMetrics]) -> None:
         """After an evaluation (per-client metrics, indexed by client id)."""
 
-    def round_done(self, loop: RoundLoop, row: dict) -> None:
+    def round_done(self, loop: RoundLoop, row: Row) -> None:
         """The round's metrics row, appended to ``loop.history``."""
 
-    def summary(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def summary(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         """Add entries to ``summary`` or to the per-client rows (``clients.csv``) in place."""
 
-    def finish(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def finish(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         """The run finished; ``summary`` and ``per_client`` are final."""
 
 
@@ -89,13 +89,13 @@ class RoundLoop:
         totals: communication summed over rounds. train_time: seconds in rounds (without evaluation).
     """
 
-    def __init__(self, cfg: RunConfig, algorithm: Algorithm, executor: Executor, embedding_dim: int,
-                 observers: Sequence[Observer] = (), stages: Sequence[Stage] = ()):
+    def __init__(self, cfg: CommonConfig, algorithm: Algorithm, executor: Executor, embedding_dim: int,
+                 observers: Sequence[Observer] = (), stages: Sequence[Stage] = ()) -> None:
         self.cfg, self.algorithm, self.executor, self.embedding_dim = cfg, algorithm, executor, embedding_dim
         self.observers, self.stages = list(observers), list(stages)
         self.message: Message = {}
         self.server = ServerState({})  # the last aggregation's explicit state (the initial message before round 1)
-        self.history: list[dict] = []
+        self.history: list[Row] = []
         self.totals = dict.fromkeys(TOTALS, 0)
         self.train_time = 0.0
         self.wall_before = 0.0  # wall seconds of the rounds run before a resume
@@ -124,13 +124,13 @@ class RoundLoop:
         """Wall seconds of the run so far (rounds before a resume included)."""
         return time.perf_counter() - self.t_start
 
-    def run(self) -> dict:
+    def run(self) -> Summary:
         """Rounds ``start_round..rounds``, the final evaluation and the summary (returned)."""
         cfg, alg = self.cfg, self.algorithm
         self.t_start = time.perf_counter() - self.wall_before
         for o in self.observers:
             o.start(self)
-        per_client: list[dict] = []
+        per_client: list[ClientMetrics] = []
         for r in range(self.start_round, cfg.rounds + 1):
             row, evaluated = self.round(r)
             per_client = evaluated or per_client
@@ -148,7 +148,7 @@ class RoundLoop:
             o.finish(self, summary, per_client)
         return summary
 
-    def round(self, r: int) -> tuple[dict, list[dict] | None]:
+    def round(self, r: int) -> tuple[Row, list[ClientMetrics] | None]:
         """One round: returns its metrics row and the per-client metrics if it evaluated."""
         cfg, alg = self.cfg, self.algorithm
         t0 = time.perf_counter()
@@ -178,7 +178,7 @@ class RoundLoop:
             o.aggregated(self, r)
         seen = [got.replies[i][1] for i in ids if got.replies[i][1].loss_ce is not None]  # DP nodes send no losses
         self.train_time += t_train
-        row: dict[str, Any] = {
+        row: Row = {
             "round": r,
             "loss_ce": float(np.mean([x.loss_ce for x in seen])) if seen else None,
             "loss_proto": float(np.mean([x.loss_proto for x in seen])) if seen else None,
@@ -200,7 +200,7 @@ class RoundLoop:
             row["dropped_why"] = {str(i): why for i, why in dropped.items()}
         for k in TOTALS:
             self.totals[k] += row[k]
-        per_client = None
+        per_client: list[ClientMetrics] | None = None
         if r == cfg.rounds or (cfg.eval_every and r % cfg.eval_every == 0):
             t1 = time.perf_counter()
             per_client = self.evaluate(r)
@@ -210,7 +210,7 @@ class RoundLoop:
             row["eval_time_s"] = time.perf_counter() - t1
         return row, per_client
 
-    def evaluate(self, round: int) -> list[dict]:
+    def evaluate(self, round: int) -> list[ClientMetrics]:
         """Per-client metrics on each client's own test set (list indexed by client id)."""
         alg = self.algorithm
         per_client = self.executor.evaluate({i: alg.downlink(self.message, i)

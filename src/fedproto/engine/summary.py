@@ -43,8 +43,11 @@ def trained_in(row: Row, num_clients: int) -> Iterable[int]:
     """The clients that trained and replied in a metrics row: ``replied`` where the row has it (Flower:
     ``sampled`` also lists clients that did not answer), else ``sampled`` (in-process, the rounds where
     not every client took part), else all ``num_clients``."""
-    clients: Iterable[int] = row.get("replied", row.get("sampled", range(num_clients)))
-    return clients
+    for key in ("replied", "sampled"):
+        if key in row:
+            clients: Iterable[int] = row[key]
+            return clients
+    return range(num_clients)
 
 
 def rounds_trained(history: list[Row], num_clients: int) -> list[int]:
@@ -85,7 +88,7 @@ def _evaluated(per_client: list[ClientMetrics], last: Row) -> list[str]:
     return [k for k in keys if f"{k}_mean" in last and f"{k}_std" in last]
 
 
-def _precision_used(cfg: CommonConfig, executor: Any) -> str:
+def _precision_used(cfg: CommonConfig, executor: Executor) -> str:
     """The precision the clients trained in (:func:`fedproto.devices.resolve_precision`: the option's
     bf16 is fp32 on a CPU without bf16): the simulator's executors know it
     (``precision_in_use``); on Flower each node resolves it on its own device (a node that falls

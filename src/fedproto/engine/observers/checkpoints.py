@@ -9,8 +9,10 @@ from typing import Any
 
 from fedproto.checkpoint import save_checkpoint
 from fedproto.config import ADDED_FIELDS, result_fields
+from fedproto.config_common import CommonConfig
 from fedproto.engine.checks import message_problem
 from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.engine.summary import Row
 from fedproto.errors import CheckpointError, CheckpointMismatch, first_line
 from fedproto.results import RunDir
 
@@ -36,17 +38,17 @@ def checkpoint_state(loop: RoundLoop, r: int) -> dict[str, Any]:
 class Checkpoints(Observer):
     """Writes a checkpoint into ``run_dir`` after every ``every``-th round but the last."""
 
-    def __init__(self, run_dir: RunDir, every: int):
+    def __init__(self, run_dir: RunDir, every: int) -> None:
         self.run_dir, self.every = run_dir, every
 
-    def round_done(self, loop: RoundLoop, row: dict) -> None:
+    def round_done(self, loop: RoundLoop, row: Row) -> None:
         r = row["round"]
         if self.every and r % self.every == 0 and r < loop.cfg.rounds:
             self.run_dir.write_checkpoint(save_checkpoint, checkpoint_state(loop, r))
 
 
-def check_options(cfg, ckpt: dict, where: str, fix: str = "resume with the same options, or delete it to start "
-                  "from round 1") -> None:
+def check_options(cfg: CommonConfig, ckpt: dict[str, Any], where: str,
+                  fix: str = "resume with the same options, or delete it to start from round 1") -> None:
     """Refuse a checkpoint written under other result-changing options than ``cfg``'s.
 
     Raises:
@@ -60,7 +62,7 @@ def check_options(cfg, ckpt: dict, where: str, fix: str = "resume with the same 
         raise CheckpointMismatch(f"{where} was written by a run with other options ({shown}); {fix}")
 
 
-def restore(loop: RoundLoop, ckpt: dict, where: str) -> None:
+def restore(loop: RoundLoop, ckpt: dict[str, Any], where: str) -> None:
     """Load a checkpoint into ``loop`` (and its executor's clients): the next round, message,
     server state, metrics rows, totals and times.
 
@@ -90,9 +92,9 @@ def restore(loop: RoundLoop, ckpt: dict, where: str) -> None:
     except (RuntimeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where} does not fit this run's models ({type(e).__name__}: "
                               f"{first_line(e)[:200]}); delete it to start anew") from None
-    bad = message_problem(loop.algorithm, ckpt["message"], loop.message, loop.embedding_dim)
-    if bad:
-        raise CheckpointError(f"{where} is damaged: its server message {bad}; delete it to start from round 1")
+    problem = message_problem(loop.algorithm, ckpt["message"], loop.message, loop.embedding_dim)
+    if problem:
+        raise CheckpointError(f"{where} is damaged: its server message {problem}; delete it to start from round 1")
     loop.message = ckpt["message"]
     loop.history = list(ckpt["history"])
     loop.start_round = int(ckpt["round"]) + 1

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.setup import Setup
+from fedproto.engine.summary import ClientMetrics, Summary
 from fedproto.results import RunDir
 
 
 class Embeddings(Observer):
     """Writes ``embeddings.npz`` (:func:`fedproto.plots.save_embeddings`) into ``run_dir``."""
 
-    def __init__(self, setup: Setup, run_dir: RunDir):
+    def __init__(self, setup: Setup, run_dir: RunDir) -> None:
         self.setup, self.run_dir = setup, run_dir
 
-    def finish(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def finish(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         from fedproto.plots import save_embeddings
 
         save_embeddings(self.setup, self.run_dir.path)

@@ -4,18 +4,31 @@ every client's model and the ensemble of all client models on the dataset's full
 from __future__ import annotations
 
 import logging
+from typing import Any, TypedDict, cast
 
 import torch
 
+from fedproto.algorithms.base import Message
+from fedproto.data.datasets import Dataset
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.setup import Setup
-from fedproto.engine.summary import summarize
+from fedproto.engine.summary import ClientMetrics, Summary, summarize
 from fedproto.training import predict
 
 log = logging.getLogger(__name__)
 
 
-def full_test_evaluation(setup: Setup, message: dict, num_classes: int) -> dict | None:
+class FullTestResult(TypedDict):
+    """What :func:`full_test_evaluation` returns."""
+
+    summary: dict[str, Any]
+    """``summary.json``'s ``accuracy_full_test``: ``test_set`` (in words), per key the mean and std over
+    clients, ``ensemble_softmax`` and ``ensemble_vote``."""
+    clients: list[dict[str, float]]
+    """Per client (by id): :meth:`Algorithm.full_test_metrics`."""
+
+
+def full_test_evaluation(setup: Setup, message: Message, num_classes: int) -> FullTestResult | None:
     """Every client's model on the dataset's full test split (all classes;
     :meth:`Algorithm.full_test_metrics`, both inference rules where the algorithm has prototypes)
     and the ensemble of all client models on it: the mean of their softmax outputs
@@ -27,7 +40,8 @@ def full_test_evaluation(setup: Setup, message: dict, num_classes: int) -> dict 
     Returns:
         ``{"summary": {...}, "clients": [per-client dict]}``; accuracies in [0, 1].
     """
-    ds = setup.dataset
+    # Setup.dataset is annotated Dataset, but prepare() leaves it None for your own clients
+    ds = cast("Dataset | None", setup.dataset)
     if ds is None:
         log.warning("eval_full_test: your own clients have no shared test split; only the per-client test sets "
                     "are evaluated")
@@ -37,15 +51,15 @@ def full_test_evaluation(setup: Setup, message: dict, num_classes: int) -> dict 
     C = num_classes
     probs = torch.zeros(len(y), C, dtype=torch.float64)
     votes = torch.zeros(len(y), C, dtype=torch.float64)
-    per = []
+    per: list[dict[str, float]] = []
     for i, s in enumerate(S):
         logits, h = predict(s.model, x)
         logits, h = logits.cpu(), h.cpu()
         per.append(alg.full_test_metrics(s, alg.downlink(message, i), logits, h, y))
         probs += torch.softmax(logits.to(torch.float64), 1)
         votes[torch.arange(len(y)), logits.argmax(1)] += 1.0
-    out = {"test_set": f"the full test split: {len(y)} samples of all {C} classes (each client's model, and "
-                       f"the ensemble of all {len(S)})"}
+    out: dict[str, Any] = {"test_set": f"the full test split: {len(y)} samples of all {C} classes (each client's "
+                                       f"model, and the ensemble of all {len(S)})"}
     for k in per[0]:
         out[k] = dict(zip(("mean", "std"), summarize([m[k] for m in per])))
     out["ensemble_softmax"] = float((probs.argmax(1) == y).to(torch.float64).mean())
@@ -56,10 +70,10 @@ def full_test_evaluation(setup: Setup, message: dict, num_classes: int) -> dict 
 class FullTest(Observer):
     """Adds ``accuracy_full_test`` to the summary and ``full_*`` columns to ``clients.csv``."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup) -> None:
         self.setup = setup
 
-    def summary(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def summary(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         full = full_test_evaluation(self.setup, loop.message, loop.cfg.num_classes)
         if full is not None:
             summary["accuracy_full_test"] = full["summary"]

@@ -6,13 +6,16 @@ naming the client and round. The method supplies its own words (``divergence_hin
 from __future__ import annotations
 
 import logging
+from typing import Literal, overload
 
 import numpy as np
 
-from fedproto.config import RunConfig
+from fedproto.algorithms.base import Algorithm, ClientData
+from fedproto.config_common import CommonConfig
 from fedproto.data.inputs import finite
 from fedproto.engine.executors.base import RoundReplies
 from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.engine.summary import ClientMetrics
 from fedproto.errors import TrainingError, opt
 from fedproto.training import EMBED_NORM_LIMIT, EVAL_TRAIN_NORM_RATIO
 
@@ -38,8 +41,8 @@ class Health(Observer):
         train_norm: client -> largest training embedding norm of its last round.
     """
 
-    def __init__(self, cfg: RunConfig, attackers: frozenset[int] = frozenset(), data: list | None = None,
-                 algorithm=None):
+    def __init__(self, cfg: CommonConfig, attackers: frozenset[int] = frozenset(), data: list[ClientData] | None = None,
+                 algorithm: Algorithm | None = None) -> None:
         self.cfg, self.attackers, self.data = cfg, frozenset(attackers), data
         self.train_norm: dict[int, float] = {}
         self._alerts: dict[int, int] = {}  # client -> alerts logged
@@ -49,7 +52,8 @@ class Health(Observer):
         r = round
         seen = [(i, replies.replies[i][1]) for i in sorted(replies.replies)
                 if replies.replies[i][1].loss_ce is not None]  # a node under DP sends no losses
-        bad = [i for i, x in seen if not np.isfinite([x.loss_ce, x.loss_proto, x.loss_terms]).all()
+        # (loss_proto is None only where loss_ce is: those replies are not in seen)
+        bad = [i for i, x in seen if not np.isfinite(np.asarray([x.loss_ce, x.loss_proto, x.loss_terms])).all()
                and i not in self.attackers]
         if bad:
             dirty = [i for i in bad if self.data is not None and self.data[i].in_memory and not finite(self.data[i].x)]
@@ -77,7 +81,7 @@ class Health(Observer):
                 log.warning("round %d: %s%s", round, alert.text, f"; not repeated for this client ({alert.later})"
                             if seen == ALERTS_PER_CLIENT else "")
 
-    def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
+    def evaluated(self, loop: RoundLoop, round: int, per_client: list[ClientMetrics]) -> None:
         """Warn, naming the client and round, where evaluation embeddings or scores were not finite,
         the median embedding norm exceeded :data:`EMBED_NORM_LIMIT`, or it exceeded
         :data:`EVAL_TRAIN_NORM_RATIO` times the client's largest training embedding norm (without
@@ -98,11 +102,19 @@ class Health(Observer):
                 log.warning("round %d: client %d's test embeddings have median norm %.3g (limit %.0e): the model "
                             "blew up; %s", r, i, m["emb_norm"], EMBED_NORM_LIMIT, self.blowup_causes())
 
-    def algorithm_hints(self, hook: str):
+    @overload
+    def algorithm_hints(self, hook: Literal["attack_fix"]) -> str: ...
+
+    @overload
+    def algorithm_hints(self, hook: Literal["blowup_causes"]) -> list[str]: ...
+
+    def algorithm_hints(self, hook: Literal["attack_fix", "blowup_causes"]) -> str | list[str]:
         """The run's algorithm's ``hook(cfg)`` (``attack_fix``, ``blowup_causes``: the method's own
         words in the health messages), '' or [] before an algorithm is set."""
         alg = self.algorithm
-        return getattr(alg, hook)(self.cfg) if alg is not None else ("" if hook == "attack_fix" else [])
+        if alg is None:
+            return "" if hook == "attack_fix" else []
+        return alg.attack_fix(self.cfg) if hook == "attack_fix" else alg.blowup_causes(self.cfg)
 
     def start(self, loop: RoundLoop) -> None:
         self.algorithm = loop.algorithm

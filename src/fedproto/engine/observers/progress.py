@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 
 from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.engine.summary import Row
 from fedproto.results import round_line
 
 log = logging.getLogger("fedproto.simulation")  # the logger Python users turn INFO on for
@@ -20,7 +21,7 @@ class Progress(Observer):
         on_round: callback(row) or None.
     """
 
-    def __init__(self, on_round: Callable[[dict], None] | None = None):
+    def __init__(self, on_round: Callable[[Row], None] | None = None) -> None:
         self.on_round = on_round
 
     def start(self, loop: RoundLoop) -> None:
@@ -28,7 +29,7 @@ class Progress(Observer):
             for row in loop.history:
                 self.on_round(row)
 
-    def round_done(self, loop: RoundLoop, row: dict) -> None:
+    def round_done(self, loop: RoundLoop, row: Row) -> None:
         if "acc_mean" in row:  # one line per evaluated round, for Python users who turn INFO logging on
             log.info("%s", round_line(row, loop.cfg.rounds, loop.elapsed()))
         if self.on_round:

@@ -4,10 +4,13 @@ algorithm's own result files (FedProto: ``prototypes.npz``) and, with ``save_mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 from fedproto.engine.loop import Observer, RoundLoop
+from fedproto.engine.summary import ClientMetrics, Row, Summary
 from fedproto.results import RunDir
 
 
@@ -21,20 +24,21 @@ class RunFolder(Observer):
             holds none (Flower).
     """
 
-    def __init__(self, run_dir: RunDir, config_record: Callable[[], dict], models: Callable[[], list] | None = None):
+    def __init__(self, run_dir: RunDir, config_record: Callable[[], dict[str, Any]],
+                 models: Callable[[], Iterable[torch.nn.Module]] | None = None) -> None:
         self.run_dir, self.config_record, self.models = run_dir, config_record, models
 
     def start(self, loop: RoundLoop) -> None:
         self.run_dir.write_config(self.config_record())
 
-    def evaluated(self, loop: RoundLoop, round: int, per_client: list[dict]) -> None:
+    def evaluated(self, loop: RoundLoop, round: int, per_client: list[ClientMetrics]) -> None:
         if loop.executor.membership_changes:  # nodes that joined or were refused after the start
             self.run_dir.write_config(self.config_record())
 
-    def round_done(self, loop: RoundLoop, row: dict) -> None:
+    def round_done(self, loop: RoundLoop, row: Row) -> None:
         self.run_dir.log_round(row)
 
-    def finish(self, loop: RoundLoop, summary: dict, per_client: list[dict]) -> None:
+    def finish(self, loop: RoundLoop, summary: Summary, per_client: list[ClientMetrics]) -> None:
         rd = self.run_dir
         rd.write_summary(summary)
         rows: list[dict[str, Any]] = [{**base, **m} for base, m in zip(loop.executor.client_rows(), per_client)]
