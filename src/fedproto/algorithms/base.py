@@ -101,7 +101,10 @@ class ClientData:
     def __init__(self, x: Any, y: torch.Tensor, test_x: Any, test_y: torch.Tensor):
         self._x, self._test_x = x, test_x
         self.y, self.test_y = y, test_y
-        self._src = self._test_src = self._idx = self._test_idx = None
+        self._src: SharedInputs | None = None
+        self._test_src: SharedInputs | None = None
+        self._idx: torch.Tensor | None = None
+        self._test_idx: torch.Tensor | None = None
         self._dtype: torch.dtype | None = None
 
     @classmethod
@@ -122,8 +125,10 @@ class ClientData:
         """
         d = cls(None, train_y, None, test_y)
         d._src, d._test_src = train, test
-        d._idx, d._test_idx = torch.as_tensor(train_idx, dtype=torch.long), torch.as_tensor(test_idx, dtype=torch.long)
-        for split, idx, y, src in (("train", d._idx, train_y, train), ("test", d._test_idx, test_y, test)):
+        train_rows = torch.as_tensor(train_idx, dtype=torch.long)
+        test_rows = torch.as_tensor(test_idx, dtype=torch.long)
+        d._idx, d._test_idx = train_rows, test_rows
+        for split, idx, y, src in (("train", train_rows, train_y, train), ("test", test_rows, test_y, test)):
             if len(idx) != len(y):
                 raise ValueError(f"{split}: {len(idx)} indices but {len(y)} labels; give one label per index")
             if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= len(src)):
@@ -138,7 +143,7 @@ class ClientData:
     @property
     def x(self) -> Any:
         """Training inputs (n, C, H, W); for a view, gathered anew on every read."""
-        return self._gather(self._src, self._idx) if self._src is not None else self._x
+        return self._gather(self._src, self._idx) if self._src is not None and self._idx is not None else self._x
 
     @x.setter
     def x(self, value: Any) -> None:
@@ -147,7 +152,9 @@ class ClientData:
     @property
     def test_x(self) -> Any:
         """Test inputs (n_test, C, H, W); for a view, gathered anew on every read."""
-        return self._gather(self._test_src, self._test_idx) if self._test_src is not None else self._test_x
+        if self._test_src is not None and self._test_idx is not None:  # a view (both set together)
+            return self._gather(self._test_src, self._test_idx)
+        return self._test_x
 
     @test_x.setter
     def test_x(self, value: Any) -> None:
@@ -234,6 +241,9 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
     name: str = "base"
     """The method's registry name (the words of its errors and warnings)."""
 
+    _said_trains_nothing: bool = False
+    """Whether the log said once that the objective trains nothing (:meth:`local_objective`)."""
+
     freeze_after: int = 0
     """Two-stage training (practitioner's guide §4.3): after this round only the head trains (the
     server's messages carry ``head_only``); 0: off. The constructor argument of the same name."""
@@ -300,7 +310,7 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
             from fedproto.errors import ConfigError
 
             raise ConfigError(f"method {self.name!r}: {why}")
-        if obj.trains_nothing() and not getattr(self, "_said_trains_nothing", False):
+        if obj.trains_nothing() and not self._said_trains_nothing:
             import logging
 
             self._said_trains_nothing = True
@@ -309,8 +319,14 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
                 "its model is not trained (said once per run)", self.name, state.cid)
         if "head_only" in message:
             head = state.model.is_head_param
-            obj.phases = [Phase(p.epochs, (lambda n, t=p.trains: head(n) and (t is None or t(n))), frozen_eval=True)
-                          for p in obj.phases]
+
+            def head_of(t: Callable[[str], bool] | None) -> Callable[[str], bool]:
+                def trains(n: str) -> bool:  # the head's parameters among those the phase trains
+                    return head(n) and (t is None or t(n))
+
+                return trains
+
+            obj.phases = [Phase(p.epochs, head_of(p.trains), frozen_eval=True) for p in obj.phases]
         return respect_frozen(obj, frozen_params(state.model))
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
@@ -396,8 +412,9 @@ class Algorithm(ClientPart, ServerPart):
     embedding size). Default: one embedding size."""
 
     shares_weights: ClassVar[bool] = False
+    """True if messages carry model weights (such algorithms refuse heterogeneous client models)."""
 
-    sequential_only: ClassVar[bool] = False
+    sequential_only: bool = False
     """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
 
     seed: int = 0

@@ -47,7 +47,7 @@ class LogitDistill(LossTerm):
     def __init__(self, weight: float, table: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0):
         self.weight, self.table, self.mask, self.temperature = float(weight), table, mask, float(temperature)
 
-    def __call__(self, logits, h, y, w):
+    def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """(...) the weighted term for (..., B, C) logits, (..., B) labels and sample weights ``w``."""
         return self.weight * fd_distill_loss(logits, y, self.table.to(logits.dtype), self.mask, self.temperature,
                                              "ce", w.to(logits.dtype))
@@ -75,7 +75,7 @@ class FD(Algorithm):
                              "one is out of range")
         self.fd_lambda, self.fd_temperature = float(fd_lambda), float(fd_temperature)
 
-    def divergence_hint(self, cfg) -> str:
+    def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt
 
         return f" or {opt('fd_lambda')} (now {self.fd_lambda:g})" if self.fd_lambda > 0 else ""

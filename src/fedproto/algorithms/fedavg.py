@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +52,7 @@ from fedproto.algorithms.requirements import ONE_ARCHITECTURE, architecture_grou
 from fedproto.algorithms.state import ServerState
 from fedproto.errors import ConfigError, opt
 from fedproto.models.base import ProtoModel
+from fedproto.plugins import AlgorithmOptions
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ WEIGHT_PREFIX = "w/"
 COUNT_KEY = "n"
 
 
-def shared_tensors(model: ProtoModel, include=None) -> OrderedDict[str, torch.Tensor]:
+def shared_tensors(model: ProtoModel, include: Callable[[str], bool] | None = None) -> OrderedDict[str, torch.Tensor]:
     """Name -> tensor of what ``model`` shares: its parameters and floating-point buffers that pass
     ``include(name)`` (None: all), in ``named_parameters`` then ``named_buffers`` order, without
     the frozen ones (:func:`frozen_tensors`), which stay the client's own."""
@@ -87,7 +90,7 @@ def frozen_tensors(model: ProtoModel) -> frozenset[str]:
     return frozenset(out)
 
 
-def weights_message(model: ProtoModel, include=None) -> Message:
+def weights_message(model: ProtoModel, include: Callable[[str], bool] | None = None) -> Message:
     """``{"w/<name>": float32 copy}`` of the shared tensors of ``model``."""
     return {
         WEIGHT_PREFIX + name: t.detach().cpu().numpy().astype(np.float32, copy=True)
@@ -96,7 +99,7 @@ def weights_message(model: ProtoModel, include=None) -> Message:
 
 
 @torch.no_grad()
-def load_weights(model: ProtoModel, message: Message, include=None) -> None:
+def load_weights(model: ProtoModel, message: Message, include: Callable[[str], bool] | None = None) -> None:
     """Copy every ``w/<name>`` of ``message`` into the model's shared tensor ``name``.
 
     Tensors without an entry are left alone (e.g. an empty message). Raises ``ValueError`` on a
@@ -111,7 +114,7 @@ def load_weights(model: ProtoModel, message: Message, include=None) -> None:
         t.copy_(torch.as_tensor(np.asarray(arr), dtype=t.dtype))
 
 
-def check_same_shapes(states: list[ClientState], method: str, include=None) -> None:
+def check_same_shapes(states: list[ClientState], method: str, include: Callable[[str], bool] | None = None) -> None:
     """Raise :class:`ConfigError` unless all clients share the same tensors (:func:`shared_tensors`:
     names and shapes, frozen tensors left out).
 
@@ -231,10 +234,10 @@ class FedAvg(Algorithm):
     """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedavg"
-    Options = WeightsOptions
+    Options: ClassVar[type[AlgorithmOptions] | None] = WeightsOptions
     shares_weights = True
 
-    def include(self, model: ProtoModel):
+    def include(self, model: ProtoModel) -> Callable[[str], bool] | None:
         """Predicate on tensor names: which tensors are shared (FedAvg: all; None means all)."""
         return None
 

@@ -139,7 +139,7 @@ class FedGH(Algorithm):
         return ServerState({"head/weight": w.astype(np.float32), "head/bias": b.astype(np.float32)},
                            metrics={"server_loss": info["loss"]}, checkpoint={"head_w": w, "head_b": b})
 
-    def resume_state(self, message: Message, checkpoint: dict) -> ServerState:
+    def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
         """The state after a checkpoint's round: its message and its head as trained.
 
         Raises:

@@ -23,12 +23,14 @@ personal layers (as they are after its last local training), on its own test set
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from fedproto.algorithms.base import optim_config
+from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import FedAvg
 from fedproto.algorithms.options import FedPerOptions
 from fedproto.models.base import ProtoModel
+from fedproto.plugins import AlgorithmOptions
 from fedproto.training import OptimConfig
 
 PERSONAL_LAYERS = ("fc", "head")
@@ -46,7 +48,7 @@ class FedPer(FedAvg):
     """
 
     name = "fedper"
-    Options = FedPerOptions
+    Options: ClassVar[type[AlgorithmOptions] | None] = FedPerOptions
     global_protocol = ("global: the server's aggregated body (shared layers) after the last round's aggregation, "
                        "with the client's own personal layers as its last local training left them, on the client's "
                        "own test set")
@@ -63,12 +65,16 @@ class FedPer(FedAvg):
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.personal_layers,
                    freeze_after=cfg.freeze_after)
 
-    def is_personal(self, model: ProtoModel):
+    def is_personal(self, model: ProtoModel) -> Callable[[str], bool]:
         """Predicate on tensor names: True for the tensors that stay on the client."""
         layers = self.personal_layers
-        return lambda name: model.is_personal_param(name, layers)
 
-    def initial_message(self, states):
+        def personal(name: str) -> bool:
+            return model.is_personal_param(name, layers)
+
+        return personal
+
+    def initial_message(self, states: list[ClientState]) -> Message:
         """As FedAvg's, after checking that every client model has personal layers (a model whose
         head is unknown, e.g. one returning (logits, embedding) given without ``head=``, would share
         everything and run as FedAvg)."""
@@ -76,12 +82,12 @@ class FedPer(FedAvg):
             self._check_personal(s)
         return super().initial_message(states)
 
-    def join_message(self, state):
+    def join_message(self, state: ClientState) -> Message:
         """As FedAvg's (the shared tensors), after the personal-layer check of :meth:`initial_message`."""
         self._check_personal(state)
         return super().join_message(state)
 
-    def _check_personal(self, s) -> None:
+    def _check_personal(self, s: ClientState) -> None:
         from fedproto.errors import ConfigError
 
         personal = self.is_personal(s.model)
@@ -89,6 +95,11 @@ class FedPer(FedAvg):
             raise ConfigError(f"{self.name} keeps the head on the client, but client {s.cid}'s model has no known "
                               "head; give Client(..., head='<name of its final layer>')")
 
-    def include(self, model: ProtoModel):
+    def include(self, model: ProtoModel) -> Callable[[str], bool]:
+        """The tensors shared: all but the personal layers (:meth:`is_personal`)."""
         personal = self.is_personal(model)
-        return lambda name: not personal(name)
+
+        def shared(name: str) -> bool:
+            return not personal(name)
+
+        return shared

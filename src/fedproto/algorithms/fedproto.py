@@ -15,7 +15,7 @@ its reply and set-up checks :class:`~fedproto.algorithms.fedproto_checks.ProtoSe
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ from fedproto.algorithms.proto_steps import (
 from fedproto.algorithms.proto_term import ProtoTerm
 from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.state import ServerState
+from fedproto.models.base import ProtoModel
+from fedproto.plugins import AlgorithmOptions
 from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     AGGREGATION_RULES,
@@ -50,6 +52,7 @@ from fedproto.prototypes import (
     prototype_table,
 )
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, TrainResult, embed_all, poisson_plan, predict
+from fedproto.training.plans import Plan
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class FedProto(ProtoServerChecks, Algorithm):
     """What the clients' models must share (:mod:`fedproto.algorithms.requirements`)."""
 
     name = "fedproto"
-    Options = FedProtoOptions
+    Options: ClassVar[type[AlgorithmOptions] | None] = FedProtoOptions
 
     def __init__(
         self,
@@ -203,15 +206,17 @@ class FedProto(ProtoServerChecks, Algorithm):
         return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, embedding_dim=embedding_dim,
                    freeze_after=cfg.freeze_after, **values)
 
-    def _table(self, message: Message):
+    def _table(self, message: Message) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The global prototypes of ``message`` as a dense (C, d) float32 table and its (C,) bool
+        mask of the classes present; None without prototypes."""
         if "protos" not in message or len(message["classes"]) == 0:
-            return None, None
+            return None
         return prototype_table(message["classes"], message["protos"], self.num_classes, message["protos"].shape[1])
 
     def objective(self, state: ClientState, message: Message) -> Objective:
-        table, mask = self._table(message)
+        tm = self._table(message)
         lam = float(np.asarray(message["lambda"]).reshape(-1)[0]) if "lambda" in message else self.lambda_proto
-        terms = (ProtoTerm(lam, table, mask, self.distance, self.proto_normalize),) if table is not None and lam > 0 \
+        terms = (ProtoTerm(lam, tm[0], tm[1], self.distance, self.proto_normalize),) if tm is not None and lam > 0 \
             else ()
         return Objective(
             phases=[Phase(self.local_epochs)],
@@ -220,7 +225,7 @@ class FedProto(ProtoServerChecks, Algorithm):
             dp_sgd=DPSGD(self.dp_noise, self.dp_grad_clip, self.opt.batch_size) if self.dp == "full" else None,
         )
 
-    def plan(self, state: ClientState, obj, n: int, rng: np.random.Generator):
+    def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator) -> Plan:
         """The batch plan; with ``dp="full"`` Poisson-sampled (:func:`fedproto.training.poisson_plan`)
         with the DP-SGD noise seed drawn after it, both from :func:`fedproto.privacy.secure_rng`
         (which the server cannot regenerate) unless ``dp_reproducible_noise``, which draws them
@@ -252,6 +257,8 @@ class FedProto(ProtoServerChecks, Algorithm):
             return {"classes": classes, "protos": protos, "counts": cnt}
         if self.proto_source == "last_epoch":
             sums, counts = result.sums, result.counts
+            if sums is None or counts is None:  # objective() collects them with proto_source last_epoch
+                raise RuntimeError(f"method {self.name!r}: training collected no class sums (Objective.collect)")
         else:
             sums, counts = class_sums(embed_all(state.model, data.x), data.y, self.num_classes)
         classes, protos, cnt = local_prototypes(sums, counts)
@@ -270,14 +277,15 @@ class FedProto(ProtoServerChecks, Algorithm):
     def server_steps(self) -> ProtoSteps:
         """The parts :meth:`aggregate` runs (:mod:`fedproto.algorithms.proto_steps`), built from the
         options once per run: a subclass replaces one (e.g. ``rule``) by overriding this."""
-        if getattr(self, "_steps", None) is None:
-            self._steps = ProtoSteps(
+        steps: ProtoSteps | None = getattr(self, "_steps", None)  # None before the first call
+        if steps is None:
+            steps = self._steps = ProtoSteps(
                 SampleFilter(self.min_proto_samples),
                 ClassCheck(self.class_check, self.embedding_dim) if self.class_check > 0 else None,
                 OutlierExclusion(self.exclude_outliers, self.num_classes) if self.exclude_outliers > 0 else None,
                 AggregationRule(self.num_classes, self.aggregation, self.trim, self.min_contributors),
                 Momentum(self.proto_momentum), DistanceMonitor(self.proto_dist_alert))
-        return self._steps
+        return steps
 
     def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
         """Global prototypes from the clients' local ones (eq. 6, ``aggregation``), after
@@ -309,7 +317,7 @@ class FedProto(ProtoServerChecks, Algorithm):
             if self.lambda_warmup > 0 else None
         return proto_round(steps, round, messages, previous, trained, nxt)
 
-    def resume_state(self, message: Message, checkpoint: dict) -> ServerState:
+    def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
         """The state after a checkpoint's round: its message and, from the checkpoint, the last
         contributors (``prototypes.npz``); a checkpoint written before client sampling has no
         ``last_cids``."""
@@ -317,7 +325,7 @@ class FedProto(ProtoServerChecks, Algorithm):
         return ServerState(message, checkpoint=checkpoint,
                            files=prototype_files(message, checkpoint.get("last_contributors")))
 
-    def check_models(self, models) -> None:
+    def check_models(self, models: list[ProtoModel]) -> None:
         """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
         recurrent layers that train (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``: Opacus has per-sample
         gradients for its own ``DPGRU``/``DPLSTM``/``DPRNN`` only), and models with
@@ -331,7 +339,7 @@ class FedProto(ProtoServerChecks, Algorithm):
             from fedproto.errors import ConfigError
             from fedproto.training import frozen_batchnorms
 
-            def trains_bn(m) -> bool:
+            def trains_bn(m: nn.Module) -> bool:
                 frozen = {id(b) for b in frozen_batchnorms(m)}
                 return any(isinstance(b, nn.modules.batchnorm._BatchNorm) and id(b) not in frozen for b in m.modules())
 
@@ -365,10 +373,11 @@ class FedProto(ProtoServerChecks, Algorithm):
         n = len(y)
         out = {"acc": float((logits.argmax(1) == y).float().mean()) if n else float("nan"),
                **embedding_health(h, logits)}
-        table, mask = self._table(message)
-        if table is None:
+        tm = self._table(message)
+        if tm is None:
             out["acc_proto"] = float("nan")
             return out
+        table, mask = tm
         allowed = mask.clone()
         if self.proto_classes == "own":
             own = torch.zeros(self.num_classes, dtype=torch.bool)
@@ -378,13 +387,15 @@ class FedProto(ProtoServerChecks, Algorithm):
         out["acc_proto"] = float((pred.to(y.device) == y).float().mean()) if n else float("nan")
         return out
 
-    def full_test_metrics(self, state: ClientState, message: Message, logits, h, y) -> dict[str, float]:
+    def full_test_metrics(self, state: ClientState, message: Message, logits: torch.Tensor, h: torch.Tensor,
+                          y: torch.Tensor) -> dict[str, float]:
         """As :meth:`Algorithm.full_test_metrics`, plus ``acc_proto``: nearest global prototype
         (eq. 4) among all classes with one (``proto_classes`` does not apply: the test set holds
         every class)."""
         out = super().full_test_metrics(state, message, logits, h, y)
-        table, mask = self._table(message)
-        if table is not None and len(y):
+        tm = self._table(message)
+        if tm is not None and len(y):
+            table, mask = tm
             pred = nearest_prototype(h, table, mask, self.proto_normalize)
             out["acc_proto"] = float((pred == y).to(torch.float64).mean())
         return out
@@ -392,9 +403,10 @@ class FedProto(ProtoServerChecks, Algorithm):
     def proto_distance(self, state: ClientState, message: Message, data: ClientData) -> float:
         """Monitoring: mean L2 distance between the client's train embeddings (eval mode) and the
         global prototype of their class, over samples whose class has one (nan if none)."""
-        table, mask = self._table(message)
-        if table is None:
+        tm = self._table(message)
+        if tm is None:
             return float("nan")
+        table, mask = tm
         h = embed_all(state.model, data.x)
         table, mask, y = table.to(h.device), mask.to(h.device), data.y.to(h.device)
         cov = mask[y]

@@ -8,6 +8,7 @@ methods that subclass it); it reads the options FedProto sets on itself.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +19,23 @@ class ProtoServerChecks:
     """The server-side checks of a prototype method: replies of ``classes`` (K,) int,
     ``protos`` (K, d), ``counts`` (K,); reads ``num_classes``, ``embedding_dim`` and FedProto's
     options (``min_contributors``, ``min_proto_samples``, ``aggregation``, ``dp`` ...) from ``self``."""
+
+    # what this part reads from the method it is a part of (FedProto sets them in its constructor)
+    num_classes: int
+    embedding_dim: int
+    min_contributors: int
+    min_proto_samples: int
+    lambda_proto: float
+    aggregation: str
+    trim: float
+    exclude_outliers: float
+    class_check: float
+    dp: str
+    dp_noise: float
+    dp_clip: float
+    dp_grad_clip: float
+    dp_delta: float
+    dp_reproducible_noise: bool
 
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
         """A client's reply with its bad prototype rows dropped, and why each was dropped: rows
@@ -83,7 +101,7 @@ class ProtoServerChecks:
             return f"prototypes have shape {p.shape}, expected ({len(c)}, {d}) (embedding size {d})"
         return ""
 
-    def check_setup(self, cfg, train_labels: list[np.ndarray]) -> None:
+    def check_setup(self, cfg: Any, train_labels: list[np.ndarray]) -> None:
         """``min_proto_samples`` must leave some prototype to send: refused when it exceeds every
         client's count of every class; ``min_contributors`` must be reachable: refused when it
         exceeds the clients taking part in a round or the holders of every class."""
@@ -113,7 +131,7 @@ class ProtoServerChecks:
                                   option="min_proto_samples", value=self.min_proto_samples,
                                   hint=f"use {opt('min_proto_samples', most)} or less")
 
-    def setup_warnings(self, cfg) -> list[str]:
+    def setup_warnings(self, cfg: Any) -> list[str]:
         """``dp_reproducible_noise``: ignored without ``dp``; under ``dp`` the noise no longer
         protects against whoever knows the seed."""
         if not self.dp_reproducible_noise:
@@ -123,7 +141,7 @@ class ProtoServerChecks:
         return ["dp_reproducible_noise: the DP noise is drawn from the run's seed, so the privacy guarantee does not "
                 "hold against anyone who knows the seed (use it for reproducible experiments only)"]
 
-    def divergence_hint(self, cfg) -> str:
+    def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt
 
         out = f" or {opt('lambda_proto')} (now {self.lambda_proto})" if self.lambda_proto > 0 else ""
@@ -140,7 +158,7 @@ class ProtoServerChecks:
                         "checks each prototype against the last global prototypes instead")
         return out
 
-    def attack_fix(self, cfg) -> str:
+    def attack_fix(self, cfg: Any) -> str:
         """'' under ``mean``/``weighted`` without exclusion (:meth:`divergence_hint` names the robust
         rules already); else that the robust rule in force did not hold the attackers off."""
         from fedproto.errors import opt
@@ -153,21 +171,21 @@ class ProtoServerChecks:
                              else "") + f" did not hold them off: raise {opt('trim')} (trimmed), add "
                 f"{opt('exclude_outliers')}, or lower {opt('attackers')}")
 
-    def blowup_causes(self, cfg) -> list[str]:
+    def blowup_causes(self, cfg: Any) -> list[str]:
         """With ``dp``: the DP noise."""
         if self.dp == "off":
             return []
         return [f"the DP noise (dp_noise={self.dp_noise:g}, dp_clip={self.dp_clip:g}: the noise added to "
                 "prototypes grows with both)"]
 
-    def summary_entries(self, cfg, per_client: list[dict]) -> dict:
+    def summary_entries(self, cfg: Any, per_client: list[dict[str, Any]]) -> dict[str, Any]:
         """``privacy`` under DP: the mode, noise, clips, delta, the clients' largest and mean ε (from
         their reports; under Flower NaN for a node that did not answer, none under ``dp=full``:
         each node keeps its own), the accountant and the neighbouring relation."""
         if self.dp == "off":
             return {}
         eps = [m["dp_epsilon"] for m in per_client if m.get("dp_epsilon", math.nan) == m.get("dp_epsilon")]
-        privacy = {
+        privacy: dict[str, Any] = {
             "mode": self.dp, "noise_multiplier": self.dp_noise, "embedding_clip": self.dp_clip,
             "grad_clip": self.dp_grad_clip if self.dp == "full" else None, "delta": self.dp_delta,
             "epsilon_max": float(max(eps)) if eps else None, "epsilon_mean": float(np.mean(eps)) if eps else None,

@@ -45,7 +45,7 @@ class FedProx(FedAvg):
             raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
         self.prox_mu = float(prox_mu)
 
-    def divergence_hint(self, cfg) -> str:
+    def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt
 
         return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""

@@ -96,7 +96,7 @@ class FedTGP(FedProto):
             [m["classes"] for m in msgs], [m["protos"] for m in msgs], [m["counts"] for m in msgs], tgp,
             self.num_classes, self.server_epochs, self.server_lr, self.margin_threshold, self.server_batch_size,
             seed=self.seed * 100_003 + round)
-        message = {"classes": np.arange(self.num_classes, dtype=np.int64), "protos": G.astype(np.float32)}
+        message: Message = {"classes": np.arange(self.num_classes, dtype=np.int64), "protos": G.astype(np.float32)}
         metrics = {"lambda": lambda_at(round, self.lambda_proto, self.lambda_warmup, self.lambda_schedule)
                    if "protos" in previous else 0.0}
         if info:

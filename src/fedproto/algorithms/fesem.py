@@ -119,15 +119,15 @@ class FeSEM(FedAvg):
         centres = {k: v for k, v in state.message.items() if k.startswith(WEIGHT_PREFIX)}
         assign = np.asarray(state.message[ASSIGN_KEY], np.int64).copy()
         cids = list(messages)
-        messages = list(messages.values())
+        replies = list(messages.values())
         if cids and max(cids) >= len(assign):
             assign = np.concatenate([assign, np.zeros(max(cids) + 1 - len(assign), np.int64)])
-        d = centre_distances(messages, centres)
+        d = centre_distances(replies, centres)
         a = d.argmin(1)
         assign[cids] = a
         new = {k: np.array(v, copy=True) for k, v in centres.items()}
         for k in range(self.clusters):
-            members = [messages[j] for j in np.flatnonzero(a == k)]
+            members = [replies[j] for j in np.flatnonzero(a == k)]
             if not members:
                 continue  # empty cluster: keep its centre
             avg = weighted_average(members)

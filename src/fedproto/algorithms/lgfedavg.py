@@ -49,7 +49,7 @@ def head_tensors(model: ProtoModel) -> dict[str, torch.Tensor]:
     Raises:
         ConfigError: a model without a known head (:meth:`ProtoModel.is_head_param`).
     """
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if model.is_head_param(name):
             prefix = next(pre for pre in model.head_prefixes if name.startswith(pre))

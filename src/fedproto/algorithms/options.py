@@ -66,9 +66,10 @@ class FedRepOptions(FedPerOptions):
 
     @model_validator(mode="after")
     def _fedrep(self) -> Any:
-        if getattr(self, "algorithm", "fedrep") == "fedrep" and getattr(self, "freeze_after", 0):
-            raise ConfigError(f"{opt('freeze_after', self.freeze_after)}: FedRep already trains its head alone before "
-                              "the body each round", option="freeze_after", value=self.freeze_after,
+        run: Any = self  # the composed run options (config.config_model: the common fields too), built at run time
+        if getattr(run, "algorithm", "fedrep") == "fedrep" and getattr(run, "freeze_after", 0):
+            raise ConfigError(f"{opt('freeze_after', run.freeze_after)}: FedRep already trains its head alone before "
+                              "the body each round", option="freeze_after", value=run.freeze_after,
                               hint=f"use {opt('freeze_after', 0)} with fedrep")
         return self
 
@@ -163,32 +164,33 @@ class FedProtoOptions(ProtoClientOptions):
     def _privacy(self) -> Any:
         if not hasattr(self, "algorithm"):
             return self
+        run: Any = self  # the composed run options (config.config_model: execution, workers too), built at run time
         if 0 < self.proto_dist_alert < 1:
             raise ConfigError(f"{opt('proto_dist_alert', self.proto_dist_alert)} would flag clients below the "
                               "median", option="proto_dist_alert", value=self.proto_dist_alert,
                               hint="use 0 (no warning) or a factor >= 1 (e.g. 3)")
         if self.dp == "off":
             return self
-        if "dp" not in options_of(self.algorithm).model_fields:
+        if "dp" not in options_of(run.algorithm).model_fields:
             what = {"weights": "model weights", "logits": "per-class logits", "nothing": "nothing"}.get(
-                options_of(self.algorithm).sends, "messages")
+                getattr(options_of(run.algorithm), "sends", "messages"), "messages")
             raise ConfigError(f"{opt('dp', self.dp)} protects FedProto's prototypes; "
-                              f"{opt('algorithm', self.algorithm)} sends {what}, which it does not cover",
+                              f"{opt('algorithm', run.algorithm)} sends {what}, which it does not cover",
                               option="dp", value=self.dp,
                               hint=f"use {opt('algorithm', 'fedproto')} or {opt('dp', 'off')}")
-        if self.dp == "full" and self.execution == "batched":
+        if self.dp == "full" and run.execution == "batched":
             raise ConfigError(f"{opt('dp', 'full')} trains with DP-SGD on the sequential path", option="execution",
-                              value=self.execution,
+                              value=run.execution,
                               hint=f"use {opt('execution', 'auto')} or {opt('execution', 'sequential')}")
         if self.dp == "full" and self.distance == "l2":
             raise ConfigError(f"{opt('dp', 'full')} needs a loss that is a mean of per-sample terms; "
                               f"{opt('distance', 'l2')} compares a batch prototype", option="distance",
                               value=self.distance,
                               hint=f"use {opt('distance', 'mse')} or {opt('distance', 'squared_l2')}")
-        if self.dp == "full" and self.workers > 1:
-            raise ConfigError(f"{opt('workers', self.workers)}: worker processes train batched client groups on "
+        if self.dp == "full" and run.workers > 1:
+            raise ConfigError(f"{opt('workers', run.workers)}: worker processes train batched client groups on "
                               f"the CPU, and this run has {opt('dp', 'full')} (DP-SGD trains one client at a time)",
-                              option="workers", value=self.workers, hint=f"use {opt('workers', 1)} (or 0 for auto)")
+                              option="workers", value=run.workers, hint=f"use {opt('workers', 1)} (or 0 for auto)")
         return self
 
 

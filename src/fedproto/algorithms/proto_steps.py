@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from fedproto.algorithms.state import Alert, Message, ServerState
 from fedproto.prototypes import aggregate_prototypes, class_check, client_distances, momentum_prototypes, robust_z
+from fedproto.prototypes.aggregation import AggregationRule as RuleName
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class ClassCheck:
         self.z, self.embedding_dim = float(z), int(embedding_dim)
         self._warned = False
 
-    def __call__(self, round: int, rows: Rows, previous: Message) -> tuple[Rows, dict]:
+    def __call__(self, round: int, rows: Rows, previous: Message) -> tuple[Rows, dict[str, Any]]:
         """Returns the kept rows and the metrics ``flagged`` (clients with a row left out),
         ``flagged_rows`` (how many rows) and ``flagged_many`` (1 when more than a third of the
         round's clients are flagged, else 0: a warning is logged then, since the check is
@@ -153,7 +154,7 @@ class OutlierExclusion:
         out = [j for j in range(len(rows.cids)) if z[j] > self.z]
         return out if len(out) < len(rows.cids) else []
 
-    def __call__(self, round: int, rows: Rows) -> tuple[Rows, dict]:
+    def __call__(self, round: int, rows: Rows) -> tuple[Rows, dict[str, Any]]:
         """Returns the kept rows and the metric ``excluded`` (the clients left out)."""
         out = self.outliers(round, rows)
         excluded = [int(rows.cids[j]) for j in out]
@@ -176,7 +177,8 @@ class AggregationRule:
         self._warned = False
 
     def __call__(self, round: int, rows: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cls, protos, contrib = aggregate_prototypes(*rows.parts(), self.num_classes, self.rule, self.trim,
+        rule = cast(RuleName, self.rule)  # a str of AGGREGATION_RULES: aggregate_prototypes refuses others (ValueError)
+        cls, protos, contrib = aggregate_prototypes(*rows.parts(), self.num_classes, rule, self.trim,
                                                     self.min_contributors)
         if self.rule == "trimmed" and not self._warned:
             self._warn_trim(round, cls, contrib)
@@ -232,7 +234,7 @@ class DistanceMonitor:
         """(n_replies,) distances, NaN for a reply sharing no class with the global prototypes."""
         return client_distances(rows.classes, rows.protos, cls, protos)
 
-    def __call__(self, rows: Rows, d: np.ndarray) -> tuple[dict, list[Alert]]:
+    def __call__(self, rows: Rows, d: np.ndarray) -> tuple[dict[str, Any], list[Alert]]:
         """Metrics and alerts of the distances ``d`` of the replies ``rows``."""
         if not np.isfinite(d).any():
             return {}, []
@@ -285,7 +287,7 @@ def proto_round(steps: ProtoSteps, round: int, messages: dict[int, Message], pre
     rows = Rows.of(messages)
     metrics: dict[str, Any] = {} if trained_lambda is None else {"lambda": trained_lambda}
     kept = steps.filter(rows)
-    flagged: dict = {}
+    flagged: dict[str, Any] = {}
     if steps.check is not None:
         kept, flagged = steps.check(round, kept, previous)
     if steps.exclusion is not None:

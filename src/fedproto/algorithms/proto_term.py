@@ -3,9 +3,12 @@ training paths call it as they call any method's term, so the objective names no
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from fedproto.prototypes import proto_loss
+from fedproto.prototypes.distances import DistanceForm
 from fedproto.training import LossTerm
 
 
@@ -35,7 +38,8 @@ class ProtoTerm(LossTerm):
     def parts(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor,
               w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(λ x distance, distance), each (...)."""
-        lp = proto_loss(h, y, self.table, self.mask, self.form, w, self.normalize)
+        form = cast(DistanceForm, self.form)  # a str of DISTANCE_FORMS: proto_loss refuses others (ValueError)
+        lp = proto_loss(h, y, self.table, self.mask, form, w, self.normalize)
         return self.weight * lp, lp
 
     def __call__(self, logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

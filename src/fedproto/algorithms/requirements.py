@@ -19,11 +19,18 @@ Size: about 160 lines.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 from torch import nn
 
 from fedproto.errors import ModelError
+from fedproto.models.base import ProtoModel
+
+H = TypeVar("H", bound=Hashable)
+
+Signature = tuple[tuple[str, tuple[int, ...]], ...]
+"""A model's architecture as weight averaging sees it: (name, shape) per shared tensor."""
 
 ONE_ARCHITECTURE = "one architecture"
 ONE_EMBEDDING = "one embedding size"
@@ -47,10 +54,10 @@ def model_needs(cls: type) -> str:
     Raises:
         ValueError: ``model_needs`` is not one of :data:`NEEDS`.
     """
-    needs = getattr(cls, "model_needs", ONE_EMBEDDING)
+    needs: Any = getattr(cls, "model_needs", ONE_EMBEDDING)  # declared on Algorithm; the same default for a bare class
     if needs not in NEEDS:
         raise ValueError(f"{getattr(cls, 'name', cls.__name__)}.model_needs={needs!r}: state one of {NEEDS}")
-    return needs
+    return str(needs)
 
 
 def needs_one_size(algorithm: str) -> bool:
@@ -62,25 +69,25 @@ def needs_one_size(algorithm: str) -> bool:
     return model_needs(get_algorithm(algorithm)) in (ONE_EMBEDDING, ONE_ARCHITECTURE)
 
 
-def architecture(model: nn.Module, include=None) -> tuple:
+def architecture(model: nn.Module, include: Callable[[str], bool] | None = None) -> Signature:
     """A model's architecture as weight averaging sees it: the names and shapes of its parameters
     and buffers (those ``include(name)`` keeps, when given: the tensors a method shares)."""
     return tuple((n, tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()]
                  if include is None or include(n))
 
 
-def _groups(values: Sequence) -> dict:
-    out: dict = {}
+def _groups(values: Sequence[H]) -> dict[H, list[int]]:
+    out: dict[H, list[int]] = {}
     for i, v in enumerate(values):
         out.setdefault(v, []).append(i)
     return out
 
 
-def architecture_groups(sigs: Sequence, cids: Sequence[int], limit: int | None = None) -> list[str]:
+def architecture_groups(sigs: Sequence[Signature], cids: Sequence[int], limit: int | None = None) -> list[str]:
     """Clients grouped by architecture signature, in words: ``clients [..] (like client c0)`` for the first
     client's group, ``clients [..] (differ at 'name': b vs a)`` for each other group (the first parameter whose
     shape differs). ``sigs``: one signature (a tuple of (name, shape) pairs) per client, ``cids`` their ids."""
-    groups: dict = {}
+    groups: dict[Signature, list[int]] = {}
     for sig, cid in zip(sigs, cids):
         groups.setdefault(sig, []).append(cid)
     ref, parts = sigs[0], []
@@ -95,7 +102,7 @@ def architecture_groups(sigs: Sequence, cids: Sequence[int], limit: int | None =
     return parts
 
 
-def meets(needs: str, models: Sequence[nn.Module]) -> bool:
+def meets(needs: str, models: Sequence[ProtoModel]) -> bool:
     """True when ``models`` (one per client) meet the statement ``needs``."""
     if needs in (NOTHING, LABEL_SPACE):
         return True
@@ -104,7 +111,7 @@ def meets(needs: str, models: Sequence[nn.Module]) -> bool:
     return needs != ONE_ARCHITECTURE or len({architecture(m) for m in models}) <= 1
 
 
-def methods_for(models: Sequence[nn.Module]) -> list[str]:
+def methods_for(models: Sequence[ProtoModel]) -> list[str]:
     """The registered algorithms (plug-ins included) whose statement ``models`` meet, by name."""
     from fedproto.algorithms import get_algorithm
     from fedproto.plugins import algorithm_names
@@ -123,7 +130,7 @@ def _named(names: list[str]) -> str:
     return ", ".join(f"algorithm='{n}'" for n in names) if names else "none of the registered methods"
 
 
-def check_model_needs(name: str, needs: str, models: Sequence[nn.Module], fix: str | None = None) -> int:
+def check_model_needs(name: str, needs: str, models: Sequence[ProtoModel], fix: str | None = None) -> int:
     """Refuse client models that do not meet algorithm ``name``'s statement ``needs``.
 
     Args:
@@ -153,7 +160,8 @@ def check_model_needs(name: str, needs: str, models: Sequence[nn.Module], fix: s
     return max(dims)
 
 
-def check_architectures(name: str, models: Sequence[nn.Module], include=None, fix: str | None = None) -> None:
+def check_architectures(name: str, models: Sequence[ProtoModel], include: Callable[[str], bool] | None = None,
+                        fix: str | None = None) -> None:
     """Refuse client models whose shared tensors differ, for a method of :data:`ONE_ARCHITECTURE`.
 
     Args:

@@ -38,7 +38,7 @@ def tgp_init(num_classes: int, dim: int, hidden: int | None = None, seed: int = 
         raise ValueError(f"tgp_init needs num_classes, dim and hidden >= 1; got {num_classes}, {dim}, {hidden}")
     g = torch.Generator().manual_seed(int(seed))
 
-    def uniform(shape, fan_in):
+    def uniform(shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
         bound = 1.0 / float(np.sqrt(fan_in))
         return (torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * bound
 
@@ -193,7 +193,7 @@ def tgp_server_train(
             idx = order[start:start + batch_size]
             loss = tgp_loss(P[idx], Y[idx], tgp_generate(params), margin)
             opt.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(): the same call, typed (Tensor.backward has no annotations)
             opt.step()
             total += float(loss.detach()) * len(idx)
         last = total / len(order)

@@ -76,7 +76,7 @@ def fedgh_train_head(
             idx = order[start:start + batch_size]
             loss = F.cross_entropy(P[idx] @ W.T + b, Y[idx])
             opt.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(): the same call, typed (Tensor.backward has no annotations)
             opt.step()
             total += float(loss.detach()) * len(idx)
         last = total / len(order)

@@ -120,7 +120,7 @@ def aggregate_prototypes(
 
 
 def prototype_table(
-    classes: np.ndarray, protos: np.ndarray, num_classes: int, dim: int, dtype=torch.float32
+    classes: np.ndarray, protos: np.ndarray, num_classes: int, dim: int, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense (C, d) tensor and (C,) bool mask from a sparse (classes, protos) pair."""
     table = torch.zeros(num_classes, dim, dtype=dtype)
@@ -158,5 +158,6 @@ def momentum_prototypes(
     old = dict(zip(np.asarray(old_classes).tolist(), np.asarray(old_protos, np.float64)))
     new = dict(zip(np.asarray(classes).tolist(), np.asarray(protos, np.float64)))
     keys = sorted(set(old) | set(new))
-    out = [beta * old[k] + (1 - beta) * new[k] if k in old and k in new else new.get(k, old.get(k)) for k in keys]
+    out = [beta * old[k] + (1 - beta) * new[k] if k in old and k in new else (new[k] if k in new else old[k])
+           for k in keys]
     return np.asarray(keys, np.int64), np.stack(out).astype(np.float32)
