@@ -219,10 +219,11 @@ def test_no_process_of_a_stopped_run_outlives_it(tmp_path):
     assert "fedproto: fedproto on digits: accuracy" in text, (text[-3000:], logs)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
-    # after the resume no round waits for a node: both replied, nothing timed out, each round well under its 60 s
+    # after the resume no round waits for a node: both replied, nothing timed out, each round well under the 60 s a
+    # node one reply behind costs (on 2 loaded cores, load 11-12, the resumed rounds took 32-39 s; round 1 likewise)
     resumed = rows[failure["rounds_completed"]:]
     assert resumed and all(sorted(r["replied"]) == [0, 1] and not r["timed_out"] for r in resumed), (resumed, logs)
-    assert max(r["train_time_s"] for r in resumed) < 30, ([r["train_time_s"] for r in resumed], stale, logs)
+    assert max(r["train_time_s"] for r in resumed) < 45, ([r["train_time_s"] for r in rows], stale, logs)
     assert "starting with" not in text and "sent no reply within" not in text, (text[-3000:], stale)
     t0 = time.monotonic()
     while _mentioning(str(tmp_path)) and time.monotonic() - t0 < 15:

@@ -63,3 +63,18 @@ def test_rounds_survive_a_cpu_hog(tmp_path):
     rows = [json.loads(x) for x in (summaries[0].parent / "metrics.jsonl").read_text().splitlines()]
     assert [r["replied"] for r in rows] == [[0, 1, 2]] * 3, rows
     assert json.loads(summaries[0].read_text())["clients_in_accuracy"] == 3
+
+
+def test_the_join_wait_grows_with_the_measured_answers_and_keeps_wait_nodes_otherwise():
+    """The join wait adapts as the round deadlines do (wait-nodes, or 3 x the median answer when that is longer),
+    without the round deadline's floor (round-timeout): wait-nodes=10 stays 10 s while answers take 2 s."""
+    from fedproto.flower.deadline import RoundDeadline
+
+    d = RoundDeadline(60.0)
+    assert d.adapted(10.0) == 10.0  # nothing measured: wait-nodes
+    d.record(2.0)
+    assert d.adapted(10.0) == 10.0 and d.seconds() == 60.0
+    d.record(30.0)
+    d.record(40.0)
+    assert d.adapted(10.0) == 90.0  # 3 x the median (30 s): a loaded machine's nodes get the time they need
+    assert d.adapted(120.0) == 120.0

@@ -168,9 +168,9 @@ class NodeMembership:
 
     def _discover(self, wait_s: float) -> None:
         """Wait for the run's nodes to join: at most ``wait_s`` seconds (``wait-nodes``), or longer where the
-        nodes' answers were measured slower (``3 x`` their median, :meth:`RoundDeadline.adapted`); no longer
-        than that, also while a query is out (it waits only what is left), and not at all once every client has
-        joined or been refused."""
+        nodes' answers were measured slower (``3 x`` their median, :meth:`RoundDeadline.adapted`): a query waits
+        what is left of it, or ``3 x`` the median answer when that is longer (no more round-timeout on top); the
+        wait ends at once when every client has joined or been refused."""
         m = self.cfg.clients
         need = m if not self.own_data else self.opts.min_replies
         start = time.monotonic()
@@ -182,7 +182,9 @@ class NodeMembership:
             self.online_seen.update(int(n) for n in nids)
             wait_s = self.deadline.adapted(wait_s)  # slow answers (a loaded machine): a longer join wait
             deadline = start + wait_s
-            self._query_new(strict=first, limit=max(self.opts.poll_interval, deadline - time.monotonic()))
+            # a query waits what is left of the join wait, or as long as the answers measured so far may take
+            slow = self.deadline.adapted(0.0) if self.deadline.measured else 0.0
+            self._query_new(strict=first, limit=max(self.opts.poll_interval, deadline - time.monotonic(), slow))
             first = False
             if self.refused and not self.own_data:  # benchmark clients: a refused node is a set-up mistake
                 nid, why = next(iter(self.refused.items()))
@@ -190,6 +192,7 @@ class NodeMembership:
                 e.nodes_seen = self.nodes_seen()
                 raise e
             settled = set(self.nodes) | {r["client_id"] for r in self.refusals if r.get("client_id") is not None}
+            wait_s = self.deadline.adapted(wait_s)  # with this query's answers (or its wait) measured
             if len(self.nodes) >= m or len(settled & set(range(m))) >= m or time.monotonic() >= start + wait_s:
                 break
             if len(nids) < m:
