@@ -2152,3 +2152,25 @@ def test_the_join_wait_grows_when_the_nodes_answer_slowly(tmp_path):
     took = time.monotonic() - t0
     assert sorted(eng.nodes) == [0, 1, 2], (eng.executor.nodes_seen(), took)
     assert eng.executor.join_wait_s < 3 * max(eng.executor.deadline.measured) + 1, eng.executor.join_wait_s
+
+
+def test_every_file_of_a_flower_run_folder_is_private(tmp_path):
+    """The drill: config.json, metrics.jsonl and failure.json of the server's run folder were 0644 in a 0755
+    folder (what the nodes sent, readable by every user of the SuperLink's machine). Now the folder is 0700 and
+    every file in it 0600, with the usual umask, as the simulator's models and prototypes are."""
+    import os
+
+    uc = _user_config(rounds=2, tensorboard=True)
+    out = tmp_path / "run"
+    old = os.umask(0o022)
+    try:
+        eng = FlowerEngine(run_config(uc), LocalGrid(uc, [0, 1, 2, 3]), out=out)
+        assert out.stat().st_mode & 0o777 == 0o700  # from its creation, before any round
+        eng.run()
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in out.rglob("*")}
+    assert {"config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz"} <= set(modes), modes
+    assert any(name.startswith("tensorboard/") for name in modes), modes
+    assert {name: m for name, m in modes.items() if m != (0o700 if (out / name).is_dir() else 0o600)} == {}
+    assert out.stat().st_mode & 0o777 == 0o700
