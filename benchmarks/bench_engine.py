@@ -77,7 +77,7 @@ def cnn_train_flops_per_sample(model) -> float:
 
 def _overrides(args) -> dict:
     ov = dict(dataset="mnist", data_dir=args.data_dir, clients=args.clients, ways=3, shots=args.shots,
-              rounds=args.rounds + 1, eval_every=0, seed=1, threads=args.threads or 0)
+              rounds=args.rounds + args.warmup, eval_every=0, seed=1, threads=args.threads or 0)
     if args.stdev is not None:
         ov["stdev"] = args.stdev
     if args.overlap:
@@ -124,10 +124,21 @@ def worker(args) -> dict:
         return {"profile": _profile(sim)}
     if args.skip_final_eval:  # the loop evaluates every client after the last round: not part of a round's cost
         sim.executor.evaluate = lambda messages: [{} for _ in range(sim.executor.num_clients)]
+    cpu_s: list[float] = []  # this process's CPU seconds in each round's client training (load-proof)
+    train = sim.executor.train_clients
+
+    def timed_train(round, msgs):
+        c = time.process_time()
+        try:
+            return train(round, msgs)
+        finally:
+            cpu_s.append(time.process_time() - c)
+
+    sim.executor.train_clients = timed_train
     load_before = os.getloadavg()
     sim.run()
     load_after = os.getloadavg()
-    times = [r["train_time_s"] for r in sim.history[1:]]  # drop the warm-up round (and the workers' start)
+    times = [r["train_time_s"] for r in sim.history[args.warmup:]]  # drop the warm-up round (and the workers' start)
     med = statistics.median(times)
     n_samples = sum(len(d.x) for d in setup.data)
     eval_s = None
@@ -142,7 +153,8 @@ def worker(args) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "workers_peak_rss_mb": getattr(sim, "worker_peak_rss_mb", 0.0), "setup_rss_mb": setup_rss_mb,
         "store_bytes": _store_bytes(setup), "load_before": load_before, "load_after": load_after,
-        "run_wall_s": time.perf_counter() - t_run,
+        "run_wall_s": time.perf_counter() - t_run, "round_cpu_s_all": cpu_s[args.warmup:],
+        "round_cpu_s_median": statistics.median(cpu_s[args.warmup:]) if cpu_s[args.warmup:] else None,
         "acc_mean": sim.history[-1].get("acc_mean"), "acc_proto_mean": sim.history[-1].get("acc_proto_mean"),
     }
 
@@ -208,6 +220,8 @@ def main() -> None:
     p.add_argument("--client-store", default="off", help="scaling runs: the clients' weights in one flat store "
                    "('memory'), in a file in this folder (a path), or one module per client ('off', the default); "
                    "fedproto.engine.executors.store")
+    p.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="untimed rounds before the timed ones "
+                   "(default 1; 0 for scaling rows too slow to run twice)")
     p.add_argument("--skip-final-eval", action="store_true", help="scaling runs: leave out the evaluation of every "
                    "client after the last round (at 100,000 clients it takes longer than the rounds)")
     p.add_argument("--rounds", type=positive, default=5, help="timed rounds after one warm-up round (default 5)")
@@ -324,10 +338,11 @@ def main() -> None:
         print(f"clients' weights: {store}{'; no final evaluation' if args.skip_final_eval else ''}")
         print("| clients | train samples | s/round | s/round per 1,000 clients | peak RSS MB (main + largest "
               "worker) | peak RSS MB after set-up | store MB | load average (1 min) before/after | s of each "
-              "timed round |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "timed round | CPU s/round (main process) | CPU s/round per 1,000 clients |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for m in sizes:
-            r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds),
+            r = run_worker(mode="batched", clients=m, shots=5, stdev=0, rounds=max(2, args.rounds) if args.warmup
+                           else args.rounds, warmup=args.warmup,
                            overlap=m * 15 > 50_000, data_dir=args.data_dir, threads=threads, workers=W,
                            no_eval=True, client_store=args.client_store if args.client_store != "off" else None,
                            skip_final_eval=args.skip_final_eval)
@@ -336,7 +351,8 @@ def main() -> None:
             print(f"| {m} | {r['train_samples']} | {r['round_s_median']:.3f} | "
                   f"{1000 * r['round_s_median'] / m:.3f} | {r['peak_rss_mb']:.0f} + {r['workers_peak_rss_mb']:.0f} | "
                   f"{r['setup_rss_mb']:.0f} | {r['store_bytes'] / 1e6:.0f} | {load} | "
-                  f"{' '.join(f'{x:.1f}' for x in r['round_s_all'])} |", flush=True)
+                  f"{' '.join(f'{x:.1f}' for x in r['round_s_all'])} | {r['round_cpu_s_median']:.1f} | "
+                  f"{1000 * r['round_cpu_s_median'] / m:.3f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"matmul_gflops": gf, "modes": rows, "profile": prof, "full_run_s": full, "scale": scale}, f,
