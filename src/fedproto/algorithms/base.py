@@ -464,6 +464,7 @@ class Algorithm(ClientPart, ServerPart):
         one that sets neither) gets them here, as the engine gave them before, so it runs as it
         did."""
         alg = cls.from_config(cfg, embedding_dim)
-        alg.freeze_after = int(cfg.freeze_after)  # the same value where from_config passed it (every built-in)
-        alg.seed = int(cfg.seed)
+        if alg.freeze_after != cfg.freeze_after:  # only a from_config of its own that does not pass it
+            alg.freeze_after = int(cfg.freeze_after)
+        alg.seed = int(cfg.seed)  # a from_config of its own may not set it (Algorithm.generator reads it)
         return alg
