@@ -37,6 +37,10 @@ class ServerPart(abc.ABC):
     words of a whole federation (:meth:`check_setup`, :meth:`divergence_hint`, :meth:`attack_fix`,
     :meth:`blowup_causes`). Nothing the engine reads is kept on ``self``: what a round produced
     is the returned state.
+
+    ``cfg`` in the set-up hooks is the run's :class:`fedproto.config.RunConfig` (typed ``Any``: the
+    config is a layer above the methods and is composed at run time with the plug-ins' options).
+    A message is ``dict[str, numpy.ndarray]`` both ways.
     """
 
     name: str = "base"
@@ -61,12 +65,14 @@ class ServerPart(abc.ABC):
 
     def divergence_hint(self, cfg: Any) -> str:
         """Options of this algorithm that can make training diverge, worded for the error the
-        engine raises on a non-finite loss (default: none)."""
+        engine raises on a non-finite loss (called then only, by the ``Health`` observer; default:
+        none)."""
         return ""
 
     def attack_fix(self, cfg: Any) -> str:
         """What to change when simulated misbehaving clients (``attack``) made an honest client
-        diverge, worded for the engine's error ('' : nothing beyond the generic advice)."""
+        diverge, worded for the engine's error ('' : nothing beyond the generic advice); called
+        only when that error is raised."""
         from fedproto.errors import opt
 
         return (f"lower {opt('attack_scale')} or {opt('attackers')}, or run {opt('algorithm', 'fedproto')} with "
@@ -74,18 +80,21 @@ class ServerPart(abc.ABC):
 
     def blowup_causes(self, cfg: Any) -> list[str]:
         """This method's options that can make embeddings explode, each worded as a cause to
-        check, named first in the engine's warning (default: none)."""
+        check, named first in the engine's warning when embedding norms grow (default: none)."""
         return []
 
     def reply_problems(self, cid: int, message: Message) -> tuple[Message, list[str]]:
-        """Validate client ``cid``'s reply before aggregation: returns the reply with its bad parts
-        dropped (``{}``: nothing usable) and one reason per dropped part; the engine logs them.
-        Default: everything kept."""
+        """Validate client ``cid``'s reply before aggregation (each round, per reply, after
+        :meth:`reply_problem` found the reply as a whole right): returns the reply with its bad parts
+        dropped (``{}``: nothing usable; e.g. FedProto drops (K,) rows of ``classes``/``protos``
+        (K, d)/``counts``) and one reason per dropped part; the engine logs them. Default:
+        everything kept."""
         return message, []
 
     def message_problem(self, message: Message, embedding_dim: int) -> str:
-        """What is wrong with a stored server message of this algorithm ('' if nothing); the engine
-        checks types, finiteness and shapes against the first message itself."""
+        """What is wrong with a stored server message of this algorithm ('' if nothing), given d
+        (``embedding_dim``); called on a resume, for the checkpoint's message. The engine checks
+        types, finiteness and shapes against the first message itself. Default: nothing."""
         return ""
 
     def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:
@@ -134,14 +143,16 @@ class ServerPart(abc.ABC):
 
     def resume_state(self, message: Message, checkpoint: dict[str, Any]) -> ServerState:
         """The :class:`~fedproto.algorithms.state.ServerState` after a checkpoint's round, from its
-        server message and its ``server_state`` (the ``checkpoint`` a :meth:`aggregate` returned).
+        server message and its ``server_state`` (the ``checkpoint`` a :meth:`aggregate` returned);
+        called once on a resume, before the first round run.
         Default: the message and the checkpoint as they are. A method that needs entries of the
         checkpoint raises ``KeyError`` when they are missing."""
         return ServerState(message, checkpoint=dict(checkpoint))
 
     def summary_entries(self, cfg: Any, per_client: list[dict[str, Any]]) -> dict[str, Any]:
         """Entries this algorithm adds to ``summary.json`` (e.g. FedProto's ``privacy`` block), given
-        the run's options and the final per-client metrics (default: none)."""
+        the run's options and the final per-client metrics (one dict of numbers per client, in
+        client order); called once after the last round (default: none)."""
         return {}
 
     def broadcast(self, round: int, message: Message) -> Message:
@@ -153,12 +164,14 @@ class ServerPart(abc.ABC):
         return message
 
     def downlink(self, message: Message, cid: int) -> Message:
-        """What client ``cid`` receives of the server message (default: all of it). The engine
-        counts downlink cost from this per-client view (FeSEM sends each client its own centre)."""
+        """What client ``cid`` receives of the server message (default: all of it); called each
+        round for every sampled client, after :meth:`broadcast`. The engine counts downlink cost
+        from this per-client view (FeSEM sends each client its own centre)."""
         return message
 
     def eval_protocols(self) -> dict[str, str]:
         """What each accuracy key of :meth:`evaluate` scores (``summary.json``'s ``evaluation``):
-        key -> one sentence. Default: ``acc``, the personal protocol."""
+        key -> one sentence; called once when the run's summary is written. Default: ``acc``, the
+        personal protocol."""
         return {"acc": "personal: each client's own model after its local training of the last round, on the "
                        "client's own test set"}
