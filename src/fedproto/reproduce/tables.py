@@ -5,9 +5,14 @@ and CSV), the status file. Part of :mod:`fedproto.reproduce`.
 from __future__ import annotations
 
 import csv
+import datetime as _dt
 import io
 import logging
 import math
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -278,11 +283,45 @@ def write_status(out: Path, results: Sequence[CellResult]) -> None:
     ])
 
 
+def provenance() -> dict:
+    """When, from which code and where a result is being made: UTC date, the git commit of the
+    fedproto source (with ``dirty`` if it has uncommitted changes; None outside a git work tree),
+    fedproto's and torch's versions, the CPU, its cores and ``/proc/loadavg``."""
+    src = Path(__file__).resolve().parent
+    commit = None
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        if commit and subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no", "."],
+                                     capture_output=True, text=True, timeout=10).stdout.strip():
+            commit += "-dirty"
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        load = open("/proc/loadavg").read().strip()
+    except OSError:
+        load = None
+    import fedproto
+
+    torch = sys.modules.get("torch")
+    return {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+            "fedproto": getattr(fedproto, "__version__", None), "torch": getattr(torch, "__version__", None),
+            "cpu": cpu, "cores": os.cpu_count(), "loadavg": load}
+
+
 def write_table(out: Path, results: Sequence[CellResult], methods_order: Sequence[str] = tuple(METHODS)) -> list[dict]:
-    """Write ``table.md`` and ``table.csv`` (atomically); returns the rows."""
+    """Write ``table.md``, ``table.csv`` and ``table.json`` (the rows at full precision and when and
+    from which code they were made: :func:`provenance`; what
+    ``scripts/published_figures.py import`` reads), atomically; returns the rows."""
     rows = table_rows(results)
     atomic_write_bytes(Path(out) / "table.md", render_markdown(rows, methods_order).encode())
     atomic_write_bytes(Path(out) / "table.csv", _csv_bytes(rows, TABLE_FIELDS))
+    atomic_write_json(Path(out) / "table.json", {"made": provenance(), "rows": rows})
     return rows
 
 

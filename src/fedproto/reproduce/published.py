@@ -1,0 +1,401 @@
+"""Published figures from result files: the tables and numbers of README.md and docs/*.md that
+come from a measurement are generated from result files kept in the repository
+(``docs/results/*.json``), so a table and the run it reports cannot drift apart. Part of
+:mod:`fedproto.reproduce`; ``python scripts/published_figures.py`` is the command.
+
+A **result file** (``docs/results/NAME.json``) holds what one command measured: ``name``, ``what``
+(a sentence), ``command`` (how to make it again), ``ci`` (False: too slow for CI) and ``cost``
+(how long it took), ``made`` (``date``, ``commit`` and the machine: when and from which code it
+was last made) and ``rows`` (``fedproto reproduce``'s table rows, :func:`~fedproto.reproduce.tables.table_rows`,
+or a benchmark's rows). ``fedproto reproduce`` writes ``OUT/table.json`` (the rows and ``made``);
+``scripts/published_figures.py import OUT --name NAME ...`` turns it into a result file.
+
+In a page, a generated **block** is everything between ``<!-- figures:SPEC -->`` and
+``<!-- /figures:SPEC -->``, where SPEC is ``KIND:RESULT[:ARG]`` (:data:`BLOCKS`); a single
+number in the text is ``<!-- cell:RESULT:METHOD:WAYS:METRIC:STYLE -->98.46 ± 1.47<!-- /cell -->``
+(METRIC: ``acc``, personal/classifier; ``acc_global``; ``acc_proto``, nearest prototype;
+STYLE: ``pm`` mean ± std, ``2`` or ``1`` decimals of the mean). Whole generated files are
+:data:`FILES`. :func:`regenerate` rewrites them all; :func:`printed_cells` reads every number a
+block or cell prints back, so :func:`conflicts` can say where the same cell is printed with two
+values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from fedproto.reproduce.grid import METHODS
+from fedproto.reproduce.tables import TABLE_FIELDS, _csv_bytes, _ours_cell, _pm, render_markdown
+
+RESULTS = Path("docs") / "results"
+"""Where the result files live, under the repository root."""
+
+PAGES = ("README.md", "docs/*.md", "docs/results/*.md")
+"""The pages whose blocks and cells are generated and cross-checked (globs under the root)."""
+
+NAMES = {"local": "Local", "fesem": "FeSEM", "fedprox": "FedProx", "fedper": "FedPer", "fedavg": "FedAvg",
+         "fedrep": "FedRep", "fedproto": "**FedProto**", "fedproto-mh": "**FedProto-mh**"}
+"""How the README's tab. 1 table names the methods."""
+
+METRICS = ("acc", "acc_global", "acc_proto")
+
+BLOCK = re.compile(r"<!-- figures:(?P<spec>[\w.:-]+) -->\n(?P<body>.*?)<!-- /figures:(?P=spec) -->", re.S)
+CELL = re.compile(r"<!-- cell:(?P<key>[\w.:-]+) -->(?P<text>.*?)<!-- /cell -->")
+
+
+class PublishedError(ValueError):
+    """A result file, block or cell that cannot be read or rendered (the message names it)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# result files
+
+
+def _nan(rows: list[dict]) -> list[dict]:
+    """JSON's nulls back to NaN in the numeric fields (the renderers test NaN)."""
+    out = []
+    for r in rows:
+        out.append({k: (math.nan if v is None and (k.startswith(("acc_", "paper_", "params_")) or k.endswith("_s"))
+                        else v) for k, v in r.items()})
+    return out
+
+
+def load_results(root: Path) -> dict[str, dict]:
+    """Every result file under ``root/docs/results`` by name.
+
+    Raises:
+        PublishedError: a file that is not JSON, lacks ``rows``/``made``/``command``, or whose
+            ``name`` is not its file name.
+    """
+    found = {}
+    for f in sorted((Path(root) / RESULTS).glob("*.json")):
+        try:
+            r = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise PublishedError(f"{f}: not a readable JSON result file ({e})") from None
+        missing = [k for k in ("name", "command", "made", "rows", "ci") if k not in r]
+        if missing:
+            raise PublishedError(f"{f}: a result file needs {', '.join(missing)}; make it with "
+                                 "scripts/published_figures.py import")
+        if r["name"] != f.stem:
+            raise PublishedError(f"{f}: its name is {r['name']!r}; name the file {r['name']}.json")
+        r["rows"] = _nan(r["rows"])
+        found[r["name"]] = r
+    return found
+
+
+def make_result(table_json: Path, name: str, what: str, command: str, ci: bool, cost: str,
+                commit: str | None = None) -> dict:
+    """A result file's content from a reproduce folder's ``table.json`` (``commit``: the code the
+    cells ran, where it differs from the one that wrote the table)."""
+    t = json.loads(Path(table_json).read_text())
+    made = dict(t.get("made") or {})
+    if commit:
+        made["commit"] = commit
+    rows = [{k: v for k, v in r.items() if k != "failed_cells"} for r in t["rows"]]
+    return {"name": name, "what": what, "command": command, "ci": ci, "cost": cost, "made": made, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# what blocks and cells print
+
+
+def _result(results: dict, name: str) -> dict:
+    if name not in results:
+        raise PublishedError(f"no result file {RESULTS / (name + '.json')} (have: {', '.join(results) or 'none'})")
+    return results[name]
+
+
+def _row(res: dict, method: str, ways: int) -> dict:
+    for r in res["rows"]:
+        if r.get("method") == method and int(r.get("ways", -1)) == int(ways):
+            return r
+    raise PublishedError(f"{res['name']}: no row for method {method!r}, n = {ways}")
+
+
+def format_cell(row: dict, metric: str, style: str) -> str:
+    """One number as a page prints it: ``pm`` mean ± std over clients, ``2``/``1``: the mean."""
+    if metric not in METRICS:
+        raise PublishedError(f"metric {metric!r}: use one of {', '.join(METRICS)}")
+    if style == "pm":
+        return _ours_cell(row, metric)
+    if style in ("1", "2"):
+        m = row[f"{metric}_mean"]
+        return "–" if m != m else f"{m:.{style}f}"
+    raise PublishedError(f"style {style!r}: use pm, 2 or 1")
+
+
+def _tab1(res: dict, ways: str) -> str:
+    """README: tab. 1's block for one n, ours (personal) beside the paper, and parameters."""
+    n = int(ways)
+    lines = ["| method | ours | paper (tab. 1) | params ×10³ ours / paper |", "|---|--:|--:|--:|"]
+    for m in METHODS:
+        try:
+            r = _row(res, m, n)
+        except PublishedError:
+            continue
+        paper = _pm(r["paper_mean"], r["paper_std"]) if r["paper_mean"] == r["paper_mean"] else "n.a."
+        up = r["params_up_per_round"] / 1e3
+        pk = r["paper_params_k"]
+        lines.append(f"| {NAMES.get(m, m)} | {_ours_cell(r)} | {paper} | "
+                     f"{'0' if up == 0 else f'{up:.1f}'} / {'n.a.' if pk is None else f'{pk:g}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _global_personal(res: dict, arg: str | None = None) -> str:
+    """docs/reproducing.md: both protocols of the weight-sharing methods beside the paper, per n."""
+    rows = [r for r in res["rows"] if r.get("acc_global_mean") == r.get("acc_global_mean")
+            and r.get("acc_global_mean") is not None]
+    ways = sorted({int(r["ways"]) for r in rows})
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    head = ["method"] + [f"n={n} {w}" for n in ways for w in ("global", "personal", "paper")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["--:"] * (len(head) - 1)) + "|"]
+    for m in methods:
+        cells = [m]
+        for n in ways:
+            r = _row(res, m, n)
+            cells += [_ours_cell(r, "acc_global"), _ours_cell(r),
+                      _pm(r["paper_mean"], r["paper_std"]) if r["paper_mean"] == r["paper_mean"] else "n.a."]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _grid_jobs(res: dict, arg: str | None = None) -> str:
+    """docs/benchmarks.md: measured wall times of a grid, serial against ``--jobs 2``, with the load."""
+    lines = ["| run | mode | wall s | `cat /proc/loadavg` before | after | table |", "|--:|---|--:|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['run']} | {r['mode']} | {r['wall_s']:.1f} | {r['load_before']} | {r['load_after']} | "
+                     f"{r['table']} |")
+    serial = [r["wall_s"] for r in res["rows"] if r["mode"].startswith("serial")]
+    jobs = [r["wall_s"] for r in res["rows"] if not r["mode"].startswith("serial")]
+    if serial and jobs:
+        s, j = sorted(serial)[len(serial) // 2], sorted(jobs)[len(jobs) // 2]
+        lines.append(f"| median | serial / `--jobs 2` | {s:.1f} / {j:.1f} | | | **{s / j:.2f}x** measured |")
+    return "\n".join(lines) + "\n"
+
+
+def _flower_sim(res: dict, arg: str | None = None) -> str:
+    """docs/benchmarks.md: memory, time and accuracy of bench_flower_sim.py's runs."""
+    lines = ["| run | peak RSS (MB) | peak PSS (MB) | actor RSS / USS (MB) | s per round | wall (s) | accuracy "
+             "| load average (1 min) before -> after |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in res["rows"]:
+        actor = f"{r['actor_rss_mb']} / {r['actor_uss_mb']}" if r.get("actors_seen") else "-"
+        acc = " / ".join(f"{v:.6f}" for v in r["accuracy"].values())
+        lines.append(f"| {r['run']} | {r['peak_rss_mb']} | {r['peak_pss_mb']} | {actor} | {r['s_per_round']:.2f} | "
+                     f"{r['wall_s']:.1f} | {acc} | {r['load'][0]:.2f} -> {r['load'][1]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _index(results: dict, arg: str | None = None) -> str:
+    """Every result file: what it holds, when and from which commit it was last made, the command,
+    and whether CI can make it again."""
+    lines = ["| result file | what | last made (UTC) | commit | CI | command |", "|---|---|---|---|---|---|"]
+    for name, r in sorted(results.items()):
+        made = r["made"]
+        ci = "yes" if r["ci"] else f"no: too slow ({r.get('cost', '?')})"
+        lines.append(f"| `{RESULTS.as_posix()}/{name}.json` | {r.get('what', '')} | {made.get('date', '?')} | "
+                     f"{made.get('commit') or '?'} | {ci} | `{r['command']}` |")
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, Callable[..., str]] = {"tab1": _tab1, "global-personal": _global_personal,
+                                         "grid-jobs": _grid_jobs, "flower-sim": _flower_sim}
+"""Block kinds: ``KIND:RESULT[:ARG]`` renders ``BLOCKS[KIND](result, ARG)``; ``index`` lists all results."""
+
+
+def render_block(spec: str, results: dict) -> str:
+    """The text between a block's markers.
+
+    Raises:
+        PublishedError: an unknown kind or result, or a row the block needs is missing.
+    """
+    kind, _, rest = spec.partition(":")
+    if kind == "index":
+        return _index(results)
+    if kind not in BLOCKS:
+        raise PublishedError(f"<!-- figures:{spec} -->: unknown kind {kind!r}; use index or one of "
+                             f"{', '.join(BLOCKS)}")
+    name, _, arg = rest.partition(":")
+    return BLOCKS[kind](_result(results, name), arg or None)
+
+
+def render_cell(key: str, results: dict) -> str:
+    """The text of ``<!-- cell:RESULT:METHOD:WAYS:METRIC:STYLE -->``."""
+    parts = key.split(":")
+    if len(parts) != 5:
+        raise PublishedError(f"<!-- cell:{key} -->: give RESULT:METHOD:WAYS:METRIC:STYLE, "
+                             "e.g. mnist:fedavg:3:acc_global:pm")
+    name, method, ways, metric, style = parts
+    return format_cell(_row(_result(results, name), method, int(ways)), metric, style)
+
+
+def _table_file_md(results: dict, name: str) -> str:
+    body = render_markdown(_nan(_result(results, name)["rows"]))
+    return f"<!-- figures:file:{name} -->\n{body}\n<!-- /figures:file:{name} -->\n"
+
+
+def _table_file_csv(results: dict, name: str) -> str:
+    return _csv_bytes(_result(results, name)["rows"], TABLE_FIELDS).decode()
+
+
+FILES: dict[str, tuple[str, Callable[[dict, str], str]]] = {
+    "docs/results/mnist-table.md": ("mnist", _table_file_md),
+    "docs/results/mnist-table.csv": ("mnist", _table_file_csv),
+}
+"""Whole files generated from a result (path under the root: (result, renderer)); where the
+result file is absent the file is left as it is."""
+
+
+def rewrite(text: str, results: dict) -> str:
+    """``text`` with every block and cell rendered afresh from ``results``."""
+    text = BLOCK.sub(lambda m: f"<!-- figures:{m['spec']} -->\n{render_block(m['spec'], results)}"
+                               f"<!-- /figures:{m['spec']} -->", text)
+    return CELL.sub(lambda m: f"<!-- cell:{m['key']} -->{render_cell(m['key'], results)}<!-- /cell -->", text)
+
+
+def pages(root: Path) -> list[Path]:
+    """The pages :data:`PAGES` names, that exist."""
+    out: list[Path] = []
+    for g in PAGES:
+        out += sorted(Path(root).glob(g))
+    return list(dict.fromkeys(out))
+
+
+def regenerate(root: Path, write: bool = True) -> dict[Path, tuple[str, str]]:
+    """Render every generated file, block and cell under ``root`` from its result files; returns the
+    files whose text changed, as path: (old, new), and writes them unless ``write`` is False."""
+    root = Path(root)
+    results = load_results(root)
+    changed: dict[Path, tuple[str, str]] = {}
+    for rel, (name, fn) in FILES.items():
+        if name not in results:  # a tree without that result (a test's): the file is not generated
+            continue
+        p = root / rel
+        old = p.read_text() if p.exists() else ""
+        new = fn(results, name)
+        if new != old:
+            changed[p] = (old, new)
+    for p in pages(root):
+        if p.relative_to(root).as_posix() in FILES:
+            continue
+        old = p.read_text()
+        new = rewrite(old, results)
+        if new != old:
+            changed[p] = (old, new)
+    if write:
+        for p, (_, new) in changed.items():
+            p.write_text(new)
+    return changed
+
+
+# ------------------------------------------------------------------------------------------------
+# the cross-check: a cell printed in two places with two values
+
+
+_HEAD = re.compile(r"^(?:n=(?P<n>\d+) )?(?P<what>ours|personal|global|classifier|nearest prototype)$")
+_METRIC_OF = {"ours": "acc", "personal": "acc", "classifier": "acc", "global": "acc_global",
+              "nearest prototype": "acc_proto"}
+
+
+def _setting(res: dict, row: dict | None = None) -> str:
+    r = row or res["rows"][0]
+    return f"{r.get('dataset')} stdev {r.get('stdev')} rounds {r.get('rounds')} seeds {r.get('seeds')}"
+
+
+def _table_cells(body: str, res: dict, ways: int | None) -> list[tuple[tuple, str]]:
+    """(key, printed text) of every accuracy a markdown table in ``body`` prints. Key:
+    (setting, method, n, metric); columns as headed ``n=3 ours``/``global``/``nearest prototype``...,
+    the row's method from a ``method`` column and n from an ``n`` column, the header or ``ways``."""
+    out = []
+    lines = [ln for ln in body.splitlines()]
+    i = 0
+    while i < len(lines):
+        if not (lines[i].startswith("|") and i + 1 < len(lines) and set(lines[i + 1].replace("|", "").strip())
+                <= set("-: ")):
+            i += 1
+            continue
+        head = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+        i += 2
+        while i < len(lines) and lines[i].startswith("|"):
+            cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+            i += 1
+            row = dict(zip(head, cells))
+            method = row.get("method", "").replace("*", "").strip().lower()
+            if method not in METHODS:
+                continue
+            n_row = int(row["n"]) if row.get("n", "").isdigit() else ways
+            by_method = [r for r in res["rows"] if r.get("method") == method]
+            for h, text in row.items():
+                m = _HEAD.match(h)
+                if not m or text in ("–", "", "failed"):
+                    continue
+                n = int(m["n"]) if m["n"] else n_row
+                rr = next((r for r in by_method if int(r["ways"]) == n), None)
+                out.append(((_setting(res, rr), method, n, _METRIC_OF[m["what"]]), text))
+    return out
+
+
+def printed_cells(root: Path) -> list[tuple[tuple, str, str]]:
+    """Every accuracy the pages print in a block or cell: (key, text, where). Key: (setting,
+    method, n, metric), the setting being the result's dataset, stdev, rounds and seeds."""
+    root = Path(root)
+    results = load_results(root)
+    found = []
+    for p in pages(root):
+        text = p.read_text()
+        where = p.relative_to(root).as_posix()
+        for m in BLOCK.finditer(text):
+            kind, _, rest = m["spec"].partition(":")
+            name, _, arg = rest.partition(":")
+            if kind not in ("tab1", "global-personal", "file") or name not in results:
+                continue
+            ways = int(arg) if arg.isdigit() else None
+            for key, t in _table_cells(m["body"], results[name], ways):
+                found.append((key, t, f"{where} ({m['spec']})"))
+        for m in CELL.finditer(text):
+            parts = m["key"].split(":")
+            if len(parts) != 5 or parts[0] not in results:
+                continue
+            name, method, ways, metric, _ = parts
+            res = results[name]
+            rr = next((r for r in res["rows"] if r.get("method") == method and int(r["ways"]) == int(ways)), None)
+            found.append(((_setting(res, rr), method, int(ways), metric), m["text"], f"{where} (cell {m['key']})"))
+    return found
+
+
+_NUM = re.compile(r"^(?P<mean>\d+(?:\.\d+)?)(?: ± (?P<std>\d+(?:\.\d+)?))?")
+
+
+def _agree(a: str, b: str) -> bool:
+    """Two printings of one cell agree: each number (mean; std where both print it) is the same
+    value rounded to the decimals each shows."""
+    ma, mb = _NUM.match(a.strip()), _NUM.match(b.strip())
+    if not ma or not mb:
+        return a.strip() == b.strip()
+    for k in ("mean", "std"):
+        x, y = ma[k], mb[k]
+        if x is None or y is None:
+            continue
+        dx = len(x.split(".")[1]) if "." in x else 0
+        dy = len(y.split(".")[1]) if "." in y else 0
+        if abs(float(x) - float(y)) > 0.5 * 10 ** -dx + 0.5 * 10 ** -dy + 1e-9:
+            return False
+    return True
+
+
+def conflicts(root: Path) -> list[str]:
+    """One line per cell printed with values that cannot be the same number, naming each place."""
+    by: dict[tuple, list[tuple[str, str]]] = {}
+    for key, text, where in printed_cells(root):
+        by.setdefault(key, []).append((text, where))
+    out = []
+    for key, seen in by.items():
+        for t, w in seen[1:]:
+            if not _agree(seen[0][0], t):
+                out.append(f"{key[1]} n={key[2]} {key[3]} ({key[0]}): {seen[0][0]!r} in {seen[0][1]}, "
+                           f"{t!r} in {w}")
+    return out
