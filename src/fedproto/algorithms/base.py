@@ -241,6 +241,16 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
     name: str = "base"
     """The method's registry name (the words of its errors and warnings)."""
 
+    num_classes: int
+    """C, the size of the label space (constructor argument)."""
+
+    opt: OptimConfig
+    """The optimiser settings (constructor argument; the set-up caps the batch size and sets the
+    precision before round 1; the round's learning rate is passed to :meth:`client_update`)."""
+
+    local_epochs: int
+    """Epochs of local training a round (constructor argument)."""
+
     _said_trains_nothing: bool = False
     """Whether the log said once that the objective trains nothing (:meth:`local_objective`)."""
 
