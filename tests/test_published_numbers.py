@@ -42,6 +42,7 @@ def test_published_numbers_agree_with_their_results():
     used = {s.split(":")[1] for s in specs if ":" in s} | {
         m["key"].split(":")[0] for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
         for m in CELL.finditer(p.read_text())}
+    used = {part for name in used for part in name.split("+")}
     assert used <= set(results), f"markers name result files that do not exist: {used - set(results)}"
 
 
@@ -121,6 +122,34 @@ def test_a_second_value_of_a_cell_in_another_page_is_a_conflict(tree):
     (tree / "docs" / "results" / "older.json").write_text(json.dumps(old))
     regenerate(tree)
     assert conflicts(tree) == []
+
+
+def test_a_table_of_cells_run_apart_takes_each_cell_from_the_first_file_that_has_it(tree):
+    other = json.loads((tree / "docs" / "results" / "toy.json").read_text())
+    other["name"] = "later"
+    other["rows"] = [{**ROW, "acc_mean": 90.0}, {**ROW, "method": "fedprox", "acc_mean": 97.0}]
+    (tree / "docs" / "results" / "later.json").write_text(json.dumps(other))
+    (tree / "README.md").write_text("<!-- figures:tab1:toy+later:3 -->\n<!-- /figures:tab1:toy+later:3 -->\n")
+    regenerate(tree)
+    text = (tree / "README.md").read_text()
+    assert "| FedAvg | 98.46 ± 1.47 |" in text and "| FedProx | 97.00 ± 1.47 |" in text and "90.00" not in text
+    assert conflicts(tree) == []
+
+
+def test_a_generated_table_page_and_its_csv(tree):
+    page = tree / "docs" / "results" / "toy-table.md"
+    page.write_text("<!-- figures:file:toy -->\n")
+    changed = regenerate(tree)
+    assert set(changed) == {page, page.with_suffix(".csv")}
+    text = page.read_text()
+    assert text.startswith("<!-- figures:file:toy -->\n# FedProto reproduction vs the paper")
+    assert "| fedavg | 98.46 ± 1.47 | 95.04 ± 6.48 | – | – | – | – | 150 / 150 | 436.8 / 430 |" not in text
+    assert "| fedavg | 98.46 ± 1.47 | 95.04 ± 6.48 | 150 / 150 | 436.8 / 430 |" in text
+    assert "| mnist (stdev 2) | fedavg | 3 | 97.39 ± 1.97 | 98.46 ± 1.47 | 95.04 ± 6.48 |" in text
+    assert page.with_suffix(".csv").read_text().splitlines()[1].startswith("mnist,2,fedavg,fedavg,cnn,3,1,0,98.4562,")
+    page.write_text(text.replace("| fedavg | 98.46 ± 1.47 | 95.04", "| fedavg | 98.50 ± 1.35 | 95.04"))
+    assert list(regenerate(tree, write=False)) == [page]
+    assert any("98.50 ± 1.35" in c and "docs/results/toy-table.md (file:toy)" in c for c in conflicts(tree))
 
 
 def test_bad_markers_and_result_files_are_named(tree):

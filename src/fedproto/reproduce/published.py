@@ -14,10 +14,11 @@ In a page, a generated **block** is everything between ``<!-- figures:SPEC -->``
 ``<!-- /figures:SPEC -->``, where SPEC is ``KIND:RESULT[:ARG]`` (:data:`BLOCKS`); a single
 number in the text is ``<!-- cell:RESULT:METHOD:WAYS:METRIC:STYLE -->98.46 ± 1.47<!-- /cell -->``
 (METRIC: ``acc``, personal/classifier; ``acc_global``; ``acc_proto``, nearest prototype;
-STYLE: ``pm`` mean ± std, ``2`` or ``1`` decimals of the mean). Whole generated files are
-:data:`FILES`. :func:`regenerate` rewrites them all; :func:`printed_cells` reads every number a
-block or cell prints back, so :func:`conflicts` can say where the same cell is printed with two
-values.
+STYLE: ``pm`` mean ± std, ``2`` or ``1`` decimals of the mean). A page that is one generated
+table starts with ``<!-- figures:file:RESULT -->`` (:data:`FILE`). RESULT may be ``a+b``: the
+cells of ``a``, then those of ``b`` that ``a`` lacks. :func:`regenerate` rewrites them all;
+:func:`printed_cells` reads every number a block or cell prints back, so :func:`conflicts` can say
+where the same cell is printed with two values.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ NAMES = {"local": "Local", "fesem": "FeSEM", "fedprox": "FedProx", "fedper": "Fe
 
 METRICS = ("acc", "acc_global", "acc_proto")
 
-BLOCK = re.compile(r"<!-- figures:(?P<spec>[\w.:-]+) -->\n(?P<body>.*?)<!-- /figures:(?P=spec) -->", re.S)
-CELL = re.compile(r"<!-- cell:(?P<key>[\w.:-]+) -->(?P<text>.*?)<!-- /cell -->")
+BLOCK = re.compile(r"<!-- figures:(?P<spec>[\w.:+-]+) -->\n(?P<body>.*?)<!-- /figures:(?P=spec) -->", re.S)
+CELL = re.compile(r"<!-- cell:(?P<key>[\w.:+-]+) -->(?P<text>.*?)<!-- /cell -->")
 
 
 class PublishedError(ValueError):
@@ -105,9 +106,26 @@ def make_result(table_json: Path, name: str, what: str, command: str, ci: bool, 
 
 
 def _result(results: dict, name: str) -> dict:
-    if name not in results:
-        raise PublishedError(f"no result file {RESULTS / (name + '.json')} (have: {', '.join(results) or 'none'})")
-    return results[name]
+    """The result file ``name``; ``a+b+...``: the rows of ``a``, then those of ``b`` for the cells
+    (dataset, stdev, method, n) ``a`` lacks, and so on (a table whose cells were run apart).
+
+    Raises:
+        PublishedError: a result file that does not exist.
+    """
+    parts = name.split("+")
+    for part in parts:
+        if part not in results:
+            raise PublishedError(f"no result file {RESULTS / (part + '.json')} (have: {', '.join(results) or 'none'})")
+    if len(parts) == 1:
+        return results[name]
+    rows, seen = [], set()
+    for part in parts:
+        for r in results[part]["rows"]:
+            key = (r.get("dataset"), r.get("stdev"), r.get("method"), r.get("ways"))
+            if key not in seen:
+                seen.add(key)
+                rows.append(r)
+    return {**results[parts[0]], "name": name, "rows": rows}
 
 
 def _row(res: dict, method: str, ways: int) -> dict:
@@ -157,7 +175,11 @@ def _global_personal(res: dict, arg: str | None = None) -> str:
     for m in methods:
         cells = [m]
         for n in ways:
-            r = _row(res, m, n)
+            try:
+                r = _row(res, m, n)
+            except PublishedError:  # a cell not run
+                cells += ["–", "–", "–"]
+                continue
             cells += [_ours_cell(r, "acc_global"), _ours_cell(r),
                       _pm(r["paper_mean"], r["paper_std"]) if r["paper_mean"] == r["paper_mean"] else "n.a."]
         lines.append("| " + " | ".join(cells) + " |")
@@ -233,21 +255,25 @@ def render_cell(key: str, results: dict) -> str:
     return format_cell(_row(_result(results, name), method, int(ways)), metric, style)
 
 
+def _grid_order(rows: list[dict]) -> list[dict]:
+    """Rows as a grid run lists them: by n, then tab. 1's method order."""
+    order = {m: i for i, m in enumerate(METHODS)}
+    return sorted(rows, key=lambda r: (str(r.get("dataset")), int(r.get("ways", 0)), order.get(r.get("method"), 99)))
+
+
 def _table_file_md(results: dict, name: str) -> str:
-    body = render_markdown(_nan(_result(results, name)["rows"]))
-    return f"<!-- figures:file:{name} -->\n{body}\n<!-- /figures:file:{name} -->\n"
+    body = render_markdown(_grid_order(_nan(_result(results, name)["rows"])))
+    return f"<!-- figures:file:{name} -->\n{body}\n<!-- /figures:file:{name} -->\n"  # a block too: cross-checked
 
 
 def _table_file_csv(results: dict, name: str) -> str:
-    return _csv_bytes(_result(results, name)["rows"], TABLE_FIELDS).decode()
+    return _csv_bytes(_grid_order(_result(results, name)["rows"]), TABLE_FIELDS).decode()
 
 
-FILES: dict[str, tuple[str, Callable[[dict, str], str]]] = {
-    "docs/results/mnist-table.md": ("mnist", _table_file_md),
-    "docs/results/mnist-table.csv": ("mnist", _table_file_csv),
-}
-"""Whole files generated from a result (path under the root: (result, renderer)); where the
-result file is absent the file is left as it is."""
+FILE = re.compile(r"\A<!-- figures:file:(?P<spec>[\w.:+-]+) -->\n")
+"""A page that is one generated table (``docs/results/mnist-table.md``) starts with
+``<!-- figures:file:RESULT -->``: the whole page, and the CSV beside it (same name, ``.csv``), is
+``fedproto reproduce``'s table.md / table.csv of RESULT (``a+b`` merges, as in blocks)."""
 
 
 def rewrite(text: str, results: dict) -> str:
@@ -271,24 +297,23 @@ def regenerate(root: Path, write: bool = True) -> dict[Path, tuple[str, str]]:
     root = Path(root)
     results = load_results(root)
     changed: dict[Path, tuple[str, str]] = {}
-    for rel, (name, fn) in FILES.items():
-        if name not in results:  # a tree without that result (a test's): the file is not generated
-            continue
-        p = root / rel
-        old = p.read_text() if p.exists() else ""
-        new = fn(results, name)
-        if new != old:
-            changed[p] = (old, new)
     for p in pages(root):
-        if p.relative_to(root).as_posix() in FILES:
-            continue
-        old = p.read_text()
-        new = rewrite(old, results)
+        old = p.read_bytes().decode()  # as bytes: the CSV's line ends are \r\n
+        whole = FILE.match(old)
+        if whole:  # a generated table page, and its CSV
+            new = _table_file_md(results, whole["spec"])
+            csv_path = p.with_suffix(".csv")
+            old_csv = csv_path.read_bytes().decode() if csv_path.exists() else ""
+            new_csv = _table_file_csv(results, whole["spec"])
+            if new_csv != old_csv:
+                changed[csv_path] = (old_csv, new_csv)
+        else:
+            new = rewrite(old, results)
         if new != old:
             changed[p] = (old, new)
     if write:
         for p, (_, new) in changed.items():
-            p.write_text(new)
+            p.write_bytes(new.encode())
     return changed
 
 
@@ -351,17 +376,17 @@ def printed_cells(root: Path) -> list[tuple[tuple, str, str]]:
         for m in BLOCK.finditer(text):
             kind, _, rest = m["spec"].partition(":")
             name, _, arg = rest.partition(":")
-            if kind not in ("tab1", "global-personal", "file") or name not in results:
+            if kind not in ("tab1", "global-personal", "file"):
                 continue
             ways = int(arg) if arg.isdigit() else None
-            for key, t in _table_cells(m["body"], results[name], ways):
+            for key, t in _table_cells(m["body"], _result(results, name), ways):
                 found.append((key, t, f"{where} ({m['spec']})"))
         for m in CELL.finditer(text):
             parts = m["key"].split(":")
-            if len(parts) != 5 or parts[0] not in results:
+            if len(parts) != 5:
                 continue
             name, method, ways, metric, _ = parts
-            res = results[name]
+            res = _result(results, name)
             rr = next((r for r in res["rows"] if r.get("method") == method and int(r["ways"]) == int(ways)), None)
             found.append(((_setting(res, rr), method, int(ways), metric), m["text"], f"{where} (cell {m['key']})"))
     return found
