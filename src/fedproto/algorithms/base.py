@@ -285,8 +285,8 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
                                   "(head=...)) or use freeze_after=0")
 
     def client_report(self, state: ClientState) -> dict[str, float]:
-        """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent);
-        default: none."""
+        """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent),
+        name -> float; called with each evaluation (on Flower, by the node). Default: none."""
         return {}
 
     def join_message(self, state: ClientState) -> Message:
@@ -300,7 +300,9 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
         return None
 
     def objective(self, state: ClientState, message: Message) -> Objective:
-        """The local objective for this round (default: cross-entropy, ``local_epochs``)."""
+        """The local objective for this round, called once a round per sampled client after
+        :meth:`prepare` (through :meth:`local_objective`), ``message`` being its downlink
+        (default: cross-entropy, ``local_epochs``)."""
         return Objective(phases=[Phase(self.local_epochs)])
 
     def local_objective(self, state: ClientState, message: Message) -> Objective:
@@ -340,12 +342,18 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
         return respect_frozen(obj, frozen_params(state.model))
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
-        """Build the client's message after local training."""
+        """The client's reply after local training (each round, per sampled client): a
+        ``dict[str, numpy.ndarray]`` (FedProto: ``classes`` (K,) int64, ``protos`` (K, d) float32,
+        ``counts`` (K,)). ``result``: the :class:`~fedproto.training.TrainResult` (losses, steps;
+        per-class embedding sums (C, d) and counts (C,) when the objective ``collect`` s). Default:
+        the empty message (the client sends nothing)."""
         return {}
 
     def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator) -> Plan:
         """The client's batch plan for this round (:func:`fedproto.training.make_plan` with its
-        model's dropout masks and trailing-batch rule); both execution paths take it from here."""
+        model's dropout masks and trailing-batch rule) over its ``n`` samples, drawn from ``rng``
+        (the client's seeded generator of the round); called after :meth:`local_objective`, and
+        every execution path takes it from here."""
         m = state.model
         return make_plan(n, obj.phases, self.opt, m.noise_widths(), m.dropout, rng, min_batch(m, self.opt.batch_size))
 
@@ -382,8 +390,9 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
         return {"acc": float((logits.argmax(1) == y).to(torch.float64).mean()) if len(y) else float("nan")}
 
     def evaluate(self, state: ClientState, message: Message, data: ClientData) -> dict[str, float]:
-        """Classifier accuracy (argmax of the logits) on the client's own test set, in [0, 1], and
-        the outputs' health (:data:`HEALTH_KEYS`)."""
+        """Classifier accuracy (argmax of the (n_test, C) logits) on the client's own test set, in
+        [0, 1], and the outputs' health (:data:`HEALTH_KEYS`); called every ``eval_every`` rounds
+        and after the last, with the round's server message."""
         logits, h = predict(state.model, data.test_x)
         n = len(data.test_y)
         acc = float((logits.argmax(1) == data.test_y).float().mean()) if n else float("nan")
