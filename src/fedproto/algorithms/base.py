@@ -286,7 +286,8 @@ class ClientPart(abc.ABC):  # noqa: B024 (every client hook has a default: nothi
 
     def client_report(self, state: ClientState) -> dict[str, float]:
         """Per-client numbers kept by the client itself for ``clients.csv`` (e.g. privacy spent),
-        name -> float; called with each evaluation (on Flower, by the node). Default: none."""
+        name -> float; called once after the last round for the summary (on Flower, by the node
+        with each evaluation). Default: none."""
         return {}
 
     def join_message(self, state: ClientState) -> Message:
