@@ -215,12 +215,13 @@ def _flower_sim(res: dict, arg: str | None = None) -> str:
 def _index(results: dict, arg: str | None = None) -> str:
     """Every result file: what it holds, when and from which commit it was last made, the command,
     and whether CI can make it again."""
-    lines = ["| result file | what | last made (UTC) | commit | CI | command |", "|---|---|---|---|---|---|"]
+    lines = ["| result file | what | last made (UTC) | commit | CPU | made in CI | command |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in sorted(results.items()):
         made = r["made"]
-        ci = "yes" if r["ci"] else f"no: too slow ({r.get('cost', '?')})"
+        ci = "yes" if r["ci"] else f"no, too slow: {r.get('cost', '?')}"
         lines.append(f"| `{RESULTS.as_posix()}/{name}.json` | {r.get('what', '')} | {made.get('date', '?')} | "
-                     f"{made.get('commit') or '?'} | {ci} | `{r['command']}` |")
+                     f"{made.get('commit') or '?'} | {made.get('cpu') or '?'} | {ci} | `{r['command']}` |")
     return "\n".join(lines) + "\n"
 
 
