@@ -9,6 +9,8 @@ top to bottom; the dropout replay it uses lives in :mod:`fedproto.training.repla
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +23,7 @@ from fedproto.models.base import ProtoModel
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
-    adam_step_stacked,
+    Phase,
     frozen_batchnorms,
     frozen_params,
     on_device,
@@ -31,8 +33,9 @@ from fedproto.training.objective import (
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
 from fedproto.training.replay import FEATURE_DROPOUT, Functional, dropout_calls, dropout_modules, replay_masks
-from fedproto.training.sequential import embedding_norm_max, set_train_modes
-from fedproto.training.stacked import stack_plans, stacked_refs, train_stacked
+from fedproto.training.sequential import set_train_modes
+from fedproto.training.stacked import StackedPhase, stack_plans, stacked_refs, train_stacked
+from fedproto.training.step import StepTotals, anchor_penalty, stacked_optimizer_step
 
 # ----------------------------------------------------------------------------------------------
 # Client-batched path for any model (torch.func): the same computation as train_client, G clients at once.
@@ -176,8 +179,27 @@ def train_group_generic(
             anything but their anchor's references, or models with active dropout modules and no
             ``seeds``.
     """
-    G = len(models)
     m0 = models[0]
+    grp, offsets = _prepare_group(models, xs, ys, plans, obj, opt, objs, seeds)
+    if grp.gm is not None and grp.X.dim() == 4:  # images: the hand-written batched path's loop (train_stacked)
+        return _train_traced(models, grp, plans, offsets)
+    user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
+    with Functional(m0) as fn:
+        for pi, ph in enumerate(grp.obj.phases):
+            for m in models:  # the modes the sequential path leaves each model in
+                set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
+            set_train_modes(m0, ph, user_frozen_bn)
+            _generic_phase(grp, fn, stack_plans(plans, pi, offsets, opt.batch_size), pi, ph)
+    _copy_back(models, grp.P, grp.Bf)
+    return grp.totals.results()
+
+
+def _prepare_group(models: Sequence[ProtoModel], xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
+                   plans: Sequence[Plan], obj: Objective, opt: OptimConfig, objs: Sequence[Objective] | None,
+                   seeds: Sequence[int] | None) -> tuple[_Group, np.ndarray]:
+    """The group's stacked weights, inputs, anchor references and dropout masks (:class:`_Group`) and
+    each client's first row in the group's inputs, for :func:`train_group_generic` (its ValueErrors)."""
+    G, m0 = len(models), models[0]
     key = generic_key(m0)
     for g, m in enumerate(models):
         if key is None or generic_key(m) != key:
@@ -203,151 +225,156 @@ def train_group_generic(
     offsets = np.cumsum([0] + [len(x) for x in xs])[:-1]
     X = concat(xs, dev)  # a tensor, or fedproto.data.inputs.Inputs (dicts, tuples: leaf by leaf)
     Y = torch.cat([y.to(dev) for y in ys])
-    C, d = m0.num_classes, m0.embedding_dim
-    sums = (torch.zeros(G * C, d, dtype=torch.promote_types(P[names[0]].dtype, torch.float32), device=dev)
-            if obj.collect else None)  # prototype sums in float32 or better, a half-precision model's too
-    counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
-    ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)
-    lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
-    ex_tot = torch.zeros(G, dtype=torch.float64, device=dev)
-    nsteps = torch.zeros(G, device=dev)
-    norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
-    user_frozen_bn = {id(m) for m in frozen_batchnorms(m0)}
     floats = isinstance(X, torch.Tensor) and X.is_floating_point()  # token ids, structures: under vmap
     gm = None if calls or bnames or not floats else grouped_graph(m0)[0]  # standard layers only: grouped ops
-    if gm is not None and X.dim() == 4:  # images: the hand-written batched path's loop (train_stacked)
-        for m in models:
-            m.train()
-        phases = [stack_plans(plans, pi, offsets, opt.batch_size) for pi in range(len(obj.phases))]
-        out = train_stacked(_Traced(gm, m0, names), P, X.contiguous(), Y, phases, obj, opt, ref)
-        with torch.no_grad():
-            for g, m in enumerate(models):
-                for k, p in m.named_parameters():
-                    p.copy_(P[k][g])
-        return out
+    totals = StepTotals(G, m0.num_classes, m0.embedding_dim, P[names[0]].dtype, dev, obj.collect)
     scaler = LossScale(G, dev, opt.precision == "fp16")  # fp16: per-client loss scales (a no-op otherwise)
-    with Functional(m0) as fn:
-        for pi, ph in enumerate(obj.phases):
-            for m in models:  # the modes the sequential path leaves each model in
-                set_train_modes(m, ph, {id(b) for b in frozen_batchnorms(m)})
-            set_train_modes(m0, ph, user_frozen_bn)
-            train_names = [k for k in names if ph.trains is None or ph.trains(k)]
-            mom = stacked_state(opt, P, train_names)  # (slot, name): momentum, or Adam's moments
-            adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count per parameter
-            sp = stack_plans(plans, pi, offsets, opt.batch_size)
-            order, valid_n = sp.order.to(dev), (sp.weight > 0).sum(-1)  # (Smax, B, G), (Smax, G)
-            noise = {k: v.to(dev) for k, v in sp.noise.items()}
-            aug = sp.aug.to(dev) if sp.aug is not None else None
-            is_last_phase = pi == len(obj.phases) - 1
-            cur: torch.Tensor | None = None
-            Pc: dict[str, torch.Tensor] = {}  # the stepping clients' parameters, buffers and momentum, compacted
-            Bc: dict[str, torch.Tensor] = {}
-            momc: dict[tuple[str, str], torch.Tensor] = {}
-            for s in range(order.shape[0]):
-                act = torch.nonzero(sp.steps > s).flatten()
-                if cur is None or len(act) != len(cur):
-                    if cur is not None:
-                        _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
-                    cur = act
-                    Pc = {k: P[k][cur.to(dev)].clone().requires_grad_(k in train_names) for k in names}
-                    Bc = {k: Bf[k][cur.to(dev)].clone() for k in bnames}
-                    momc = {k: v[cur.to(dev)].clone() for k, v in mom.items()}
-                cnt = valid_n[s][cur]
-                grads: dict[str, torch.Tensor | None] = {}
-                for c in torch.unique(cnt).tolist():
-                    pos = torch.nonzero(cnt == c).flatten()
-                    whole = len(pos) == len(cur)
-                    pos_d = pos.to(dev)
-                    ids = cur[pos]
-                    idd = ids.to(dev)
-                    # another sample count than the rest of the step: the clients' own leaves, their gradients
-                    # copied into the step's (every stepping client is in exactly one sub-group)
-                    pin = Pc if whole else {k: v[pos_d].detach().requires_grad_(k in train_names)
-                                            for k, v in Pc.items()}
-                    bin_ = Bc if whole else {k: v[pos_d].clone() for k, v in Bc.items()}
-                    idx = order[s][:c, idd].t()  # (Gs, c) rows of X
-                    xb = X[idx.reshape(-1)]
-                    if aug is not None:
-                        xb = augment_batch(xb, aug[s][:c, idd].transpose(0, 1).reshape(-1, 3))
-                    xb = tree_map(lambda t, n=len(ids), c=c: t.reshape(n, c, *t.shape[1:]), xb)
-                    yb = Y[idx]
-                    mk = {d_.name: torch.stack([masks[g][pi][s][d_.name] for g in ids.tolist()]).to(dev)
-                          for d_ in calls}
-                    nz = {k: v[s][idd, :c] for k, v in noise.items()}
-                    # the forward under autocast (opt.precision), its outputs back in float32 for the losses
-                    logits, h = (autocast_call(opt.precision, dev, grouped_call, gm, pin, xb) if gm is not None
-                                 else autocast_call(opt.precision, dev, fn, pin, bin_, xb, mk, nz))
-                    if not whole:
-                        with torch.no_grad():
-                            for k in bnames:
-                                Bc[k][pos_d] = bin_[k]
-                    w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
-                    ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
-                    if ref is not None:
-                        for k in train_names:
-                            if k in ref:
-                                loss_g = loss_g + 0.5 * obj.anchor_mu * ((pin[k] - ref[k][idd]) ** 2).flatten(1).sum(1)
-                    if train_names:
-                        gs = torch.autograd.grad(scaler.scale(loss_g, idd).sum(), [pin[k] for k in train_names],
-                                                 allow_unused=True)
-                        for k, gr in zip(train_names, gs):
-                            if whole or gr is None:
-                                grads[k] = gr
-                            else:
-                                if k not in grads:
-                                    grads[k] = torch.empty_like(Pc[k])
-                                grads[k].index_copy_(0, pos_d, gr)
-                    with torch.no_grad():
-                        ce_tot.index_add_(0, idd, ce.detach().double())
-                        lp_tot.index_add_(0, idd, lp.detach().double())
-                        ex_tot.index_add_(0, idd, extra.detach().double())
-                        nsteps[idd] += 1
-                        norm_max[idd] = torch.maximum(norm_max[idd], embedding_norm_max(h.detach(), -1))
-                        if obj.collect and is_last_phase:
-                            sel = sp.last[s][ids].to(dev).to(h.dtype).unsqueeze(1) * w
-                            flat = (yb + (idd * C).unsqueeze(1)).reshape(-1)
-                            sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d).to(sums.dtype))
-                            counts.index_add_(0, flat, sel.reshape(-1).long())
-                with torch.no_grad():
-                    stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
-                    cur_d = cur.to(dev)
-                    ok = scaler.unscale([grads[k] for k in stepped], cur_d)  # fp16: clients with finite gradients
-                    skipped = None if ok is None or bool(ok.all()) else ~ok
-                    held = [*(Pc[k] for k in stepped), *momc.values()]
-                    kept = [t[skipped].clone() for t in held] if skipped is not None else None
-                    if opt.optimizer != "sgd" and stepped:
-                        adam_step_stacked(opt, [Pc[k] for k in stepped], [grads[k] for k in stepped],
-                                          [momc["m", k] for k in stepped], [momc["v", k] for k in stepped],
-                                          [adam_steps[k] for k in stepped])
-                    for k in stepped if opt.optimizer == "sgd" else ():
-                        gr, p = grads[k], Pc[k]
-                        if opt.weight_decay:
-                            gr = gr.add(p, alpha=opt.weight_decay)
-                        if opt.momentum:
-                            momc["m", k].mul_(opt.momentum).add_(gr)
-                            p.add_(momc["m", k], alpha=-opt.round_lr)
-                        else:
-                            p.add_(gr, alpha=-opt.round_lr)
-                    if kept is not None:  # fp16: a client with an overflow skips its step, as GradScaler.step does
-                        for t, v in zip(held, kept):
-                            t[skipped] = v
-                    scaler.update(ok, cur_d)
-            if cur is not None:
-                _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur)
+    return _Group(m0, names, bnames, P, Bf, X, Y, ref, calls, masks, obj, opt, gm, totals, scaler), offsets
+
+
+def _train_traced(models: Sequence[ProtoModel], grp: _Group, plans: Sequence[Plan],
+                  offsets: np.ndarray) -> list[TrainResult]:
+    """Models of standard layers on image inputs: :func:`train_stacked`'s loop on the grouped graph."""
+    for m in models:
+        m.train()
+    phases = [stack_plans(plans, pi, offsets, grp.opt.batch_size) for pi in range(len(grp.obj.phases))]
+    out = train_stacked(_Traced(grp.gm, grp.m0, grp.names), grp.P, grp.X.contiguous(), grp.Y, phases, grp.obj,
+                        grp.opt, grp.ref)
+    _copy_back(models, grp.P, {})
+    return out
+
+
+@dataclass
+class _Group:
+    """What the phases and steps of :func:`train_group_generic` read: the group's template model,
+    parameter and buffer names, stacked parameters and buffers (name -> (G, *shape)), all inputs
+    and labels, the anchor's stacked references, the dropout calls and each client's replayed masks,
+    the objective, the optimizer settings, the grouped graph (None: ``vmap``), the totals, the loss scale."""
+
+    m0: ProtoModel
+    names: list[str]
+    bnames: list[str]
+    P: dict[str, torch.Tensor]
+    Bf: dict[str, torch.Tensor]
+    X: Any
+    Y: torch.Tensor
+    ref: dict[str, torch.Tensor] | None
+    calls: list
+    masks: list
+    obj: Objective
+    opt: OptimConfig
+    gm: Any
+    totals: StepTotals
+    scaler: LossScale
+
+
+def _copy_back(models: Sequence[ProtoModel], P: dict[str, torch.Tensor], Bf: dict[str, torch.Tensor]) -> None:
+    """Each model's parameters (and buffers named in ``Bf``) from its row of the stacks."""
     with torch.no_grad():
         for g, m in enumerate(models):
             for k, p in m.named_parameters():
                 p.copy_(P[k][g])
             for k, b in m.named_buffers():
-                b.copy_(Bf[k][g])
-    out = []
-    for g in range(G):
-        n = max(float(nsteps[g]), 1.0)
-        out.append(TrainResult(
-            sums[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
-            counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
-            float(ce_tot[g]) / n, float(lp_tot[g]) / n, int(nsteps[g]), float(norm_max[g]), float(ex_tot[g]) / n))
-    return out
+                if k in Bf:
+                    b.copy_(Bf[k][g])
+
+
+def _generic_phase(grp: _Group, fn: Functional, sp: StackedPhase, pi: int, ph: Phase) -> None:
+    """One phase of :func:`train_group_generic`: its steps, clients leaving as their data runs out."""
+    dev = grp.Y.device
+    train_names = [k for k in grp.names if ph.trains is None or ph.trains(k)]
+    mom = stacked_state(grp.opt, grp.P, train_names)  # (slot, name): momentum, or Adam's moments
+    adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count per parameter
+    collect = grp.obj.collect and pi == len(grp.obj.phases) - 1
+    view = _PhaseView(pi, sp.order.to(dev), (sp.weight > 0).sum(-1), {k: v.to(dev) for k, v in sp.noise.items()},
+                      sp.aug.to(dev) if sp.aug is not None else None, sp.last, train_names, collect)
+    cur: torch.Tensor | None = None
+    Pc: dict[str, torch.Tensor] = {}  # the stepping clients' parameters, buffers and momentum, compacted
+    Bc: dict[str, torch.Tensor] = {}
+    momc: dict[tuple[str, str], torch.Tensor] = {}
+    for s in range(view.order.shape[0]):
+        act = torch.nonzero(sp.steps > s).flatten()
+        if cur is None or len(act) != len(cur):
+            if cur is not None:
+                _write_back_generic(grp.P, grp.Bf, mom, Pc, Bc, momc, cur)
+            cur = act
+            Pc = {k: grp.P[k][cur.to(dev)].clone().requires_grad_(k in train_names) for k in grp.names}
+            Bc = {k: grp.Bf[k][cur.to(dev)].clone() for k in grp.bnames}
+            momc = {k: v[cur.to(dev)].clone() for k, v in mom.items()}
+        cnt = view.valid_n[s][cur]
+        grads: dict[str, torch.Tensor | None] = {}
+        for c in torch.unique(cnt).tolist():
+            _generic_subgroup(grp, fn, view, s, cur, torch.nonzero(cnt == c).flatten(), c, Pc, Bc, grads)
+        stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
+        stacked_optimizer_step(grp.opt, [Pc[k] for k in stepped], [grads[k] for k in stepped], momc, stepped,
+                               adam_steps, grp.scaler, cur.to(dev))
+    if cur is not None:
+        _write_back_generic(grp.P, grp.Bf, mom, Pc, Bc, momc, cur)
+
+
+@dataclass
+class _PhaseView:
+    """One phase's stacked plans as the steps of :func:`train_group_generic` read them: order
+    (Smax, B, G) rows of X, valid_n (Smax, G) samples per step, noise masks, augmentation, last
+    (Smax, G) steps of the last epoch, the trained parameters' names, whether prototypes are summed."""
+
+    pi: int
+    order: torch.Tensor
+    valid_n: torch.Tensor
+    noise: dict[str, torch.Tensor]
+    aug: torch.Tensor | None
+    last: torch.Tensor
+    train_names: list[str]
+    collect: bool
+
+
+def _generic_subgroup(grp: _Group, fn: Functional, view: _PhaseView, s: int, cur: torch.Tensor, pos: torch.Tensor,
+                      c: int, Pc: dict[str, torch.Tensor], Bc: dict[str, torch.Tensor],
+                      grads: dict[str, torch.Tensor | None]) -> None:
+    """Step ``s`` of the stepping clients ``cur[pos]``, those with ``c`` samples in it: forward (vmapped or
+    grouped), losses, gradients into ``grads`` (rows ``pos``), totals; BatchNorm statistics into ``Bc``."""
+    dev, train_names = grp.Y.device, view.train_names
+    whole = len(pos) == len(cur)
+    pos_d = pos.to(dev)
+    ids = cur[pos]
+    idd = ids.to(dev)
+    # another sample count than the rest of the step: the clients' own leaves, their gradients
+    # copied into the step's (every stepping client is in exactly one sub-group)
+    pin = Pc if whole else {k: v[pos_d].detach().requires_grad_(k in train_names) for k, v in Pc.items()}
+    bin_ = Bc if whole else {k: v[pos_d].clone() for k, v in Bc.items()}
+    idx = view.order[s][:c, idd].t()  # (Gs, c) rows of X
+    xb = grp.X[idx.reshape(-1)]
+    if view.aug is not None:
+        xb = augment_batch(xb, view.aug[s][:c, idd].transpose(0, 1).reshape(-1, 3))
+    xb = tree_map(lambda t, n=len(ids), c=c: t.reshape(n, c, *t.shape[1:]), xb)
+    yb = grp.Y[idx]
+    mk = {d_.name: torch.stack([grp.masks[g][view.pi][s][d_.name] for g in ids.tolist()]).to(dev)
+          for d_ in grp.calls}
+    nz = {k: v[s][idd, :c] for k, v in view.noise.items()}
+    # the forward under autocast (opt.precision), its outputs back in float32 for the losses
+    logits, h = (autocast_call(grp.opt.precision, dev, grouped_call, grp.gm, pin, xb) if grp.gm is not None
+                 else autocast_call(grp.opt.precision, dev, fn, pin, bin_, xb, mk, nz))
+    if not whole:
+        with torch.no_grad():
+            for k in grp.bnames:
+                Bc[k][pos_d] = bin_[k]
+    w = torch.ones(yb.shape, dtype=logits.dtype, device=dev)
+    ce, lp, extra, loss_g = step_terms(logits, h, yb, w, grp.obj)
+    refs = {k: grp.ref[k][idd] for k in train_names if k in grp.ref} if grp.ref is not None else None
+    loss_g = anchor_penalty(loss_g, grp.obj, pin, refs)
+    if train_names:
+        gs = torch.autograd.grad(grp.scaler.scale(loss_g, idd).sum(), [pin[k] for k in train_names],
+                                 allow_unused=True)
+        for k, gr in zip(train_names, gs):
+            if whole or gr is None:
+                grads[k] = gr
+            else:
+                if k not in grads:
+                    grads[k] = torch.empty_like(Pc[k])
+                grads[k].index_copy_(0, pos_d, gr)
+    grp.totals.add(idd, ce, lp, extra, h)
+    if view.collect:
+        grp.totals.collect(idd, yb, h, view.last[s][ids].to(dev).to(h.dtype).unsqueeze(1) * w)
 
 
 class _Traced:

@@ -24,6 +24,7 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
+from fedproto.training.step import StepTotals, embedding_norm_max  # noqa: F401 (embedding_norm_max: its old place)
 
 
 def set_train_modes(model: nn.Module, ph: Phase, user_frozen_bn: set[int]) -> None:
@@ -64,58 +65,66 @@ def train_client(
             p.requires_grad_(flags[n_])
 
 
+def _dp_sgd_module(model: ProtoModel, obj: Objective) -> nn.Module:
+    """The model wrapped for DP-SGD (Opacus's ``GradSampleModule``: per-sample gradients).
+
+    Raises:
+        ValueError: a loss that is not a mean of per-sample terms (an anchor, a batch-level term).
+    """
+    from opacus import GradSampleModule
+
+    batch_terms = [type(t).__name__ for t in (*obj.terms, obj.classification) if t is not None and not t.per_sample]
+    if obj.anchor_mu > 0 or batch_terms:
+        raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not a pull toward reference "
+                         f"weights (anchor mu={obj.anchor_mu}) nor loss terms that are not per sample "
+                         f"({', '.join(batch_terms) or 'none'}; e.g. FedProto's 'l2' distance, a batch prototype)")
+    # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
+    return GradSampleModule(model, loss_reduction="mean")
+
+
+def _phase_optimizer(params: list[torch.Tensor], obj: Objective, opt: OptimConfig, seed: int,
+                     dev: torch.device) -> torch.optim.Optimizer | None:
+    """A fresh optimizer for one phase (the official code's: one per local round), Opacus's
+    ``DPOptimizer`` around it under DP-SGD (noise from a generator seeded ``seed``); None when the
+    phase trains nothing (all its parameters frozen: it still runs its passes, without steps)."""
+    optim = make_optimizer(params, opt) if params else None
+    if obj.dp_sgd is not None and optim is not None:
+        from opacus.optimizers import DPOptimizer
+
+        dp = obj.dp_sgd
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        optim = DPOptimizer(optim, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
+                            expected_batch_size=dp.expected_batch_size, loss_reduction="mean", generator=gen)
+    return optim
+
+
 def _train_client(
     model: ProtoModel, x: torch.Tensor, y: torch.Tensor, plan: Plan, obj: Objective, opt: OptimConfig
 ) -> TrainResult:
     """The body of :func:`train_client` (``obj`` already leaves the frozen parameters alone)."""
     model.train()
     user_frozen_bn = {id(m) for m in frozen_batchnorms(model)}
-    C = model.num_classes
     p0 = next(model.parameters())
     dev = p0.device
     obj = on_device(obj, dev)
-    sums = counts = None
-    if obj.collect:
-        # prototype sums in float32 or better whatever the model's dtype (a half-precision model's too)
-        sums = torch.zeros(C, model.embedding_dim, dtype=torch.promote_types(p0.dtype, torch.float32), device=dev)
-        counts = torch.zeros(C, dtype=torch.long, device=dev)
-    ce_total = lp_total = ex_total = 0.0
-    steps = 0
-    norm_max = torch.zeros((), dtype=torch.float64, device=dev)
+    totals = StepTotals(1, model.num_classes, model.embedding_dim, p0.dtype, dev, obj.collect)
+    one = torch.zeros(1, dtype=torch.long, device=dev)  # the client's row in the totals
     named = dict(model.named_parameters())
-    net, gsm = model, None
+    gsm = _dp_sgd_module(model, obj) if obj.dp_sgd is not None else None
+    net = gsm if gsm is not None else model
     # fp16: torch's loss scaler, one per client and round (as the optimizer); bf16 needs none
     scaler = torch.amp.GradScaler(dev.type) if opt.precision == "fp16" else None
-    if obj.dp_sgd is not None:
-        from opacus import GradSampleModule
-
-        batch_terms = [type(t).__name__ for t in (*obj.terms, obj.classification) if t is not None and not t.per_sample]
-        if obj.anchor_mu > 0 or batch_terms:
-            raise ValueError("DP-SGD needs a loss that is a mean of per-sample terms: not a pull toward reference "
-                             f"weights (anchor mu={obj.anchor_mu}) nor loss terms that are not per sample "
-                             f"({', '.join(batch_terms) or 'none'}; e.g. FedProto's 'l2' distance, a batch prototype)")
-        net = gsm = GradSampleModule(model, loss_reduction="mean")
-        # Opacus's backward hooks on the first layer fire with respect to its outputs (inputs need no gradient)
-        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
     for pi, ph in enumerate(obj.phases):
         params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
             p.requires_grad_(ph.trains is None or ph.trains(n_))
         set_train_modes(model, ph, user_frozen_bn)
-        # a phase may have nothing to train (all its parameters frozen): it still runs its passes (the
-        # embeddings it collects), without steps
-        optim = make_optimizer(params, opt) if params else None
-        if obj.dp_sgd is not None and optim is not None:
-            from opacus.optimizers import DPOptimizer
-
-            dp = obj.dp_sgd
-            gen = torch.Generator(device=dev).manual_seed(plan.seed + pi)
-            optim = DPOptimizer(optim, noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-                                expected_batch_size=dp.expected_batch_size, loss_reduction="mean", generator=gen)
+        optim = _phase_optimizer(params, obj, opt, plan.seed + pi, dev)
         order, weight, last = plan.order[pi], plan.weight[pi], plan.last_epoch[pi]
         noise = plan.noise[pi] if plan.noise else {}
         aug = plan.aug[pi] if plan.aug else None
-        is_last_phase = pi == len(obj.phases) - 1
+        collect = obj.collect and pi == len(obj.phases) - 1
         for s in range(order.shape[0]):
             valid = weight[s] > 0
             idx = order[s][valid]
@@ -130,38 +139,25 @@ def _train_client(
                 if obj.anchor_mu > 0 and obj.anchor.ref is not None:
                     loss = loss + anchor_loss(obj, named)
             if optim is not None:
-                optim.zero_grad(set_to_none=True)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    scaler.step(optim)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    optim.step()
-            ce_total += float(ce.detach())
-            lp_total += float(lp.detach())
-            ex_total += float(extra.detach())
-            steps += 1
-            norm_max = torch.maximum(norm_max, embedding_norm_max(h.detach(), -1))
-            if obj.collect and is_last_phase and bool(last[s]):
-                hd = h.detach()
-                sums.index_add_(0, yb, hd.to(sums.dtype))
-                counts += torch.bincount(yb, minlength=C)
+                _step(optim, loss, scaler)
+            totals.add(one, ce.reshape(1), lp.reshape(1), extra.reshape(1), h.unsqueeze(0))
+            if collect and bool(last[s]):
+                totals.collect(one, yb.unsqueeze(0), h.unsqueeze(0))
     if gsm is not None:
         gsm.to_standard_module()  # hooks off, per-sample gradients gone: the plain model again
-    if sums is not None:
-        sums, counts = sums.cpu(), counts.cpu()
-    return TrainResult(sums, counts, ce_total / max(steps, 1), lp_total / max(steps, 1), steps, float(norm_max),
-                       ex_total / max(steps, 1))
+    return totals.results()[0]
 
 
-def embedding_norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Largest L2 norm along the sample axis of embeddings ``h`` (..., B, d) -> (...); a non-finite
-    embedding counts as ``inf``. ``valid`` (..., B) masks out padding."""
-    norms = h.detach().double().norm(dim=-1).nan_to_num(nan=float("inf"), posinf=float("inf"))
-    if valid is not None:
-        norms = torch.where(valid, norms, 0.0)
-    return norms.amax(dim) if norms.numel() else norms.new_zeros(norms.shape[:-1])
+def _step(optim: torch.optim.Optimizer, loss: torch.Tensor, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward and one optimizer step (through torch's loss scaler under fp16)."""
+    optim.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+    else:
+        loss.backward()
+        optim.step()
 
 
 @torch.no_grad()

@@ -17,7 +17,6 @@ from fedproto.training.objective import (
     OptimConfig,
     Phase,
     WeightAnchor,
-    adam_step_stacked,
     frozen_params,
     on_device,
     respect_frozen,
@@ -26,7 +25,7 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
-from fedproto.training.sequential import embedding_norm_max
+from fedproto.training.step import StepTotals, anchor_penalty, stacked_optimizer_step
 
 # ----------------------------------------------------------------------------------------------
 # Client-batched path for the paper CNN family.
@@ -239,113 +238,77 @@ def train_stacked(
     """
     names = m0.batch_params
     G = next(iter(P.values())).shape[0]
-    C, d = m0.num_classes, m0.embedding_dim
     dev = P[names[0]].device
     obj = on_device(obj, dev)
     ref = {k: v.to(dev) for k, v in ref.items()} if ref is not None else None
     X, Y = X.to(dev), Y.to(dev)
-    Cin = X.shape[1]
-    # prototype sums in float32 or better whatever the model's dtype (a half-precision model's too)
-    sums = torch.zeros(G * C, d, dtype=torch.promote_types(X.dtype, torch.float32), device=dev) if obj.collect else None
-    counts = torch.zeros(G * C, dtype=torch.long, device=dev) if obj.collect else None
-    ce_tot = torch.zeros(G, dtype=torch.float64, device=dev)  # float64 sums: exact for float32 and float64 runs
-    lp_tot = torch.zeros(G, dtype=torch.float64, device=dev)
-    ex_tot = torch.zeros(G, dtype=torch.float64, device=dev)
-    nsteps = torch.zeros(G, device=dev)
-    norm_max = torch.zeros(G, dtype=torch.float64, device=dev)
+    totals = StepTotals(G, m0.num_classes, m0.embedding_dim, X.dtype, dev, obj.collect)
     scaler = LossScale(G, dev, opt.precision == "fp16")  # fp16: per-client loss scales (a no-op otherwise)
     for pi, ph in enumerate(obj.phases):
-        sp = phases[pi]
         train_names = [k for k in names if ph.trains is None or ph.trains(k)]
         for k in names:
             P[k].requires_grad_(k in train_names)
-        bufs = stacked_state(opt, P, train_names)  # (slot, name) -> (G, *shape): momentum, or Adam's moments
-        adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count (shared by stepping clients)
-        Smax, B = sp.order.shape[0], sp.order.shape[1]
-        order, weight, last = sp.order.to(dev), sp.weight.to(dev), sp.last.to(dev)
-        noise = {k: v.to(dev) for k, v in sp.noise.items()}
-        aug = sp.aug.to(dev) if sp.aug is not None else None
-        is_last_phase = pi == len(obj.phases) - 1
-        S_t = sp.steps
-        cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
-        Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
-        bufc: dict[str, torch.Tensor] = {}
-        for s in range(Smax):
-            act = torch.nonzero(S_t > s).flatten().to(dev)
-            if cur is None or len(act) != len(cur):
-                # compaction: clients whose data ran out leave the batched computation, so their
-                # weights and momentum stay untouched and no compute is spent on padding
-                if cur is not None:
-                    _write_back(P, bufs, Pc, bufc, cur)
-                cur, Gc = act, len(act)
-                Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in names}
-                bufc = {k: v[cur].clone() for k, v in bufs.items()}
-                refc = {k: ref[k][cur] for k in train_names if k in ref} if ref is not None else None
-                ids_C = (cur * C).unsqueeze(1)
-            idx = order[s][:, cur].reshape(-1)
-            xb = X[idx] if aug is None else augment_batch(X[idx], aug[s][:, cur].reshape(-1, 3))
-            xb = xb.reshape(B, Gc * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
-            yb = Y[idx].reshape(B, Gc).t()
-            w = weight[s][cur]
-            nz = {k: v[s][cur] for k, v in noise.items()} if noise else None
-            # the forward under autocast (opt.precision), its outputs back in float32 for the losses and sums
-            logits, h = autocast_call(opt.precision, dev, m0.grouped_forward, Pc, xb, Gc, nz)
-            ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
-            if refc is not None:
-                for k in refc:
-                    loss_g = loss_g + 0.5 * obj.anchor_mu * ((Pc[k] - refc[k]) ** 2).flatten(1).sum(1)
-            gs = torch.autograd.grad(scaler.scale(loss_g, cur).sum(), [Pc[k] for k in train_names],
-                                     allow_unused=True) if train_names else ()  # () : all frozen
-            stepped = [k for k, g in zip(train_names, gs) if g is not None]  # torch.optim skips a None gradient
-            plist = [Pc[k] for k in stepped]
-            grads = [g for g in gs if g is not None]
-            with torch.no_grad():
-                blist = [bufc["m", k] for k in stepped]
-                ok = scaler.unscale(grads, cur)  # fp16: the clients whose gradients are finite (None otherwise)
-                skipped = None if ok is None or bool(ok.all()) else ~ok
-                kept = [t[skipped].clone() for t in (*plist, *bufc.values())] if skipped is not None else None
-                if opt.optimizer != "sgd" and plist:  # Adam/AdamW: torch's own update on the stacked rows
-                    adam_step_stacked(opt, plist, grads, blist, [bufc["v", k] for k in stepped],
-                                      [adam_steps[k] for k in stepped])
-                elif plist:  # SGD as torch.optim.SGD (weight decay, momentum, step)
-                    if opt.weight_decay:
-                        torch._foreach_add_(grads, plist, alpha=opt.weight_decay)
-                    if opt.momentum:
-                        torch._foreach_mul_(blist, opt.momentum)
-                        torch._foreach_add_(blist, grads)
-                    else:
-                        torch._foreach_copy_(blist, grads)
-                    torch._foreach_add_(plist, blist, alpha=-opt.round_lr)
-                if kept is not None:  # fp16: a client with an overflow skips its step, as GradScaler.step does
-                    for t, v in zip((*plist, *bufc.values()), kept):
-                        t[skipped] = v
-                scaler.update(ok, cur)
-                ce_tot.index_add_(0, cur, ce.detach().double())
-                lp_tot.index_add_(0, cur, lp.detach().double())
-                ex_tot.index_add_(0, cur, extra.detach().double())
-                nsteps[cur] += 1
-                norm_max[cur] = torch.maximum(norm_max[cur], embedding_norm_max(h.detach(), -1, w > 0))
-                if obj.collect and is_last_phase:
-                    sel = last[s][cur].to(h.dtype).unsqueeze(1) * w  # (Gc, B)
-                    flat = (yb + ids_C).reshape(-1)
-                    sums.index_add_(0, flat, (h.detach() * sel.unsqueeze(-1)).reshape(-1, d).to(sums.dtype))
-                    counts.index_add_(0, flat, sel.reshape(-1).long())
-        if cur is not None:
-            _write_back(P, bufs, Pc, bufc, cur)
+        _stacked_phase(m0, P, X, Y, phases[pi], obj, opt, ref, train_names, totals, scaler,
+                       collect=obj.collect and pi == len(obj.phases) - 1)
     for k in names:
         P[k].requires_grad_(False)
-    out = []
-    for g in range(G):
-        n = max(float(nsteps[g]), 1.0)
-        out.append(
-            TrainResult(
-                sums[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
-                counts[g * C : (g + 1) * C].cpu().clone() if obj.collect else None,
-                float(ce_tot[g]) / n,
-                float(lp_tot[g]) / n,
-                int(nsteps[g]),
-                float(norm_max[g]),
-                float(ex_tot[g]) / n,
-            )
-        )
-    return out
+    return totals.results()
+
+
+def _stacked_phase(m0: ProtoModel, P: dict[str, torch.Tensor], X: torch.Tensor, Y: torch.Tensor,
+                   sp: StackedPhase, obj: Objective, opt: OptimConfig, ref: dict[str, torch.Tensor] | None,
+                   train_names: list[str], totals: StepTotals, scaler: LossScale, collect: bool) -> None:
+    """One phase of :func:`train_stacked`: its steps, clients leaving as their data runs out."""
+    names = m0.batch_params
+    dev = P[names[0]].device
+    bufs = stacked_state(opt, P, train_names)  # (slot, name) -> (G, *shape): momentum, or Adam's moments
+    adam_steps = {k: torch.tensor(0.0) for k in train_names}  # Adam's step count (shared by stepping clients)
+    sp = StackedPhase(steps=sp.steps, order=sp.order.to(dev), weight=sp.weight.to(dev), last=sp.last.to(dev),
+                      noise={k: v.to(dev) for k, v in sp.noise.items()},
+                      aug=sp.aug.to(dev) if sp.aug is not None else None)
+    cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
+    Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
+    bufc: dict[str, torch.Tensor] = {}
+    refc: dict[str, torch.Tensor] | None = None
+    for s in range(sp.order.shape[0]):
+        act = torch.nonzero(sp.steps > s).flatten().to(dev)
+        if cur is None or len(act) != len(cur):
+            # compaction: clients whose data ran out leave the batched computation, so their
+            # weights and momentum stay untouched and no compute is spent on padding
+            if cur is not None:
+                _write_back(P, bufs, Pc, bufc, cur)
+            cur = act
+            Pc = {k: P[k][cur].clone().requires_grad_(k in train_names) for k in names}
+            bufc = {k: v[cur].clone() for k, v in bufs.items()}
+            refc = {k: ref[k][cur] for k in train_names if k in ref} if ref is not None else None
+        _stacked_step(m0, Pc, bufc, refc, X, Y, sp, s, cur, obj, opt, train_names, adam_steps, totals, scaler,
+                      collect)
+    if cur is not None:
+        _write_back(P, bufs, Pc, bufc, cur)
+
+
+def _stacked_step(m0: ProtoModel, Pc: dict[str, torch.Tensor], bufc: dict, refc: dict[str, torch.Tensor] | None,
+                  X: torch.Tensor, Y: torch.Tensor, sp: StackedPhase, s: int, cur: torch.Tensor, obj: Objective,
+                  opt: OptimConfig, train_names: list[str], adam_steps: dict[str, torch.Tensor],
+                  totals: StepTotals, scaler: LossScale, collect: bool) -> None:
+    """Step ``s`` of the stepping clients ``cur`` (Gc,): one grouped forward, one backward, one
+    optimizer step for all (:func:`fedproto.training.step.stacked_optimizer_step`)."""
+    Gc, B, Cin = len(cur), sp.order.shape[1], X.shape[1]
+    idx = sp.order[s][:, cur].reshape(-1)
+    xb = X[idx] if sp.aug is None else augment_batch(X[idx], sp.aug[s][:, cur].reshape(-1, 3))
+    xb = xb.reshape(B, Gc * Cin, *X.shape[2:]).contiguous(memory_format=torch.channels_last)
+    yb = Y[idx].reshape(B, Gc).t()
+    w = sp.weight[s][cur]
+    nz = {k: v[s][cur] for k, v in sp.noise.items()} if sp.noise else None
+    # the forward under autocast (opt.precision), its outputs back in float32 for the losses and sums
+    logits, h = autocast_call(opt.precision, X.device, m0.grouped_forward, Pc, xb, Gc, nz)
+    ce, lp, extra, loss_g = step_terms(logits, h, yb, w, obj)
+    loss_g = anchor_penalty(loss_g, obj, Pc, refc)
+    gs = torch.autograd.grad(scaler.scale(loss_g, cur).sum(), [Pc[k] for k in train_names],
+                             allow_unused=True) if train_names else ()  # () : all frozen
+    stepped = [k for k, g in zip(train_names, gs) if g is not None]  # torch.optim skips a None gradient
+    stacked_optimizer_step(opt, [Pc[k] for k in stepped], [g for g in gs if g is not None], bufc, stepped,
+                           adam_steps, scaler, cur)
+    totals.add(cur, ce, lp, extra, h, w > 0)
+    if collect:
+        totals.collect(cur, yb, h, sp.last[s][cur].to(h.dtype).unsqueeze(1) * w)  # (Gc, B)
