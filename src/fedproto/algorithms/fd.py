@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
-from fedproto.algorithms.options import FDOptions
+from fedproto.algorithms.options import FDOptions, checked_options
 from fedproto.algorithms.requirements import LABEL_SPACE
 from fedproto.algorithms.state import ServerState
 from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
@@ -70,10 +70,8 @@ class FD(Algorithm):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, fd_lambda: float = 1.0,
                  fd_temperature: float = 1.0, *, freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        if fd_lambda < 0 or not fd_temperature > 0:
-            raise ValueError(f"fd_lambda={fd_lambda} (>= 0), fd_temperature={fd_temperature} (> 0): "
-                             "one is out of range")
-        self.fd_lambda, self.fd_temperature = float(fd_lambda), float(fd_temperature)
+        self.options = checked_options(FDOptions, fd_lambda=fd_lambda, fd_temperature=fd_temperature)
+        self.fd_lambda, self.fd_temperature = float(self.options.fd_lambda), float(self.options.fd_temperature)
 
     def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt

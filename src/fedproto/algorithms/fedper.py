@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import FedAvg
-from fedproto.algorithms.options import FedPerOptions
+from fedproto.algorithms.options import FedPerOptions, checked_options
 from fedproto.models.base import ProtoModel
 from fedproto.plugins import AlgorithmOptions
 from fedproto.training import OptimConfig
@@ -56,9 +56,8 @@ class FedPer(FedAvg):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, personal_layers: str = "fc", *,
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        if personal_layers not in PERSONAL_LAYERS:
-            raise ValueError(f"personal_layers {personal_layers!r}: use one of {', '.join(PERSONAL_LAYERS)}")
-        self.personal_layers = personal_layers
+        self.options = checked_options(FedPerOptions, personal_layers=personal_layers)
+        self.personal_layers = self.options.personal_layers
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> FedPer:

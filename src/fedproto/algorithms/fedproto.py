@@ -22,7 +22,7 @@ import torch
 
 from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.fedproto_checks import ProtoServerChecks
-from fedproto.algorithms.options import FedProtoOptions
+from fedproto.algorithms.options import FedProtoOptions, checked_options
 from fedproto.algorithms.proto_steps import (
     AggregationRule,
     ClassCheck,
@@ -39,11 +39,8 @@ from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.state import ServerState
 from fedproto.models.base import ProtoModel
 from fedproto.plugins import AlgorithmOptions
-from fedproto.privacy import DP_MODES, epsilon, noisy_prototypes, secure_rng
+from fedproto.privacy import epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
-    AGGREGATION_RULES,
-    DISTANCE_FORMS,
-    LAMBDA_SCHEDULES,
     class_sums,
     embedding_health,
     lambda_at,
@@ -116,7 +113,8 @@ class FedProto(ProtoServerChecks, Algorithm):
     size than d, or of a class outside 0..C-1 (or with a count below 1) is dropped and named in
     the log and in the metrics (``dropped``), never averaged in.
     Raises:
-        ValueError: an option outside its range.
+        ValueError: an option outside its range or choices (checked once, by
+            :class:`~fedproto.algorithms.options.FedProtoOptions`, the run options' own bounds).
     """
 
     model_needs = ONE_EMBEDDING
@@ -156,44 +154,33 @@ class FedProto(ProtoServerChecks, Algorithm):
         freeze_after: int = 0,
     ) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        if not 0.0 <= trim < 0.5 or min_contributors < 1 or exclude_outliers < 0:
-            raise ValueError(f"trim={trim} (in [0, 0.5)), min_contributors={min_contributors} (>= 1), "
-                             f"exclude_outliers={exclude_outliers} (>= 0): one is out of range")
-        if dp not in DP_MODES or dp_noise < 0 or not dp_clip > 0 or not dp_grad_clip > 0 or not 0 < dp_delta < 1:
-            raise ValueError(f"dp={dp!r} (one of {', '.join(DP_MODES)}), dp_noise={dp_noise} (>= 0), dp_clip={dp_clip} "
-                             f"(> 0), dp_grad_clip={dp_grad_clip} (> 0), dp_delta={dp_delta} (in (0, 1)): one is "
-                             "out of range")
-        self.trim, self.min_contributors = float(trim), int(min_contributors)
-        self.exclude_outliers = float(exclude_outliers)
-        if class_check < 0:
-            raise ValueError(f"class_check={class_check}: give 0 (off) or a robust z-score above 0 (e.g. 3)")
-        self.class_check = float(class_check)
-        self.lambda_schedule = lambda_schedule
-        self.dp, self.dp_noise, self.dp_clip = dp, float(dp_noise), float(dp_clip)
-        self.dp_grad_clip, self.dp_delta = float(dp_grad_clip), float(dp_delta)
-        self.dp_reproducible_noise = bool(dp_reproducible_noise)
-        self.sequential_only = dp == "full"
-        if lambda_warmup < 0 or not 0.0 <= proto_momentum < 1.0 or min_proto_samples < 1 or proto_dist_alert < 0:
-            raise ValueError(f"lambda_warmup={lambda_warmup} (>= 0), proto_momentum={proto_momentum} (in [0, 1)), "
-                             f"min_proto_samples={min_proto_samples} (>= 1), proto_dist_alert={proto_dist_alert} "
-                             "(>= 0): one is out of range")
-        for opt_name, value, allowed in (("distance", distance, DISTANCE_FORMS),
-                                         ("proto_source", proto_source, ("last_epoch", "after_training")),
-                                         ("aggregation", aggregation, AGGREGATION_RULES),
-                                         ("lambda_schedule", lambda_schedule, LAMBDA_SCHEDULES),
-                                         ("proto_classes", proto_classes, ("own", "all"))):
-            if value not in allowed:
-                raise ValueError(f"{opt_name}={value!r}: choose one of {', '.join(allowed)}")
-        self.lambda_warmup = int(lambda_warmup)
-        self.proto_momentum = float(proto_momentum)
-        self.proto_normalize = bool(proto_normalize)
-        self.min_proto_samples = int(min_proto_samples)
-        self.proto_dist_alert = float(proto_dist_alert)
+        o = checked_options(
+            FedProtoOptions, lambda_proto=lambda_proto, distance=distance, proto_source=proto_source,
+            aggregation=aggregation, proto_classes=proto_classes, lambda_warmup=lambda_warmup,
+            proto_momentum=proto_momentum, proto_normalize=proto_normalize, min_proto_samples=min_proto_samples,
+            proto_dist_alert=proto_dist_alert, trim=trim, min_contributors=min_contributors,
+            exclude_outliers=exclude_outliers, lambda_schedule=lambda_schedule, dp=dp, dp_noise=dp_noise,
+            dp_clip=dp_clip, dp_grad_clip=dp_grad_clip, dp_delta=dp_delta, dp_reproducible_noise=dp_reproducible_noise,
+            class_check=class_check)
+        self.options = o
+        self.trim, self.min_contributors = float(o.trim), int(o.min_contributors)
+        self.exclude_outliers = float(o.exclude_outliers)
+        self.class_check = float(o.class_check)
+        self.lambda_schedule = o.lambda_schedule
+        self.dp, self.dp_noise, self.dp_clip = o.dp, float(o.dp_noise), float(o.dp_clip)
+        self.dp_grad_clip, self.dp_delta = float(o.dp_grad_clip), float(o.dp_delta)
+        self.dp_reproducible_noise = bool(o.dp_reproducible_noise)
+        self.sequential_only = o.dp == "full"
+        self.lambda_warmup = int(o.lambda_warmup)
+        self.proto_momentum = float(o.proto_momentum)
+        self.proto_normalize = bool(o.proto_normalize)
+        self.min_proto_samples = int(o.min_proto_samples)
+        self.proto_dist_alert = float(o.proto_dist_alert)
         self.lambda_proto = float(lambda_proto)
-        self.distance = distance
-        self.proto_source = proto_source
-        self.aggregation = aggregation
-        self.proto_classes = proto_classes
+        self.distance = o.distance
+        self.proto_source = o.proto_source
+        self.aggregation = o.aggregation
+        self.proto_classes = o.proto_classes
         self.embedding_dim = embedding_dim
         self._steps: ProtoSteps | None = None
 

@@ -24,7 +24,7 @@ import torch
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg
-from fedproto.algorithms.options import FedProxOptions
+from fedproto.algorithms.options import FedProxOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase, WeightAnchor
 
 
@@ -41,9 +41,8 @@ class FedProx(FedAvg):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, prox_mu: float = 0.01, *,
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        if prox_mu < 0:
-            raise ValueError(f"prox_mu must be >= 0, got {prox_mu}")
-        self.prox_mu = float(prox_mu)
+        self.options = checked_options(FedProxOptions, prox_mu=prox_mu)
+        self.prox_mu = float(self.options.prox_mu)
 
     def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt

@@ -28,7 +28,7 @@ from typing import Any
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedper import FedPer
-from fedproto.algorithms.options import FedRepOptions
+from fedproto.algorithms.options import FedRepOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase
 
 
@@ -49,9 +49,8 @@ class FedRep(FedPer):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, rep_head_epochs: int = 9,
                  personal_layers: str = "fc", *, freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, personal_layers, freeze_after=freeze_after)
-        if rep_head_epochs < 1:
-            raise ValueError(f"rep_head_epochs must be >= 1, got {rep_head_epochs}")
-        self.rep_head_epochs = int(rep_head_epochs)
+        self.options = checked_options(FedRepOptions, rep_head_epochs=rep_head_epochs, personal_layers=personal_layers)
+        self.rep_head_epochs = int(self.options.rep_head_epochs)
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> FedRep:

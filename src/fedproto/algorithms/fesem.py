@@ -33,7 +33,7 @@ import numpy as np
 
 from fedproto.algorithms.base import ClientState, Message, optim_config
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
-from fedproto.algorithms.options import FeSEMOptions
+from fedproto.algorithms.options import FeSEMOptions, checked_options
 from fedproto.algorithms.state import ServerState
 from fedproto.errors import ConfigError
 from fedproto.training import OptimConfig
@@ -73,9 +73,8 @@ class FeSEM(FedAvg):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, clusters: int = 3, seed: int = 0, *,
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        if clusters < 1:
-            raise ValueError(f"fesem_clusters must be >= 1, got {clusters}")
-        self.clusters = int(clusters)
+        self.options = checked_options(FeSEMOptions, fesem_clusters=clusters)
+        self.clusters = int(self.options.fesem_clusters)
         self.seed = int(seed)
 
     @classmethod

@@ -19,17 +19,34 @@ and ``class_ids`` (its messages carry class ids, so a simulated ``flip`` attack 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from fedproto.errors import ConfigError, opt
 from fedproto.plugins import BUILTIN_ENTRY_POINTS, AlgorithmOptions
 
 __all__ = ["BUILTIN_OPTIONS", "AlgorithmOptions", "FDOptions", "FedAvgOptions", "FedGHOptions", "FedPerOptions",
            "FedProtoOptions", "FedProxOptions", "FedRepOptions", "FedTGPOptions", "FeSEMOptions", "LGFedAvgOptions",
-           "LocalOptions", "NoOptions", "ProtoClientOptions", "WeightsOptions", "builtin_options", "options_of",
-           "owners"]
+           "LocalOptions", "NoOptions", "ProtoClientOptions", "WeightsOptions", "builtin_options", "checked_options",
+           "options_of", "owners"]
+
+O = TypeVar("O", bound=AlgorithmOptions)
+
+
+def checked_options(options: type[O], **values: Any) -> O:
+    """``options(**values)``, checked by the options model (the bounds and choices of the run
+    options, one place): what a method's constructor builds when called directly from Python.
+
+    Raises:
+        ValueError: a value outside its field's range or choices, as ``name=value: why``.
+    """
+    try:
+        return options(**values)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else options.__name__
+        raise ValueError(f"{name}={values.get(name)!r}: {first['msg']}") from None
 
 
 class NoOptions(AlgorithmOptions):
