@@ -33,9 +33,9 @@ from fedproto.training import (
     TrainResult,
     batch_key,
     can_batch,
+    frozen_params,
     generic_batch_problem,
     generic_key,
-    frozen_params,
     portable_objective,
     respect_frozen,
     stack_plans,
@@ -134,7 +134,8 @@ class BatchedExecutor(LocalExecutor):
         by_arch: dict = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             by_arch[self._group_key(i)].append(i)
-        batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([arch_model(self.setup.states[i]) for i in m])]
+        S = self.setup.states
+        batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([arch_model(S[i]) for i in m])]
         # the generic path: with execution="batched" for every model it can batch; with "auto" only for CNNs of standard
         # layers on images (the grouped operations of fedproto.grouped), measured 1.3-2x faster than the sequential
         # path on this project's 2-core CPU; vmap (BatchNorm, dropout: ResNet18 0.44x) was slower (docs/benchmarks.md)

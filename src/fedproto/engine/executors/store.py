@@ -291,8 +291,8 @@ class StoredClientState(ClientState):
             d["store"].put(self.cid, value)
             d["_module"] = d["store"].bind(value, self.cid)
         else:
-            raise TypeError(f"client {self.cid}'s model lives in a ClientStore: give it a {type(d['store'].template).__name__}"
-                            " of the same layout")
+            kind = type(d["store"].template).__name__
+            raise TypeError(f"client {self.cid}'s model lives in a ClientStore: give it a {kind} of the same layout")
 
     @property
     def materialized(self) -> bool:
