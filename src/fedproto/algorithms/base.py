@@ -421,7 +421,8 @@ class Algorithm(ClientPart, ServerPart):
     options: Any = None
     """The values of :attr:`Options` (with those of the methods it subclasses,
     :func:`fedproto.plugins.method_options`) for this run, set by :meth:`from_config`; None for a
-    method without options. Typed ``Any``: each method reads the fields of its own options model."""
+    method without options. Typed ``Any``: each method reads the fields of its own options model
+    (the library's methods read their options here only, never from the run config)."""
 
     embedding_dim: int = 0
     """d, the clients' embedding size (the prototype size), given to :meth:`from_config`."""
@@ -464,8 +465,10 @@ class Algorithm(ClientPart, ServerPart):
         a layer above and composed at run time with the plug-ins' options): ``cls(num_classes, opt,
         local_epochs, freeze_after=...)``, then, for an algorithm with ``Options`` (its own typed
         options, :class:`fedproto.plugins.AlgorithmOptions`), ``self.options`` holding their values
-        from the run config, ``self.embedding_dim`` and ``self.seed``. A method's own
-        ``from_config`` passes ``freeze_after`` to its constructor."""
+        from the run config, ``self.embedding_dim`` and ``self.seed``. The one way a method's
+        options reach it: its code reads ``self.options`` (a constructor called directly from
+        Python builds the same object from its keywords, checked by the options model); a
+        method's own ``from_config`` (a plug-in's) passes ``freeze_after`` to its constructor."""
         from fedproto.plugins import method_options
 
         alg = cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, freeze_after=cfg.freeze_after)

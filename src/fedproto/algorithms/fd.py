@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.options import FDOptions, checked_options
 from fedproto.algorithms.requirements import LABEL_SPACE
 from fedproto.algorithms.state import ServerState
@@ -71,17 +71,21 @@ class FD(Algorithm):
                  fd_temperature: float = 1.0, *, freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         self.options = checked_options(FDOptions, fd_lambda=fd_lambda, fd_temperature=fd_temperature)
-        self.fd_lambda, self.fd_temperature = float(self.options.fd_lambda), float(self.options.fd_temperature)
+
+    @property
+    def fd_lambda(self) -> float:
+        """``self.options.fd_lambda`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return float(self.options.fd_lambda)
+
+    @property
+    def fd_temperature(self) -> float:
+        """``self.options.fd_temperature`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return float(self.options.fd_temperature)
 
     def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt
 
         return f" or {opt('fd_lambda')} (now {self.fd_lambda:g})" if self.fd_lambda > 0 else ""
-
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FD:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fd_lambda, cfg.fd_temperature,
-                   freeze_after=cfg.freeze_after)
 
     # -- server ---------------------------------------------------------------------------------
     def reply_problem(self, reply: Message, sent: Message, embedding_dim: int) -> str:

@@ -24,9 +24,9 @@ personal layers (as they are after its last local training), on its own test set
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from fedproto.algorithms.base import ClientState, Message, optim_config
+from fedproto.algorithms.base import ClientState, Message
 from fedproto.algorithms.fedavg import FedAvg
 from fedproto.algorithms.options import FedPerOptions, checked_options
 from fedproto.models.base import ProtoModel
@@ -57,12 +57,11 @@ class FedPer(FedAvg):
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         self.options = checked_options(FedPerOptions, personal_layers=personal_layers)
-        self.personal_layers = self.options.personal_layers
 
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FedPer:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.personal_layers,
-                   freeze_after=cfg.freeze_after)
+    @property
+    def personal_layers(self) -> str:
+        """``self.options.personal_layers`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return str(self.options.personal_layers)
 
     def is_personal(self, model: ProtoModel) -> Callable[[str], bool]:
         """Predicate on tensor names: True for the tensors that stay on the client."""

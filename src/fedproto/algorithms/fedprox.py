@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedproto.algorithms.base import ClientState, Message, optim_config
+from fedproto.algorithms.base import ClientState, Message
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg
 from fedproto.algorithms.options import FedProxOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase, WeightAnchor
@@ -42,16 +42,16 @@ class FedProx(FedAvg):
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         self.options = checked_options(FedProxOptions, prox_mu=prox_mu)
-        self.prox_mu = float(self.options.prox_mu)
+
+    @property
+    def prox_mu(self) -> float:
+        """mu, ``self.options.prox_mu`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return float(self.options.prox_mu)
 
     def divergence_hint(self, cfg: Any) -> str:
         from fedproto.errors import opt
 
         return f" or {opt('prox_mu')} (now {self.prox_mu})" if self.prox_mu > 0 else ""
-
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FedProx:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.prox_mu, freeze_after=cfg.freeze_after)
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         """Cross-entropy + mu/2 ||w - w_global||², the reference being this round's global weights."""

@@ -24,9 +24,7 @@ FedPer.
 
 from __future__ import annotations
 
-from typing import Any
-
-from fedproto.algorithms.base import ClientState, Message, optim_config
+from fedproto.algorithms.base import ClientState, Message
 from fedproto.algorithms.fedper import FedPer
 from fedproto.algorithms.options import FedRepOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase
@@ -50,12 +48,11 @@ class FedRep(FedPer):
                  personal_layers: str = "fc", *, freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, personal_layers, freeze_after=freeze_after)
         self.options = checked_options(FedRepOptions, rep_head_epochs=rep_head_epochs, personal_layers=personal_layers)
-        self.rep_head_epochs = int(self.options.rep_head_epochs)
 
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FedRep:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.rep_head_epochs, cfg.personal_layers,
-                   freeze_after=cfg.freeze_after)
+    @property
+    def rep_head_epochs(self) -> int:
+        """``self.options.rep_head_epochs`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return int(self.options.rep_head_epochs)
 
     def objective(self, state: ClientState, message: Message) -> Objective:
         is_head = self.is_personal(state.model)

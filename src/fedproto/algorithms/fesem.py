@@ -27,11 +27,9 @@ M-step (what the client would load next), on its own test set.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from fedproto.algorithms.base import ClientState, Message, optim_config
+from fedproto.algorithms.base import ClientState, Message
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
 from fedproto.algorithms.options import FeSEMOptions, checked_options
 from fedproto.algorithms.state import ServerState
@@ -74,13 +72,12 @@ class FeSEM(FedAvg):
                  freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
         self.options = checked_options(FeSEMOptions, fesem_clusters=clusters)
-        self.clusters = int(self.options.fesem_clusters)
         self.seed = int(seed)
 
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FeSEM:
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, cfg.fesem_clusters, cfg.seed,
-                   freeze_after=cfg.freeze_after)
+    @property
+    def clusters(self) -> int:
+        """K, ``self.options.fesem_clusters`` (the run's, set by :meth:`Algorithm.from_config`)."""
+        return int(self.options.fesem_clusters)
 
     # -- server ---------------------------------------------------------------------------------
     def initial_message_from(self, joins: dict[int, Message]) -> Message:
