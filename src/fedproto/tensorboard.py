@@ -19,10 +19,15 @@ import numbers
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedproto.engine.loop import Observer
 from fedproto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from fedproto.engine.loop import RoundLoop
 
 TENSORBOARD_DIR = "tensorboard"
 """Folder of the event files inside a run directory."""
@@ -30,16 +35,16 @@ TENSORBOARD_DIR = "tensorboard"
 INSTALL = 'pip install "fedproto[tensorboard]"'
 
 
-def _summary_writer():
+def _summary_writer() -> type[SummaryWriter]:
     """``torch.utils.tensorboard.SummaryWriter``; ConfigError naming the extra when tensorboard is missing."""
     try:
         import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it; checked here for a clear message
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter as writer_cls
     except ImportError as e:
         raise ConfigError(f"tensorboard logging needs the tensorboard package, which is not installed ({e})",
                           option="tensorboard", value=True,
                           hint=f"install the extra: {INSTALL}, or leave the tensorboard option off") from None
-    return SummaryWriter
+    return writer_cls
 
 
 def tensorboard_observers(cfg: Any, run_dir: Any) -> list[Observer]:
@@ -57,7 +62,7 @@ def require_tensorboard() -> None:
     _summary_writer()
 
 
-def purge_events(log_dir: str | Path, first_step: int) -> int:
+def purge_events(log_dir: str | Path, first_step: object) -> int:
     """Remove from the event files in ``log_dir`` every scalar event at a step ``>= first_step`` (the rounds a
     resumed run runs again), rewriting each file atomically; a file left with no summary is deleted.
 
@@ -72,8 +77,8 @@ def purge_events(log_dir: str | Path, first_step: int) -> int:
     """
     if isinstance(first_step, bool) or not isinstance(first_step, numbers.Integral) or first_step < 1:
         raise ValueError(f"purge_events: first_step must be a round number >= 1, got {first_step!r}")
-    log_dir = Path(log_dir)
-    if not log_dir.is_dir():
+    folder = Path(log_dir)
+    if not folder.is_dir():
         return 0
     _summary_writer()
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
@@ -81,11 +86,12 @@ def purge_events(log_dir: str | Path, first_step: int) -> int:
     from tensorboard.summary.writer.record_writer import RecordWriter
 
     removed = 0
-    for f in sorted(p for p in log_dir.iterdir() if p.is_file() and "tfevents" in p.name):
-        kept, dropped, summaries = [], 0, 0
+    for f in sorted(p for p in folder.iterdir() if p.is_file() and "tfevents" in p.name):
+        kept: list[bytes] = []
+        dropped = summaries = 0
         for raw in RawEventFileLoader(str(f)).Load():
             ev = Event.FromString(raw)
-            if ev.step >= first_step and (ev.HasField("summary") or ev.HasField("session_log")):
+            if ev.step >= int(first_step) and (ev.HasField("summary") or ev.HasField("session_log")):
                 dropped += 1
                 continue
             summaries += ev.HasField("summary")
@@ -96,7 +102,7 @@ def purge_events(log_dir: str | Path, first_step: int) -> int:
         if not summaries:
             f.unlink()
             continue
-        fd, tmp = tempfile.mkstemp(dir=log_dir, prefix=".purge-", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".purge-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:
                 w = RecordWriter(out)
@@ -127,28 +133,28 @@ class TensorBoardObserver(Observer):
             ``pip install "fedproto[tensorboard]"``).
     """
 
-    def __init__(self, run_dir_path: str | Path):
+    def __init__(self, run_dir_path: str | Path) -> None:
         self._writer_cls = _summary_writer()  # a missing extra is an error before round 1
         self.log_dir = Path(run_dir_path) / TENSORBOARD_DIR
-        self._writer = None  # opened with the first row, once the run folder is set up (RunDir.begin)
+        self._writer: SummaryWriter | None = None  # opened with the first row, once the run folder is set up (RunDir.begin)
         self.purge_step: int | None = None  # resumed runs: the first round this process runs (see start)
 
-    def _open(self):
+    def _open(self) -> SummaryWriter:
         if self._writer is None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._writer = self._writer_cls(log_dir=str(self.log_dir), purge_step=self.purge_step)
         return self._writer
 
     @staticmethod
-    def scalars(row: dict[str, Any]) -> dict[str, float]:
+    def scalars(row: dict[str, object]) -> dict[str, float]:
         """The entries of ``row`` that :meth:`on_round` writes: name -> value (see the class docstring)."""
         out: dict[str, float] = {}
 
-        def add(name: str, v: Any) -> None:
+        def add(name: str, v: object) -> None:
             if isinstance(v, dict):
                 for k, x in v.items():
                     add(f"{name}/{k}", x)
-            elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(float(v)):
+            elif not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(float(v)):
                 out[name] = float(v)
 
         for k, v in row.items():
@@ -156,7 +162,7 @@ class TensorBoardObserver(Observer):
                 add(k, v)
         return out
 
-    def on_round(self, row: dict[str, Any]) -> None:
+    def on_round(self, row: dict[str, object]) -> None:
         """Write the numeric entries of one metrics row at step ``row["round"]``.
 
         Raises:
@@ -176,7 +182,7 @@ class TensorBoardObserver(Observer):
             self._writer.close()
 
     # the round loop's hooks (fedproto.engine.loop.Observer)
-    def start(self, loop) -> None:
+    def start(self, loop: RoundLoop) -> None:
         """A resumed run (``loop.start_round`` > 1) purges the events at and after its first round: the
         interrupted process may have logged rounds after its last checkpoint, which are run again: they are
         removed from the old event files (:func:`purge_events`) before this process writes them again."""
@@ -184,8 +190,8 @@ class TensorBoardObserver(Observer):
         if self.purge_step is not None:
             purge_events(self.log_dir, self.purge_step)
 
-    def round_done(self, loop, row: dict[str, Any]) -> None:
+    def round_done(self, loop: RoundLoop, row: dict[str, Any]) -> None:
         self.on_round(row)
 
-    def finish(self, loop, summary: dict, per_client: list[dict]) -> None:
+    def finish(self, loop: RoundLoop, summary: dict[str, Any], per_client: list[dict[str, Any]]) -> None:
         self.close()
