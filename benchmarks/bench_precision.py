@@ -13,8 +13,15 @@ mean accuracy over clients (``summary.json``'s ``accuracy.acc.mean``, the classi
 nearest-prototype one, their mean and spread (max - min) over seeds per precision.
 
     python benchmarks/bench_precision.py speed --pairs 3 --rounds 20
+    python benchmarks/bench_precision.py step --pairs 20       # one training step, in-process
     python benchmarks/bench_precision.py accuracy --rounds 100 --seeds 1,2,3
     python benchmarks/bench_precision.py accuracy --rounds 100 --seeds 1,2,3 --extra="--reproduce-block ..."
+
+Step: one training step of the batched engine on the paper CNN (20 clients, batch 8, MNIST-sized
+inputs, the default dropout's masks: the grouped forward under :func:`fedproto.devices.autocast_call`, the losses, the gradients),
+in-process on one thread, blocks of 50 steps alternating between the precisions ``--pairs`` times;
+the median and the fastest block per precision (on a loaded machine the fastest block shows what
+the core does when the run has it).
 
 Writes the raw rows and the summary as JSON (``--out``, default ``precision_<mode>.json``) and
 prints them. Needs MNIST (``FEDPROTO_DATA``). Runs every command with ``--threads 1`` and
@@ -124,9 +131,49 @@ def accuracy(args, extra: list[str], out_dir: str) -> dict:
     return out
 
 
+def step(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from fedproto.devices import autocast_call
+    from fedproto.models.cnn import PaperCNN
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    G, B = 20, 8
+    model = PaperCNN()
+    P = {k: torch.stack([p.detach()] * G).clone().requires_grad_(True) for k, p in model.named_parameters()}
+    xb = torch.randn(B, G, 28, 28).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (G, B))
+    noise = {k: torch.bernoulli(torch.full((G, B, w), 0.5)) * 2 for k, w in model.noise_widths().items()}  # dropout
+
+    def one(p):
+        logits, h = autocast_call(p, "cpu", model.grouped_forward, P, xb, G, noise)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) + 0.01 * h.square().mean()
+        torch.autograd.grad(loss, list(P.values()))
+
+    for p in args.precisions:
+        for _ in range(10):
+            one(p)
+    rows = []
+    for i in range(args.pairs):
+        for p in args.precisions:
+            t = time.perf_counter()
+            for _ in range(50):
+                one(p)
+            rows.append({"pair": i + 1, "precision": p, "ms_per_step": (time.perf_counter() - t) / 50 * 1e3,
+                         "load": loadavg()})
+    out = {"mode": "step", "clients": G, "batch": B, "pairs": args.pairs, "rows": rows, "load_end": loadavg(),
+           "by_precision": {}}
+    for p in args.precisions:
+        v = [r["ms_per_step"] for r in rows if r["precision"] == p]
+        out["by_precision"][p] = {"median_ms": statistics.median(v), "fastest_ms": min(v)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("speed", "accuracy"))
+    ap.add_argument("mode", choices=("speed", "accuracy", "step"))
     ap.add_argument("--rounds", type=positive, default=None, help="rounds per run (speed: 20, accuracy: 100)")
     ap.add_argument("--pairs", type=positive, default=3, help="speed: alternating pairs")
     ap.add_argument("--seeds", default="1,2,3", help="accuracy: seeds separated by commas")
@@ -144,8 +191,11 @@ def main() -> None:
         ap.error(f"--precisions {bad or args.precisions!r}: use fp32, bf16, fp16 or auto, separated by commas")
     args.rounds = args.rounds or (20 if args.mode == "speed" else 100)
     extra = shlex.split(args.extra)
-    with tempfile.TemporaryDirectory(prefix="bench-precision-") as out_dir:
-        res = speed(args, extra, out_dir) if args.mode == "speed" else accuracy(args, extra, out_dir)
+    if args.mode == "step":
+        res = step(args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="bench-precision-") as out_dir:
+            res = speed(args, extra, out_dir) if args.mode == "speed" else accuracy(args, extra, out_dir)
     res["extra"] = extra
     path = Path(args.out or f"precision_{args.mode}.json")
     path.write_text(json.dumps(res, indent=1))
