@@ -15,12 +15,12 @@ nearest-prototype one, their mean and spread (max - min) over seeds per precisio
     python benchmarks/bench_precision.py speed --pairs 3 --rounds 20
     python benchmarks/bench_precision.py step --pairs 20       # one training step, in-process
     python benchmarks/bench_precision.py accuracy --rounds 100 --seeds 1,2,3
-    python benchmarks/bench_precision.py accuracy --rounds 100 --seeds 1,2,3 --extra="--reproduce-block ..."
+    python benchmarks/bench_precision.py accuracy --rounds 20 --seeds 1234,1235,1236 --extra="--model cnn-mh"
 
 Step: one training step of the batched engine on the paper CNN (20 clients, batch 8, MNIST-sized
 inputs, the default dropout's masks: the grouped forward under :func:`fedproto.devices.autocast_call`,
-the losses, the gradients), in-process on one thread, blocks of 50 steps alternating between the precisions ``--pairs`` times;
-the median and the fastest block per precision (on a loaded machine the fastest block shows what
+the losses, the gradients), in-process on one thread, blocks of 50 steps alternating between the
+precisions ``--pairs`` times; the median and the fastest block per precision (on a loaded machine the fastest block shows what
 the core does when the run has it).
 
 Writes the raw rows and the summary as JSON (``--out``, default ``precision_<mode>.json``) and
