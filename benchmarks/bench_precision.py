@@ -20,8 +20,8 @@ nearest-prototype one, their mean and spread (max - min) over seeds per precisio
 Step: one training step of the batched engine on the paper CNN (20 clients, batch 8, MNIST-sized
 inputs, the default dropout's masks: the grouped forward under :func:`fedproto.devices.autocast_call`,
 the losses, the gradients), in-process on one thread, blocks of 50 steps alternating between the
-precisions ``--pairs`` times; the median and the fastest block per precision (on a loaded machine the fastest block shows what
-the core does when the run has it).
+precisions ``--pairs`` times; the median and the fastest block per precision (on a loaded machine
+the fastest block shows what the core does when the run has it).
 
 Writes the raw rows and the summary as JSON (``--out``, default ``precision_<mode>.json``) and
 prints them. Needs MNIST (``FEDPROTO_DATA``). Runs every command with ``--threads 1`` and
