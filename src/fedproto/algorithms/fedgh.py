@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.lgfedavg import (
     GLOBAL_HEAD_PROTOCOL,
     check_heads,
@@ -39,7 +39,7 @@ from fedproto.algorithms.lgfedavg import (
     head_message,
     load_head,
 )
-from fedproto.algorithms.options import FedGHOptions
+from fedproto.algorithms.options import FedGHOptions, checked_options
 from fedproto.algorithms.requirements import ONE_EMBEDDING
 from fedproto.algorithms.state import ServerState
 from fedproto.htmath import fedgh_train_head
@@ -86,18 +86,30 @@ class FedGH(Algorithm):
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, server_epochs: int = 1,
                  server_lr: float = 0.01, server_batch_size: int = 1, seed: int = 0, *, freeze_after: int = 0) -> None:
         super().__init__(num_classes, opt, local_epochs, freeze_after=freeze_after)
-        self.server_epochs, self.server_lr, self.server_batch_size = server_epochs, server_lr, server_batch_size
+        self.options = checked_options(FedGHOptions, server_epochs=server_epochs, server_lr=server_lr,
+                                       server_batch_size=server_batch_size)
         self.seed = seed
-        # the paper's regime (one pass, one pair per step) keeps the upload order; any other shuffles as the reference
-        self.shuffles = server_epochs > 1 or server_batch_size > 1
 
-    @classmethod
-    def from_config(cls, cfg: Any, embedding_dim: int) -> FedGH:
-        def given(value: T | None, default: T) -> T:
-            return default if value is None else value
+    @property
+    def server_epochs(self) -> int:
+        """``self.options.server_epochs`` (the run's, set by :meth:`Algorithm.from_config`); None: 1."""
+        return 1 if self.options.server_epochs is None else int(self.options.server_epochs)
 
-        return cls(cfg.num_classes, optim_config(cfg), cfg.local_epochs, given(cfg.server_epochs, 1),
-                   given(cfg.server_lr, 0.01), given(cfg.server_batch_size, 1), cfg.seed, freeze_after=cfg.freeze_after)
+    @property
+    def server_lr(self) -> float:
+        """``self.options.server_lr``; None: 0.01."""
+        return 0.01 if self.options.server_lr is None else float(self.options.server_lr)
+
+    @property
+    def server_batch_size(self) -> int:
+        """``self.options.server_batch_size``; None: 1."""
+        return 1 if self.options.server_batch_size is None else int(self.options.server_batch_size)
+
+    @property
+    def shuffles(self) -> bool:
+        """The paper's regime (one pass, one pair per step) keeps the upload order; any other
+        shuffles as the reference."""
+        return self.server_epochs > 1 or self.server_batch_size > 1
 
     # -- server ---------------------------------------------------------------------------------
     def join_message(self, state: ClientState) -> Message:
