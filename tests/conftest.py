@@ -324,3 +324,27 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # the documentation folder of this checkout
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def digits_clients_partition():
+    """The digits dataset and a 10-client few-shot partition of it (ways 4, shots 3, 25 test samples,
+    seed 5): the own-federation tests' clients (``client_splits(*digits_clients_partition())``)."""
+    from fedproto.data.datasets import load_dataset
+
+    ds = load_dataset("digits")
+    part = fewshot_partition(ds.train_y.numpy(), ds.test_y.numpy(), 10, 4, 3, 25, 0, 10, seed=5)
+    return ds, part
+
+
+class SmallCNN(nn.Module):
+    """The guide's kind of user model: a classifier ending in ``fc`` on ``d`` features; clients
+    whose d is not 16 are given ``embedding_dim=16``, so fedproto appends a projection and a new head."""
+
+    def __init__(self, width=8, d=16):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                                      nn.Linear(width * 16, d), nn.ReLU())
+        self.fc = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x))
