@@ -438,6 +438,13 @@ class Algorithm(ClientPart, ServerPart):
     sequential_only: bool = False
     """True when the client step cannot join the batched path (e.g. DP-SGD's per-sample gradients)."""
 
+    secure_sum: ClassVar[str | None] = None
+    """What secure aggregation (``secagg``) sums for this method, whose server step is then a
+    function of the sum of the replies: ``"prototypes"`` (FedProto's per-class sums and counts) or
+    ``"weights"`` (FedAvg's sample-weighted shared weights); None: the server step needs each reply
+    (``secagg`` is refused). Holds for a subclass only while it keeps the declaring class's
+    ``aggregate`` (:func:`fedproto.secagg.codec.secure_sum_of`)."""
+
     seed: int = 0
     """The run's seed (``seed`` option, given to :meth:`from_config`): see :meth:`generator`."""
 

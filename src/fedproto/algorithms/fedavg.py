@@ -236,6 +236,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Options: ClassVar[type[AlgorithmOptions] | None] = WeightsOptions
     shares_weights = True
+    secure_sum: ClassVar[str | None] = "weights"
 
     def include(self, model: ProtoModel) -> Callable[[str], bool] | None:
         """Predicate on tensor names: which tensors are shared (FedAvg: all; None means all)."""

@@ -122,6 +122,7 @@ class FedProto(ProtoServerChecks, Algorithm):
 
     name = "fedproto"
     Options: ClassVar[type[AlgorithmOptions] | None] = FedProtoOptions
+    secure_sum: ClassVar[str | None] = "prototypes"
 
     def __init__(
         self,

@@ -64,6 +64,8 @@ class FedTGP(FedProto):
 
     name = "fedtgp"
     Options = FedTGPOptions
+    secure_sum = None
+    """Its server trains on each client's prototypes (not a function of their sum)."""
 
     def __init__(self, num_classes: int, opt: OptimConfig, local_epochs: int = 1, lambda_proto: float = 1.0,
                  distance: str = "mse", proto_source: str = "last_epoch", proto_classes: str = "own",

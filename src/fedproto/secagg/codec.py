@@ -71,7 +71,7 @@ def check(cfg: Any, alg: Any) -> None:
         ConfigError: naming the conflict and the fix.
     """
     name = alg.name
-    if name == "fedproto":
+    if secure_sum_of(alg) == "prototypes":
         why = [(opt("aggregation", cfg.aggregation), "needs each client's prototype (a coordinate-wise median or "
                 f"trimmed mean is not a function of sums); use {opt('aggregation', 'mean')} or "
                 f"{opt('aggregation', 'weighted')}")
@@ -92,17 +92,30 @@ def check(cfg: Any, alg: Any) -> None:
     if codec_of(alg) is None:
         raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
                           f"{opt('algorithm', name)} aggregates each client's reply on its own (its server step needs "
-                          "them one by one); secure aggregation serves fedproto (aggregation mean or weighted), "
-                          "fedavg, fedprox, fedper and fedrep", option="secagg", value=True)
+                          "them one by one); secure aggregation serves the methods whose server step is a "
+                          "function of the sums (Algorithm.secure_sum: fedproto with aggregation mean or weighted, "
+                          "fedavg, fedprox, fedper, fedrep)", option="secagg", value=True)
+
+
+def secure_sum_of(alg: Any) -> str | None:
+    """What ``alg`` declares secure aggregation sums (``Algorithm.secure_sum``: ``"prototypes"``,
+    ``"weights"`` or None), None when its class no longer has the declaring class's ``aggregate``
+    (a subclass with a server step of its own needs the individual replies)."""
+    cls = type(alg)
+    for k in cls.__mro__:
+        if "secure_sum" in k.__dict__:
+            same_step = getattr(cls, "aggregate", None) is getattr(k, "aggregate", None)
+            return k.__dict__["secure_sum"] if same_step else None
+    return None
 
 
 def codec_of(alg: Any, minimum: int = 2) -> Codec | None:
     """The codec of a method, or None when its server needs individual replies; ``minimum``:
     ``secagg_min_contributors`` (with 1 nothing is withheld and FedProto's vector is one group)."""
-    if alg.name == "fedproto":
+    sums = secure_sum_of(alg)  # asked of the method (the engine imports no method module)
+    if sums == "prototypes":
         return ProtoCodec(alg, minimum)
-    # the sample-weighted mean of fedproto.algorithms.fedavg (by name: the engine imports no method module)
-    if alg.name in ("fedavg", "fedprox", "fedper", "fedrep") and type(alg).aggregate.__qualname__ == "FedAvg.aggregate":
+    if sums == "weights":  # the sample-weighted mean of fedproto.algorithms.fedavg
         return WeightsCodec(alg)
     return None
 
