@@ -408,3 +408,42 @@ def test_the_fednh_example_plugin_learns_on_every_executor(monkeypatch, tmp_path
     (acc, losses), (acc_b, losses_b) = runs["sequential"], runs["batched"]
     assert acc > 0.8 and acc == pytest.approx(acc_b, abs=1e-9)
     assert losses == pytest.approx(losses_b, rel=1e-5) and losses[-1] < losses[0] / 2  # its cosine CE is loss_ce
+
+
+def test_a_builtin_reads_its_options_object_one_way():
+    """Issue 43, item 2: a built-in's options reach it through ``self.options`` only: the default
+    ``from_config`` fills it from the run config, a direct constructor builds it from its keywords
+    and the options model checks them (no second, hand-written range check)."""
+    from fedproto.algorithms import FedGH, FedProto, FedProx, FedRep, get_algorithm
+    from fedproto.algorithms.options import FedProxOptions
+    from fedproto.training import OptimConfig
+
+    alg = FedProx(10, OptimConfig(), prox_mu=0.25)
+    assert isinstance(alg.options, FedProxOptions) and alg.prox_mu == 0.25
+    for make, name in ((lambda: FedProx(10, OptimConfig(), prox_mu=-1.0), "prox_mu"),
+                       (lambda: FedRep(10, OptimConfig(), rep_head_epochs=0), "rep_head_epochs"),
+                       (lambda: FedGH(10, OptimConfig(), server_lr=0.0), "server_lr"),
+                       (lambda: FedProto(10, OptimConfig(), trim=0.5), "trim")):
+        with pytest.raises(ValueError, match=f"^{name}="):
+            make()
+    for method in ("fedprox", "fedper", "fedrep", "fesem", "fd", "fedgh"):
+        assert "from_config" not in vars(get_algorithm(method)), method
+
+
+def test_secure_aggregation_asks_the_method_what_it_sums():
+    """secagg's codec reads ``Algorithm.secure_sum`` (no list of names); a subclass with a server
+    step of its own sums nothing."""
+    from fedproto.algorithms import FedAvg, FedProto, FedProx, FedTGP, LGFedAvg
+    from fedproto.secagg.codec import secure_sum_of
+    from fedproto.training import OptimConfig
+
+    class OwnStep(FedAvg):
+        name = "ownstep"
+
+        def aggregate(self, round, messages, state=None):
+            return super().aggregate(round, messages, state)
+
+    methods = (FedProto, FedTGP, FedAvg, FedProx, LGFedAvg, OwnStep)
+    got = {c.__name__: secure_sum_of(c(10, OptimConfig())) for c in methods}
+    assert got == {"FedProto": "prototypes", "FedTGP": None, "FedAvg": "weights", "FedProx": "weights",
+                   "LGFedAvg": None, "OwnStep": None}
