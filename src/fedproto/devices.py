@@ -11,6 +11,10 @@ another CPU (docs/results.md, "Reproducibility").
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
 import torch
 
 from fedproto.errors import ConfigError, opt
@@ -115,7 +119,7 @@ def resolve_precision(spec: str, device: torch.device | str) -> str:
     return "fp32"
 
 
-def autocast_for(precision: str, device: torch.device | str):
+def autocast_for(precision: str, device: torch.device | str) -> AbstractContextManager[None]:
     """The context a training forward pass runs in: ``torch.autocast`` to bfloat16 (``bf16``) or
     float16 (``fp16``) on ``device``'s type, a no-op context for ``fp32``.
 
@@ -135,7 +139,7 @@ def autocast_for(precision: str, device: torch.device | str):
     return torch.autocast(device_type=torch.device(device).type, dtype=_AUTOCAST_DTYPE[precision])
 
 
-def autocast_call(precision: str, device: torch.device | str, fn, *args, **kwargs):
+def autocast_call(precision: str, device: torch.device | str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a model's forward) under :func:`autocast_for`, its outputs (a tensor
     or a tuple of tensors, e.g. ``(logits, h)``) returned in float32 where autocast made them bfloat16
     or float16, so that the losses, the λ distance term to the float32 global prototypes and the
@@ -150,7 +154,7 @@ def autocast_call(precision: str, device: torch.device | str, fn, *args, **kwarg
     with autocast_for(precision, device):
         out = fn(*args, **kwargs)
 
-    def up(t):
+    def up(t: Any) -> Any:  # an output of fn: a tensor or anything else, passed through
         return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
 
     return tuple(up(t) for t in out) if isinstance(out, tuple) else up(out)
@@ -180,7 +184,7 @@ class LossScale:
         return loss_g * self.scales[cur].to(loss_g.dtype) if self.enabled else loss_g
 
     @torch.no_grad()
-    def unscale(self, grads: list[torch.Tensor | None], cur: torch.Tensor) -> torch.Tensor | None:
+    def unscale(self, grads: Sequence[torch.Tensor | None], cur: torch.Tensor) -> torch.Tensor | None:
         """Divide each gradient's client rows (Gc, ...) by their scale in place; None when disabled,
         else (Gc,) bool: the clients whose gradients are all finite (the others' rows are set to 0)."""
         if not self.enabled:

@@ -20,6 +20,8 @@ traced graph drops layers no result reads and pools before ReLU where a ReLU fee
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -116,7 +118,7 @@ def _pool_before_relu(gm: fx.GraphModule) -> None:
         relu = pool.args[0]
         if not (isinstance(relu, fx.Node) and is_relu(relu) and len(relu.users) == 1):
             continue
-        src = relu.args[0]
+        src = cast(fx.Node, relu.args[0])  # a traced ReLU's input is a node of the graph
         pool.replace_all_uses_with(relu)  # the pool's users now read the ReLU ...
         relu.replace_input_with(src, pool)  # ... which reads the pool ...
         pool.replace_input_with(relu, src)  # ... which reads the ReLU's input
@@ -125,7 +127,8 @@ def _pool_before_relu(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def grouped_forward(gm: fx.GraphModule, params: dict[str, torch.Tensor], xg: torch.Tensor, G: int):
+def grouped_forward(gm: fx.GraphModule, params: dict[str, torch.Tensor], xg: torch.Tensor,
+                    G: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The traced forward of :func:`grouped_graph` for G clients whose inputs are already in the grouped layout.
 
     Args:
@@ -142,7 +145,7 @@ def grouped_forward(gm: fx.GraphModule, params: dict[str, torch.Tensor], xg: tor
     """
     B = xg.shape[0] if xg.dim() == 4 else xg.shape[1]
     mods = dict(gm.named_modules())
-    env: dict[fx.Node, torch.Tensor] = {}
+    env: dict[fx.Node, torch.Tensor | None] = {}  # None: the noise placeholder, or x when not an image/feature
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # grouped 4-d or (G, B, F) -> (G, B, F)
         if t.dim() == 3:
@@ -157,7 +160,8 @@ def grouped_forward(gm: fx.GraphModule, params: dict[str, torch.Tensor], xg: tor
         if _is_noise_check(node):
             continue
         if node.op == "output":
-            logits, h = (env[a] for a in node.args[0])
+            # operations' outputs: tensors (None is only ever a placeholder's value)
+            logits, h = (cast(torch.Tensor, env[a]) for a in node.args[0])
             return flat(logits), flat(h)
         a = env[node.args[0]]
         if a is None or a.dim() not in (3, 4):
@@ -196,7 +200,8 @@ def grouped_input(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).reshape(B, G * x.shape[2], *x.shape[3:]).contiguous(memory_format=torch.channels_last)
 
 
-def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor], x: torch.Tensor):
+def grouped_call(gm: fx.GraphModule, params: dict[str, torch.Tensor],
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the traced forward of :func:`grouped_graph` for G clients at once.
 
     Args:

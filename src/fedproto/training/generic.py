@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -32,15 +32,25 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
-from fedproto.training.replay import FEATURE_DROPOUT, Functional, dropout_calls, dropout_modules, replay_masks
+from fedproto.training.replay import (
+    FEATURE_DROPOUT,
+    DropCall,
+    Functional,
+    dropout_calls,
+    dropout_modules,
+    replay_masks,
+)
 from fedproto.training.sequential import set_train_modes
 from fedproto.training.stacked import StackedPhase, stack_plans, stacked_refs, train_stacked
 from fedproto.training.step import StepTotals, anchor_penalty, stacked_optimizer_step
 
+if TYPE_CHECKING:
+    from torch import fx
+
 # ----------------------------------------------------------------------------------------------
 # Client-batched path for any model (torch.func): the same computation as train_client, G clients at once.
 
-def _plain(v) -> bool:
+def _plain(v: object) -> bool:
     """True for values that describe a module's configuration in :func:`generic_key` (numbers,
     strings, None, and tuples of them)."""
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -48,7 +58,7 @@ def _plain(v) -> bool:
     return isinstance(v, tuple) and all(_plain(x) for x in v)
 
 
-def generic_key(model: nn.Module) -> tuple | None:
+def generic_key(model: nn.Module) -> tuple[object, ...] | None:
     """What clients trained together on the generic batched path (:func:`train_group_generic`) share.
 
     The key holds, for every submodule in order: its name, type, configuration (its attributes that
@@ -218,7 +228,8 @@ def _prepare_group(models: Sequence[ProtoModel], xs: Sequence[torch.Tensor], ys:
     if calls and seeds is None:
         raise ValueError("models with dropout modules need the clients' torch seeds (seeds=) to draw the "
                          "sequential path's masks")
-    masks = [replay_masks(calls, [(w > 0).sum(1) for w in pl.weight], seeds[g]) if calls else None
+    # seeds: given wherever there are calls (checked above)
+    masks = [replay_masks(calls, [(w > 0).sum(1) for w in pl.weight], cast(Sequence[int], seeds)[g]) if calls else None
              for g, pl in enumerate(plans)]
     P = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models]).clone() for k in names}
     Bf = {k: torch.stack([dict(m.named_buffers())[k] for m in models]).clone() for k in bnames}
@@ -259,8 +270,8 @@ class _Group:
     X: Any
     Y: torch.Tensor
     ref: dict[str, torch.Tensor] | None
-    calls: list
-    masks: list
+    calls: list[DropCall]
+    masks: list[list[list[dict[str, torch.Tensor]]] | None]
     obj: Objective
     opt: OptimConfig
     gm: Any
@@ -306,8 +317,9 @@ def _generic_phase(grp: _Group, fn: Functional, sp: StackedPhase, pi: int, ph: P
         for c in torch.unique(cnt).tolist():
             _generic_subgroup(grp, fn, view, s, cur, torch.nonzero(cnt == c).flatten(), c, Pc, Bc, grads)
         stepped = [k for k in train_names if grads.get(k) is not None]  # torch.optim skips None grads
-        stacked_optimizer_step(grp.opt, [Pc[k] for k in stepped], [grads[k] for k in stepped], momc, stepped,
-                               adam_steps, grp.scaler, cur.to(dev))
+        # stepped: the names whose gradient is not None
+        stacked_optimizer_step(grp.opt, [Pc[k] for k in stepped], [cast(torch.Tensor, grads[k]) for k in stepped],
+                               momc, stepped, adam_steps, grp.scaler, cur.to(dev))
     if cur is not None:
         _write_back_generic(grp.P, grp.Bf, mom, Pc, Bc, momc, cur)
 
@@ -346,7 +358,11 @@ def _generic_subgroup(grp: _Group, fn: Functional, view: _PhaseView, s: int, cur
     xb = grp.X[idx.reshape(-1)]
     if view.aug is not None:
         xb = augment_batch(xb, view.aug[s][:c, idd].transpose(0, 1).reshape(-1, 3))
-    xb = tree_map(lambda t, n=len(ids), c=c: t.reshape(n, c, *t.shape[1:]), xb)
+
+    def split(t: torch.Tensor, n: int = len(ids), c: int = c) -> torch.Tensor:  # (n*c, ...) -> (n, c, ...)
+        return t.reshape(n, c, *t.shape[1:])
+
+    xb = tree_map(split, xb)
     yb = grp.Y[idx]
     mk = {d_.name: torch.stack([grp.masks[g][view.pi][s][d_.name] for g in ids.tolist()]).to(dev)
           for d_ in grp.calls}
@@ -371,7 +387,8 @@ def _generic_subgroup(grp: _Group, fn: Functional, view: _PhaseView, s: int, cur
             else:
                 if k not in grads:
                     grads[k] = torch.empty_like(Pc[k])
-                grads[k].index_copy_(0, pos_d, gr)
+                # a tensor: made above or by an earlier sub-group (a parameter gets a gradient in all or none)
+                cast(torch.Tensor, grads[k]).index_copy_(0, pos_d, gr)
     grp.totals.add(idd, ce, lp, extra, h)
     if view.collect:
         grp.totals.collect(idd, yb, h, view.last[s][ids].to(dev).to(h.dtype).unsqueeze(1) * w)
@@ -381,21 +398,25 @@ class _Traced:
     """A model traced for the grouped forward (:func:`fedproto.grouped.grouped_graph`) in the role
     :func:`train_stacked` gives a model with a hand-written batched forward."""
 
-    def __init__(self, gm, m0: ProtoModel, names: Sequence[str]):
+    def __init__(self, gm: fx.GraphModule, m0: ProtoModel, names: Sequence[str]) -> None:
         self.gm, self.batch_params = gm, tuple(names)
         self.num_classes, self.embedding_dim = m0.num_classes, m0.embedding_dim
 
-    def grouped_forward(self, P, xb, G, noise=None):
+    def grouped_forward(self, P: dict[str, torch.Tensor], xb: torch.Tensor, G: int,
+                        noise: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_forward(self.gm, P, xb, G)
 
 
 @torch.no_grad()
-def _write_back_generic(P, Bf, mom, Pc, Bc, momc, cur) -> None:
+def _write_back_generic(P: dict[str, torch.Tensor], Bf: dict[str, torch.Tensor],
+                        mom: dict[tuple[str, str], torch.Tensor], Pc: dict[str, torch.Tensor],
+                        Bc: dict[str, torch.Tensor], momc: dict[tuple[str, str], torch.Tensor],
+                        cur: torch.Tensor) -> None:
     """Copy the compacted parameters, buffers and optimizer state of clients ``cur`` back into the full stacks."""
     ids = cur.to(next(iter(P.values())).device)
     for k in P:
         P[k][ids] = Pc[k].detach()
     for k in Bf:
         Bf[k][ids] = Bc[k]
-    for k in mom:
-        mom[k][ids] = momc[k]
+    for slot in mom:
+        mom[slot][ids] = momc[slot]

@@ -15,15 +15,14 @@ import torch
 from torch import nn
 from torch.optim.adam import adam as torch_adam
 
-from fedproto.training.terms import (  # noqa: F401
-    CROSS_ENTROPY,
-    CrossEntropy,
-    LossTerm,
-    WeightAnchor,
-    anchor_loss,
-    same_term,
-    step_terms,
-)
+# re-exported: these are importable from here too
+from fedproto.training.terms import CROSS_ENTROPY as CROSS_ENTROPY
+from fedproto.training.terms import CrossEntropy as CrossEntropy
+from fedproto.training.terms import LossTerm as LossTerm
+from fedproto.training.terms import WeightAnchor as WeightAnchor
+from fedproto.training.terms import anchor_loss as anchor_loss
+from fedproto.training.terms import same_term as same_term
+from fedproto.training.terms import step_terms as step_terms
 
 AUGMENT_PAD = 4
 """Zero padding (pixels per side) before the random crop (official code, lib/utils.py:
@@ -124,7 +123,7 @@ class OptimConfig:
     round: int | None = None
     precision: str = "fp32"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision={self.precision!r} is not a resolved precision; use fp32, bf16 or fp16 "
                              "(fedproto.devices.resolve_precision turns the option's value, auto included, into one)")
@@ -256,7 +255,7 @@ class Objective:
         """What is wrong with this objective as a method built it, or "": a ``classification`` that
         is neither a :class:`LossTerm` nor None, or a term that is no :class:`LossTerm`. (No loss
         at all is :meth:`trains_nothing`.)"""
-        c = self.classification
+        c: object = self.classification  # a method may set anything here: checked at run time
         if c is not None and not isinstance(c, LossTerm):
             return (f"Objective.classification must be a LossTerm or None, got {c!r} ({type(c).__name__}); "
                     "subclass fedproto.training.LossTerm (see docs/architecture.md)")
@@ -310,7 +309,7 @@ def frozen_batchnorms(model: nn.Module) -> list[nn.Module]:
     they run in eval mode while training, so their running statistics stay as they are too (the
     way one fine-tunes a pretrained network). A BatchNorm without parameters (``affine=False``)
     has nothing to freeze and keeps updating its statistics in training mode."""
-    out = []
+    out: list[nn.Module] = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             ps = list(m.parameters(recurse=False))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ FEATURE_DROPOUT = {nn.Dropout1d: 3, nn.Dropout2d: 4, nn.Dropout3d: 5}
 ``make_feature_noise``: a mask of shape (N, C, 1, ...))."""
 
 
-def dropout_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def dropout_modules(model: nn.Module) -> list[tuple[str, nn.modules.dropout._DropoutNd]]:
     """The torch dropout modules of ``model`` that are active in training (p > 0), by name."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
 
@@ -42,9 +43,9 @@ def dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[DropCall]:
             input of another rank than it is meant for (its masks could not be replayed).
     """
     calls: list[DropCall] = []
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
     for name, m in dropout_modules(model):
-        def hook(mod, args, _name=name):
+        def hook(mod: nn.modules.dropout._DropoutNd, args: tuple[Any, ...], _name: str = name) -> None:
             x = args[0]
             if any(c.name == _name for c in calls):
                 raise ValueError(f"dropout {_name!r} is called more than once per forward pass")
@@ -62,23 +63,24 @@ def dropout_calls(model: nn.Module, x1: torch.Tensor) -> list[DropCall]:
     finally:
         for h in handles:
             h.remove()
-        for m, f in flags.items():
-            m.training = f
+        for mod, f in flags.items():
+            mod.training = f
     return calls
 
 
-def replay_masks(calls: Sequence[DropCall], counts: Sequence[torch.Tensor], seed: int) -> list[list[dict]]:
+def replay_masks(calls: Sequence[DropCall], counts: Sequence[torch.Tensor],
+                 seed: int) -> list[list[dict[str, torch.Tensor]]]:
     """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
     CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
     :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
     ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
     ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
     gen = torch.Generator().manual_seed(int(seed))
-    out = []
+    out: list[list[dict[str, torch.Tensor]]] = []
     for cnt in counts:
-        steps = []
+        steps: list[dict[str, torch.Tensor]] = []
         for c in cnt.tolist():
-            masks = {}
+            masks: dict[str, torch.Tensor] = {}
             for call in calls:
                 if call.p >= 1.0:
                     masks[call.name] = torch.zeros((c, *call.shape), dtype=call.dtype)
@@ -96,26 +98,28 @@ class Functional:
     :attr:`masks` (set inside the vmapped function) instead of drawing from torch's generator.
     Use as a context manager: the dropout modules' ``forward`` is replaced on the instance meanwhile."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.masks: dict[str, torch.Tensor] = {}
         self._drops = dropout_modules(model)
 
-    def __enter__(self):
+    def __enter__(self) -> Functional:
         for name, m in self._drops:
             m.forward = (lambda x, _n=name: x * self.masks[_n])
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for _, m in self._drops:
             del m.forward
 
-    def forward(self, params, buffers, x, masks, noise):
+    def forward(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: Any,
+                masks: dict[str, torch.Tensor], noise: dict[str, torch.Tensor]) -> Any:
         self.masks = masks
         try:
             return torch.func.functional_call(self.model, {**params, **buffers}, (x, noise or None))
         finally:
             self.masks = {}
 
-    def __call__(self, params, buffers, x, masks, noise):
+    def __call__(self, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: Any,
+                 masks: dict[str, torch.Tensor], noise: dict[str, torch.Tensor]) -> Any:
         return torch.func.vmap(self.forward, in_dims=(0, 0, 0, 0, 0))(params, buffers, x, masks, noise)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from fedproto.training.objective import (
     Objective,
     OptimConfig,
     Phase,
+    WeightAnchor,
     anchor_loss,
     frozen_batchnorms,
     frozen_params,
@@ -24,7 +26,8 @@ from fedproto.training.objective import (
     step_terms,
 )
 from fedproto.training.plans import Plan, TrainResult, augment_batch
-from fedproto.training.step import StepTotals, embedding_norm_max  # noqa: F401 (embedding_norm_max: its old place)
+from fedproto.training.step import StepTotals
+from fedproto.training.step import embedding_norm_max as embedding_norm_max  # re-exported: its old place
 
 
 def set_train_modes(model: nn.Module, ph: Phase, user_frozen_bn: set[int]) -> None:
@@ -65,7 +68,7 @@ def train_client(
             p.requires_grad_(flags[n_])
 
 
-def _dp_sgd_module(model: ProtoModel, obj: Objective) -> nn.Module:
+def _dp_sgd_module(model: ProtoModel, obj: Objective) -> Any:  # opacus's GradSampleModule (opacus is untyped)
     """The model wrapped for DP-SGD (Opacus's ``GradSampleModule``: per-sample gradients).
 
     Raises:
@@ -116,7 +119,7 @@ def _train_client(
     # fp16: torch's loss scaler, one per client and round (as the optimizer); bf16 needs none
     scaler = torch.amp.GradScaler(dev.type) if opt.precision == "fp16" else None
     for pi, ph in enumerate(obj.phases):
-        params = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
+        params: list[torch.Tensor] = [p for n_, p in named.items() if ph.trains is None or ph.trains(n_)]
         for n_, p in named.items():
             p.requires_grad_(ph.trains is None or ph.trains(n_))
         set_train_modes(model, ph, user_frozen_bn)
@@ -136,7 +139,8 @@ def _train_client(
                 # the forward under autocast (opt.precision), its outputs back in float32 for the losses
                 logits, h = autocast_call(opt.precision, dev, net if optim is not None else model, xb, nb)
                 ce, lp, extra, loss = step_terms(logits, h, yb, torch.ones(len(yb), device=dev), obj)
-                if obj.anchor_mu > 0 and obj.anchor.ref is not None:
+                # anchor_mu > 0: there is an anchor
+                if obj.anchor_mu > 0 and cast(WeightAnchor, obj.anchor).ref is not None:
                     loss = loss + anchor_loss(obj, named)
             if optim is not None:
                 _step(optim, loss, scaler)
@@ -152,11 +156,11 @@ def _step(optim: torch.optim.Optimizer, loss: torch.Tensor, scaler: torch.amp.Gr
     """Backward and one optimizer step (through torch's loss scaler under fp16)."""
     optim.zero_grad(set_to_none=True)
     if scaler is not None:
-        scaler.scale(loss).backward()
+        scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward has no annotations
         scaler.step(optim)
         scaler.update()
     else:
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch: Tensor.backward has no annotations
         optim.step()
 
 

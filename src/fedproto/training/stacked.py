@@ -4,8 +4,9 @@ the optimizer applied per client, clients leaving the computation when their dat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -31,7 +32,19 @@ from fedproto.training.step import StepTotals, anchor_penalty, stacked_optimizer
 # Client-batched path for the paper CNN family.
 
 
-def batch_key(model: ProtoModel) -> tuple | None:
+class GroupedModel(Protocol):
+    """What :func:`train_stacked` reads of its model: a :class:`ProtoModel` with a hand-written batched
+    forward, or the generic path's traced one (:mod:`fedproto.training.generic`)."""
+
+    batch_params: tuple[str, ...]
+    num_classes: int
+    embedding_dim: int
+
+    def grouped_forward(self, P: dict[str, torch.Tensor], xb: torch.Tensor, G: int,
+                        noise: dict[str, torch.Tensor] | None = None) -> Any: ...
+
+
+def batch_key(model: ProtoModel) -> tuple[object, ...] | None:
     """What clients trained as one batched computation share: the architecture
     (:meth:`ProtoModel.arch_key`) and the frozen parameters (:func:`frozen_params`); None: the
     model trains on the sequential path only."""
@@ -50,7 +63,8 @@ def can_batch(models: Sequence[ProtoModel]) -> bool:
 def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
     """True if two objectives agree in all but their anchors' references (see :func:`train_group`);
     phases are compared by what they train among ``names``, terms with :meth:`LossTerm.same_as`."""
-    def phases(o):  # what each phase trains, by parameter name (the predicates are new functions each round)
+    # what each phase trains, by parameter name (the predicates are new functions each round)
+    def phases(o: Objective) -> list[tuple[int, tuple[bool, ...] | None]]:
         return [(p.epochs, None if p.trains is None else tuple(p.trains(k) for k in names)) for p in o.phases]
 
     return (phases(a) == phases(b) and a.anchor_mu == b.anchor_mu and a.collect == b.collect
@@ -59,25 +73,26 @@ def _same_objective(a: Objective, b: Objective, names: Sequence[str]) -> bool:
 
 
 @torch.no_grad()
-def _write_back(P, bufs, Pc, bufc, ids) -> None:
+def _write_back(P: dict[str, torch.Tensor], bufs: dict[tuple[str, str], torch.Tensor], Pc: dict[str, torch.Tensor],
+                bufc: dict[tuple[str, str], torch.Tensor], ids: torch.Tensor) -> None:
     """Copy the compacted parameters and optimizer state of clients ``ids`` back into the full stacks."""
     for k in P:
         P[k][ids] = Pc[k].detach()
-    for k in bufs:
-        bufs[k][ids] = bufc[k]
+    for slot in bufs:
+        bufs[slot][ids] = bufc[slot]
 
 
 class TrainsOnly:
     """A picklable :attr:`Phase.trains` predicate: true for the parameter names in ``names``
     (the worker processes of :mod:`fedproto.parallel` get phases in this form)."""
 
-    def __init__(self, names):
+    def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
 
     def __call__(self, name: str) -> bool:
         return name in self.names
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, TrainsOnly) and self.names == other.names
 
     def __hash__(self) -> int:
@@ -112,7 +127,7 @@ class StackedPhase:
     aug: torch.Tensor | None
 
 
-def stack_plans(plans: Sequence[Plan], pi: int, offsets: Sequence[int], batch_size: int) -> StackedPhase:
+def stack_plans(plans: Sequence[Plan], pi: int, offsets: Sequence[int] | np.ndarray, batch_size: int) -> StackedPhase:
     """Stack phase ``pi`` of G clients' plans (:class:`Plan`) into a :class:`StackedPhase`;
     client g's sample j is row ``offsets[g] + j`` of the group's input tensor."""
     G = len(plans)
@@ -194,7 +209,8 @@ def train_group(
     return out
 
 
-def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequence[str], G: int):
+def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequence[str],
+                 G: int) -> dict[str, torch.Tensor] | None:
     """The anchor's reference weights (:class:`WeightAnchor`) of G clients stacked per name
     ((G, *shape); None without an anchor), after checking that the per-client objectives ``objs`` agree with ``obj`` in
     all else (:func:`train_group`'s ValueError)."""
@@ -207,11 +223,17 @@ def stacked_refs(obj: Objective, objs: Sequence[Objective] | None, names: Sequen
         return None
     src = objs if objs is not None else [obj] * G
     # frozen parameters (never trained, never sent) have no reference
-    return {k: torch.stack([o.anchor.ref[k] for o in src]) for k in names if k in src[0].anchor.ref}
+    return {k: torch.stack([_anchor_ref(o)[k] for o in src]) for k in names if k in _anchor_ref(src[0])}
+
+
+def _anchor_ref(o: Objective) -> dict[str, torch.Tensor]:
+    """The anchor's references of an objective with an anchor (anchor_mu > 0) that carries them: the
+    per-client objectives the batched paths are given do (a missing one fails here as it did before)."""
+    return cast(dict[str, torch.Tensor], cast(WeightAnchor, o.anchor).ref)
 
 
 def train_stacked(
-    m0: ProtoModel,
+    m0: GroupedModel,
     P: dict[str, torch.Tensor],
     X: torch.Tensor,
     Y: torch.Tensor,
@@ -255,7 +277,7 @@ def train_stacked(
     return totals.results()
 
 
-def _stacked_phase(m0: ProtoModel, P: dict[str, torch.Tensor], X: torch.Tensor, Y: torch.Tensor,
+def _stacked_phase(m0: GroupedModel, P: dict[str, torch.Tensor], X: torch.Tensor, Y: torch.Tensor,
                    sp: StackedPhase, obj: Objective, opt: OptimConfig, ref: dict[str, torch.Tensor] | None,
                    train_names: list[str], totals: StepTotals, scaler: LossScale, collect: bool) -> None:
     """One phase of :func:`train_stacked`: its steps, clients leaving as their data runs out."""
@@ -268,7 +290,7 @@ def _stacked_phase(m0: ProtoModel, P: dict[str, torch.Tensor], X: torch.Tensor, 
                       aug=sp.aug.to(dev) if sp.aug is not None else None)
     cur: torch.Tensor | None = None  # ids of the clients still stepping (the set only shrinks)
     Pc: dict[str, torch.Tensor] = {}  # their parameters and momentum, compacted
-    bufc: dict[str, torch.Tensor] = {}
+    bufc: dict[tuple[str, str], torch.Tensor] = {}
     refc: dict[str, torch.Tensor] | None = None
     for s in range(sp.order.shape[0]):
         act = torch.nonzero(sp.steps > s).flatten().to(dev)
@@ -287,7 +309,8 @@ def _stacked_phase(m0: ProtoModel, P: dict[str, torch.Tensor], X: torch.Tensor, 
         _write_back(P, bufs, Pc, bufc, cur)
 
 
-def _stacked_step(m0: ProtoModel, Pc: dict[str, torch.Tensor], bufc: dict, refc: dict[str, torch.Tensor] | None,
+def _stacked_step(m0: GroupedModel, Pc: dict[str, torch.Tensor], bufc: dict[tuple[str, str], torch.Tensor],
+                  refc: dict[str, torch.Tensor] | None,
                   X: torch.Tensor, Y: torch.Tensor, sp: StackedPhase, s: int, cur: torch.Tensor, obj: Objective,
                   opt: OptimConfig, train_names: list[str], adam_steps: dict[str, torch.Tensor],
                   totals: StepTotals, scaler: LossScale, collect: bool) -> None:

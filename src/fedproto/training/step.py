@@ -14,6 +14,7 @@ batched paths step with :func:`stacked_optimizer_step`, the sequential path with
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -25,7 +26,7 @@ from fedproto.training.plans import TrainResult
 def embedding_norm_max(h: torch.Tensor, dim: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Largest L2 norm along the sample axis of embeddings ``h`` (..., B, d) -> (...); a non-finite
     embedding counts as ``inf``. ``valid`` (..., B) masks out padding."""
-    norms = h.detach().double().norm(dim=-1).nan_to_num(nan=float("inf"), posinf=float("inf"))
+    norms: torch.Tensor = h.detach().double().norm(dim=-1).nan_to_num(nan=float("inf"), posinf=float("inf"))
     if valid is not None:
         norms = torch.where(valid, norms, 0.0)
     return norms.amax(dim) if norms.numel() else norms.new_zeros(norms.shape[:-1])
@@ -47,9 +48,9 @@ class StepTotals:
 
     def __init__(self, G: int, C: int, d: int, dtype: torch.dtype, device: torch.device, collect: bool) -> None:
         self.G, self.C, self.d = G, C, d
-        self.sums = torch.zeros(G * C, d, dtype=torch.promote_types(dtype, torch.float32), device=device) \
-            if collect else None
-        self.counts = torch.zeros(G * C, dtype=torch.long, device=device) if collect else None
+        self.sums: torch.Tensor | None = torch.zeros(G * C, d, dtype=torch.promote_types(dtype, torch.float32),
+                                                     device=device) if collect else None
+        self.counts: torch.Tensor | None = torch.zeros(G * C, dtype=torch.long, device=device) if collect else None
         self.ce = torch.zeros(G, dtype=torch.float64, device=device)
         self.lp = torch.zeros(G, dtype=torch.float64, device=device)
         self.extra = torch.zeros(G, dtype=torch.float64, device=device)
@@ -74,8 +75,10 @@ class StepTotals:
         sample out (padding, an epoch that is not the last)."""
         flat = (y + (ids * self.C).unsqueeze(1)).reshape(-1)
         hd = h.detach() if weight is None else h.detach() * weight.unsqueeze(-1)
-        self.sums.index_add_(0, flat, hd.reshape(-1, self.d).to(self.sums.dtype))
-        self.counts.index_add_(0, flat, (torch.ones_like(y) if weight is None else weight).reshape(-1).long())
+        # called only when the totals collect (collect=True): sums and counts are tensors then
+        sums, counts = cast(torch.Tensor, self.sums), cast(torch.Tensor, self.counts)
+        sums.index_add_(0, flat, hd.reshape(-1, self.d).to(sums.dtype))
+        counts.index_add_(0, flat, (torch.ones_like(y) if weight is None else weight).reshape(-1).long())
 
     def results(self) -> list[TrainResult]:
         """One :class:`TrainResult` per client: prototype sums (C, d) and counts (C,) on the CPU, the

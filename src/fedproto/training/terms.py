@@ -5,8 +5,9 @@ from them (:func:`step_terms`, :func:`anchor_loss`). See docs/architecture.md ("
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ class WeightAnchor:
     ref: dict[str, torch.Tensor] | None = None
 
 
-def _checked(t: LossTerm, value, ce: torch.Tensor, y: torch.Tensor):
+def _checked(t: LossTerm, value: torch.Tensor | float, ce: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
     """``value`` of term ``t`` if it is a number or a tensor of ``ce``'s shape, else ValueError."""
     if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.shape == ce.shape):
         got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -128,7 +129,8 @@ def _checked(t: LossTerm, value, ce: torch.Tensor, y: torch.Tensor):
     return value
 
 
-def step_terms(logits, h, y, w, obj: Any):
+def step_terms(logits: torch.Tensor, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+               obj: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss of one step for (..., B) batches, and its parts, each of shape (...), under ``obj``
     (a :class:`fedproto.training.objective.Objective`: its ``terms``).
 
@@ -144,13 +146,15 @@ def step_terms(logits, h, y, w, obj: Any):
         ValueError: a term returned something else than a number or a tensor of shape (...) (e.g.
             one value per sample, or one mean over a batched group's clients), naming the term.
     """
-    base = getattr(obj, "classification", CROSS_ENTROPY)
+    base: LossTerm | None = getattr(obj, "classification", CROSS_ENTROPY)
+    ce: torch.Tensor
     if base is CROSS_ENTROPY or isinstance(base, CrossEntropy):
         ce = base(logits, h, y, w)
     else:  # a method's own classification loss, or none: 0 (loss_ce reads 0), a zero gradient for the head
         ref = logits.sum((-1, -2)) * 0.0  # in the graph, so a step whose loss is only this still backpropagates
         ce = ref if base is None else _checked(base, base(logits, h, y, w), ref, y) + ref
-    reported = weighted = None
+    reported: torch.Tensor | float | None = None
+    weighted: torch.Tensor | float | None = None
     extra = torch.zeros_like(ce)
     for t in obj.terms:
         if t.reported:
@@ -162,14 +166,17 @@ def step_terms(logits, h, y, w, obj: Any):
             extra = extra + _checked(t, t(logits, h, y, w), ce, y)
     if reported is None:
         reported = weighted = torch.zeros_like(ce)
-    return ce, reported, extra, ce + weighted + extra
+    # weighted is set wherever reported is (both None or both set), so it is not None here
+    # reported: a tensor unless a reported term returned a plain number, which the callers do not take
+    # (they reshape it); read as the tensor they need
+    return ce, cast(torch.Tensor, reported), extra, ce + cast("torch.Tensor | float", weighted) + extra
 
 
-def anchor_loss(obj: Any, named: dict[str, torch.Tensor]) -> torch.Tensor | float:
+def anchor_loss(obj: Any, named: Mapping[str, torch.Tensor]) -> torch.Tensor | float:
     """``mu / 2 x sum ||w - ref||²`` of :attr:`Objective.anchor` over the parameters in ``named``
     (one client's, name -> tensor) that train (``requires_grad``) and have a reference; 0.0
     without an anchor (or with μ = 0, or no reference)."""
-    a = obj.anchor
+    a: WeightAnchor | None = obj.anchor
     if a is None or a.mu <= 0 or a.ref is None:
         return 0.0
     return 0.5 * a.mu * sum(((named[k] - a.ref[k]) ** 2).sum() for k in named if named[k].requires_grad)
