@@ -136,7 +136,8 @@ class TensorBoardObserver(Observer):
     def __init__(self, run_dir_path: str | Path) -> None:
         self._writer_cls = _summary_writer()  # a missing extra is an error before round 1
         self.log_dir = Path(run_dir_path) / TENSORBOARD_DIR
-        self._writer: SummaryWriter | None = None  # opened with the first row, once the run folder is set up (RunDir.begin)
+        # opened with the first row, once the run folder is set up (RunDir.begin)
+        self._writer: SummaryWriter | None = None
         self.purge_step: int | None = None  # resumed runs: the first round this process runs (see start)
 
     def _open(self) -> SummaryWriter:
