@@ -196,3 +196,23 @@ def test_import_and_check_from_the_command_line(tree, tmp_path, capsys):
     assert main(root) == 0 and "rewrote docs/page.md" in capsys.readouterr().out
     assert main([*root, "--check"]) == 0
     assert "every generated table, number and file agrees" in capsys.readouterr().out
+
+
+def test_the_grid_timing_table_gives_the_median_and_each_pair(tree):
+    rows = [{"run": 1, "mode": "serial (`--threads 1`)", "wall_s": 500.0, "load_before": "14.1 15.0 15.2",
+             "load_after": "13.9 14.0 15.0", "table": "reference"},
+            {"run": 1, "mode": "`--jobs 2` (`--threads 2`)", "wall_s": 400.0, "load_before": "13.9 14.0 15.0",
+             "load_after": "13.0 13.5 14.8", "table": "identical"},
+            {"run": 2, "mode": "serial (`--threads 1`)", "wall_s": 300.0, "load_before": "13.0 13.5 14.8",
+             "load_after": "12.0 13.0 14.0", "table": "identical"},
+            {"run": 2, "mode": "`--jobs 2` (`--threads 2`)", "wall_s": 360.0, "load_before": "12.0 13.0 14.0",
+             "load_after": "12.5 13.0 14.0", "table": "identical"}]
+    (tree / "docs" / "results" / "grid.json").write_text(json.dumps(
+        {"name": "grid", "what": "x", "command": "python scripts/measure_grid_jobs.py --pairs 2", "ci": False,
+         "cost": "30 min", "made": {"date": "2026-12-06 08:20 UTC", "commit": "c40c695"}, "rows": rows}))
+    (tree / "README.md").write_text("<!-- figures:grid-jobs:grid -->\n<!-- /figures:grid-jobs:grid -->\n")
+    regenerate(tree)
+    text = (tree / "README.md").read_text()
+    assert "| 1 | serial (`--threads 1`) | 500.0 | 14.1 15.0 15.2 | 13.9 14.0 15.0 | reference |" in text
+    # medians of two: 400 s serial, 380 s with --jobs 2; per run 1.25x and 0.83x
+    assert "| median | serial / `--jobs 2` | 400.0 / 380.0 | | | **1.05x** (per run: 1.25x, 0.83x) |" in text

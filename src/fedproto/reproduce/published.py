@@ -192,12 +192,20 @@ def _grid_jobs(res: dict, arg: str | None = None) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['run']} | {r['mode']} | {r['wall_s']:.1f} | {r['load_before']} | {r['load_after']} | "
                      f"{r['table']} |")
-    serial = [r["wall_s"] for r in res["rows"] if r["mode"].startswith("serial")]
-    jobs = [r["wall_s"] for r in res["rows"] if not r["mode"].startswith("serial")]
+    serial = {r["run"]: r["wall_s"] for r in res["rows"] if r["mode"].startswith("serial")}
+    jobs = {r["run"]: r["wall_s"] for r in res["rows"] if not r["mode"].startswith("serial")}
     if serial and jobs:
-        s, j = sorted(serial)[len(serial) // 2], sorted(jobs)[len(jobs) // 2]
-        lines.append(f"| median | serial / `--jobs 2` | {s:.1f} / {j:.1f} | | | **{s / j:.2f}x** measured |")
+        s, j = _median(list(serial.values())), _median(list(jobs.values()))
+        pairs = ", ".join(f"{serial[k] / jobs[k]:.2f}x" for k in sorted(serial) if k in jobs)
+        lines.append(f"| median | serial / `--jobs 2` | {s:.1f} / {j:.1f} | | | **{s / j:.2f}x** "
+                     f"(per run: {pairs}) |")
     return "\n".join(lines) + "\n"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def _flower_sim(res: dict, arg: str | None = None) -> str:
