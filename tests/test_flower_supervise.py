@@ -293,3 +293,24 @@ def test_a_supervisor_stopped_while_waiting_to_restart_says_so(tmp_path):
     assert sup.returncode == 0 and took < 3, (took, rest)
     assert ("fedproto.flower.supervise: stopped by SIGTERM while waiting to restart "
             f"{sys.executable} (restart 1): not restarted; exiting") in rest, rest
+
+
+def test_a_supervisor_imports_what_the_deactivation_needs_when_it_starts(tmp_path):
+    """The drill at load 15: a stopped site's deactivation gave up after its 5 s (importing Flower's Fleet client
+    alone took that long), and the round waited 48.9 s for the node's heartbeat. The supervisor of an authenticated
+    SuperNode now imports it when it starts, so a stop costs one HTTP call; without authentication nothing is loaded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    probe = ("import sys; from fedproto.flower.supervise import preload_deactivation as p; "
+             "assert p(['flower-supernode', '--auth-supernode-private-key', 'node0']); "
+             "print(sorted(m for m in ('flwr.supernode.fleet_http_client', "
+             "'flwr.supernode.node_auth_http_interceptor', 'flwr.proto.fleet_pb2') if m in sys.modules)); "
+             "print(p(['flower-supernode', '--insecure']))")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": src}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['flwr.proto.fleet_pb2', 'flwr.supernode.fleet_http_client', "
+                                       "'flwr.supernode.node_auth_http_interceptor']", "False"], out.stdout
