@@ -1,12 +1,12 @@
 """MkDocs hooks.
 
 * The options page's table is generated from RunConfig at build time
-  (:func:`fedproto.options.fill_options_page`), so the site never shows a stale option list.
+  (:func:`fedproto.config.run_options.fill_options_page`), so the site never shows a stale option list.
 * The docstrings use Sphinx cross-reference roles (``:class:`RunConfig```); in the API reference
   the role prefix is dropped so that only the name, in code style, remains.
 """
 
-from fedproto.options import fill_options_page
+from fedproto.config.run_options import fill_options_page
 
 ROLES = ("class", "func", "meth", "attr", "data", "mod", "exc", "obj")
 

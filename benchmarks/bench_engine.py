@@ -91,7 +91,7 @@ def worker(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
     from fedproto.models.cnn import PaperCNN
     from fedproto.simulation import Simulation, prepare
 
@@ -219,7 +219,7 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--client-store", default="off", help="scaling runs: the clients' weights in one flat store "
                    "('memory'), in a file in this folder (a path), or one module per client ('off', the default); "
-                   "fedproto.engine.executors.store")
+                   "fedproto.engine.client_store")
     p.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="untimed rounds before the timed ones "
                    "(default 1; 0 for scaling rows too slow to run twice)")
     p.add_argument("--skip-final-eval", action="store_true", help="scaling runs: leave out the evaluation of every "
@@ -254,7 +254,7 @@ def main() -> None:
 
     import torch
 
-    from fedproto.parallel import available_cores
+    from fedproto.engine.executors.worker_pool import available_cores
 
     cores = available_cores()
     threads = args.threads or cores

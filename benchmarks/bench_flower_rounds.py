@@ -5,7 +5,7 @@ a SuperLink and three SuperNodes on 127.0.0.1 (digits, models cnn / projcnn:16-3
 ``own_data`` app, FedProto), run twice with the same run config and seed:
 
 * ``default``: ``flower-supernode`` as is (a fresh ``flwr-clientapp`` process per message);
-* ``executor``: ``flower-supernode --isolation process`` plus ``python -m fedproto.flower.prefork``
+* ``executor``: ``flower-supernode --isolation process`` plus ``python -m fedproto.deploy.warm_executor``
   per node (one warm process that forks per message).
 
 Then the same with node 0 replaced by a site of ``--big-site`` images (an image folder of 8x8
@@ -64,7 +64,7 @@ def write_big_site(folder: Path, images: int, classes=(0, 1, 2, 3), train: int =
 
 def deployment(work: Path, folders: list[Path], models: list[str], executor: str | None, rounds: int) -> dict:
     """One ``flwr run`` of the own_data app over SuperNodes on ``folders``; its rows and summary."""
-    from fedproto.flower.local import LocalFederation
+    from fedproto.deploy.local_federation import LocalFederation
 
     out = work / "runs"
     load0 = os.getloadavg()

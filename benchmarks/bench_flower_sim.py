@@ -118,7 +118,7 @@ def _summary(out: Path) -> dict:
 
 
 def in_process(run_config: dict, out: Path) -> dict:
-    code = ("import sys, json; from fedproto.flower.common import run_config; from fedproto.simulation import "
+    code = ("import sys, json; from fedproto.flower.records import run_config; from fedproto.simulation import "
             "Simulation; Simulation(run_config(json.loads(sys.argv[1])), out=sys.argv[2]).run()")
     cfg = {**run_config, "execution": "sequential"}
     cfg.pop("out-dir", None)
@@ -135,7 +135,7 @@ def in_process(run_config: dict, out: Path) -> dict:
 
 
 def flower(run_config: dict, work: Path, actors: int | None, env: dict) -> dict:
-    from fedproto.flower.local import LocalFederation
+    from fedproto.deploy.local_federation import LocalFederation
 
     clients = int(run_config["clients"])
     with LocalFederation(work, simulation=actors is not None, env=env) as fed:

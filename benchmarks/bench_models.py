@@ -63,7 +63,7 @@ def two_cnn(mode: str, rounds: int, threads: int):
 
 def from_config(overrides: dict):
     def build(mode: str, rounds: int, threads: int):
-        from fedproto.config import build_config
+        from fedproto.config.run_config import build_config
         from fedproto.simulation import Simulation
 
         cfg = build_config(overrides={**overrides, "rounds": rounds, "eval_every": 0, "threads": threads,
@@ -95,7 +95,7 @@ def main() -> None:
     import torch
 
     import fedproto.engine.executors.batched as batched
-    from fedproto.engine.executors.local import LocalExecutor
+    from fedproto.engine.executors.in_process import LocalExecutor
 
     groups: list[int] = []
     orig = batched.train_group_generic

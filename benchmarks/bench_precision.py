@@ -18,7 +18,7 @@ nearest-prototype one, their mean and spread (max - min) over seeds per precisio
     python benchmarks/bench_precision.py accuracy --rounds 20 --seeds 1234,1235,1236 --extra="--model cnn-mh"
 
 Step: one training step of the batched engine on the paper CNN (20 clients, batch 8, MNIST-sized
-inputs, the default dropout's masks: the grouped forward under :func:`fedproto.devices.autocast_call`,
+inputs, the default dropout's masks: the grouped forward under :func:`fedproto.training.devices.autocast_call`,
 the losses, the gradients), in-process on one thread, blocks of 50 steps alternating between the
 precisions ``--pairs`` times; the median and the fastest block per precision (on a loaded machine
 the fastest block shows what the core does when the run has it).
@@ -135,8 +135,8 @@ def step(args) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fedproto.devices import autocast_call
     from fedproto.models.cnn import PaperCNN
+    from fedproto.training.devices import autocast_call
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

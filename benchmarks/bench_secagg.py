@@ -27,7 +27,7 @@ from bench_args import positive
 
 def run(clients: int, secagg: bool, rounds: int, neighbours: int = 0, shots: int | None = None,
         minimum: int = 2) -> dict:
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
     from fedproto.simulation import Simulation
 
     cfg = build_config(overrides=dict(dataset="digits", clients=clients, rounds=rounds, threads=1, secagg=secagg,

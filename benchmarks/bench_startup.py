@@ -143,7 +143,7 @@ def main() -> None:
               f"{statistics.median(took[False]):.3f} s, memory-mapped from the decoded-dataset cache "
               f"{statistics.median(took[True]):.3f} s (what `fedproto run` does)")
 
-    run_code = "import fedproto.cli, fedproto.engine.setup, fedproto.simulation, fedproto.results"
+    run_code = "import fedproto.cli.app, fedproto.engine.setup, fedproto.simulation, fedproto.outputs.run_folder"
     for title, src in (("this checkout", SRC), *((("before", args.before.resolve()),) if args.before else ())):
         rows = top_imports(run_code, env_for(src), args.repeats)
         total = sum(own for _, _, own in top_imports(run_code, env_for(src), 1, n=10_000))

@@ -14,7 +14,7 @@ export FEDPROTO_DATA
 OUT=${OUT:-/tmp/fedproto-gpu-check}
 mkdir -p "$OUT"
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
-python -m pytest -q -p no:cacheprovider tests/test_devices.py tests/test_precision.py -rs
+python -m pytest -q -p no:cacheprovider tests/training/test_devices.py tests/training/test_precision.py -rs
 RUNS=("--dataset mnist" "--dataset mnist --precision bf16")
 # fp16 trains on CUDA GPUs only (a CPU dry run would be refused)
 if [ "$DEVICE" != cpu ]; then RUNS+=("--dataset mnist --precision fp16"); fi

@@ -4,7 +4,7 @@ loop to time fedproto's engine against.
 What it models. The official FedProto code (github.com/yuetan031/FedProto, ``exps/federated_main.py``
 and ``lib/update.py``) trains one client after another, each with a plain PyTorch loop. This module
 does the same for the default MNIST setting (20 clients, ways 3, shots 100, stdev 2, batch 8,
-λ = 1), on exactly fedproto's clients: the config comes from :func:`fedproto.config.build_config`
+λ = 1), on exactly fedproto's clients: the config comes from :func:`fedproto.config.run_config.build_config`
 and the partition, client tensors and initial weights from :func:`fedproto.simulation.prepare`.
 One round is:
 
@@ -176,7 +176,7 @@ def official_round_times(cfg_overrides: dict | None = None, rounds: int = 3, thr
     """
     if threads:
         torch.set_num_threads(threads)
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
     from fedproto.models.cnn import PaperCNN
     from fedproto.simulation import prepare
 

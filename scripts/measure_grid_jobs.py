@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from fedproto.outputs.run_folder import atomic_write_json  # noqa: E402
 from fedproto.reproduce.published import RESULTS  # noqa: E402
 from fedproto.reproduce.tables import provenance  # noqa: E402
-from fedproto.results import atomic_write_json  # noqa: E402
 
 GRID = "--grid hetero --datasets mnist --seeds 1234 --rounds 3 --methods local,fedproto"
 

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from fedproto.outputs.run_folder import atomic_write_json  # noqa: E402
 from fedproto.reproduce.published import (  # noqa: E402
     RESULTS,
     PublishedError,
@@ -31,7 +32,6 @@ from fedproto.reproduce.published import (  # noqa: E402
     make_result,
     regenerate,
 )
-from fedproto.results import atomic_write_json  # noqa: E402
 
 
 def _list(root: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from flower_report import pytest_pycollect_makemodule, pytest_terminal_summary  # noqa: F401
 from torch import nn
 
-from fedproto.config import build_config
+from fedproto.config.run_config import build_config
 from fedproto.data.partition import fewshot_partition
 from fedproto.engine.setup import prepare
 from fedproto.federation import Client
@@ -121,7 +121,7 @@ def flat_weights(sim):
 
 def run_cli(args, capsys, monkeypatch):
     """Run ``fedproto ARGS`` in-process; returns (exit code, stdout + stderr)."""
-    from fedproto.cli import main
+    from fedproto.cli.app import main
 
     monkeypatch.setattr(sys, "argv", ["fedproto", *args])
     try:

@@ -37,14 +37,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "prototypes": ("src/fedproto/prototypes/*", ["tests/test_prototypes.py", "tests/test_core_math.py"]),
-    "privacy": ("src/fedproto/privacy.py", [
-        "tests/test_privacy.py", "tests/test_core_math.py",
+    "prototypes": ("src/fedproto/prototypes/*",
+                   ["tests/prototypes/test_prototypes.py", "tests/prototypes/test_core_math.py"]),
+    "privacy": ("src/fedproto/prototypes/dp.py", [
+        "tests/prototypes/test_privacy.py", "tests/prototypes/test_core_math.py",
         # whole DP runs (seeded and secure noise, epsilon reported, BatchNorm refused): 10-80 s each
         "-k", "not differs_between_runs and not report_epsilon and not refuses_batchnorm and not plain_sgd"]),
-    "htmath": ("src/fedproto/htmath/*", ["tests/test_htmath.py", "tests/test_core_math.py"]),
+    "htmath": ("src/fedproto/algorithms/hetero_math/*",
+               ["tests/algorithms/test_htmath.py", "tests/prototypes/test_core_math.py"]),
     "partition": ("src/fedproto/data/partition.py", [
-        "tests/test_data_partition.py", "tests/test_core_math.py",
+        "tests/data/test_data_partition.py", "tests/prototypes/test_core_math.py",
         # the end-to-end runs (a simulation, 10,000 clients, FEMNIST's writers) take 6-50 s each
         "-k", "not 10000 and not end_to_end and not one_client_per_writer"]),
 }
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, required=True, help="work folder (one copy of the checkout per module)")
     ap.add_argument("--fresh", action="store_true", help="start each module's folder again")
     ap.add_argument("--only", nargs="*", default=[],
-                    help="mutant name patterns (fnmatch), e.g. 'fedproto.privacy.x_noisy_prototypes*'")
+                    help="mutant name patterns (fnmatch), e.g. 'fedproto.prototypes.dp.x_noisy_prototypes*'")
     ap.add_argument("--sample", type=int, default=0,
                     help="run a seeded random sample of this many mutants per module (0: all of them)")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")

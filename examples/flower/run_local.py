@@ -18,11 +18,11 @@ SuperNode per folder on 127.0.0.1 (mixed architectures: cnn and projcnn:16-32), 
 SuperNode; ``--unregistered`` also starts a SuperNode whose key is not registered and prints
 what it was told. ``--kill N@R`` kills node N once round R has started (its metrics row will
 name it failed or timed out). ``--restart`` runs every SuperNode under ``python -m
-fedproto.flower.supervise`` (restarted 2, 4, 8, 10, 10... s after a failure), so a killed node comes
+fedproto.deploy.supervisor`` (restarted 2, 4, 8, 10, 10... s after a failure), so a killed node comes
 back (under ``--auth`` the supervisor first deactivates it at the SuperLink, so it is let in at once);
 with ``--kill`` it prints how long after the kill the node was activated and trained again.
 ``--misbehave N:KIND`` makes node N corrupt what it sends (``nan``; ``scale``, ``random``, ``flip``
-with fedproto.attacks).
+with fedproto.engine.attacks).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from fedproto.data.datasets import load_dataset
-from fedproto.flower.local import LocalFederation
+from fedproto.deploy.local_federation import LocalFederation
 
 HERE = Path(__file__).resolve().parent
 # classes of each node: neighbours share two classes, every class is held by two nodes
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--unregistered", action="store_true", help="also start a node whose key is not registered")
     ap.add_argument("--kill", default=None, type=_kill, metavar="N@R", help="kill node N once round R has started")
     ap.add_argument("--restart", action="store_true",
-                    help="run each SuperNode under fedproto.flower.supervise: restarted when it fails or is killed")
+                    help="run each SuperNode under fedproto.deploy.supervisor: restarted when it fails or is killed")
     ap.add_argument("--misbehave", default=None, type=_misbehave, metavar="N:KIND",
                     help="node N corrupts its messages (nan, scale, random, flip)")
     ap.add_argument("--round-timeout", type=float, default=60.0)
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="runs/flower-local")
     ap.add_argument("--executor", choices=("default", "fedproto", "flower"), default="default",
                     help="default: a flwr-clientapp process per message; fedproto: --isolation process and "
-                         "python -m fedproto.flower.prefork per node (rounds in seconds); flower: --isolation "
+                         "python -m fedproto.deploy.warm_executor per node (rounds in seconds); flower: --isolation "
                          "process and Flower's flower-superexec")
     ap.add_argument("--compare", action="store_true",
                     help="then run the same clients in-process and print per-round times side by side")
@@ -174,9 +174,9 @@ def simulator_options(app_config: dict, rounds: int, algorithm: str) -> dict:
     """The ``federate`` keywords of the Flower App's run config (``[tool.flwr.app.config]``): its run
     options, without those ``federate`` sets from the clients (dataset, classes, clients, the
     embedding size), the output folder, the participation (the deployment samples its connected
-    nodes) and the Flower engine's own keys (:data:`fedproto.config.FLOWER_KEYS`: round-timeout,
+    nodes) and the Flower engine's own keys (:data:`fedproto.config.run_config.FLOWER_KEYS`: round-timeout,
     poll-interval, resume-from, ...), which are no run option."""
-    from fedproto.config import FLOWER_KEYS, normal_key
+    from fedproto.config.run_config import FLOWER_KEYS, normal_key
 
     skip = {"dataset", "classes", "clients", "embedding_dim", "out_dir", "participation", *FLOWER_KEYS}
     opts = {normal_key(k): v for k, v in app_config.items() if normal_key(k) not in skip}

@@ -122,7 +122,7 @@ _OPTION_NAMES: list[Callable[[], Iterable[str]]] = []
 
 
 def register_option_names(names: Callable[[], Iterable[str]]) -> None:
-    """Tell :func:`python_wording` which names are run options (``fedproto.config`` registers
+    """Tell :func:`python_wording` which names are run options (``fedproto.config.run_config`` registers
     RunConfig's fields when it is imported; this module imports nothing of the package above it)."""
     _OPTION_NAMES.append(names)
 

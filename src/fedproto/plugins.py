@@ -6,11 +6,11 @@ A package adds an algorithm with one entry in its ``pyproject.toml``::
     [project.entry-points."fedproto.algorithms"]
     myproto = "mypackage.myproto:MyProto"
 
-where ``MyProto`` subclasses :class:`fedproto.algorithms.base.Algorithm` with ``name = "myproto"``
+where ``MyProto`` subclasses :class:`fedproto.algorithms.algorithm.Algorithm` with ``name = "myproto"``
 and, for options of its own, an ``Options`` class (a :class:`AlgorithmOptions`, i.e. a pydantic
 model whose fields have defaults and descriptions). Those fields become ``fedproto run`` flags,
 TOML keys, ``federate(...)`` keywords and Flower run-config keys, exactly as the library's own
-options (:func:`fedproto.config.config_model`); ``algorithm = "myproto"`` selects it. The same
+options (:func:`fedproto.config.run_config.config_model`); ``algorithm = "myproto"`` selects it. The same
 works at run time with :func:`register` (e.g. in a notebook or a test).
 
 Plug-ins are loaded once, the first time an algorithm or the option set is looked up; a plug-in
@@ -44,6 +44,9 @@ NO_ENTRY_POINTS = "FEDPROTO_NO_ENTRY_POINTS"
 """Environment variable: ``1`` leaves the installed plug-ins unloaded in this process and the
 processes it starts (the library's test suite sets it, with :func:`scope`)."""
 
+LIBRARY_OPTIONS = "fedproto.algorithms.method_options"
+"""The module of the library's own options models (a plug-in's Options may derive from them)."""
+
 
 class AlgorithmOptions(BaseModel):
     """Base of an algorithm's own options: a pydantic model whose fields (each with a default and a
@@ -59,8 +62,8 @@ _version = 0
 
 NAME_CHECKS: list = []
 """Functions returning ``{name: why it is taken}`` for the names a plug-in's options may not use:
-:mod:`fedproto.config` adds the run options' names, aliases and off switches when it is imported
-(this module sits below it and imports nothing of the package; :func:`fedproto.config.config_model`
+:mod:`fedproto.config.run_config` adds the run options' names, aliases and off switches when it is imported
+(this module sits below it and imports nothing of the package; :func:`fedproto.config.run_config.config_model`
 checks every plug-in again when it composes the run options)."""
 
 CLI_NAMES = ("config", "resume", "quiet", "help")
@@ -174,11 +177,11 @@ def register(cls: Any) -> None:
 
 def own_fields(options: type[BaseModel]) -> set[str]:
     """The fields of a plug-in's ``options`` that are its own: all but those it inherits from the
-    library's option classes (:mod:`fedproto.algorithms.options`; a subclass of ``FedProto``
+    library's option classes (:mod:`fedproto.algorithms.method_options`; a subclass of ``FedProto``
     inherits ``FedProtoOptions``), which the run options already have."""
     shared: set[str] = set()
     for base in options.__mro__:
-        if isinstance(base, type) and issubclass(base, BaseModel) and base.__module__ == "fedproto.algorithms.options":
+        if isinstance(base, type) and issubclass(base, BaseModel) and base.__module__ == LIBRARY_OPTIONS:
             shared |= set(base.model_fields)
     return set(options.model_fields) - shared
 
@@ -193,7 +196,7 @@ def _check_inherited_types(name: str, options: type[BaseModel], mine: set[str]) 
         if k in mine:
             continue
         for base in options.__mro__:
-            lib = getattr(base, "model_fields", {}).get(k) if base.__module__ == "fedproto.algorithms.options" else None
+            lib = getattr(base, "model_fields", {}).get(k) if base.__module__ == LIBRARY_OPTIONS else None
             if lib is not None and field.annotation != lib.annotation:
                 want, got = (a.__name__ if isinstance(a, type) else str(a).replace("typing.", "")
                              for a in (lib.annotation, field.annotation))
@@ -230,7 +233,7 @@ def _check_options(name: str, options: Any) -> None:
         raise ConfigError(f"option {err['loc'][0]!r} of algorithm {name!r} has the default {err['input']!r}: "
                           f"{err['msg']}; fix its Field default") from None
     taken = {k: f"is a flag of fedproto run (--{k})" for k in CLI_NAMES}
-    for check in NAME_CHECKS:  # the run options' names (fedproto.config adds its check when imported)
+    for check in NAME_CHECKS:  # the run options' names (fedproto.config.run_config adds its check when imported)
         taken.update(check())
     for k in sorted(mine):
         if k in taken:
@@ -331,7 +334,7 @@ def method_options(cls: Any) -> type[AlgorithmOptions] | None:
     ``class MyProto(FedProto)`` with ``Options = MyOptions`` reads λ as FedProto does), merged into
     one class when ``cls.Options`` does not already subclass them. Run names, the resume check,
     the "ignored option" warning and ``self.options`` all come from it
-    (:func:`fedproto.algorithms.options.owners`). None: the class declares no options."""
+    (:func:`fedproto.algorithms.method_options.owners`). None: the class declares no options."""
     if cls in _METHOD_OPTIONS:
         return _METHOD_OPTIONS[cls]
     found: list[type] = []

@@ -20,24 +20,24 @@ from pathlib import Path
 
 import torch
 
-from fedproto.algorithms.base import Message
-from fedproto.checkpoint import load_checkpoint
-from fedproto.config import RunConfig
-from fedproto.engine.attack import SimulatedAttack
-from fedproto.engine.executors.base import Executor
+from fedproto.algorithms.algorithm import Message
+from fedproto.config.run_config import RunConfig
+from fedproto.engine.attack_stage import SimulatedAttack
 from fedproto.engine.executors.batched import BatchedExecutor
-from fedproto.engine.executors.local import SequentialExecutor
+from fedproto.engine.executors.executor import Executor
+from fedproto.engine.executors.in_process import SequentialExecutor
 from fedproto.engine.lifecycle import check_observers, run_rounds, standard_observers
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.embeddings import Embeddings
 from fedproto.engine.observers.fulltest import FullTest, full_test_evaluation
 from fedproto.engine.observers.health import Health
+from fedproto.engine.observers.tensorboard_log import tensorboard_observers
 from fedproto.engine.setup import Setup, prepare
 from fedproto.errors import ConfigError
-from fedproto.models.base import ProtoModel
-from fedproto.results import PREVIOUS, RunDir
+from fedproto.models.proto_model import ProtoModel
+from fedproto.outputs.checkpoint import load_checkpoint
+from fedproto.outputs.run_folder import PREVIOUS, RunDir
 from fedproto.secagg import install as install_secagg
-from fedproto.tensorboard import tensorboard_observers
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Simulation:
         out: run directory path (None: ``cfg.out_dir / cfg.run_name()``; False: write nothing).
         on_round: optional callback(row) after each round (used for the progress bar).
         progress: show download progress while building the set-up.
-        executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.base.Executor`
+        executor: the executor that runs the clients (an :class:`~fedproto.engine.executors.executor.Executor`
             over this set-up; default :func:`make_executor` of ``cfg.execution``).
         observers: your own :class:`~fedproto.engine.loop.Observer` s, called after the run folder
             and checkpoint writers and before the progress callback (the Flower ServerApp takes the
@@ -83,7 +83,7 @@ class Simulation:
         if cfg.tensorboard and out is False:
             log.warning("tensorboard is on but this run writes no run folder (out=False): no TensorBoard events")
         elif cfg.tensorboard:  # a missing extra is an error before the set-up and the run folder exist
-            from fedproto.tensorboard import require_tensorboard
+            from fedproto.engine.observers.tensorboard_log import require_tensorboard
 
             require_tensorboard()
         if cfg.threads:
@@ -131,7 +131,7 @@ class Simulation:
         :class:`~fedproto.federation.TupleModel`) and is trained in place. Where ``embedding_dim`` added a
         projection the model is a :class:`~fedproto.federation.Projected`: your module (``.inner.net``)
         holds the trained body, but its own final layer is not used nor trained; predict with this
-        object. ``save_models`` also writes them to ``models.pt`` (:func:`fedproto.results.load_models`).
+        object. ``save_models`` also writes them to ``models.pt`` (:func:`fedproto.outputs.run_folder.load_models`).
         """
         return [s.model for s in self.setup.states]
 
@@ -206,7 +206,7 @@ class Simulation:
         Args:
             resume: continue from the run directory's checkpoint when there is one (else start at
                 round 1). Checkpoints are written every ``cfg.checkpoint_every`` rounds and removed
-                when the run finishes; see :mod:`fedproto.checkpoint`.
+                when the run finishes; see :mod:`fedproto.outputs.checkpoint`.
         Raises:
             CheckpointMismatch: the checkpoint was written under other options.
             CheckpointError: it is damaged or does not fit.

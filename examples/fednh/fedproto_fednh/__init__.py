@@ -26,7 +26,7 @@ from pydantic import Field
 from fedproto.algorithms import Algorithm
 from fedproto.algorithms.proto_steps import Rows
 from fedproto.algorithms.requirements import ONE_EMBEDDING
-from fedproto.algorithms.state import ServerState
+from fedproto.algorithms.server_state import ServerState
 from fedproto.plugins import AlgorithmOptions
 from fedproto.prototypes import embedding_health, local_prototypes
 from fedproto.training import LossTerm, Objective, Phase, predict

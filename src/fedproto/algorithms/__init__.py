@@ -17,14 +17,14 @@ _BASE = ("Algorithm", "ClientData", "ClientState", "Message", "message_size")
 
 def __getattr__(name: str) -> Any:
     """The method classes, the base names and ``ALGORITHMS``, imported when first asked for (the
-    options of :mod:`fedproto.algorithms.options` are read by ``fedproto run --help`` without torch)."""
+    options of :mod:`fedproto.algorithms.method_options` are read by ``fedproto run --help`` without torch)."""
     from fedproto.plugins import BUILTIN_ENTRY_POINTS
 
     classes = {value.partition(":")[2]: value.partition(":")[0] for _, value in BUILTIN_ENTRY_POINTS}
     if name in classes:
         return getattr(importlib.import_module(classes[name]), name)
     if name in _BASE:
-        return getattr(importlib.import_module("fedproto.algorithms.base"), name)
+        return getattr(importlib.import_module("fedproto.algorithms.algorithm"), name)
     if name == "ALGORITHMS":
         table = {n: __getattr__(value.partition(":")[2]) for n, value in BUILTIN_ENTRY_POINTS}
         globals()["ALGORITHMS"] = table

@@ -3,10 +3,10 @@ Federated Distillation and Augmentation under Non-IID Private Data", arXiv 1811.
 FedDistill).
 
 Client: cross-entropy + ``fd_lambda`` x the distillation term between its logits and the global
-per-class logits of each sample's class (:func:`fedproto.htmath.fd_distill_loss`: soft-target
+per-class logits of each sample's class (:func:`fedproto.algorithms.hetero_math.fd_distill_loss`: soft-target
 cross-entropy, temperature ``fd_temperature``; the paper and PFLlib use T = 1 and λ = 1), then it
-sends its per-class mean logits (:func:`fedproto.htmath.class_mean_logits`). Server: the per-class
-mean over the clients that sent the class (:func:`fedproto.htmath.fd_global_logits`), the same
+sends its per-class mean logits (:func:`fedproto.algorithms.hetero_math.class_mean_logits`). Server: the per-class
+mean over the clients that sent the class (:func:`fedproto.algorithms.hetero_math.fd_global_logits`), the same
 table for every client (PFLlib). Round 1 has no global logits (cross-entropy only).
 
 Where we follow the paper: per-class mean logits up, the per-class mean over the clients down
@@ -15,7 +15,7 @@ differ: the paper and PFLlib average the logits produced during local training (
 local step); we compute them in an eval-mode pass over the training data after training (the same
 numbers on every engine and executor, and the logits of the model the client keeps). The paper
 gives device i the average of the *other* devices' logits (``leave_out`` of
-:func:`fedproto.htmath.fd_global_logits`); PFLlib, and we, send everyone the mean of all (one
+:func:`fedproto.algorithms.hetero_math.fd_global_logits`); PFLlib, and we, send everyone the mean of all (one
 broadcast). Needs no equal embedding size: only the label space is shared. Evaluation: ``acc``, the
 client's own model (FD has no global model).
 
@@ -30,17 +30,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
-from fedproto.algorithms.options import FDOptions, checked_options
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.hetero_math import class_mean_logits, fd_distill_loss, fd_global_logits
+from fedproto.algorithms.method_options import FDOptions, checked_options
 from fedproto.algorithms.requirements import LABEL_SPACE
-from fedproto.algorithms.state import ServerState
-from fedproto.htmath import class_mean_logits, fd_distill_loss, fd_global_logits
+from fedproto.algorithms.server_state import ServerState
 from fedproto.training import LossTerm, Objective, OptimConfig, Phase, TrainResult, predict
 
 
 class LogitDistill(LossTerm):
     """FD's distillation term (:class:`fedproto.training.LossTerm`): ``weight`` x
-    :func:`fedproto.htmath.fd_distill_loss` against the (C, C) ``table`` of global logits (``mask``:
+    :func:`fedproto.algorithms.hetero_math.fd_distill_loss` against the (C, C) ``table`` of global logits (``mask``:
     (C,) rows that exist) at ``temperature``. Two clients' terms are equal (:meth:`LossTerm.same_as`)
     when all four are, so FD's clients train in one batched computation."""
 

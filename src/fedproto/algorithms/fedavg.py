@@ -46,12 +46,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
-from fedproto.algorithms.options import WeightsOptions
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.method_options import WeightsOptions
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, architecture_groups
-from fedproto.algorithms.state import ServerState
+from fedproto.algorithms.server_state import ServerState
 from fedproto.errors import ConfigError, opt
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
 from fedproto.plugins import AlgorithmOptions
 from fedproto.training import TrainResult, frozen_batchnorms, frozen_params, predict
 

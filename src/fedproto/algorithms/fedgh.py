@@ -5,7 +5,7 @@ Client: replace its head by the global head, train the whole model with cross-en
 ``local_epochs`` epochs, then send its local prototypes (per-class mean embeddings, computed in an
 eval-mode pass over its training data after training, as PFLlib/HtFLlib ``collect_protos``) with
 their counts. Server: train the global head, a (C, d) linear layer, with cross-entropy on the
-uploaded (prototype, class) pairs (:func:`fedproto.htmath.fedgh_train_head`) and send it back.
+uploaded (prototype, class) pairs (:func:`fedproto.algorithms.hetero_math.fedgh_train_head`) and send it back.
 
 Where we follow the paper: the server takes one SGD step per uploaded (prototype, class) pair,
 once per round, in upload order (client by client, class by class): ``server_epochs`` 1 and
@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.hetero_math import fedgh_train_head
 from fedproto.algorithms.lgfedavg import (
     GLOBAL_HEAD_PROTOCOL,
     check_heads,
@@ -39,10 +40,9 @@ from fedproto.algorithms.lgfedavg import (
     head_message,
     load_head,
 )
-from fedproto.algorithms.options import FedGHOptions, checked_options
+from fedproto.algorithms.method_options import FedGHOptions, checked_options
 from fedproto.algorithms.requirements import ONE_EMBEDDING
-from fedproto.algorithms.state import ServerState
-from fedproto.htmath import fedgh_train_head
+from fedproto.algorithms.server_state import ServerState
 from fedproto.prototypes import class_sums, local_prototypes
 from fedproto.training import OptimConfig, TrainResult, embed_all
 
@@ -126,7 +126,7 @@ class FedGH(Algorithm):
         return protos_problem(reply, self.num_classes, embedding_dim)
 
     def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
-        """Train the global head on the round's prototypes (:func:`fedproto.htmath.fedgh_train_head`),
+        """Train the global head on the round's prototypes (:func:`fedproto.algorithms.hetero_math.fedgh_train_head`),
         from the head the previous ``state`` holds (its checkpoint's ``head_w`` (C, d) and ``head_b``
         (C,) as trained; before round 1 the initial message's float32 head).
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar
 
-from fedproto.algorithms.base import ClientState, Message
+from fedproto.algorithms.algorithm import ClientState, Message
 from fedproto.algorithms.fedavg import FedAvg
-from fedproto.algorithms.options import FedPerOptions, checked_options
-from fedproto.models.base import ProtoModel
+from fedproto.algorithms.method_options import FedPerOptions, checked_options
+from fedproto.models.proto_model import ProtoModel
 from fedproto.plugins import AlgorithmOptions
 from fedproto.training import OptimConfig
 

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message, optim_config
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.fedproto_checks import ProtoServerChecks
-from fedproto.algorithms.options import FedProtoOptions, checked_options
+from fedproto.algorithms.method_options import FedProtoOptions, checked_options
 from fedproto.algorithms.proto_steps import (
     AggregationRule,
     ClassCheck,
@@ -36,10 +36,9 @@ from fedproto.algorithms.proto_steps import (
 )
 from fedproto.algorithms.proto_term import ProtoTerm
 from fedproto.algorithms.requirements import ONE_EMBEDDING
-from fedproto.algorithms.state import ServerState
-from fedproto.models.base import ProtoModel
+from fedproto.algorithms.server_state import ServerState
+from fedproto.models.proto_model import ProtoModel
 from fedproto.plugins import AlgorithmOptions
-from fedproto.privacy import epsilon, noisy_prototypes, secure_rng
 from fedproto.prototypes import (
     class_sums,
     embedding_health,
@@ -48,6 +47,7 @@ from fedproto.prototypes import (
     nearest_prototype,
     prototype_table,
 )
+from fedproto.prototypes.dp import epsilon, noisy_prototypes, secure_rng
 from fedproto.training import DPSGD, Objective, OptimConfig, Phase, TrainResult, embed_all, poisson_plan, predict
 from fedproto.training.plans import Plan
 
@@ -104,9 +104,9 @@ class FedProto(ProtoServerChecks, Algorithm):
         lambda_schedule: ``linear`` or ``cosine`` warm-up (:func:`fedproto.prototypes.lambda_at`);
             the λ used in each round is ``lambda`` in the metrics.
         dp, dp_noise, dp_clip, dp_grad_clip, dp_delta: differential privacy of the uploaded
-            prototypes (:mod:`fedproto.privacy`); ``dp_epsilon`` per client in ``clients.csv``.
+            prototypes (:mod:`fedproto.prototypes.dp`); ``dp_epsilon`` per client in ``clients.csv``.
         dp_reproducible_noise: draw the DP noise and DP-SGD's sampling from the client's seeded
-            generator (bit-for-bit reproducible runs) instead of :func:`fedproto.privacy.secure_rng`;
+            generator (bit-for-bit reproducible runs) instead of :func:`fedproto.prototypes.dp.secure_rng`;
             voids the guarantee against whoever knows the run's seed.
 
     Every reply is checked before aggregation: a prototype row that is not finite, of another
@@ -114,7 +114,7 @@ class FedProto(ProtoServerChecks, Algorithm):
     the log and in the metrics (``dropped``), never averaged in.
     Raises:
         ValueError: an option outside its range or choices (checked once, by
-            :class:`~fedproto.algorithms.options.FedProtoOptions`, the run options' own bounds).
+            :class:`~fedproto.algorithms.method_options.FedProtoOptions`, the run options' own bounds).
     """
 
     model_needs = ONE_EMBEDDING
@@ -187,7 +187,7 @@ class FedProto(ProtoServerChecks, Algorithm):
 
     @classmethod
     def from_config(cls, cfg: Any, embedding_dim: int) -> FedProto:
-        """Built from the run config: every :class:`~fedproto.algorithms.options.FedProtoOptions`
+        """Built from the run config: every :class:`~fedproto.algorithms.method_options.FedProtoOptions`
         field is a keyword of the same name (λ: the dataset's when not given, ``cfg.lam``)."""
         values = {k: getattr(cfg, k) for k in FedProtoOptions.model_fields}
         values["lambda_proto"] = cfg.lam
@@ -215,7 +215,7 @@ class FedProto(ProtoServerChecks, Algorithm):
 
     def plan(self, state: ClientState, obj: Objective, n: int, rng: np.random.Generator) -> Plan:
         """The batch plan; with ``dp="full"`` Poisson-sampled (:func:`fedproto.training.poisson_plan`)
-        with the DP-SGD noise seed drawn after it, both from :func:`fedproto.privacy.secure_rng`
+        with the DP-SGD noise seed drawn after it, both from :func:`fedproto.prototypes.dp.secure_rng`
         (which the server cannot regenerate) unless ``dp_reproducible_noise``, which draws them
         from ``rng``, the client's seeded generator, and then also draws the seed of the release
         noise (kept in the client's state; the noise never leaves the client)."""
@@ -234,7 +234,7 @@ class FedProto(ProtoServerChecks, Algorithm):
         return plan
 
     def finish(self, state: ClientState, message: Message, data: ClientData, result: TrainResult) -> Message:
-        if self.dp != "off":  # each sample counted once, in an eval-mode pass (fedproto.privacy)
+        if self.dp != "off":  # each sample counted once, in an eval-mode pass (fedproto.prototypes.dp)
             seed = state.extra.pop("dp_seed", None)
             rng = np.random.default_rng(seed) if self.dp_reproducible_noise and seed is not None else secure_rng()
             classes, protos, cnt = noisy_prototypes(embed_all(state.model, data.x), data.y, state.classes,
@@ -254,7 +254,7 @@ class FedProto(ProtoServerChecks, Algorithm):
 
     def client_report(self, state: ClientState) -> dict[str, float]:
         """With ``dp``: the client's privacy spent so far, ``dp_epsilon`` at ``dp_delta``
-        (:func:`fedproto.privacy.epsilon` over its prototype releases and DP-SGD steps)."""
+        (:func:`fedproto.prototypes.dp.epsilon` over its prototype releases and DP-SGD steps)."""
         if self.dp == "off":
             return {}
         hist = [(self.dp_noise, 1.0, int(state.extra.get("dp_releases", 0)))]
@@ -284,7 +284,7 @@ class FedProto(ProtoServerChecks, Algorithm):
         this round.
 
         Returns:
-            The :class:`~fedproto.algorithms.state.ServerState`: the message ``classes`` (K,) int64,
+            The :class:`~fedproto.algorithms.server_state.ServerState`: the message ``classes`` (K,) int64,
             ``protos`` (K, d) (``lambda`` (1,) while warming up); the metrics ``lambda`` (the λ the
             clients trained with), ``excluded``, ``flagged``/``flagged_rows`` (where those steps
             are on), ``proto_dist``/``proto_dist_max``/``proto_dist_argmax``; distance alerts; the

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fedproto.algorithms.state import Message
+from fedproto.algorithms.server_state import Message
 
 
 class ProtoServerChecks:

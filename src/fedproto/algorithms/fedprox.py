@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from fedproto.algorithms.base import ClientState, Message
+from fedproto.algorithms.algorithm import ClientState, Message
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg
-from fedproto.algorithms.options import FedProxOptions, checked_options
+from fedproto.algorithms.method_options import FedProxOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase, WeightAnchor
 
 

@@ -24,9 +24,9 @@ FedPer.
 
 from __future__ import annotations
 
-from fedproto.algorithms.base import ClientState, Message
+from fedproto.algorithms.algorithm import ClientState, Message
 from fedproto.algorithms.fedper import FedPer
-from fedproto.algorithms.options import FedRepOptions, checked_options
+from fedproto.algorithms.method_options import FedRepOptions, checked_options
 from fedproto.training import Objective, OptimConfig, Phase
 
 

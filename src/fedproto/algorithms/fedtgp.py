@@ -6,9 +6,9 @@ Client: as FedProto (cross-entropy + λ · distance to the global prototype of t
 local prototypes sent up; :class:`~fedproto.algorithms.fedproto.FedProto`'s core options
 ``lambda_proto``, ``distance``, ``proto_source``, ``proto_classes``; its practitioner, robustness
 and privacy options are not used). Server: instead of averaging, train a generator of global
-prototypes (an embedding per class and a two-layer MLP, :func:`fedproto.htmath.tgp_init`) for
+prototypes (an embedding per class and a two-layer MLP, :func:`fedproto.algorithms.hetero_math.tgp_init`) for
 ``server_epochs`` passes over the uploaded prototypes with the adaptive-margin contrastive loss
-(margin min(max_c min_c' ||Q_c - Q_c'||, ``tgp_margin``); :func:`fedproto.htmath.tgp_server_train`)
+(margin min(max_c min_c' ||Q_c - Q_c'||, ``tgp_margin``); :func:`fedproto.algorithms.hetero_math.tgp_server_train`)
 and broadcast the generated prototype of every class. The generator persists across rounds
 (server state), initialised from the run's seed at the first aggregation.
 
@@ -23,7 +23,7 @@ another). Differences from the reference: its server learning
 rate and τ are command-line options whose defaults we do not restate (ours: 0.1, 100); its shuffling
 uses torch's global generator, ours one seeded from the run's seed and the round, so a run
 reproduces and a resumed run continues exactly (the generator is server state, ``tgp_state`` in
-the :class:`~fedproto.algorithms.state.ServerState`, saved in checkpoints). Round 1 has no global
+the :class:`~fedproto.algorithms.server_state.ServerState`, saved in checkpoints). Round 1 has no global
 prototypes (cross-entropy only), as FedProto.
 
 Evaluation: ``acc`` (the client's classifier) and ``acc_proto`` (nearest generated prototype,
@@ -38,12 +38,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fedproto.algorithms.base import Message, optim_config
+from fedproto.algorithms.algorithm import Message, optim_config
 from fedproto.algorithms.fedproto import FedProto
-from fedproto.algorithms.options import FedTGPOptions
+from fedproto.algorithms.hetero_math import tgp_init, tgp_server_train
+from fedproto.algorithms.method_options import FedTGPOptions
 from fedproto.algorithms.proto_steps import prototype_files
-from fedproto.algorithms.state import ServerState
-from fedproto.htmath import tgp_init, tgp_server_train
+from fedproto.algorithms.server_state import ServerState
 from fedproto.prototypes import lambda_at
 from fedproto.training import OptimConfig
 

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedproto.algorithms.base import ClientState, Message
+from fedproto.algorithms.algorithm import ClientState, Message
 from fedproto.algorithms.fedavg import WEIGHT_PREFIX, FedAvg, load_weights, weighted_average
-from fedproto.algorithms.options import FeSEMOptions, checked_options
-from fedproto.algorithms.state import ServerState
+from fedproto.algorithms.method_options import FeSEMOptions, checked_options
+from fedproto.algorithms.server_state import ServerState
 from fedproto.errors import ConfigError
 from fedproto.training import OptimConfig
 
@@ -58,7 +58,7 @@ class FeSEM(FedAvg):
     Args:
         num_classes, opt, local_epochs: as :class:`FedAvg`. clusters: K >= 1.
         seed: draws the K clients whose initial weights seed the centres.
-    Server state (:class:`~fedproto.algorithms.state.ServerState`): the message holds the centres,
+    Server state (:class:`~fedproto.algorithms.server_state.ServerState`): the message holds the centres,
     ``w/<name>`` -> (K, *shape) float32, and ``assign`` (m,) int64, the cluster of each client; the
     checkpoint adds ``last_distances`` (m, K), the squared distances of the latest E-step.
     """

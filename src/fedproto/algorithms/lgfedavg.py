@@ -2,7 +2,7 @@
 
 The global part (here: the model's head g, its final linear layer) is averaged by the server,
 weighted by the clients' numbers of training samples (FedAvg's n_i / n;
-:func:`fedproto.htmath.lg_aggregate`); the local representation (the body) never leaves the client.
+:func:`fedproto.algorithms.hetero_math.lg_aggregate`); the local representation (the body) never leaves the client.
 Works with heterogeneous bodies whose embedding size d is equal: every head is a (C, d) linear
 layer. Local training: cross-entropy on the whole model for ``local_epochs`` epochs.
 
@@ -29,13 +29,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
-from fedproto.algorithms.options import WeightsOptions
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.hetero_math import lg_aggregate
+from fedproto.algorithms.method_options import WeightsOptions
 from fedproto.algorithms.requirements import ONE_EMBEDDING
-from fedproto.algorithms.state import ServerState
+from fedproto.algorithms.server_state import ServerState
 from fedproto.errors import ConfigError
-from fedproto.htmath import lg_aggregate
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
 from fedproto.training import TrainResult, predict
 
 HEAD_PREFIX = "head/"
@@ -153,7 +153,8 @@ class LGFedAvg(Algorithm):
         return head_reply_problem(reply, sent)
 
     def aggregate(self, round: int, messages: dict[int, Message], state: ServerState | None = None) -> ServerState:
-        """The sample-weighted mean of the heads (:func:`fedproto.htmath.lg_aggregate`) as the next message."""
+        """The sample-weighted mean of the heads (:func:`fedproto.algorithms.hetero_math.lg_aggregate`) as the
+        next message."""
         msgs = list(messages.values())
         heads = [{k: v for k, v in m.items() if k.startswith(HEAD_PREFIX)} for m in msgs]
         out = lg_aggregate(heads, [float(m[COUNT_KEY][0]) for m in msgs])

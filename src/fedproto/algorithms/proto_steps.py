@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from fedproto.algorithms.state import Alert, Message, ServerState
+from fedproto.algorithms.server_state import Alert, Message, ServerState
 from fedproto.prototypes import aggregate_prototypes, class_check, client_distances, momentum_prototypes, robust_z
 from fedproto.prototypes.aggregation import AggregationRule as RuleName
 
@@ -281,7 +281,7 @@ def proto_round(steps: ProtoSteps, round: int, messages: dict[int, Message], pre
         trained_lambda: the λ the clients trained with this round (the ``lambda`` metric; None: none).
         next_lambda: the λ sent for the next round (``lambda`` in the message; None: not sent).
     Returns:
-        The :class:`~fedproto.algorithms.state.ServerState` (message, metrics, alerts, checkpoint,
+        The :class:`~fedproto.algorithms.server_state.ServerState` (message, metrics, alerts, checkpoint,
         ``prototypes.npz``).
     """
     rows = Rows.of(messages)

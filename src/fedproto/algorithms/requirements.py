@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from fedproto.errors import ModelError
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
 
 H = TypeVar("H", bound=Hashable)
 

@@ -152,7 +152,7 @@ def download_file(
     dest = Path(dest)
     if not urls:
         raise DataError(f"No download URL given for {dest.name}; place the file at {dest} by hand.")
-    from fedproto.atomic import outermost_new, remove_empty_folders
+    from fedproto.outputs.atomic import outermost_new, remove_empty_folders
 
     new = None if dest.parent.exists() else outermost_new(dest.parent)  # removed again if nothing lands in it
     try:

@@ -78,7 +78,7 @@ def keep_decoded(on: bool = True, size: int = 4) -> None:
     With it on, :func:`load_client_folder` decodes a folder once and then returns the same tensors
     while the folder's files are unchanged (same names, sizes and modification times: a fingerprint
     taken with one ``stat`` per file on every call). A long-lived process that answers many
-    messages (``python -m fedproto.flower.prefork``, which turns this on and preloads before it
+    messages (``python -m fedproto.deploy.warm_executor``, which turns this on and preloads before it
     forks) so pays the decoding once, not per message. Callers must not modify the returned
     tensors in place. ``on=False`` turns it off and drops what was kept.
 

@@ -1,6 +1,6 @@
 """The one registry of datasets: classes, input shape, the paper's defaults and the loader.
 
-:class:`~fedproto.config.RunConfig` fills unset options from it, the CLI and the options page
+:class:`~fedproto.config.run_config.RunConfig` fills unset options from it, the CLI and the options page
 print its defaults, ``fedproto reproduce`` takes each dataset's models from it, and
 :func:`~fedproto.data.datasets.load_dataset` finds the loader here. Adding a dataset means one
 :class:`DatasetInfo` entry (and its loader).

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from fedproto.algorithms.base import Algorithm, Message
+from fedproto.algorithms.algorithm import Algorithm, Message
 from fedproto.training import TrainResult
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fedproto.config_common import CommonConfig
+from fedproto.config.common_options import CommonConfig
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.checkpoints import Checkpoints, restore
 from fedproto.engine.observers.health import Health
@@ -25,7 +25,7 @@ from fedproto.engine.observers.progress import Progress
 from fedproto.engine.observers.rundir import RunFolder
 from fedproto.engine.summary import Row, Summary
 from fedproto.errors import ConfigError
-from fedproto.results import RunDir
+from fedproto.outputs.run_folder import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from fedproto.algorithms.base import HEALTH_KEYS, Algorithm, Message, message_size
-from fedproto.algorithms.state import ServerState, server_update
-from fedproto.config_common import CommonConfig
+from fedproto.algorithms.algorithm import HEALTH_KEYS, Algorithm, Message, message_size
+from fedproto.algorithms.server_state import ServerState, server_update
+from fedproto.config.common_options import CommonConfig
 from fedproto.engine.checks import check_replies
-from fedproto.engine.executors.base import Executor, RoundReplies
+from fedproto.engine.executors.executor import Executor, RoundReplies
 from fedproto.engine.seeding import sample_clients
 from fedproto.engine.summary import ClientMetrics, Row, Summary, build_summary, rounds_trained, summarize
 
@@ -66,7 +66,7 @@ class Observer:
 
 class Stage:
     """A step between the executor and the reply check that may change replies (in the simulator:
-    :class:`fedproto.attacks.SimulatedAttack`)."""
+    :class:`fedproto.engine.attacks.SimulatedAttack`)."""
 
     def apply(self, round: int, replies: RoundReplies) -> None:
         """Change ``replies.replies`` in place."""
@@ -78,13 +78,13 @@ class RoundLoop:
     Args:
         cfg: the run configuration (rounds, participation, seed, eval_every).
         algorithm: the server side of the algorithm (aggregate, downlink, broadcast).
-        executor: runs the client side (:class:`~fedproto.engine.executors.base.Executor`).
+        executor: runs the client side (:class:`~fedproto.engine.executors.executor.Executor`).
         embedding_dim: d (reply checks).
         observers: what hangs on the loop (:class:`Observer`), called in this order.
         stages: what may change the replies before the check (:class:`Stage`).
     Attributes:
         message: the server message of the next round. server: the last aggregation's
-            :class:`~fedproto.algorithms.state.ServerState` (metrics, alerts, checkpoint, files).
+            :class:`~fedproto.algorithms.server_state.ServerState` (metrics, alerts, checkpoint, files).
             history: the metrics rows so far.
         totals: communication summed over rounds. train_time: seconds in rounds (without evaluation).
     """

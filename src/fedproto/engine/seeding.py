@@ -5,7 +5,7 @@ executor (sequential, batched, worker processes, Flower) or on the order clients
 each client's numpy generator (batch order, dropout masks) is :func:`client_rng`, torch's global
 generator is seeded with :func:`client_seed` before its step, and the clients of a round are
 drawn by :func:`sample_clients` from (seed, round) alone. DP noise never comes from here
-(:func:`fedproto.privacy.secure_rng`).
+(:func:`fedproto.prototypes.dp.secure_rng`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the Flower nodes, onboarding, ``reproduce``): data, partition, client models, th
 every check of the clients against the options, before round 1 (config errors are caught
 before any training starts; docs/architecture.md).
 
-:func:`prepare` builds a run of a named dataset from a :class:`~fedproto.config.RunConfig`;
+:func:`prepare` builds a run of a named dataset from a :class:`~fedproto.config.run_config.RunConfig`;
 :func:`build_setup` finishes any set-up (your own clients included) and is where a check added
 once holds everywhere.
 """
@@ -20,18 +20,18 @@ import torch
 from pydantic import ValidationError
 
 from fedproto.algorithms import get_algorithm
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, SharedInputs
-from fedproto.algorithms.options import owners
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, SharedInputs
+from fedproto.algorithms.method_options import owners
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, check_architectures, check_model_needs, model_needs
-from fedproto.config import CommonConfig, RunConfig
-from fedproto.config_fixes import bound_fix
+from fedproto.config.fixes import bound_fix
+from fedproto.config.run_config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
-from fedproto.devices import resolve_device, resolve_precision
 from fedproto.errors import ConfigError, PartitionError, opt
 from fedproto.models.zoo import build_client_models
 from fedproto.plugins import method_options
 from fedproto.training import has_batchnorm
+from fedproto.training.devices import resolve_device, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +118,9 @@ class Setup:
 
     def _each_model(self, on_model, on_store) -> None:
         """Apply ``on_model`` to every client module and ``on_store`` once to each
-        :class:`~fedproto.engine.executors.store.ClientStore` (its clients' own modules bound to
+        :class:`~fedproto.engine.client_store.ClientStore` (its clients' own modules bound to
         their rows again afterwards), without building a module per stored client."""
-        from fedproto.engine.executors.store import StoredClientState
+        from fedproto.engine.client_store import StoredClientState
 
         stores = {}
         for s in self.states:
@@ -177,7 +177,7 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     ``test_shots`` are then unused). ``cfg.pretrained``: resnet18 weights for ResNet18 clients.
     ``cfg.augment`` acts in training (see :class:`fedproto.training.OptimConfig`).
     ``client_store``: keep the clients' weights in one flat
-    :class:`~fedproto.engine.executors.store.ClientStore` (rows per client, no module per client:
+    :class:`~fedproto.engine.client_store.ClientStore` (rows per client, no module per client:
     about 87 KB a PaperCNN client instead of 105 KB; the same numbers) where every client has one
     storable architecture (:func:`client_states`); a folder: the same store in a file there (the
     process keeps a few thousand rows resident, the page cache the rest); None: the
@@ -209,15 +209,15 @@ def client_states(cfg: RunConfig, part: Partition, ds: Dataset,
     """One :class:`ClientState` per client with its model (:func:`~fedproto.models.zoo.build_client_models`).
 
     With ``store``, where one model spec builds every client (no ``-mh`` spec, no list, no
-    ``pretrained``) and its model is :func:`~fedproto.engine.executors.store.storable`, the models
+    ``pretrained``) and its model is :func:`~fedproto.engine.client_store.storable`, the models
     are built one at a time exactly as there (same seeds, same order), copied into one
-    :class:`~fedproto.engine.executors.store.ClientStore` and dropped: the states are
-    :class:`~fedproto.engine.executors.store.StoredClientState` (peak memory: the store, (N, P)
+    :class:`~fedproto.engine.client_store.ClientStore` and dropped: the states are
+    :class:`~fedproto.engine.client_store.StoredClientState` (peak memory: the store, (N, P)
     float32, and one module). ``store`` a folder: the rows in a file there
-    (:class:`~fedproto.engine.executors.store.ClientStore`'s ``path``; removed when the store goes).
+    (:class:`~fedproto.engine.client_store.ClientStore`'s ``path``; removed when the store goes).
     Otherwise, or when the first model is not storable, modules.
     """
-    from fedproto.engine.executors.store import ClientStore, StoredClientState, storable
+    from fedproto.engine.client_store import ClientStore, StoredClientState, storable
     from fedproto.models.zoo import build_client_model
 
     C, H, _ = ds.input_shape
@@ -282,7 +282,7 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
     and ``batch_size`` capped at the largest client's training samples (a wider batch only adds
     padding; the cap is ``Setup.algorithm.opt.batch_size``, and ``config.json``'s
     ``batch_size_in_force``), and the precision the clients train in
-    (:func:`fedproto.devices.resolve_precision`: ``Setup.algorithm.opt.precision``).
+    (:func:`fedproto.training.devices.resolve_precision`: ``Setup.algorithm.opt.precision``).
 
     Args:
         cfg: the validated run configuration.
@@ -307,7 +307,7 @@ def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData
             client without a batch, the algorithm refuses the clients' models or labels, or
             ``precision`` is fp16 on a device other than a CUDA GPU.
     """
-    from fedproto.engine.executors.store import arch_model
+    from fedproto.engine.client_store import arch_model
 
     models = [arch_model(s) for s in states]  # a stored client's template: no module built per client
     needs = model_needs(get_algorithm(cfg.algorithm))  # what the method needs of the models, checked as stated

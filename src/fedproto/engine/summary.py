@@ -12,9 +12,9 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from fedproto.algorithms.base import Algorithm
-from fedproto.config_common import CommonConfig
-from fedproto.engine.executors.base import Executor
+from fedproto.algorithms.algorithm import Algorithm
+from fedproto.config.common_options import CommonConfig
+from fedproto.engine.executors.executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def _evaluated(per_client: list[ClientMetrics], last: Row) -> list[str]:
 
 
 def _precision_used(cfg: CommonConfig, executor: Executor) -> str:
-    """The precision the clients trained in (:func:`fedproto.devices.resolve_precision`: the option's
+    """The precision the clients trained in (:func:`fedproto.training.devices.resolve_precision`: the option's
     bf16 is fp32 on a CPU without bf16): the simulator's executors know it
     (``precision_in_use``); on Flower each node resolves it on its own device (a node that falls
     back to fp32 says so in its log), so the server names the request."""

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedproto.algorithms.base import ClientData, ClientState
-from fedproto.config import build_config
+from fedproto.algorithms.algorithm import ClientData, ClientState
+from fedproto.config.run_config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError
 from fedproto.federation.data import (
@@ -96,7 +96,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
     ``"cifar10"``...), the options the paper sets per dataset take its values, as ``fedproto run
     --dataset`` does (``rounds``: mnist 100, femnist 120, cifar10 110; ``lambda_proto``: mnist 1,
     cifar10 0.1) and ``num_classes`` defaults to its classes; without ``dataset``: 20 rounds and
-    λ = 1. Every other option has :class:`~fedproto.config.RunConfig`'s default (batch size 8, lr
+    λ = 1. Every other option has :class:`~fedproto.config.run_config.RunConfig`'s default (batch size 8, lr
     0.01, momentum 0.5, ...); any keyword overrides.
 
     Args:
@@ -110,7 +110,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             clients'.
         observers: your own :class:`fedproto.engine.loop.Observer` s (:class:`~fedproto.simulation.Simulation`'s
             ``observers``).
-        options: any run option of :class:`fedproto.config.RunConfig` (``algorithm``,
+        options: any run option of :class:`fedproto.config.run_config.RunConfig` (``algorithm``,
             ``rounds``, ``lambda_proto``, ``lr``, ``batch_size``, ``participation``...).
     Returns:
         A Simulation; ``.run()`` trains and returns the summary.
@@ -146,7 +146,7 @@ def federate(clients: Sequence[Client], num_classes: int | None = None, out: Any
             raise ConfigError(f"federate(num_classes={num_classes}, dataset={dataset!r}): {dataset} has "
                               f"{info.classes} classes; give num_classes={info.classes} or leave it out")
         num_classes = info.classes
-        from fedproto.algorithms.options import owners
+        from fedproto.algorithms.method_options import owners
 
         defaults = {"rounds": info.rounds}
         if options.get("algorithm", "fedproto") in owners("lambda_proto"):  # λ only where the algorithm has one

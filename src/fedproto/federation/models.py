@@ -1,4 +1,4 @@
-"""A user's model as a :class:`~fedproto.models.base.ProtoModel`: the adapters (a module returning
+"""A user's model as a :class:`~fedproto.models.proto_model.ProtoModel`: the adapters (a module returning
 ``(logits, embedding)``, a classifier split at its head, a projection to a shared embedding size),
 the check before round 1 (:func:`adapt`) and shared initial weights. Importable from
 :mod:`fedproto.federation`."""
@@ -13,7 +13,7 @@ from torch import nn
 
 from fedproto.data.inputs import describe
 from fedproto.errors import ModelError, first_line
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
 
 
 class TupleModel(ProtoModel):
@@ -33,7 +33,7 @@ class TupleModel(ProtoModel):
 
     def forward(self, x, noise=None):
         out = self.net(x)
-        tensor = (torch.Tensor, torch.fx.Proxy)  # a Proxy: the forward traced by fedproto.grouped
+        tensor = (torch.Tensor, torch.fx.Proxy)  # a Proxy: the forward traced by fedproto.training.grouped_forward
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, tensor) for t in out)):
             raise ModelError(f"the model's forward returned a {type(out).__name__}, not (logits, embedding); give "
                              "head='<final layer>' for a plain classifier")

@@ -17,13 +17,13 @@ and reloads them after a restart, and every reply carries the node's ``instance`
 ``state-round`` in its metrics record (:mod:`fedproto.flower.node_state`).
 
 Handlers (message types): ``query`` (reply: the client id, its classes, sample counts, embedding
-size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.base.Algorithm.join_message`,
+size and parameter count, plus the algorithm's :meth:`~fedproto.algorithms.algorithm.Algorithm.join_message`,
 e.g. initial weights for weight-sharing methods), ``train`` (one client step:
-:func:`fedproto.engine.executors.local.client_step`, reply: the algorithm message plus losses) and
+:func:`fedproto.engine.executors.in_process.client_step`, reply: the algorithm message plus losses) and
 ``evaluate`` (reply: the algorithm's per-client metrics).
 
 Under DP (``dp`` ``prototypes`` or ``full``) a node sends only what is public or covered by the
-accountant (:func:`fedproto.privacy.deployment_fields`): at ``query`` no sample counts, at
+accountant (:func:`fedproto.prototypes.dp.deployment_fields`): at ``query`` no sample counts, at
 ``train`` the noised release alone, at ``evaluate`` ``dp_epsilon`` under ``prototypes`` and
 nothing under ``full``; the node logs what it keeps (its accuracy, and its ε under ``full``).
 """
@@ -41,12 +41,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState
-from fedproto.config import RunConfig
-from fedproto.engine.executors.local import client_step
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState
+from fedproto.config.run_config import RunConfig
+from fedproto.engine.executors.in_process import client_step
 from fedproto.errors import ConfigError
 from fedproto.flower import node_state
-from fedproto.flower.common import (
+from fedproto.flower.node import corrupt, load_local_client, whole
+from fedproto.flower.records import (
     CONFIG,
     MESSAGE,
     METRICS,
@@ -57,11 +58,10 @@ from fedproto.flower.common import (
     schema_problem,
     to_record,
 )
-from fedproto.flower.node import corrupt, load_local_client, whole
 from fedproto.flower.virtual import forget as forget_virtual
 from fedproto.flower.virtual import virtual_client
-from fedproto.models.base import count_parameters
-from fedproto.privacy import deployment_fields
+from fedproto.models.proto_model import count_parameters
+from fedproto.prototypes.dp import deployment_fields
 
 STATE_MODEL = "fedproto.model"
 STATE_EXTRA = "fedproto.extra"
@@ -70,10 +70,10 @@ log = logging.getLogger(__name__)
 EXPIRY: dict[str, float] = {}
 """``{"at": t}``: when the message this process is running expires (``created_at + ttl``, Unix
 seconds), set by :func:`drop_expired`; the executor's child reads it to end a ClientApp that
-outlives its message (:mod:`fedproto.flower.prefork`)."""
+outlives its message (:mod:`fedproto.deploy.warm_executor`)."""
 SEEN_HOOKS: list = []
 """Called (no arguments) when a message reaches the ClientApp, before it is run or refused: the warm
-executor's child tells its executor it got its message (:func:`fedproto.flower.tasks.child_reporter`)."""
+executor's child tells its executor it got its message (:func:`fedproto.deploy.warm_tasks.child_reporter`)."""
 
 
 class MessageExpired(RuntimeError):
@@ -194,8 +194,9 @@ def node(context: Context, run_key: str | None = None) -> Node:
     if STATE_MODEL in context.state:
         n.state.model.load_state_dict(context.state[STATE_MODEL].to_torch_state_dict())
         n.state.extra = dict(context.state[STATE_EXTRA])
-    if n.cfg.secagg:  # with DP, this node's share of the noise (fedproto.secagg.dp), for its releases and its epsilon
-        from fedproto.secagg.dp import adjust
+    # with DP, this node's share of the noise (fedproto.secagg.epsilon), for its releases and its epsilon
+    if n.cfg.secagg:
+        from fedproto.secagg.epsilon import adjust
 
         adjust(n.cfg, n.algorithm)
     return n
@@ -233,7 +234,7 @@ def _save(n: Node, context: Context) -> None:
 
 def _checked_round(n: Node, msg: Message) -> int:
     """The round of a server message to this node's client. Raises ConfigError when it is for
-    another client or in another message schema (:data:`fedproto.flower.common.SCHEMA`)."""
+    another client or in another message schema (:data:`fedproto.flower.records.SCHEMA`)."""
     cfg = msg.content[CONFIG]
     bad = schema_problem(cfg.get("schema"), "server")
     if bad:
@@ -255,7 +256,7 @@ def query(msg: Message, context: Context) -> Message:
     """Reply with what the server needs of this node: ``cid``, ``classes`` (its training classes),
     ``train-samples``, ``test-samples``, ``params``, ``embedding-dim`` (in a ConfigRecord) and the
     algorithm's join message (e.g. the model's initial weights for weight-sharing methods). Under
-    DP without the sample counts (:func:`fedproto.privacy.deployment_fields`); under ``secagg`` with
+    DP without the sample counts (:func:`fedproto.prototypes.dp.deployment_fields`); under ``secagg`` with
     ``secagg_hide_labels`` without the label set and the counts (:data:`HIDDEN_UNDER_SECAGG`)."""
     bad = schema_problem(msg.content[CONFIG].get("schema") if CONFIG in msg.content else None, "server")
     if bad:
@@ -276,7 +277,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One round of local training; same seeding as the simulation's sequential path (the DP noise
-    excepted: it comes from :func:`fedproto.privacy.secure_rng`). Reply: the algorithm message
+    excepted: it comes from :func:`fedproto.prototypes.dp.secure_rng`). Reply: the algorithm message
     and, without DP, the losses, step count, largest embedding norm and ``num-examples``; under DP
     the message alone. A node with ``misbehave`` in its node config corrupts its message (tests of
     the server's checks)."""
@@ -285,8 +286,8 @@ def train(msg: Message, context: Context) -> Message:
     if n.misbehave == "vanish":  # a node that drops out in each round's train step (tests)
         raise ConnectionAbortedError(f"client {n.cid} vanishes (node config misbehave='vanish')")
     down, masked = from_record(msg.content[MESSAGE]), None
-    if n.cfg.secagg:  # secure aggregation (fedproto.flower.secagg): the reply leaves the node masked
-        from fedproto.flower.secagg import masked_reply
+    if n.cfg.secagg:  # secure aggregation (fedproto.flower.secagg_messages): the reply leaves the node masked
+        from fedproto.flower.secagg_messages import masked_reply
 
         down, masked = masked_reply(n, down, context, r)
     out, res = client_step(n.algorithm, n.state, down, n.data, n.cfg.seed, r)
@@ -311,7 +312,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """The algorithm's metrics of this client on its own test set (``acc`` in [0, 1]; FedProto
     adds ``acc_proto``, eq. 4), plus ``num-examples``. Under DP only ``dp_epsilon`` under
-    ``prototypes``, nothing under ``full`` (:func:`fedproto.privacy.deployment_fields`); the node
+    ``prototypes``, nothing under ``full`` (:func:`fedproto.prototypes.dp.deployment_fields`); the node
     logs the metrics it keeps."""
     n = node(context, _run_key(msg))
     _checked_round(n, msg)
@@ -331,8 +332,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 @app.query("secagg")
 def secagg(msg: Message, context: Context) -> Message:
-    """A step of secure aggregation (option ``secagg``: :func:`fedproto.flower.secagg.step`)."""
-    from fedproto.flower.secagg import step
+    """A step of secure aggregation (option ``secagg``: :func:`fedproto.flower.secagg_messages.step`)."""
+    from fedproto.flower.secagg_messages import step
 
     out = step(node(context, _run_key(msg)), from_record(msg.content[MESSAGE]), context)
     return Message(RecordDict({MESSAGE: to_record(out)}), reply_to=msg)

@@ -11,7 +11,7 @@ likely gone than slow, and waiting longer for them would slow every later round.
 not the last or the largest, so that one slow round (a node restarting) does not stretch every
 later deadline, and a run that got slower (load that came later) still gets room: with FACTOR 3 a
 round may take three times the typical one before a node counts as timed out. Used by
-:class:`fedproto.flower.executor.FlowerExecutor`.
+:class:`fedproto.flower.flower_executor.FlowerExecutor`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The message exchange of :class:`~fedproto.flower.executor.FlowerExecutor` with its nodes: one
+"""The message exchange of :class:`~fedproto.flower.flower_executor.FlowerExecutor` with its nodes: one
 message per node sent and its reply matched, within ``round-timeout`` seconds, every SuperLink call
 under that deadline, and each failure sorted (a node's error, a node the SuperLink knows is gone,
 no reply in time).
 
 :class:`MessageExchange` is a part of the executor, not an executor of its own: it reads the
-attributes :class:`~fedproto.flower.executor.FlowerExecutor` sets (``grid``, ``opts``, ``nodes``,
+attributes :class:`~fedproto.flower.flower_executor.FlowerExecutor` sets (``grid``, ``opts``, ``nodes``,
 ``round``, ``run_key``, ``deadline``: a :class:`fedproto.flower.deadline.RoundDeadline`).
 """
 
@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedproto.algorithms.base import Message as FedMessage
+from fedproto.algorithms.algorithm import Message as FedMessage
 from fedproto.errors import TrainingError
-from fedproto.flower.common import CONFIG, MESSAGE, SCHEMA, to_record
+from fedproto.flower.records import CONFIG, MESSAGE, SCHEMA, to_record
 
 NODE_UNAVAILABLE = 5
 """Flower's ``ErrorCode.NODE_UNAVAILABLE`` (``flwr.common.constant``): the SuperLink's error reply
@@ -32,18 +32,18 @@ plus this): room for the clocks of the ServerApp's, the SuperLink's and the node
 differ. After that nobody waits for its reply, so the SuperLink no longer hands it out (flwr drops
 an expired message instead of delivering it) and a node that gets it late does not run it
 (:func:`fedproto.flower.client_app.drop_expired`)."""
-log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
+log = logging.getLogger("fedproto.flower.flower_executor")  # the executor's logger: its parts log as it does
 
 
 class MessageExchange:
     """Sending messages to the nodes and sorting their replies (a part of
-    :class:`~fedproto.flower.executor.FlowerExecutor`)."""
+    :class:`~fedproto.flower.flower_executor.FlowerExecutor`)."""
 
     def _config(self, entries: dict) -> dict:
         """A message's config record: ``entries`` plus the run key (:data:`fedproto.flower.node_state.RUN_KEY`)
-        and the message schema (:data:`fedproto.flower.common.SCHEMA`)."""
+        and the message schema (:data:`fedproto.flower.records.SCHEMA`)."""
         entries = {**entries, "run-key": self.run_key} if self.run_key else dict(entries)
-        entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.common.schema_problem)
+        entries["schema"] = SCHEMA  # the node refuses another version (fedproto.flower.records.schema_problem)
         return {CONFIG: ConfigRecord(entries)}
 
     def _message(self, config: dict, dst: int, kind: str, content: dict | None = None,

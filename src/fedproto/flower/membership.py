@@ -2,7 +2,7 @@
 reason), the discovery at the start, and clients whose node restarted (with or without their
 state).
 
-:class:`NodeMembership` is a part of :class:`~fedproto.flower.executor.FlowerExecutor`, not an
+:class:`NodeMembership` is a part of :class:`~fedproto.flower.flower_executor.FlowerExecutor`, not an
 executor of its own: it reads and keeps the attributes the executor sets (``nodes``, ``info``,
 ``joins``, ``refused``, ``refusals``, ``instance``, ``state_lost``, ``cfg``, ``opts``, ``round``)
 and sends through :class:`~fedproto.flower.exchange.MessageExchange`.
@@ -16,9 +16,9 @@ import time
 
 from fedproto.algorithms.requirements import needs_one_size
 from fedproto.errors import ConfigError, TrainingError
-from fedproto.flower.common import CONFIG, MESSAGE, METRICS, QUERY, from_record, schema_problem
+from fedproto.flower.records import CONFIG, MESSAGE, METRICS, QUERY, from_record, schema_problem
 
-log = logging.getLogger("fedproto.flower.executor")  # the executor's logger: its parts log as it does
+log = logging.getLogger("fedproto.flower.flower_executor")  # the executor's logger: its parts log as it does
 
 _APP_ERROR = re.compile(r"<class '[\w.]+'>|^\w+(Error|Exception|Exit|Interrupt)\b")
 """An error reply that names an exception the ClientApp raised (Flower's ``<class '...'>:<'...'>``, or
@@ -28,7 +28,7 @@ that could not authenticate its task under load) and the node is asked again whi
 
 class NodeMembership:
     """Nodes joining, refused, discovered and restarted (a part of
-    :class:`~fedproto.flower.executor.FlowerExecutor`)."""
+    :class:`~fedproto.flower.flower_executor.FlowerExecutor`)."""
 
     def _saw(self, cid: int, metrics) -> None:
         """Note the instance keys of a reply of client ``cid`` (:data:`INSTANCE_KEYS`): a new

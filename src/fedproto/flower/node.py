@@ -5,7 +5,7 @@ Node config keys (``flower-supernode --node-config '...'``):
 ``client-id``
     This client's id, a whole number >= 0, unique in the federation. It names the client in the
     server's logs and metrics and seeds its training exactly as client ``client-id`` of an
-    in-process run (:func:`fedproto.engine.executors.local.client_step`).
+    in-process run (:func:`fedproto.engine.executors.in_process.client_step`).
 ``data``
     The client's folder: ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``; or several named
     input arrays ``x.<name>``, e.g. token ids and masks, that a factory's model takes as a dict), or ``train/`` and
@@ -26,7 +26,7 @@ Node config keys (``flower-supernode --node-config '...'``):
     (``$XDG_CACHE_HOME/fedproto/node-state``); ``state-dir=""``: no state file.
 ``misbehave`` (optional, for tests of the server's checks only)
     ``nan``, ``scale``, ``random`` or ``flip``: the node corrupts every message it sends up
-    (:func:`fedproto.attacks.corrupt_message`).
+    (:func:`fedproto.engine.attacks.corrupt_message`).
 
 The run config declares the class set (``classes``) and the embedding size (``embedding-dim``);
 a node whose labels fall outside the classes or whose model has another embedding size is
@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState, Message
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
 from fedproto.algorithms.requirements import needs_one_size
-from fedproto.config import RunConfig
+from fedproto.config.run_config import RunConfig
 from fedproto.data.inputs import describe
 from fedproto.errors import ConfigError, FedprotoError
 from fedproto.models.names import MODEL_NAMES, ZOO
@@ -210,9 +210,9 @@ def _factory(path: str, num_classes: int, in_channels: int, embedding_dim: int) 
 
 def corrupt(message: Message, kind: str, rng: np.random.Generator, num_classes: int) -> Message:
     """A misbehaving node's message (node config ``misbehave``, tests of the server's checks):
-    :func:`fedproto.attacks.corrupt_message` (``nan``, ``scale``, ``random``, ``flip``), as the
+    :func:`fedproto.engine.attacks.corrupt_message` (``nan``, ``scale``, ``random``, ``flip``), as the
     simulator's ``attackers`` use it."""
-    from fedproto.attacks import corrupt_message
+    from fedproto.engine.attacks import corrupt_message
 
     return corrupt_message(message, kind, rng, num_classes)
 

@@ -28,10 +28,10 @@ are sent under every ``dp`` mode.
 
 **A state file.** With a state folder (node config ``state-dir``, see :func:`state_dir`) the node
 writes its client's model (``state_dict``) and ``ClientState.extra`` atomically
-(:func:`fedproto.atomic.atomic_write`; one file per client, replaced each time) when the state is
+(:func:`fedproto.outputs.atomic.atomic_write`; one file per client, replaced each time) when the state is
 first built and after every ``train``, and reloads it when ``context.state`` is empty (the first
 message after a restart). The file name carries the run id, the client id and a hash
-(:func:`state_key`) of the run config's result fields (:meth:`fedproto.config.RunConfig.result_fields`)
+(:func:`state_key`) of the run config's result fields (:meth:`fedproto.config.run_config.RunConfig.result_fields`)
 and of the node config, and the file repeats them: a different run, client, configuration,
 data folder or model never loads it. A file that cannot be read, or whose tensors do not fit the
 node's model (a factory changed under the same spec), is logged and ignored (the client starts
@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from flwr.app import ConfigRecord, Context
 
-from fedproto.atomic import atomic_write
-from fedproto.config import RunConfig
+from fedproto.config.run_config import RunConfig
 from fedproto.errors import ConfigError
+from fedproto.outputs.atomic import atomic_write
 
 STATE_NODE = "fedproto.node"
 STATE_RUN = "fedproto.run"

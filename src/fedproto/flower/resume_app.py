@@ -36,8 +36,8 @@ def write_resume_app(run_dir: Path, run_cfg: dict, folder: str = RESUME_APP) -> 
 
     import tomllib
 
-    from fedproto.atomic import atomic_write_bytes
-    from fedproto.config import toml_value
+    from fedproto.config.run_config import toml_value
+    from fedproto.outputs.atomic import atomic_write_bytes
 
     app_dir = run_dir.absolute() / folder
     resume = folder == RESUME_APP

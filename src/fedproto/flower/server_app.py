@@ -1,14 +1,14 @@
 """The Flower ``ServerApp``: the engine's round loop with the Flower executor.
 
-:class:`FlowerEngine` builds a :class:`fedproto.flower.executor.FlowerExecutor` (the clients on
+:class:`FlowerEngine` builds a :class:`fedproto.flower.flower_executor.FlowerExecutor` (the clients on
 their SuperNodes), the run's algorithm (its server side) and the round loop
 (:class:`fedproto.engine.loop.RoundLoop`) the simulator runs, with the observers of a run that
 holds no client data: the run folder, health checks and progress. Nothing here trains a client,
 and the server holds no data and no client model (docs/architecture.md).
 
 Run options come from the Flower run config (``[tool.flwr.app.config]`` of the Flower app, or
-``flwr run --run-config``): every :class:`fedproto.config.RunConfig` option (``-`` or ``_``) plus
-the keys of :class:`fedproto.flower.common.FlowerOptions`. For nodes with their own data
+``flwr run --run-config``): every :class:`fedproto.config.run_config.RunConfig` option (``-`` or ``_``) plus
+the keys of :class:`fedproto.flower.records.FlowerOptions`. For nodes with their own data
 (:mod:`fedproto.flower.node`) the run config needs only ``dataset = "custom"``, ``classes``,
 ``embedding-dim`` and the algorithm's options. The run directory is written where the ServerApp
 runs: ``out_dir/<run name>-run<Flower run id>``.
@@ -30,22 +30,22 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedproto.atomic import make_private_tree
-from fedproto.checkpoint import load_checkpoint
-from fedproto.config import RunConfig
+from fedproto.config.run_config import RunConfig
 from fedproto.engine.lifecycle import check_observers, run_rounds, standard_observers
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.observers.checkpoints import check_options
 from fedproto.engine.observers.health import Health
+from fedproto.engine.observers.tensorboard_log import tensorboard_observers
 from fedproto.engine.setup import build_algorithm
 from fedproto.engine.summary import over_clients
 from fedproto.errors import ConfigError, FedprotoError, TrainingError, first_line
-from fedproto.flower.common import FlowerOptions, run_config
-from fedproto.flower.executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
+from fedproto.flower.flower_executor import NODE_UNAVAILABLE, REPLY_UNAVAILABLE, FlowerExecutor
+from fedproto.flower.records import FlowerOptions, run_config
 from fedproto.flower.resume_app import RESTART_APP, RESUME_APP, RESUME_WAIT_NODES, resume_config, write_resume_app
-from fedproto.flower.secagg import install as install_secagg
-from fedproto.results import RunDir, atomic_write_json
-from fedproto.tensorboard import tensorboard_observers
+from fedproto.flower.secagg_messages import install as install_secagg
+from fedproto.outputs.atomic import make_private_tree
+from fedproto.outputs.checkpoint import load_checkpoint
+from fedproto.outputs.run_folder import RunDir, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class FlowerEngine:
             :func:`fedproto.engine.lifecycle.standard_observers`).
     Raises:
         ConfigError: ``resume_from`` names no run folder of this run (see :meth:`run`); see
-            :class:`~fedproto.flower.executor.FlowerExecutor`.
-        TrainingError: too few nodes joined (:class:`~fedproto.flower.executor.FlowerExecutor`).
+            :class:`~fedproto.flower.flower_executor.FlowerExecutor`.
+        TrainingError: too few nodes joined (:class:`~fedproto.flower.flower_executor.FlowerExecutor`).
     """
 
     def __init__(self, cfg: RunConfig, grid: Grid, out=None, options: FlowerOptions | None = None,
@@ -92,7 +92,7 @@ class FlowerEngine:
         self.cfg, self.opts = cfg, opts
         self._failure_recorded = False
         if cfg.tensorboard and out is not False:  # a missing extra stops the run before its folder exists
-            from fedproto.tensorboard import require_tensorboard
+            from fedproto.engine.observers.tensorboard_log import require_tensorboard
 
             require_tensorboard()
         if opts.resume_from:
@@ -111,7 +111,7 @@ class FlowerEngine:
             self._record_start_failure(e)
             raise
         self.algorithm = build_algorithm(cfg, self.executor.embedding_dim)
-        # secure aggregation (fedproto.flower.secagg; unchanged when off): the executor runs the protocol
+        # secure aggregation (fedproto.flower.secagg_messages; unchanged when off): the executor runs the protocol
         server, self.executor = install_secagg(cfg, self.algorithm, self.executor)
         health = Health(cfg, algorithm=self.algorithm)  # the simulator's policy: a non-finite loss stops the run
         observers = standard_observers(cfg, health, self.run_dir, self.config_record, on_round,
@@ -317,7 +317,7 @@ def main(grid: Grid, context: Context) -> None:
         with failure_on_signal(engine):
             summary = engine.run()
     except FedprotoError as e:  # a user mistake: one line, no traceback (flwr run still exits 0)
-        from fedproto.options import flower_wording
+        from fedproto.config.run_options import flower_wording
 
         log.error("fedproto: %s", e.render(flower_wording))  # options named as run-config keys
         return

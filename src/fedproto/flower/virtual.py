@@ -11,7 +11,7 @@ SuperNode) is client ``partition-id`` of the seeded partition of the run's datas
   serves;
 * **the run's partition and the algorithm**, built once per run: the partition from the labels
   alone (:func:`fedproto.engine.setup.partition_run`), every client's data as an index view
-  (labels and row indices; :meth:`fedproto.algorithms.base.ClientData.view`), and the algorithm
+  (labels and row indices; :meth:`fedproto.algorithms.algorithm.ClientData.view`), and the algorithm
   through the same :func:`fedproto.engine.setup.build_setup` as an in-process run, over every
   client, so its options (``batch_size`` capped at the largest client) and checks are those of
   the in-process run. Its model checks see one model per entry of ``model``'s list, built for the
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedproto.algorithms.base import Algorithm, ClientData, ClientState
-from fedproto.config import RunConfig
+from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState
+from fedproto.config.run_config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.decoded import read_rows
 from fedproto.data.partition import Partition

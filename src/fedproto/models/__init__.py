@@ -1,6 +1,6 @@
 """The model zoo: the client models of ``fedproto run`` and how to build them from Python.
 
-Every client model is a :class:`~fedproto.models.base.ProtoModel`: ``embed(x) -> (B, d)``,
+Every client model is a :class:`~fedproto.models.proto_model.ProtoModel`: ``embed(x) -> (B, d)``,
 ``head(h) -> (B, C)``, ``forward(x) -> (logits, h)``. The names the ``model`` option takes:
 
 * ``cnn``: the paper's CNN (:class:`~fedproto.models.cnn.PaperCNN`, d = ``embedding_dim``, 50);

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedproto.models.base import Noise, ProtoModel
+from fedproto.models.proto_model import Noise, ProtoModel
 
 
 def _apply_mask(x: torch.Tensor, mask: torch.Tensor | None, p: float, training: bool, channel: bool):

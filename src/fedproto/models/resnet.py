@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedproto.errors import DataError, ModelError, first_line
-from fedproto.models.base import Noise, ProtoModel
+from fedproto.models.proto_model import Noise, ProtoModel
 
 PRETRAINED_SKIP = ("conv1.", "bn1.", "fc.")
 """Key prefixes kept at their random initialisation when loading ImageNet weights (official

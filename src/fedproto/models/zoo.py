@@ -26,9 +26,9 @@ from collections.abc import Mapping
 import torch
 
 from fedproto.errors import ModelError, opt, suggestion
-from fedproto.models.base import ProtoModel
 from fedproto.models.cnn import PaperCNN, ProjectedCNN
 from fedproto.models.names import MODEL_NAMES, zoo_name  # the one list of names (MODEL_NAMES re-exported)
+from fedproto.models.proto_model import ProtoModel
 from fedproto.models.resnet import MH_STRIDES, ResNet18, load_pretrained, read_state_dict
 
 log = logging.getLogger(__name__)

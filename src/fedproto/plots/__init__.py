@@ -1,7 +1,7 @@
 """Figures: training curves, t-SNE of embeddings (fig. 2), parameter sweeps (fig. 3, fig. 4).
 
 Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global backend switch) and
-written as PNG with :func:`fedproto.results.atomic_write_bytes`.
+written as PNG with :func:`fedproto.outputs.run_folder.atomic_write_bytes`.
 
 The figures live in :mod:`fedproto.plots.curves` (curves, sweeps) and :mod:`fedproto.plots.tsne`
 (embeddings, t-SNE), drawn on :mod:`fedproto.plots.canvas`; every name is importable from here.

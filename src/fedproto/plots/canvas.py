@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from fedproto.results import atomic_write_bytes
+from fedproto.outputs.run_folder import atomic_write_bytes
 
 
 def _figure(width: float, height: float, ncols: int = 1):

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from fedproto.errors import FedprotoError
+from fedproto.outputs.run_folder import read_metrics
 from fedproto.plots import canvas
 from fedproto.plots.canvas import _figure
-from fedproto.results import read_metrics
 
 
 def accuracy_limits(low: float, high: float) -> tuple[float, float]:

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from fedproto.errors import ConfigError, FedprotoError
+from fedproto.outputs.run_folder import atomic_write_bytes
 from fedproto.plots import canvas
 from fedproto.plots.canvas import _figure
-from fedproto.results import atomic_write_bytes
 
 EMBEDDINGS_FILE = "embeddings.npz"
 PROTOTYPES_FILE = "prototypes.npz"

@@ -29,7 +29,7 @@ on FEMNIST, n=3).
 The package: :mod:`~fedproto.reproduce.grid` (methods, grids, cells),
 :mod:`~fedproto.reproduce.cells` (one cell's run), :mod:`~fedproto.reproduce.tables` and
 :mod:`~fedproto.reproduce.hetero` (results and tables), :mod:`~fedproto.reproduce.runs` (grids
-and sweeps), :mod:`~fedproto.reproduce.parallel` (cells side by side: ``--jobs``) and
+and sweeps), :mod:`~fedproto.reproduce.side_by_side` (cells side by side: ``--jobs``) and
 :mod:`~fedproto.reproduce.raycells` (cells as Ray tasks: ``--ray``); every name is importable from
 ``fedproto.reproduce`` as before.
 """

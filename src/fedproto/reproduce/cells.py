@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedproto.checkpoint import CHECKPOINT_FILE
-from fedproto.config import ADDED_FIELDS, result_fields
+from fedproto.config.run_config import ADDED_FIELDS, result_fields
 from fedproto.errors import CheckpointError, CheckpointMismatch, FedprotoError
+from fedproto.outputs.checkpoint import CHECKPOINT_FILE
+from fedproto.outputs.run_folder import _clean
 from fedproto.reproduce.grid import (
     Cell,
     CellResult,
 )
-from fedproto.results import _clean
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
@@ -97,7 +97,7 @@ def run_cell(cell: Cell, progress: bool = False) -> CellResult:
 def set_message(error: FedprotoError) -> str:
     """An error as ``fedproto reproduce`` words it: run options as ``--set key=value``, the grid's
     own fields as its options (``--ways``, ``--rounds``, ``--out``); see
-    :func:`fedproto.options.set_wording`."""
-    from fedproto.options import set_wording
+    :func:`fedproto.config.run_options.set_wording`."""
+    from fedproto.config.run_options import set_wording
 
     return error.render(set_wording)

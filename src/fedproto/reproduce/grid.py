@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedproto import paper
-from fedproto.config import RunConfig, build_config, config_model, normal_key
+from fedproto.config.run_config import RunConfig, build_config, config_model, normal_key
 from fedproto.data.registry import DATASETS, PAPER_DATASETS
 from fedproto.errors import NO_VALUE, ConfigError, opt, same_value, unknown_text
 from fedproto.models.names import mh_variant
+from fedproto.reproduce import paper_numbers as paper
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
@@ -131,8 +131,8 @@ def parse_list(text: str | None, default: Sequence, kind: str, allowed: Sequence
 
 def parse_value(text: str) -> Any:
     """A ``--set``/``--sweep`` value: a TOML scalar (``0.5``, ``true``, ``"x"``) or a bare string
-    (:func:`fedproto.options.parse_value`, which the ``fedproto run`` flags of other types use too)."""
-    from fedproto.options import parse_value as parse
+    (:func:`fedproto.config.run_options.parse_value`, which the ``fedproto run`` flags of other types use too)."""
+    from fedproto.config.run_options import parse_value as parse
 
     return parse(text)
 
@@ -149,7 +149,7 @@ def parse_sets(items: Sequence[str] | None, grid: bool = True) -> dict[str, Any]
             raise ConfigError(f"--set {k}=...: {k!r} is set by the grid; use the reproduce option for it "
                               "(--datasets, --ways, --methods, --seeds, --rounds, --data-dir)")
         if k not in config_model().model_fields:
-            from fedproto.options import keys
+            from fedproto.config.run_options import keys
 
             raise ConfigError(f"--set: unknown option {k!r}" + unknown_text(k, keys()))
         if k in out:
@@ -166,8 +166,8 @@ def _check_set(field: str, typed: str, value: Any, text: str) -> None:
 
     from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-    from fedproto.config_fixes import bound_fix, pattern_message
-    from fedproto.options import set_wording
+    from fedproto.config.fixes import bound_fix, pattern_message
+    from fedproto.config.run_options import set_wording
 
     model = config_model()
     info, rules = model.model_fields[field], {k: model.model_config[k] for k in ("strict", "allow_inf_nan")}
@@ -363,6 +363,6 @@ def plan_sweep(out: Path, param: str, fld: str, values: Sequence, dataset: str, 
 
 def _sweep_ref(param: str, value: Any) -> str:
     """A swept value as the user gave it: ``--sweep lambda=abc``."""
-    from fedproto.config import toml_value
+    from fedproto.config.run_config import toml_value
 
     return f"--sweep {param}={value if isinstance(value, str) else toml_value(value)}"

@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from fedproto.outputs.run_folder import atomic_write_bytes
 from fedproto.reproduce.grid import (
     HETERO_METHODS,
     CellResult,
@@ -20,7 +21,6 @@ from fedproto.reproduce.tables import (
     short,
     table_rows,
 )
-from fedproto.results import atomic_write_bytes
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 

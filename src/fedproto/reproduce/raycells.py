@@ -20,11 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fedproto.deploy.netcheck import check_ray_address
 from fedproto.errors import ConfigError
-from fedproto.netcheck import check_ray_address
+from fedproto.outputs.run_folder import atomic_write_bytes, is_private
 from fedproto.reproduce.cells import THREAD_VARIABLES
 from fedproto.reproduce.grid import Cell, CellResult
-from fedproto.results import atomic_write_bytes, is_private
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
-from fedproto.atomic import outermost_new, remove_empty_folders
 from fedproto.errors import ConfigError
+from fedproto.outputs.atomic import outermost_new, remove_empty_folders
+from fedproto.outputs.run_folder import atomic_write_bytes
 from fedproto.reproduce.cells import (
     run_cell,
 )
@@ -49,7 +50,6 @@ from fedproto.reproduce.tables import (
     write_status,
     write_table,
 )
-from fedproto.results import atomic_write_bytes
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
@@ -59,17 +59,17 @@ def run_cells(cells: Sequence[Cell], out: Path, console=None, after: Callable[[l
     """Run cells, print one line per cell (with cells done / running / failed and the time left),
     call ``after(results)`` after each. ``jobs`` (cells at once in local processes) or ``ray`` (a
     Ray cluster: ``"auto"`` or an address) run them side by side
-    (:func:`fedproto.reproduce.parallel.run_side_by_side`); neither: one after the other in this
+    (:func:`fedproto.reproduce.side_by_side.run_side_by_side`); neither: one after the other in this
     process.
 
     Raises:
         ConfigError: ``jobs`` below 1; ``ray`` without Ray installed or its cluster unreachable.
     """
     if jobs is not None or ray is not None:
-        from fedproto.reproduce.parallel import run_side_by_side
+        from fedproto.reproduce.side_by_side import run_side_by_side
 
         return run_side_by_side(cells, out, console, after, jobs=jobs, ray=ray)
-    from fedproto.reproduce.parallel import Tally
+    from fedproto.reproduce.side_by_side import Tally
 
     results: list[CellResult] = []
     total = len(cells)

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 from rich.markup import escape
 
-from fedproto import paper
+from fedproto.outputs.run_folder import atomic_write_bytes, atomic_write_json
+from fedproto.reproduce import paper_numbers as paper
 from fedproto.reproduce.grid import (
     METHODS,
     CellResult,
     model_for,
 )
-from fedproto.results import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger("fedproto.reproduce")  # one logger for the package
 
@@ -89,7 +89,7 @@ def proto_mse(run_dir: str | Path) -> float:
 
 
 def _last_loss_proto(run_dir: Path) -> float:
-    from fedproto.results import read_metrics
+    from fedproto.outputs.run_folder import read_metrics
 
     f = run_dir / "metrics.jsonl"
     if not f.is_file():

@@ -2,8 +2,8 @@
 
 :mod:`fedproto.secagg.protocol` is the SecAgg+ protocol on Flower's and ``cryptography``'s
 primitives, :mod:`fedproto.secagg.codec` what each method sums and the fixed-point encoding,
-:mod:`fedproto.secagg.engine` its place in the round loop (the simulator's clients, the server's
-aggregation); the Flower side is :mod:`fedproto.flower.secagg`. What it costs and what crosses the
+:mod:`fedproto.secagg.masked_round` its place in the round loop (the simulator's clients, the server's
+aggregation); the Flower side is :mod:`fedproto.flower.secagg_messages`. What it costs and what crosses the
 wire: ``docs/secure-aggregation.md``.
 
 It needs the ``flower`` extra (``pip install "fedproto[flower]"``) in the simulator too: the
@@ -112,7 +112,7 @@ def install(cfg: Any, algorithm: Any, executor: Any | None = None) -> tuple[Any,
 
     Args:
         cfg: the run config. algorithm: the run's algorithm. executor: an in-process executor to
-            wrap (:class:`fedproto.secagg.engine.SimulatedSecAgg`); None: the caller wraps its own.
+            wrap (:class:`fedproto.secagg.masked_round.SimulatedSecAgg`); None: the caller wraps its own.
     Returns:
         (algorithm, executor), wrapped; the session is ``algorithm._session``.
     Raises:
@@ -121,8 +121,8 @@ def install(cfg: Any, algorithm: Any, executor: Any | None = None) -> tuple[Any,
     if not getattr(cfg, "secagg", False):
         return algorithm, executor
     check(cfg, algorithm)
-    from fedproto.secagg.dp import adjust
-    from fedproto.secagg.engine import SecureServer, Session, SimulatedSecAgg
+    from fedproto.secagg.epsilon import adjust
+    from fedproto.secagg.masked_round import SecureServer, Session, SimulatedSecAgg
 
     adjust(cfg, algorithm)  # with DP, distributed noise: each client adds its share
     session = Session(cfg.secagg_threshold, cfg.secagg_neighbours, cfg.secagg_min_contributors)

@@ -14,7 +14,7 @@ message from it (:meth:`Codec.aggregate`).
 
 Refused (:func:`check`): what needs one client's reply (``median``, ``trimmed``,
 ``exclude_outliers``, ``class_check``), DP but ``dp = "prototypes"`` with ``aggregation = "weighted"``
-(:mod:`fedproto.secagg.dp`: distributed noise) and the methods whose server step uses each client's reply
+(:mod:`fedproto.secagg.epsilon`: distributed noise) and the methods whose server step uses each client's reply
 (FedTGP's and FedGH's server training, FeSEM's clustering, LG-FedAvg, FD's per-client logits
 exclusion).
 """
@@ -85,7 +85,7 @@ def check(cfg: Any, alg: Any) -> None:
         if why:
             raise ConfigError(f"{opt('secagg', True)} gives the server the sums of the clients' replies only, but "
                               + "; ".join(f"{o} {w}" for o, w in why), option="secagg", value=True)
-        from fedproto.secagg.dp import check as check_dp
+        from fedproto.secagg.epsilon import check as check_dp
 
         check_dp(cfg)
         return
@@ -170,11 +170,11 @@ class Codec:
 
     def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         """The client's (L,) float64 vector of ``reply`` (zeros: nothing to add); ``client``: its
-        (state, data), which distributed DP noise needs (:func:`fedproto.secagg.dp.noisy_sums`)."""
+        (state, data), which distributed DP noise needs (:func:`fedproto.secagg.epsilon.noisy_sums`)."""
         raise NotImplementedError
 
     def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message, state: Any = None) -> Any:
-        """The next server message (or :class:`~fedproto.algorithms.state.ServerState`) from the
+        """The next server message (or :class:`~fedproto.algorithms.server_state.ServerState`) from the
         decoded (L,) float64 sum of clients ``cids``, given the previous server state ``state``."""
         raise NotImplementedError
 
@@ -221,8 +221,8 @@ class ProtoCodec(Codec):
 
     def vector(self, cid: int, reply: Message, sent: Message, client: tuple | None = None) -> np.ndarray:
         a = self.alg
-        if a.dp != "off":  # the client's own release with its share of the noise (fedproto.secagg.dp)
-            from fedproto.secagg.dp import noisy_sums
+        if a.dp != "off":  # the client's own release with its share of the noise (fedproto.secagg.epsilon)
+            from fedproto.secagg.epsilon import noisy_sums
 
             return noisy_sums(a, *client)
         C, d = a.num_classes, a.embedding_dim
@@ -243,7 +243,7 @@ class ProtoCodec(Codec):
 
     def aggregate(self, round: int, total: np.ndarray, cids: list[int], sent: Message,
                   state: Any = None) -> Any:
-        """FedProto's :class:`~fedproto.algorithms.state.ServerState` from the sums: the class means
+        """FedProto's :class:`~fedproto.algorithms.server_state.ServerState` from the sums: the class means
         go through FedProto's own server steps as one pseudo-reply (its momentum against
         ``state``, the classes kept from before, the λ warm-up; ``min_contributors`` is applied
         here, on the summed contributor counts); the contributors per class come from the sums;
@@ -258,7 +258,7 @@ class ProtoCodec(Codec):
         counts = counts if a.dp != "off" else np.rint(counts)
         contrib = np.rint(total[C * (d + 1):]).astype(np.int64)
         classes = np.nonzero((contrib >= a.min_contributors) & (contrib > 0))[0]
-        # weighted: the (under DP noised) counts, at least 1 as fedproto.privacy.noisy_prototypes divides
+        # weighted: the (under DP noised) counts, at least 1 as fedproto.prototypes.dp.noisy_prototypes divides
         div = np.maximum(counts[classes], 1.0) if a.aggregation == "weighted" else contrib[classes].astype(np.float64)
         protos = sums[classes] / div[:, None]
         steps = replace(a.server_steps(), rule=AggregationRule(C, a.aggregation, a.trim, 1))

@@ -3,7 +3,7 @@ X25519 key agreement with HKDF-SHA256 and the ChaCha20 key stream of ``cryptogra
 secret sharing over GF(2^128) of pycryptodome (``Crypto.Protocol.SecretSharing``, the scheme
 Flower's ``create_shares`` wraps). Only the reuse of one set of Lagrange coefficients across the
 secrets the same holders share (:func:`combine`) is written here, on pycryptodome's own field
-arithmetic; ``tests/test_secagg.py`` checks it against ``Shamir.combine``.
+arithmetic; ``tests/secagg/test_secagg.py`` checks it against ``Shamir.combine``.
 """
 
 from __future__ import annotations

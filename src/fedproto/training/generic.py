@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from fedproto.data.inputs import concat, move, tree_map
-from fedproto.devices import LossScale, autocast_call
-from fedproto.grouped import grouped_call, grouped_forward, grouped_graph
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
+from fedproto.training.devices import LossScale, autocast_call
+from fedproto.training.grouped_forward import grouped_call, grouped_forward, grouped_graph
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
@@ -159,10 +159,11 @@ def train_group_generic(
       ``None`` gradient).
 
     Clients whose plan has run out of steps leave the stacked computation (compaction), as in
-    :func:`train_stacked`. Models made only of the standard layers :func:`fedproto.grouped.grouped_graph`
-    accepts (no BatchNorm, no active dropout) run their forward as G-grouped operations on one
-    channels-last layout (:func:`fedproto.grouped.grouped_forward`) instead of under ``vmap``; on image
-    inputs they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
+    :func:`train_stacked`. Models made only of the standard layers
+    :func:`fedproto.training.grouped_forward.grouped_graph` accepts (no BatchNorm, no active dropout) run
+    their forward as G-grouped operations on one channels-last layout
+    (:func:`fedproto.training.grouped_forward.grouped_forward`) instead of under ``vmap``; on image inputs
+    they train in :func:`train_stacked`'s loop, the paper CNN's: one grouped call per step, a
     trailing batch padded with samples of weight 0 (their samples do not interact without BatchNorm),
     one ``torch._foreach`` optimizer step for all parameters. The same computation, faster on CPU.
     ``opt.precision`` as in :func:`fedproto.training.train_stacked` (autocast forward, per-client loss
@@ -395,7 +396,7 @@ def _generic_subgroup(grp: _Group, fn: Functional, view: _PhaseView, s: int, cur
 
 
 class _Traced:
-    """A model traced for the grouped forward (:func:`fedproto.grouped.grouped_graph`) in the role
+    """A model traced for the grouped forward (:func:`fedproto.training.grouped_forward.grouped_graph`) in the role
     :func:`train_stacked` gives a model with a hand-written batched forward."""
 
     def __init__(self, gm: fx.GraphModule, m0: ProtoModel, names: Sequence[str]) -> None:

@@ -98,9 +98,9 @@ class OptimConfig:
     random horizontal flip on every training batch (official code for CIFAR-10; the paper does
     not state augmentation). See :func:`augment_batch`.
 
-    ``precision``: the resolved ``precision`` option (:func:`fedproto.devices.resolve_precision`):
+    ``precision``: the resolved ``precision`` option (:func:`fedproto.training.devices.resolve_precision`):
     ``fp32``, or ``bf16``/``fp16``, in which every training path runs its forward passes under
-    :func:`fedproto.devices.autocast_for` (weights, optimizer state, losses, prototype sums stay float32;
+    :func:`fedproto.training.devices.autocast_for` (weights, optimizer state, losses, prototype sums stay float32;
     ``fp16`` adds loss scaling).
 
     Raises:
@@ -126,7 +126,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision={self.precision!r} is not a resolved precision; use fp32, bf16 or fp16 "
-                             "(fedproto.devices.resolve_precision turns the option's value, auto included, into one)")
+                             "(fedproto.training.devices.resolve_precision turns the option's value, auto included, "
+                             "into one)")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} is unknown; use one of {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -40,7 +40,7 @@ class TrainResult:
     algorithm's own terms as weighted: ``loss_terms``), the number of optimizer steps taken, and the largest L2
     norm of a training embedding in the round (``inf`` if one was not finite; see
     :data:`EMBED_NORM_LIMIT`). The losses are None where a Flower node under DP sends none
-    (:func:`fedproto.privacy.deployment_fields`)."""
+    (:func:`fedproto.prototypes.dp.deployment_fields`)."""
 
     sums: torch.Tensor | None
     counts: torch.Tensor | None
@@ -131,7 +131,7 @@ def poisson_plan(
     """A batch plan of Poisson subsampling for DP-SGD: each epoch has ``ceil(n / B)`` steps, and
     each step holds every local sample independently with probability q = min(1, B / n), so
     batch sizes vary (empty batches included); the privacy accountant assumes exactly this
-    sampling (:mod:`fedproto.privacy`). Rows are padded to the largest batch with weight 0;
+    sampling (:mod:`fedproto.prototypes.dp`). Rows are padded to the largest batch with weight 0;
     dropout masks as :func:`make_plan`. No augmentation, no trailing-batch rule.
 
     Returns:

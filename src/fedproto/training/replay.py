@@ -72,7 +72,7 @@ def replay_masks(calls: Sequence[DropCall], counts: Sequence[torch.Tensor],
                  seed: int) -> list[list[dict[str, torch.Tensor]]]:
     """Per phase and step, the dropout masks (name -> (c, *shape), scaled by 1/(1-p)) that torch's
     CPU generator seeded with ``seed`` gives the sequential path (:func:`train_client` after
-    :func:`fedproto.engine.executors.local.client_step`): torch's CPU dropout draws
+    :func:`fedproto.engine.executors.in_process.client_step`): torch's CPU dropout draws
     ``empty(shape).bernoulli_(1 - p)`` per call, in call order, for the c samples of the step.
     ``counts[p]``: (S,) samples per step of phase p. p = 1 zeroes without a draw."""
     gen = torch.Generator().manual_seed(int(seed))

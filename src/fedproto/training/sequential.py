@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from fedproto.data.inputs import move
-from fedproto.devices import autocast_call
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
+from fedproto.training.devices import autocast_call
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
@@ -49,7 +49,7 @@ def train_client(
     Parameters with ``requires_grad=False`` (:func:`frozen_params`) are not trained and keep their
     flag; BatchNorm layers whose parameters are all frozen run in eval mode (:func:`frozen_batchnorms`).
     With ``opt.precision`` ``bf16``/``fp16`` the forward passes run under
-    :func:`fedproto.devices.autocast_call` (``fp16`` with ``torch.amp.GradScaler``); the weights, the
+    :func:`fedproto.training.devices.autocast_call` (``fp16`` with ``torch.amp.GradScaler``); the weights, the
     losses and the prototype sums (``TrainResult.sums``, float32 or better) keep their dtypes.
 
     Args:

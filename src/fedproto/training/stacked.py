@@ -11,8 +11,8 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
-from fedproto.devices import LossScale, autocast_call
-from fedproto.models.base import ProtoModel
+from fedproto.models.proto_model import ProtoModel
+from fedproto.training.devices import LossScale, autocast_call
 from fedproto.training.objective import (
     Objective,
     OptimConfig,
@@ -84,7 +84,7 @@ def _write_back(P: dict[str, torch.Tensor], bufs: dict[tuple[str, str], torch.Te
 
 class TrainsOnly:
     """A picklable :attr:`Phase.trains` predicate: true for the parameter names in ``names``
-    (the worker processes of :mod:`fedproto.parallel` get phases in this form)."""
+    (the worker processes of :mod:`fedproto.engine.executors.worker_pool` get phases in this form)."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
@@ -255,8 +255,8 @@ def train_stacked(
         One :class:`TrainResult` per client.
 
     With ``opt.precision`` ``bf16``/``fp16`` the grouped forward runs under
-    :func:`fedproto.devices.autocast_call`; ``fp16`` scales each client's loss
-    (:class:`fedproto.devices.LossScale`) and skips the step of a client whose gradients overflow.
+    :func:`fedproto.training.devices.autocast_call`; ``fp16`` scales each client's loss
+    (:class:`fedproto.training.devices.LossScale`) and skips the step of a client whose gradients overflow.
     """
     names = m0.batch_params
     G = next(iter(P.values())).shape[0]

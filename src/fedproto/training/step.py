@@ -18,7 +18,7 @@ from typing import cast
 
 import torch
 
-from fedproto.devices import LossScale
+from fedproto.training.devices import LossScale
 from fedproto.training.objective import Objective, OptimConfig, adam_step_stacked
 from fedproto.training.plans import TrainResult
 

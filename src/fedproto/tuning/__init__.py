@@ -66,7 +66,7 @@ def read_config(path: str | Path | None) -> tuple[dict, dict]:
     """
     if path is None:
         return {}, {}
-    from fedproto.options import tomllib
+    from fedproto.config.run_options import tomllib
 
     p = Path(path)
     if not p.is_file():
@@ -137,8 +137,8 @@ def tune(space: dict | Sequence[str] | str | None = None, *, dataset: str | None
             cannot be written (:mod:`fedproto.tuning.preflight`; all before any study is made).
     """
     require_optuna()
-    from fedproto.config import build_config, normal_key
-    from fedproto.reproduce.parallel import available_cores, check_jobs, thread_share
+    from fedproto.config.run_config import build_config, normal_key
+    from fedproto.reproduce.side_by_side import available_cores, check_jobs, thread_share
     from fedproto.tuning import preflight as ck
     from fedproto.tuning import report
     from fedproto.tuning import space as sp

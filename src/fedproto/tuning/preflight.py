@@ -77,7 +77,7 @@ def check_space_used(dims: dict, mdims: dict, method: str) -> None:
     """Refuse a space none of whose options ``method`` uses (it would "tune" nothing), naming the
     methods that own them."""
     if dims and not mdims:
-        from fedproto.algorithms.options import owners
+        from fedproto.algorithms.method_options import owners
 
         named = "; ".join(f"{k} is an option of {', '.join(owners(k)) or 'no method'}" for k in sorted(dims))
         raise ConfigError(f"{method} uses none of the search space's options ({named}); search an option {method} "

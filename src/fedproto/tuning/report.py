@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fedproto.config import toml_value
-from fedproto.results import atomic_write_bytes
+from fedproto.config.run_config import toml_value
+from fedproto.outputs.run_folder import atomic_write_bytes
 
 log = logging.getLogger("fedproto.tuning")
 
@@ -95,7 +95,7 @@ def _evaluator():
 def final_cells(method: str, base: dict, params: dict, seeds: list[int], runs: Path) -> list:
     """The final runs of a method's best settings: one :class:`~fedproto.reproduce.grid.Cell` per
     seed on the full training data, scored on the test data."""
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
     from fedproto.reproduce.grid import Cell
 
     cells = []

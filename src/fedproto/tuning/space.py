@@ -10,7 +10,7 @@ A dimension is given on the command line as ``name=kind:args`` (``--space``) or 
 
 Kinds: ``log`` (float, log scale), ``float`` (uniform), ``int``, ``intlog`` (int, log scale),
 ``cat`` (a comma list of values, each read as a TOML scalar: ``true``, ``0.5``, ``mse``) and
-``bool`` (``true``/``false``). Names are run options (:class:`~fedproto.config.RunConfig`
+``bool`` (``true``/``false``). Names are run options (:class:`~fedproto.config.run_config.RunConfig`
 fields or their aliases, ``lambda`` for ``lambda_proto``); every bound and choice is validated as
 a run option before the first trial.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedproto.config import build_config, config_model, normal_key, toml_value
+from fedproto.config.run_config import build_config, config_model, normal_key, toml_value
 from fedproto.errors import ConfigError, FedprotoError, unknown_text
 
 NOT_TUNABLE = {
@@ -81,7 +81,7 @@ def _tunable(name: str, where: str) -> str:
         raise ConfigError(f"{where}: the option name is empty; write name=kind:args, e.g. lambda_proto=log:0.01:10")
     key = normal_key(name.strip())
     if key not in config_model().model_fields:
-        from fedproto.options import keys
+        from fedproto.config.run_options import keys
 
         raise ConfigError(f"{where}: unknown option {name.strip()!r} in the search space" + unknown_text(key, keys()))
     if key in NOT_TUNABLE:
@@ -105,7 +105,7 @@ def parse_dimension(name: str, value: Any, where: str) -> Dimension:
         ConfigError: an unknown kind, a bound that is not a number, low >= high, a log scale
             below or at 0, an empty choice list.
     """
-    from fedproto.options import parse_value
+    from fedproto.config.run_options import parse_value
 
     key = _tunable(name, where)
     if isinstance(value, dict):
@@ -199,8 +199,8 @@ def parse_space(items: list[str] | None = None, table: dict | None = None) -> di
 
 def for_method(space: dict[str, Dimension], method: str) -> dict[str, Dimension]:
     """The dimensions ``method`` uses: the common options and its own (λ is left out for Local)."""
-    from fedproto.algorithms.options import owners
-    from fedproto.config import CommonConfig
+    from fedproto.algorithms.method_options import owners
+    from fedproto.config.run_config import CommonConfig
 
     return {k: d for k, d in space.items() if k in CommonConfig.model_fields or method in owners(k)}
 

@@ -15,8 +15,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedproto.algorithms.base import ClientState
-from fedproto.config import RunConfig
+from fedproto.algorithms.algorithm import ClientState
+from fedproto.config.run_config import RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.engine.setup import Setup, build_setup, client_views, partition_run
 from fedproto.errors import ConfigError, PartitionError

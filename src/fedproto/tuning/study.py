@@ -93,7 +93,7 @@ def _rounds(spec: StudySpec) -> int:
         return int(spec.base["rounds"])
     if spec.clients is not None:
         return 20
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
 
     return build_config(None, spec.base).rounds
 
@@ -144,7 +144,7 @@ def open_study(spec: StudySpec, create: bool = False):
 def fingerprint(method: str, base: dict, space: dict[str, Dimension], val_fraction: float, metric: str,
                 seed: int) -> dict:
     """What a study is made with (stored in it as a user attribute; JSON)."""
-    from fedproto.config import build_config, result_fields
+    from fedproto.config.run_config import build_config, result_fields
 
     options = result_fields(build_config(None, base).model_dump())
     return json.loads(json.dumps({"method": method, "options": options,
@@ -228,7 +228,7 @@ def run_trial(spec: StudySpec, trial) -> float:
     """
     import optuna
 
-    from fedproto.config import build_config
+    from fedproto.config.run_config import build_config
     from fedproto.simulation import Simulation
     from fedproto.tuning.split import tuning_setup
 
@@ -327,7 +327,7 @@ def run_parallel(spec: StudySpec, jobs: int, threads: int, on_poll: Callable[[An
     """
     import multiprocessing
 
-    from fedproto.reproduce.parallel import thread_environment
+    from fedproto.reproduce.side_by_side import thread_environment
 
     study = open_study(spec)
     ctx = multiprocessing.get_context("spawn")

@@ -1,16 +1,16 @@
 """The batched executor: clients of one architecture trained as one batched computation.
 
 Each round's clients are grouped by architecture (:meth:`BatchedExecutor.groups`). A group whose
-models have a hand-written batched forward (:attr:`~fedproto.models.base.ProtoModel.batch_params`,
+models have a hand-written batched forward (:attr:`~fedproto.models.proto_model.ProtoModel.batch_params`,
 the paper's CNN) trains with :func:`~fedproto.training.train_group`, split over worker processes
-(:mod:`fedproto.parallel`) where the run has them; with ``execution="batched"`` other
+(:mod:`fedproto.engine.executors.worker_pool`) where the run has them; with ``execution="batched"`` other
 architectures train with the generic path (:func:`~fedproto.training.train_group_generic`,
 ``torch.func.vmap``); with ``execution="auto"`` only those it runs as grouped operations (CNNs of
-standard layers on images, :mod:`fedproto.grouped`), the others one by one. Singletons, data read
+standard layers on images, :mod:`fedproto.training.grouped_forward`), the others one by one. Singletons, data read
 item by item and models neither path can batch train one by one
-(:func:`~fedproto.engine.executors.local.client_step`). Every path takes the same
+(:func:`~fedproto.engine.executors.in_process.client_step`). Every path takes the same
 ``prepare``/``local_objective``/``plan``/``finish`` calls of the algorithm, so it matches the
-sequential executor in float64 (tests/test_parallel.py, tests/test_batched_generic.py).
+sequential executor in float64 (tests/engine/test_parallel.py, tests/engine/test_batched_generic.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from fedproto.algorithms.base import ClientData, Message
-from fedproto.engine.executors.local import LocalExecutor, client_step, custom_step
+from fedproto.algorithms.algorithm import ClientData, Message
+from fedproto.engine.client_store import ClientStore, StoredClientState, arch_model, borrowed, stored_group
+from fedproto.engine.executors.in_process import LocalExecutor, client_step, custom_step
 from fedproto.engine.executors.paths import explain_paths
-from fedproto.engine.executors.store import ClientStore, StoredClientState, arch_model, borrowed, stored_group
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.training import (
@@ -87,13 +87,13 @@ class BatchedExecutor(LocalExecutor):
     """Clients of one architecture as one batched computation, optionally on worker processes.
 
     Args:
-        setup: the run's set-up (as :class:`~fedproto.engine.executors.local.LocalExecutor`).
+        setup: the run's set-up (as :class:`~fedproto.engine.executors.in_process.LocalExecutor`).
         seed: the run's seed.
         mode: ``auto`` (the hand-written batched path where a model has one, the generic path's grouped
-            operations for CNNs of standard layers, :mod:`fedproto.grouped`) or ``batched`` (the generic
-            path for every other model it can batch too: ``torch.func.vmap``).
+            operations for CNNs of standard layers, :mod:`fedproto.training.grouped_forward`) or ``batched`` (the
+            generic path for every other model it can batch too: ``torch.func.vmap``).
         group_size: most clients in one batched computation.
-        workers: worker processes (:func:`fedproto.parallel.plan_workers`; 0: auto).
+        workers: worker processes (:func:`fedproto.engine.executors.worker_pool.plan_workers`; 0: auto).
         threads: the run's thread budget (0: torch's default).
         rounds: the run's rounds (auto mode starts workers only for long runs).
     """
@@ -105,7 +105,8 @@ class BatchedExecutor(LocalExecutor):
         super().__init__(setup, seed)
         self.mode, self.group_size, self.workers, self.threads, self.rounds = mode, group_size, workers, threads, rounds
         self.processes = 1
-        self._pool = None  # fedproto.parallel.WorkerPool; False: one process; None: not decided yet (or closed)
+        # fedproto.engine.executors.worker_pool.WorkerPool; False: one process; None: not decided yet (or closed)
+        self._pool = None
         self._worker_threads = 1
         self._generic_checked: dict = {}
         self._grouped_checked: dict = {}
@@ -113,13 +114,13 @@ class BatchedExecutor(LocalExecutor):
 
     @property
     def pool(self):
-        """The :class:`~fedproto.parallel.WorkerPool` training this run's batched groups; False when
+        """The :class:`~fedproto.engine.executors.worker_pool.WorkerPool` training this run's batched groups; False when
         they train in this process; None before the first batched round and after :meth:`close`."""
         return self._pool
 
     def groups(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """This round's training groups, each with its executor: 0 the main process, w > 0 worker
-        process w (:mod:`fedproto.parallel`). Singletons train on the sequential path."""
+        process w (:mod:`fedproto.engine.executors.worker_pool`). Singletons train on the sequential path."""
         mode = self.mode
         alg = self.setup.algorithm
         if mode == "sequential" or alg.sequential_only:
@@ -137,7 +138,8 @@ class BatchedExecutor(LocalExecutor):
         S = self.setup.states
         batched = [m for m in by_arch.values() if len(m) > 1 and can_batch([arch_model(S[i]) for i in m])]
         # the generic path: with execution="batched" for every model it can batch; with "auto" only for CNNs of standard
-        # layers on images (the grouped operations of fedproto.grouped), measured 1.3-2x faster than the sequential
+        # layers on images (the grouped operations of fedproto.training.grouped_forward), measured 1.3-2x faster than
+        # the sequential
         # path on this project's 2-core CPU; vmap (BatchNorm, dropout: ResNet18 0.44x) was slower (docs/benchmarks.md)
         generic = [m for m in by_arch.values() if len(m) > 1 and (mode == "batched" or self._grouped_ok(m))
                    and self._generic_ok(m)]
@@ -198,9 +200,9 @@ class BatchedExecutor(LocalExecutor):
 
     def _grouped_ok(self, members: list[int]) -> bool:
         """True if the clients ``members`` (equal :meth:`_group_key`) would train on the generic path's grouped
-        operations (:func:`fedproto.grouped.grouped_graph` traces their model; image inputs), which
+        operations (:func:`fedproto.training.grouped_forward.grouped_graph` traces their model; image inputs), which
         ``execution="auto"`` uses; checked once per architecture and run."""
-        from fedproto.grouped import grouped_graph
+        from fedproto.training.grouped_forward import grouped_graph
 
         model = arch_model(self.setup.states[members[0]])
         key = self._group_key(members[0])
@@ -214,9 +216,9 @@ class BatchedExecutor(LocalExecutor):
 
     def _executors(self, batched_clients: int) -> int:
         """Processes that train this run's batched groups (fixed at the first round that has
-        any): 1, or W with a :class:`~fedproto.parallel.WorkerPool` of W - 1 workers."""
+        any): 1, or W with a :class:`~fedproto.engine.executors.worker_pool.WorkerPool` of W - 1 workers."""
         if self._pool is None and batched_clients >= 2:
-            from fedproto.parallel import WorkerPool, available_cores, plan_workers
+            from fedproto.engine.executors.worker_pool import WorkerPool, available_cores, plan_workers
 
             W, threads = plan_workers(self.workers, self.threads, batched_clients, str(self.setup.device),
                                       self.rounds)

@@ -1,4 +1,4 @@
-"""Checkpoints of the round loop (:mod:`fedproto.checkpoint` for the file format): written every
+"""Checkpoints of the round loop (:mod:`fedproto.outputs.checkpoint` for the file format): written every
 ``checkpoint_every`` rounds, read back by :func:`restore` to resume a run after its last
 completed round with the numbers an uninterrupted run gives."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fedproto.checkpoint import save_checkpoint
-from fedproto.config import ADDED_FIELDS, result_fields
-from fedproto.config_common import CommonConfig
+from fedproto.config.common_options import CommonConfig
+from fedproto.config.run_config import ADDED_FIELDS, result_fields
 from fedproto.engine.checks import message_problem
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.summary import Row
 from fedproto.errors import CheckpointError, CheckpointMismatch, first_line
-from fedproto.results import RunDir
+from fedproto.outputs.checkpoint import save_checkpoint
+from fedproto.outputs.run_folder import RunDir
 
 
 def checkpoint_state(loop: RoundLoop, r: int) -> dict[str, Any]:
@@ -68,7 +68,7 @@ def restore(loop: RoundLoop, ckpt: dict[str, Any], where: str) -> None:
 
     Args:
         loop: a loop whose ``message`` is the algorithm's first broadcast (the shapes to check against).
-        ckpt: from :func:`fedproto.checkpoint.load_checkpoint`. where: how errors name the file.
+        ckpt: from :func:`fedproto.outputs.checkpoint.load_checkpoint`. where: how errors name the file.
     Raises:
         CheckpointMismatch: the checkpoint belongs to other options or other client data (names them).
         CheckpointError: its content does not fit these clients' models, or it is damaged.

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.setup import Setup
 from fedproto.engine.summary import ClientMetrics, Summary
-from fedproto.results import RunDir
+from fedproto.outputs.run_folder import RunDir
 
 
 class Embeddings(Observer):

@@ -8,7 +8,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
-from fedproto.algorithms.base import Message
+from fedproto.algorithms.algorithm import Message
 from fedproto.data.datasets import Dataset
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.setup import Setup

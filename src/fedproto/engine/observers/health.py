@@ -1,7 +1,7 @@
 """Health checks of a run: a diverged loss stops the run with what to change; exploding or
 non-finite embeddings and the method's alerts (FedProto: far-off prototypes) are warned about,
 naming the client and round. The method supplies its own words (``divergence_hint``,
-``attack_fix``, ``blowup_causes``, :class:`~fedproto.algorithms.state.Alert`)."""
+``attack_fix``, ``blowup_causes``, :class:`~fedproto.algorithms.server_state.Alert`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Literal, overload
 
 import numpy as np
 
-from fedproto.algorithms.base import Algorithm, ClientData
-from fedproto.config_common import CommonConfig
+from fedproto.algorithms.algorithm import Algorithm, ClientData
+from fedproto.config.common_options import CommonConfig
 from fedproto.data.inputs import finite
-from fedproto.engine.executors.base import RoundReplies
+from fedproto.engine.executors.executor import RoundReplies
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.summary import ClientMetrics
 from fedproto.errors import TrainingError, opt

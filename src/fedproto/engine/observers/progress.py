@@ -1,5 +1,5 @@
 """Progress of a run: the caller's per-round callback (the CLI's progress bar) and one INFO log
-line per evaluated round (:func:`fedproto.results.round_line`)."""
+line per evaluated round (:func:`fedproto.outputs.run_folder.round_line`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.summary import Row
-from fedproto.results import round_line
+from fedproto.outputs.run_folder import round_line
 
 log = logging.getLogger("fedproto.simulation")  # the logger Python users turn INFO on for
 

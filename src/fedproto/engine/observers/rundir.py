@@ -1,4 +1,4 @@
-"""The run folder of a run (:class:`fedproto.results.RunDir`): ``config.json`` at the start,
+"""The run folder of a run (:class:`fedproto.outputs.run_folder.RunDir`): ``config.json`` at the start,
 ``metrics.jsonl`` one row per round, and at the end ``summary.json``, ``clients.csv``, the
 algorithm's own result files (FedProto: ``prototypes.npz``) and, with ``save_models``, ``models.pt``."""
 
@@ -11,7 +11,7 @@ import torch
 
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.summary import ClientMetrics, Row, Summary
-from fedproto.results import RunDir
+from fedproto.outputs.run_folder import RunDir
 
 
 class RunFolder(Observer):
