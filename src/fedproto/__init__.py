@@ -22,6 +22,8 @@ _LAZY = {
 # Where each module of releases before 0.2 lives now (docs/architecture.md, "Layout"): ``import
 # fedproto.cli_run`` still works, warns once (DeprecationWarning) and gives the module at its new path.
 _MOVED = {
+    "fedproto.federation.models": "fedproto.federation.own_models",
+    "fedproto.federation.data": "fedproto.federation.own_data",
     "fedproto.algorithms.base": "fedproto.algorithms.algorithm",
     "fedproto.algorithms.local": "fedproto.algorithms.local_only",
     "fedproto.algorithms.options": "fedproto.algorithms.method_options",

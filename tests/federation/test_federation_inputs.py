@@ -207,7 +207,7 @@ def test_float64_inputs_train_in_float64_on_every_route(caplog):
         (x, y), (tx, ty) = _rows(i), _rows(100 + i)
         clients.append(Client(DtypeProbe().double(), make(x, y), make(tx, ty),
                               collate=stack if route == "dataset+collate" else None))
-    with caplog.at_level(logging.INFO, logger="fedproto.federation.data"):
+    with caplog.at_level(logging.INFO, logger="fedproto.federation.own_data"):
         sim = federate(clients, num_classes=3, rounds=2, lr=0.05, local_epochs=5, threads=1, eval_every=0, out=False)
         summary = sim.run()
     assert "cast to" not in caplog.text  # float64 inputs, float64 models: nothing cast
@@ -222,7 +222,7 @@ def test_float64_inputs_train_in_float64_on_every_route(caplog):
         (x, y), (tx, ty) = _rows(i, dtype=torch.float16 if i % 2 else torch.float64), _rows(100 + i)
         clients.append(Client(DtypeProbe(), make(x, y), make(tx, ty), collate=stack if "collate" in route else None))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="fedproto.federation.data"):
+    with caplog.at_level(logging.INFO, logger="fedproto.federation.own_data"):
         federate(clients, num_classes=3, rounds=1, threads=1, eval_every=0, out=False).run()
     for route, c in zip(routes, clients):
         assert c.model.seen == {torch.float32}, route
@@ -268,7 +268,7 @@ class DictRows(Rows):
 def test_a_nan_inside_a_dataset_is_named_before_training(monkeypatch, tmp_path):
     from conftest import csv_rows
 
-    import fedproto.federation.data as fdata
+    import fedproto.federation.own_data as fdata
 
     def clients(bad_split=None, bad_item=13, cid=1, kind=Rows):
         out = []

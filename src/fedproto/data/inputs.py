@@ -4,7 +4,7 @@ A client's inputs reach its model as the model takes them: integer token ids sta
 tokenizer's ``{"input_ids": ..., "attention_mask": ...}`` stays a dict, ``(ids, mask)`` stays a
 tuple; only their device changes, and the dtype of floating leaves where it is not the model's
 (cast to the model's floating dtype, logged once per client:
-:func:`fedproto.federation.data.to_model_dtype`). Every leaf of one client's inputs holds one row
+:func:`fedproto.federation.own_data.to_model_dtype`). Every leaf of one client's inputs holds one row
 per sample along its first axis.
 
 * :class:`Inputs` holds such a structure in memory for ``n`` samples: ``len()``, and
@@ -97,7 +97,7 @@ def cast_floats(x: Batch, dtype: torch.dtype) -> Batch:
 
 def as_leaf(v: Any) -> torch.Tensor:
     """An array or tensor as a tensor, in its own dtype (floating values as given: the engine casts
-    them to the client's model's dtype once, :func:`fedproto.federation.data.to_model_dtype`;
+    them to the client's model's dtype once, :func:`fedproto.federation.own_data.to_model_dtype`;
     integer and bool values kept, so token ids stay integers). Raises TypeError for anything else."""
     if isinstance(v, np.ndarray):
         v = torch.from_numpy(np.ascontiguousarray(v))

@@ -16,8 +16,8 @@ transforms (for data that does not fit in memory). Everything is checked before 
 each error names the client. The engine, evaluation, metrics, run directory and checkpoints are
 those of :class:`fedproto.simulation.Simulation`.
 
-The adapters of a user's model live in :mod:`fedproto.federation.models`, those of the data in
-:mod:`fedproto.federation.data`; every name is importable from here. The call path of a round:
+The adapters of a user's model live in :mod:`fedproto.federation.own_models`, those of the data in
+:mod:`fedproto.federation.own_data`; every name is importable from here. The call path of a round:
 docs/architecture.md.
 """
 
@@ -36,7 +36,7 @@ from fedproto.algorithms.algorithm import ClientData, ClientState
 from fedproto.config.run_config import build_config
 from fedproto.data.partition import Partition
 from fedproto.errors import ConfigError, DataError, ModelError
-from fedproto.federation.data import (
+from fedproto.federation.own_data import (
     LABEL_CHECKS,
     PROBE_ITEMS,
     LazyInputs,
@@ -45,7 +45,7 @@ from fedproto.federation.data import (
     model_dtype,
     to_model_dtype,
 )
-from fedproto.federation.models import (
+from fedproto.federation.own_models import (
     HeadSplitModel,
     Projected,
     TupleModel,

@@ -36,7 +36,7 @@ def _take(x: Any, rows: np.ndarray) -> Any:
 
 def _labels(split: Any, cid: int) -> np.ndarray:
     if isinstance(split, torch.utils.data.Dataset):
-        from fedproto.federation.data import dataset_labels
+        from fedproto.federation.own_data import dataset_labels
 
         return np.asarray(dataset_labels(split)).astype(np.int64)
     if not (isinstance(split, (tuple, list)) and len(split) == 2):

@@ -100,7 +100,7 @@ class LocalExecutor(Executor):
     def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
         """Clients left out of the headline accuracy, and why: those whose test inputs, read from a
         Dataset, held NaN or inf in an item when read at evaluation, not when set-up read it
-        (:data:`fedproto.federation.data.NAN_SCAN_ITEMS`; the items are in ``bad`` of its inputs)."""
+        (:data:`fedproto.federation.own_data.NAN_SCAN_ITEMS`; the items are in ``bad`` of its inputs)."""
         out = {}
         for i, d in enumerate(self.setup.data):
             bad = getattr(d.held_test_x, "bad", None)
