@@ -41,12 +41,12 @@ def make_private_tree(folder: str | Path) -> None:
                 pass
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None], private: bool = False) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], private: bool = False) -> None:
     """Write ``path`` atomically: ``write(f)`` fills a same-folder temp file, which is fsynced,
     given the usual permissions and renamed over ``path``; on any error it is removed.
 
     Args:
-        path: the file. write: fills the open binary file.
+        path: the file. write: fills the open binary file (what it returns is ignored).
         private: the file holds a model, prototypes or embeddings: it is ``0600`` (:data:`PRIVATE_FILE`)
             from its creation on, in a ``0700`` folder (:func:`make_private_folder`).
     Raises whatever ``write`` raises, and ``OSError`` when the folder cannot be written.

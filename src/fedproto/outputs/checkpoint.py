@@ -22,7 +22,7 @@ tensors (and turned back into arrays on load), so loading never runs pickled cod
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ def _from_torch(obj: Any) -> Any:
     return obj
 
 
-def save_checkpoint(path: str | Path, state: dict) -> None:
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Write ``state`` (the fields of the module docstring) atomically to ``path``.
 
     numpy arrays anywhere in ``state`` come back from :func:`load_checkpoint` as equal arrays
@@ -80,7 +80,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
     """
     payload = {"format": FORMAT, **{k: _to_torch(v, k) for k, v in state.items()}}
 
-    def write(f) -> None:
+    def write(f: BinaryIO) -> None:
         try:
             torch.save(payload, f)
         except RuntimeError as e:  # torch wraps write errors (ENOSPC) in RuntimeError
@@ -91,7 +91,7 @@ def save_checkpoint(path: str | Path, state: dict) -> None:
     atomic_write(Path(path), write, private=True)  # models and prototypes: 0600 in a 0700 folder
 
 
-def load_checkpoint(path: str | Path) -> dict:
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`.
 
     Returns the state dict, numpy arrays restored (see :func:`save_checkpoint`).
@@ -116,17 +116,18 @@ def load_checkpoint(path: str | Path) -> dict:
     bad = _malformed(state)
     if bad:
         raise CheckpointError(f"{str(path)!r} is damaged ({bad}); {fix}")
-    return _from_torch(state)
+    return cast("dict[str, Any]", _from_torch(state))  # _from_torch turns a dict into a dict
 
 
 def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _malformed(state: dict) -> str:
+def _malformed(state: dict[str, Any]) -> str:
     """What is wrong with a loaded checkpoint's structure ('' when nothing)."""
-    types = {"round": int, "config": dict, "message": dict, "server_state": dict, "clients": list,
-             "history": list, "totals": dict, "train_time_s": (int, float), "wall_time_s": (int, float)}
+    types: dict[str, type | tuple[type, ...]] = {
+        "round": int, "config": dict, "message": dict, "server_state": dict, "clients": list, "history": list,
+        "totals": dict, "train_time_s": (int, float), "wall_time_s": (int, float)}
     for k, t in types.items():
         if k not in state:
             return f"no {k!r}"

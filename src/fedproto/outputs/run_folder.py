@@ -1,6 +1,7 @@
 """The run directory: resolved config, per-round metrics (JSON lines), summary, per-client CSV
 and global prototypes. Every whole-file write is atomic (temp file + ``os.replace``),
-so an interrupted run never leaves a half-written file behind.
+so an interrupted run never leaves a half-written file behind. An earlier run in the folder is set
+aside and restored by :mod:`fedproto.outputs.previous_run` (its names are importable from here too).
 """
 
 from __future__ import annotations
@@ -15,28 +16,30 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, cast
 
 import numpy as np
 
-from fedproto.outputs.atomic import (
-    atomic_write,
-    atomic_write_bytes,
-    make_private_folder,
-    outermost_new,
-    remove_empty_folders,
-)
+from fedproto.outputs.atomic import atomic_write as atomic_write  # re-exported: writers import them from here
+from fedproto.outputs.atomic import atomic_write_bytes as atomic_write_bytes
+from fedproto.outputs.atomic import make_private_folder, outermost_new, remove_empty_folders
+from fedproto.outputs.previous_run import PREVIOUS as PREVIOUS  # re-exported: the run folder's names
+from fedproto.outputs.previous_run import RESULT_FILES as RESULT_FILES
+from fedproto.outputs.previous_run import remove_result
+from fedproto.outputs.previous_run import restore_orphan as restore_orphan
 
 if TYPE_CHECKING:
     import torch
 
+_P = ParamSpec("_P")
 
-def pct(x) -> str:
+
+def pct(x: float | None) -> str:
     """An accuracy in [0, 1] as a percentage with 2 decimals; '-' for None or NaN."""
     return "-" if x is None or x != x else f"{100 * x:.2f}"
 
 
-def round_line(row: dict, rounds: int, elapsed: float) -> str:
+def round_line(row: dict[str, Any], rounds: int, elapsed: float) -> str:
     """One plain progress line of an evaluated round, for output that is no terminal (a log file,
     CI): ``round 10/100: loss ce 0.1234, proto 0.0567; accuracy % classifier 97.50, nearest
     prototype 97.81; elapsed 42.0 s``. ``row`` is a metrics row (``metrics.jsonl``) holding
@@ -89,14 +92,6 @@ CHECKPOINT_FILE = "checkpoint.pt"
 :meth:`RunDir.write_checkpoint`."""
 """The trained client models of a run with ``save_models`` (:meth:`RunDir.write_models`, :func:`load_models`)."""
 
-RESULT_FILES = ("config.json", "metrics.jsonl", "summary.json", "clients.csv", "prototypes.npz",
-                "embeddings.npz", "curves.png", "tsne.png", "checkpoint.pt", "models.pt", "failure.json",
-                "tensorboard", "resume-app", "restart-app")
-"""Files (and the ``tensorboard`` folder of event files, the ``resume-app`` folder of a stopped
-Flower run: :func:`fedproto.flower.server_app.write_resume_app`) a run writes. A new run in the same folder never
-mixes its files with an older run's (no summary.json means: not finished): a finished older run is moved to
-:data:`PREVIOUS` until the new one finishes, an unfinished one is removed."""
-
 LOCK = ".lock"
 """File holding the pid of the process writing a run folder (see :meth:`RunDir.acquire`)."""
 
@@ -107,41 +102,6 @@ PRIVATE_SUFFIXES = (".npz", ".pt")
 def is_private(name: str | Path) -> bool:
     """Whether the run folder file ``name`` holds models, prototypes or embeddings (:data:`PRIVATE_SUFFIXES`)."""
     return Path(name).suffix in PRIVATE_SUFFIXES
-
-
-PREVIOUS = ".previous"
-"""Sub-folder of the finished run a new run in the folder replaces until it finishes (or fails with no checkpoint)."""
-
-
-def _remove(path: Path) -> None:
-    """Remove a run's file or folder (``tensorboard/``) if it exists; OSError when it cannot."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def restore_orphan(path: str | Path, force: bool = False) -> bool:
-    """Put the finished run kept in ``path/.previous`` back when nothing can continue the run that
-    replaced it: that run has no checkpoint and did not finish (killed, failed). With ``force``,
-    even when that run finished. Returns True when restored; never raises."""
-    path = Path(path)
-    prev = path / PREVIOUS
-    if not prev.is_dir() or (path / "checkpoint.pt").is_file():
-        return False
-    if not force and (path / "summary.json").is_file():
-        return False
-    try:
-        for name in RESULT_FILES:
-            _remove(path / name)
-        for f in prev.iterdir():
-            if f.is_dir() and (path / f.name).is_dir():
-                shutil.rmtree(path / f.name)
-            os.replace(f, path / f.name)
-        prev.rmdir()
-    except OSError:
-        return False
-    return True
 
 
 class RunDir:
@@ -173,7 +133,7 @@ class RunDir:
         if self.lock_owner() is None:
             restore_orphan(self.path)
 
-    def begin(self, history: list[dict] | None = None) -> None:
+    def begin(self, history: list[dict[str, Any]] | None = None) -> None:
         """Start a run and an empty ``metrics.jsonl``. A finished earlier run (one with
         ``summary.json``) is moved to :data:`PREVIOUS` (see :meth:`finish`, :meth:`abort`); the
         files of an unfinished one are removed.
@@ -203,7 +163,7 @@ class RunDir:
                         moved.append(name)
             for name in RESULT_FILES:
                 if name not in keep:
-                    _remove(self.path / name)
+                    remove_result(self.path / name)
                 for tmp in self.path.glob(f".{name}.*.tmp"):  # left by a killed process mid-write
                     tmp.unlink(missing_ok=True)
             rows = "".join(json.dumps(_clean(r)) + "\n" for r in history or ())
@@ -272,9 +232,9 @@ class RunDir:
         return ConfigError(f"cannot write {where}: {e.strerror or e}", option="out_dir",
                            hint=f"free or fix that path, or write the run elsewhere ({opt('out_dir|name')})")
 
-    def _write(self, fn, *args) -> None:
+    def _write(self, fn: Callable[_P, object], *args: _P.args, **kwargs: _P.kwargs) -> None:
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except OSError as e:
             raise self._unwritable(e) from None
 
@@ -285,21 +245,21 @@ class RunDir:
             remove_empty_folders(self._abs, self._created_top)
 
     # Every writer below raises ConfigError (naming the file) instead of OSError, e.g. on a full disk.
-    def write_config(self, cfg: dict) -> None:
+    def write_config(self, cfg: dict[str, Any]) -> None:
         self._write(atomic_write_json, self.path / "config.json", cfg, self.private)
 
-    def log_round(self, row: dict) -> None:
-        def append():
+    def log_round(self, row: dict[str, Any]) -> None:
+        def append() -> None:
             with open(self._metrics, "a") as f:
                 f.write(json.dumps(_clean(row)) + "\n")
                 f.flush()
 
         self._write(append)
 
-    def write_summary(self, summary: dict) -> None:
+    def write_summary(self, summary: dict[str, Any]) -> None:
         self._write(atomic_write_json, self.path / "summary.json", summary, self.private)
 
-    def write_clients(self, rows: Iterable[dict]) -> None:
+    def write_clients(self, rows: Iterable[dict[str, Any]]) -> None:
         rows = list(rows)
         buf = io.StringIO()
         if rows:  # every key any row has (a node that did not answer lacks its own report's keys)
@@ -319,7 +279,7 @@ class RunDir:
         if "/" in name or "\\" in name or not name.endswith(".npz") or name.startswith("."):
             raise ValueError(f"run folder file {name!r}: give a plain file name ending in .npz")
         buf = io.BytesIO()
-        np.savez(buf, **arrays)
+        np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub: a **dict could fill allow_pickle (bool)
         self._write(atomic_write_bytes, self.path / name, buf.getvalue(), True)
 
     def write_prototypes(self, classes: np.ndarray, protos: np.ndarray, contributors: np.ndarray | None) -> None:
@@ -336,7 +296,7 @@ class RunDir:
         state = {"format": 1, "clients": [{k: v.detach().cpu() for k, v in m.state_dict().items()} for m in models]}
         self._write(atomic_write, self.path / MODELS_FILE, lambda f: torch.save(state, f), True)
 
-    def write_checkpoint(self, save: Callable[[Path, dict], None], state: dict) -> None:
+    def write_checkpoint(self, save: Callable[[Path, dict[str, Any]], None], state: dict[str, Any]) -> None:
         """``save(path, state)`` into :attr:`checkpoint` (``save``: :func:`fedproto.outputs.checkpoint.save_checkpoint`;
         passed in, so that the run directory, a lower layer, imports no checkpoint format)."""
         self._write(save, self.checkpoint, state)
@@ -372,10 +332,10 @@ def load_models(path: str | Path) -> list[dict[str, torch.Tensor]]:
                                                  for k, v in sd.items()) for sd in state["clients"])):
         raise DataError(f"{str(p)!r} is not a models.pt of fedproto (format 1: one state_dict per client); pass "
                         "one written by a run with save_models=True")
-    return state["clients"]
+    return cast("list[dict[str, torch.Tensor]]", state["clients"])  # its shape checked just above
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a run's ``metrics.jsonl`` (list of dicts).
 
     Raises:
