@@ -22,6 +22,7 @@ import torch
 
 from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message, optim_config
 from fedproto.algorithms.fedproto_checks import ProtoServerChecks
+from fedproto.algorithms.fedproto_dp import check_dp_sgd_models
 from fedproto.algorithms.method_options import FedProtoOptions, checked_options
 from fedproto.algorithms.proto_steps import (
     AggregationRule,
@@ -314,7 +315,8 @@ class FedProto(ProtoServerChecks, Algorithm):
                            files=prototype_files(message, checkpoint.get("last_contributors")))
 
     def check_models(self, models: list[ProtoModel]) -> None:
-        """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses models with
+        """As :meth:`Algorithm.check_models`; with ``dp="full"`` also refuses
+        (:func:`~fedproto.algorithms.fedproto_dp.check_dp_sgd_models`) models with
         recurrent layers that train (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``: Opacus has per-sample
         gradients for its own ``DPGRU``/``DPLSTM``/``DPRNN`` only), and models with
         BatchNorm that trains (its statistics mix the samples of a batch, so per-sample gradients do
@@ -322,29 +324,7 @@ class FedProto(ProtoServerChecks, Algorithm):
         (:func:`fedproto.training.frozen_batchnorms`) run in eval mode, one sample at a time: allowed."""
         super().check_models(models)
         if self.dp == "full":
-            from torch import nn
-
-            from fedproto.errors import ConfigError
-            from fedproto.training import frozen_batchnorms
-
-            def trains_bn(m: nn.Module) -> bool:
-                frozen = {id(b) for b in frozen_batchnorms(m)}
-                return any(isinstance(b, nn.modules.batchnorm._BatchNorm) and id(b) not in frozen for b in m.modules())
-
-            bn = [i for i, m in enumerate(models) if trains_bn(m)]
-            if bn:
-                raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
-                                  f"clients {bn[:10]} have BatchNorm layers that train; use models without BatchNorm "
-                                  "(e.g. GroupNorm, or model='cnn'), freeze them (requires_grad=False), or "
-                                  "dp='prototypes'")
-            rnn = [(i, type(r).__name__) for i, m in enumerate(models) for r in m.modules()
-                   if isinstance(r, nn.RNNBase) and any(p.requires_grad for p in r.parameters())]
-            if rnn:  # Opacus computes their per-sample gradients only as its own DPGRU / DPLSTM / DPRNN layers
-                kind = rnn[0][1]
-                raise ConfigError(f"dp='full' trains with DP-SGD, which needs per-sample gradients, but the models of "
-                                  f"clients {sorted({i for i, _ in rnn})[:10]} have torch.nn.{kind} layers, for which "
-                                  f"Opacus has none; use opacus.layers.DP{kind} in their place (the same layer with "
-                                  "per-sample gradients), freeze them (requires_grad=False), or dp='prototypes'")
+            check_dp_sgd_models(models)
 
     def eval_protocols(self) -> dict[str, str]:
         """``acc`` (personal, the classifier head) and ``acc_proto`` (eq. 4)."""

@@ -8,7 +8,8 @@ A **result file** (``docs/results/NAME.json``) holds what one command measured: 
 (how long it took), ``made`` (``date``, ``commit`` and the machine: when and from which code it
 was last made) and ``rows`` (``fedproto reproduce``'s table rows, :func:`~fedproto.reproduce.tables.table_rows`,
 or a benchmark's rows). ``fedproto reproduce`` writes ``OUT/table.json`` (the rows and ``made``);
-``scripts/published_figures.py import OUT --name NAME ...`` turns it into a result file.
+``scripts/published_figures.py import OUT --name NAME ...`` turns it into a result file
+(:mod:`fedproto.reproduce.result_files` reads, merges and makes them).
 
 In a page, a generated **block** is everything between ``<!-- figures:SPEC -->`` and
 ``<!-- /figures:SPEC -->``, where SPEC is ``KIND:RESULT[:ARG]`` (:data:`BLOCKS`); a single
@@ -23,17 +24,17 @@ where the same cell is printed with two values.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from fedproto.reproduce.grid import METHODS
+from fedproto.reproduce.result_files import RESULTS as RESULTS  # re-exported: the result files
+from fedproto.reproduce.result_files import PublishedError as PublishedError
+from fedproto.reproduce.result_files import _nan, _result
+from fedproto.reproduce.result_files import load_results as load_results
+from fedproto.reproduce.result_files import make_result as make_result
 from fedproto.reproduce.tables import TABLE_FIELDS, _csv_bytes, _ours_cell, _pm, render_markdown
-
-RESULTS = Path("docs") / "results"
-"""Where the result files live, under the repository root."""
 
 PAGES = ("README.md", "docs/*.md", "docs/results/*.md")
 """The pages whose blocks and cells are generated and cross-checked (globs under the root)."""
@@ -48,84 +49,8 @@ BLOCK = re.compile(r"<!-- figures:(?P<spec>[\w.:+-]+) -->\n(?P<body>.*?)<!-- /fi
 CELL = re.compile(r"<!-- cell:(?P<key>[\w.:+-]+) -->(?P<text>.*?)<!-- /cell -->")
 
 
-class PublishedError(ValueError):
-    """A result file, block or cell that cannot be read or rendered (the message names it)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# result files
-
-
-def _nan(rows: list[dict]) -> list[dict]:
-    """JSON's nulls back to NaN in the numeric fields (the renderers test NaN)."""
-    out = []
-    for r in rows:
-        out.append({k: (math.nan if v is None and (k.startswith(("acc_", "paper_", "params_")) or k.endswith("_s"))
-                        else v) for k, v in r.items()})
-    return out
-
-
-def load_results(root: Path) -> dict[str, dict]:
-    """Every result file under ``root/docs/results`` by name.
-
-    Raises:
-        PublishedError: a file that is not JSON, lacks ``rows``/``made``/``command``, or whose
-            ``name`` is not its file name.
-    """
-    found = {}
-    for f in sorted((Path(root) / RESULTS).glob("*.json")):
-        try:
-            r = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            raise PublishedError(f"{f}: not a readable JSON result file ({e})") from None
-        missing = [k for k in ("name", "command", "made", "rows", "ci") if k not in r]
-        if missing:
-            raise PublishedError(f"{f}: a result file needs {', '.join(missing)}; make it with "
-                                 "scripts/published_figures.py import")
-        if r["name"] != f.stem:
-            raise PublishedError(f"{f}: its name is {r['name']!r}; name the file {r['name']}.json")
-        r["rows"] = _nan(r["rows"])
-        found[r["name"]] = r
-    return found
-
-
-def make_result(table_json: Path, name: str, what: str, command: str, ci: bool, cost: str,
-                commit: str | None = None) -> dict:
-    """A result file's content from a reproduce folder's ``table.json`` (``commit``: the code the
-    cells ran, where it differs from the one that wrote the table)."""
-    t = json.loads(Path(table_json).read_text())
-    made = dict(t.get("made") or {})
-    if commit:
-        made["commit"] = commit
-    rows = [{k: v for k, v in r.items() if k != "failed_cells"} for r in t["rows"]]
-    return {"name": name, "what": what, "command": command, "ci": ci, "cost": cost, "made": made, "rows": rows}
-
-
 # ------------------------------------------------------------------------------------------------
 # what blocks and cells print
-
-
-def _result(results: dict, name: str) -> dict:
-    """The result file ``name``; ``a+b+...``: the rows of ``a``, then those of ``b`` for the cells
-    (dataset, stdev, method, n) ``a`` lacks, and so on (a table whose cells were run apart).
-
-    Raises:
-        PublishedError: a result file that does not exist.
-    """
-    parts = name.split("+")
-    for part in parts:
-        if part not in results:
-            raise PublishedError(f"no result file {RESULTS / (part + '.json')} (have: {', '.join(results) or 'none'})")
-    if len(parts) == 1:
-        return results[name]
-    rows, seen = [], set()
-    for part in parts:
-        for r in results[part]["rows"]:
-            key = (r.get("dataset"), r.get("stdev"), r.get("method"), r.get("ways"))
-            if key not in seen:
-                seen.add(key)
-                rows.append(r)
-    return {**results[parts[0]], "name": name, "rows": rows}
 
 
 def _row(res: dict, method: str, ways: int) -> dict:
