@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard, TypeVar, cast
 
 import numpy as np
 import torch
@@ -40,6 +41,8 @@ from torch import nn
 
 from fedproto.algorithms.algorithm import ClientState
 from fedproto.models.proto_model import ProtoModel
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def _drop_file(path: Path) -> None:
@@ -49,7 +52,7 @@ def _drop_file(path: Path) -> None:
         pass
 
 
-def storable(model: nn.Module) -> bool:
+def storable(model: nn.Module) -> TypeGuard[ProtoModel]:
     """True when ``model`` can live in a :class:`ClientStore`: it has a hand-written batched forward
     (:attr:`ProtoModel.batch_params`), no buffers, and its state dict is exactly its parameters,
     all of one floating-point dtype."""
@@ -84,12 +87,12 @@ class ClientStore:
         filled: (n,) bool, rows written by :meth:`put` (a store is complete when all are).
     """
 
-    def __init__(self, template: nn.Module, n: int, path: str | os.PathLike | None = None,
+    def __init__(self, template: nn.Module, n: int, path: str | os.PathLike[str] | None = None,
                  release_every: int = 4096):
         if not storable(template):
             raise ValueError(f"{type(template).__name__} cannot live in a ClientStore (it needs batch_params, no "
                              "buffers, and parameters of one floating-point dtype)")
-        self.template = copy.deepcopy(template)
+        self.template: ProtoModel = copy.deepcopy(template)
         named = list(self.template.named_parameters())
         self.names = [k for k, _ in named]
         self.shapes = [tuple(p.shape) for _, p in named]
@@ -98,7 +101,9 @@ class ClientStore:
         self.params_per_client = self.offsets[-1]
         self.key = template.arch_key()
         dtype = named[0][1].dtype
-        self.path, self.release_every, self._touched, self._map = None, int(release_every), 0, None
+        self.path: Path | None = None
+        self._map: mmap.mmap | None = None
+        self.release_every, self._touched = int(release_every), 0
         if path is None:
             self.rows = torch.zeros(n, self.params_per_client, dtype=dtype)
         else:
@@ -114,7 +119,7 @@ class ClientStore:
             self._finalizer = weakref.finalize(self, _drop_file, self.path)
         self.training = torch.ones(n, dtype=torch.bool)
         self.filled = torch.zeros(n, dtype=torch.bool)
-        self._scratch: nn.Module | None = copy.deepcopy(self.template)
+        self._scratch: ProtoModel | None = copy.deepcopy(self.template)
         self._scratch_params = list(self._scratch.parameters())
 
     def __len__(self) -> int:
@@ -186,7 +191,7 @@ class ClientStore:
         self.rows[idx] = block.to(self.rows.dtype)
         self._touch(len(idx))
 
-    def bind(self, module: nn.Module, i: int) -> nn.Module:
+    def bind(self, module: _M, i: int) -> _M:
         """Set ``module``'s parameters to views of row ``i`` and its mode to the client's; returns it."""
         for p, v in zip(module.parameters(), self.views(i).values()):
             p.data = v
@@ -194,16 +199,16 @@ class ClientStore:
         self._touch(1)
         return module
 
-    def module(self, i: int) -> nn.Module:
+    def module(self, i: int) -> ProtoModel:
         """A module of its own for client ``i`` (a copy of the template bound to row ``i``)."""
         return self.bind(copy.deepcopy(self.template), i)
 
     @contextmanager
-    def scratch(self, i: int) -> Iterator[nn.Module]:
+    def scratch(self, i: int) -> Iterator[ProtoModel]:
         """The store's scratch module bound to row ``i`` for the duration of the block (a copy of
         the template when the scratch is in use); the client's mode is recorded when it ends."""
         m, own = self._scratch, self._scratch is not None
-        if own:
+        if m is not None:
             self._scratch = None
             self.bind(m, i)
         else:  # nested borrow (two clients' models at once)
@@ -262,28 +267,46 @@ class StoredClientState(ClientState):
     @classmethod
     def of(cls, cid: int, store: ClientStore, classes: np.ndarray) -> StoredClientState:
         """Client ``cid`` of ``store`` (its row must be filled: :meth:`ClientStore.put`)."""
-        s = cls(cid, None, classes, store=store)
+        # model None: the dataclass __init__ passes it to the setter below, which sets nothing
+        s = cls(cid, cast(ProtoModel, None), classes, store=store)
         return s
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.__dict__.setdefault("_module", None)
         self.__dict__.setdefault("_borrowed", None)
 
     @property
+    def row_store(self) -> ClientStore:
+        """The :class:`ClientStore` holding the client's row (``store``; None only while the dataclass
+        ``__init__`` runs, before :meth:`of` has set it)."""
+        return cast(ClientStore, self.store)  # set by the constructor of every built state (of)
+
+    @property
+    def _own(self) -> ProtoModel | None:
+        """The client's module of its own (None until someone reads ``model``)."""
+        own: ProtoModel | None = self.__dict__.get("_module")
+        return own
+
+    # mypy refuses a property in place of a dataclass field (ClientState.model): here it is one on purpose, the
+    # dataclass __init__ setting it through the setter
+    @property  # type: ignore[misc]
     def model(self) -> ProtoModel:
         """The client's model: the one borrowed by the engine (:meth:`borrowed`), else a module of its
         own bound to the row (built at the first read and kept)."""
         d = self.__dict__
-        if d.get("_borrowed") is not None:
-            return d["_borrowed"]
-        if d.get("_module") is None:
-            if d.get("store") is None:  # during the dataclass __init__
-                return None
-            d["_module"] = self.store.module(self.cid)
-        return d["_module"]
+        lent: ProtoModel | None = d.get("_borrowed")
+        if lent is not None:
+            return lent
+        own: ProtoModel | None = d.get("_module")
+        if own is None:
+            store: ClientStore | None = d.get("store")
+            if store is None:  # during the dataclass __init__
+                return cast(ProtoModel, None)  # a state half built has no model yet
+            own = d["_module"] = store.module(self.cid)
+        return own
 
     @model.setter
-    def model(self, value) -> None:
+    def model(self, value: ProtoModel | None) -> None:
         d = self.__dict__
         if value is None:
             return
@@ -303,7 +326,8 @@ class StoredClientState(ClientState):
     def arch_model(self) -> ProtoModel:
         """A model of the client's architecture and frozen parameters, without building one: its own
         module where it has one, else the store's template (for checks and batching keys)."""
-        return self._module if self.materialized else self.store.template
+        own = self._own
+        return own if own is not None else self.row_store.template
 
     @contextmanager
     def borrowed(self) -> Iterator[ProtoModel]:
@@ -312,7 +336,7 @@ class StoredClientState(ClientState):
         if self.materialized or self.__dict__.get("_borrowed") is not None:
             yield self.model
             return
-        with self.store.scratch(self.cid) as m:
+        with self.row_store.scratch(self.cid) as m:
             self.__dict__["_borrowed"] = m
             try:
                 yield m
@@ -321,8 +345,9 @@ class StoredClientState(ClientState):
 
     def rebind(self) -> None:
         """Bind the client's own module (if any) to its row again (after :meth:`ClientStore.to`)."""
-        if self.materialized:
-            self.store.bind(self._module, self.cid)
+        own = self._own
+        if own is not None:
+            self.row_store.bind(own, self.cid)
 
 
 @contextmanager

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,8 +25,8 @@ from fedproto.algorithms import get_algorithm
 from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, SharedInputs
 from fedproto.algorithms.method_options import owners
 from fedproto.algorithms.requirements import ONE_ARCHITECTURE, check_architectures, check_model_needs, model_needs
+from fedproto.config.common_options import CommonConfig
 from fedproto.config.fixes import bound_fix
-from fedproto.config.run_config import CommonConfig, RunConfig
 from fedproto.data.datasets import Dataset, load_dataset
 from fedproto.data.partition import Partition, dirichlet_partition, fewshot_partition, natural_partition
 from fedproto.errors import ConfigError, PartitionError, opt
@@ -33,13 +35,17 @@ from fedproto.plugins import method_options
 from fedproto.training import has_batchnorm
 from fedproto.training.devices import resolve_device, resolve_precision
 
+if TYPE_CHECKING:
+    from fedproto.engine.client_store import ClientStore
+    from fedproto.models.proto_model import ProtoModel
+
 log = logging.getLogger(__name__)
 
 
-def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
+def build_algorithm(cfg: CommonConfig, embedding_dim: int) -> Algorithm:
     """The configured algorithm (:func:`fedproto.algorithms.get_algorithm`; raises
     :class:`ConfigError` for an unknown name)."""
-    cls = get_algorithm(cfg.algorithm)
+    cls: type[Algorithm] = get_algorithm(cfg.algorithm)  # the registry's classes are Algorithm subclasses
     alg = cls.from_run(cfg, embedding_dim)  # from_config, freeze_after and seed passed in (Algorithm.from_run)
     options = method_options(cls)
     if options is not None and (getattr(alg, "options", None) is None or not isinstance(alg.options, options)):
@@ -49,13 +55,13 @@ def build_algorithm(cfg: RunConfig, embedding_dim: int) -> Algorithm:
         except ValidationError as e:  # a plug-in whose Options narrow an inherited option's bounds
             err = e.errors()[0]
             k = str(err["loc"][0]) if err.get("loc") else "?"
-            fix = bound_fix(k, err) or f"; give {opt(k)} a value algorithm {cfg.algorithm!r} accepts"
+            fix = bound_fix(k, dict(err)) or f"; give {opt(k)} a value algorithm {cfg.algorithm!r} accepts"
             raise ConfigError(f"{opt(k, err.get('input'))}: algorithm {cfg.algorithm!r} (its Options narrow {k!r}) "
                               f"refuses it: {err['msg']}{fix}", option=k, value=err.get("input")) from None
     return alg
 
 
-def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
+def check_batches(cfg: CommonConfig, models: Sequence[torch.nn.Module], train_sizes: list[int]) -> None:
     """Checks of the batch size against the clients, shared by :func:`prepare` and
     :func:`fedproto.federation.federate`: a warning for BatchNorm models with batch size < 4
     (see :func:`fedproto.training.min_batch`); ConfigError when ``drop_last`` leaves a client with
@@ -77,7 +83,7 @@ def check_batches(cfg: RunConfig, models: list, train_sizes: list[int]) -> None:
 class Setup:
     """Everything built before round 1 (all config errors surface while building it)."""
 
-    dataset: Dataset
+    dataset: Dataset | None  # None for your own clients (fedproto.federation.federate, a Flower node)
     partition: Partition
     states: list[ClientState]
     data: list[ClientData]
@@ -91,7 +97,7 @@ class Setup:
         once for all of them. Data read from a ``Dataset`` stays where it is read, batch by batch."""
         self.device = torch.device(device)
         self._each_model(lambda m: m.to(self.device), lambda st: st.to(device=self.device))
-        shared = {}
+        shared: dict[int, SharedInputs] = {}
         for d in self.data:
             d.to(self.device)
             shared.update((id(src), src) for src in d.shared_inputs())
@@ -116,16 +122,16 @@ class Setup:
         return self
 
 
-    def _each_model(self, on_model, on_store) -> None:
+    def _each_model(self, on_model: Callable[[ProtoModel], object], on_store: Callable[[ClientStore], object]) -> None:
         """Apply ``on_model`` to every client module and ``on_store`` once to each
         :class:`~fedproto.engine.client_store.ClientStore` (its clients' own modules bound to
         their rows again afterwards), without building a module per stored client."""
         from fedproto.engine.client_store import StoredClientState
 
-        stores = {}
+        stores: dict[int, ClientStore] = {}
         for s in self.states:
             if isinstance(s, StoredClientState):
-                stores[id(s.store)] = s.store
+                stores[id(s.row_store)] = s.row_store
             else:
                 on_model(s.model)
         for st in stores.values():
@@ -135,7 +141,7 @@ class Setup:
                 s.rebind()
 
 
-def partition_run(cfg: RunConfig, ds: Dataset) -> Partition:
+def partition_run(cfg: CommonConfig, ds: Dataset) -> Partition:
     """The run's seeded partition of ``ds`` into ``cfg.clients`` clients (``cfg.partition``: few-shot,
     Dirichlet or natural), as :func:`prepare` makes it; labels only, so a process that holds one
     client (a Flower simulation actor) makes the same partition without reading any input.
@@ -168,8 +174,8 @@ def partition_run(cfg: RunConfig, ds: Dataset) -> Partition:
     return part
 
 
-def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = True,
-            client_store: bool | str | os.PathLike | None = None) -> Setup:
+def prepare(cfg: CommonConfig, dataset: Dataset | None = None, progress: bool = True,
+            client_store: bool | str | os.PathLike[str] | None = None) -> Setup:
     """Load data, partition, build client models and the algorithm; raises FedprotoError subclasses.
 
     ``cfg.partition``: ``fewshot`` (the paper's n-way k-shot protocol, any dataset) or ``natural``
@@ -204,8 +210,8 @@ def prepare(cfg: RunConfig, dataset: Dataset | None = None, progress: bool = Tru
     return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
 
 
-def client_states(cfg: RunConfig, part: Partition, ds: Dataset,
-                  store: bool | str | os.PathLike = False) -> list[ClientState]:
+def client_states(cfg: CommonConfig, part: Partition, ds: Dataset,
+                  store: bool | str | os.PathLike[str] = False) -> list[ClientState]:
     """One :class:`ClientState` per client with its model (:func:`~fedproto.models.zoo.build_client_models`).
 
     With ``store``, where one model spec builds every client (no ``-mh`` spec, no list, no
@@ -224,7 +230,7 @@ def client_states(cfg: RunConfig, part: Partition, ds: Dataset,
     n = part.num_clients
     spec = cfg.model.strip()
     if store and n > 0 and "," not in spec and not spec.endswith("-mh") and cfg.pretrained is None:
-        def one(i):
+        def one(i: int) -> torch.nn.Module:
             return build_client_model(spec, i, n, C, ds.num_classes, H, cfg.embedding_dim, cfg.dropout, cfg.seed,
                                       shared_init=cfg.shared_init)
 
@@ -247,7 +253,7 @@ def client_states(cfg: RunConfig, part: Partition, ds: Dataset,
     return [ClientState(i, m, part.classes[i]) for i, m in enumerate(models)]
 
 
-def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientData]:
+def client_views(ds: Dataset, train_idx: Sequence[np.ndarray], test_idx: Sequence[np.ndarray]) -> list[ClientData]:
     """Each client's data as an index view into ``ds`` (:meth:`ClientData.view`): one copy of each
     split's inputs for all clients, each client's rows gathered when read (at 10,000
     clients the per-client copies of the test images were 3.8 GB).
@@ -259,13 +265,13 @@ def client_views(ds: Dataset, train_idx: list, test_idx: list) -> list[ClientDat
     """
     train, test = SharedInputs(ds.train_x), SharedInputs(ds.test_x)
     out = []
-    for tr, te in zip(train_idx, test_idx):
-        tr, te = torch.as_tensor(tr, dtype=torch.long), torch.as_tensor(te, dtype=torch.long)
+    for tr_rows, te_rows in zip(train_idx, test_idx):
+        tr, te = torch.as_tensor(tr_rows, dtype=torch.long), torch.as_tensor(te_rows, dtype=torch.long)
         out.append(ClientData.view(train, tr, ds.train_y[tr], test, te, ds.test_y[te]))
     return out
 
 
-def build_setup(cfg: RunConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
+def build_setup(cfg: CommonConfig, states: list[ClientState], data: list[ClientData], partition: Partition,
                 dataset: Dataset | None = None, place: bool = True, whole: bool = True,
                 fix: str | None = None) -> Setup:
     """The one set-up every front end finishes with (``fedproto run`` through :func:`prepare`,
@@ -351,7 +357,7 @@ def warn_unseen_test_classes(states: list[ClientState], data: list[ClientData]) 
     Returns:
         client id -> the sorted classes seen in its test set only (clients without any left out).
     """
-    unseen = {}
+    unseen: dict[int, list[int]] = {}
     for s, x in zip(states, data):
         extra = np.setdiff1d(np.unique(x.test_y.cpu().numpy()), np.unique(x.y.cpu().numpy()))
         if len(extra):

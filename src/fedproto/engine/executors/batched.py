@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING, Literal, cast
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.training import (
     Objective,
+    OptimConfig,
+    Plan,
     TrainResult,
     batch_key,
     can_batch,
@@ -45,10 +48,13 @@ from fedproto.training import (
     train_stacked,
 )
 
+if TYPE_CHECKING:
+    from fedproto.engine.executors.worker_pool import GroupItem, WorkerPool
+
 log = logging.getLogger(__name__)
 
 
-class _TrainInputs(Mapping):
+class _TrainInputs(Mapping[int, torch.Tensor]):
     """Client id -> its training inputs ``data[i].x``, read (for an index view: gathered) on access:
     the worker pool copies the clients one at a time into its shared block."""
 
@@ -58,9 +64,10 @@ class _TrainInputs(Mapping):
     def __getitem__(self, i: int) -> torch.Tensor:
         if i not in self._known:
             raise KeyError(i)
-        return self._data[i].x
+        # the pool's clients have in-memory tensor inputs (BatchedExecutor._executors: in_memory, can_batch)
+        return cast(torch.Tensor, self._data[i].x)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._ids)
 
     def __len__(self) -> int:
@@ -106,14 +113,14 @@ class BatchedExecutor(LocalExecutor):
         self.mode, self.group_size, self.workers, self.threads, self.rounds = mode, group_size, workers, threads, rounds
         self.processes = 1
         # fedproto.engine.executors.worker_pool.WorkerPool; False: one process; None: not decided yet (or closed)
-        self._pool = None
+        self._pool: WorkerPool | Literal[False] | None = None
         self._worker_threads = 1
-        self._generic_checked: dict = {}
-        self._grouped_checked: dict = {}
+        self._generic_checked: dict[Hashable, bool] = {}
+        self._grouped_checked: dict[Hashable, bool] = {}
         self._said_custom = False  # the client_update override's log line was written
 
     @property
-    def pool(self):
+    def pool(self) -> WorkerPool | Literal[False] | None:
         """The :class:`~fedproto.engine.executors.worker_pool.WorkerPool` training this run's batched groups; False when
         they train in this process; None before the first batched round and after :meth:`close`."""
         return self._pool
@@ -132,7 +139,7 @@ class BatchedExecutor(LocalExecutor):
                 log.info("%s overrides client_update, which the batched paths cannot run: its clients train one "
                          "after another (client_step)", type(alg).__name__)
             return [([i], 0) for i in ids]
-        by_arch: dict = defaultdict(list)
+        by_arch: dict[Hashable, list[int]] = defaultdict(list)
         for i in ids:  # data read from a Dataset (fedproto.federation.LazyInputs) trains sequentially
             by_arch[self._group_key(i)].append(i)
         S = self.setup.states
@@ -144,7 +151,7 @@ class BatchedExecutor(LocalExecutor):
         generic = [m for m in by_arch.values() if len(m) > 1 and (mode == "batched" or self._grouped_ok(m))
                    and self._generic_ok(m)]
         W = self._executors(max((len(m) for m in batched), default=0))
-        groups = []
+        groups: list[tuple[list[int], int]] = []
         for members in by_arch.values():
             if any(members is m for m in generic):  # the generic path trains in the main process
                 n = self.group_size
@@ -165,7 +172,7 @@ class BatchedExecutor(LocalExecutor):
         explain_paths(self, groups)  # token ids, dicts, Dataset items: each client's path, logged once
         return groups
 
-    def _group_key(self, i: int):
+    def _group_key(self, i: int) -> tuple[object, ...] | None:
         """Client ``i``'s batching key: the hand-written batched path's (:func:`batch_key`) where its
         model has one, else the generic path's (:func:`generic_key`); None: it trains sequentially
         (data read from a Dataset, :class:`fedproto.federation.LazyInputs`, always does)."""
@@ -253,11 +260,12 @@ class BatchedExecutor(LocalExecutor):
             self._pool.close()
         self._pool = None
 
-    def _group_inputs(self, round: int, group: list[int], msgs: dict[int, Message]):
+    def _group_inputs(self, round: int, group: list[int],
+                      msgs: dict[int, Message]) -> tuple[list[Objective], list[Plan]]:
         """Prepare the clients of a batched group; their objectives and batch plans."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         objs: list[Objective] = []
-        plans = []
+        plans: list[Plan] = []
         for i in group:
             with borrowed(S[i]):  # a stored client's model is bound for these calls only (store.py)
                 alg.prepare(S[i], msgs[i])
@@ -265,7 +273,8 @@ class BatchedExecutor(LocalExecutor):
                 plans.append(alg.plan(S[i], objs[-1], len(D[i].y), client_rng(self.seed, round, i)))
         return objs, plans
 
-    def _train_stored(self, store: ClientStore, group: list[int], plans, obj, opt, objs) -> list[TrainResult]:
+    def _train_stored(self, store: ClientStore, group: list[int], plans: list[Plan], obj: Objective,
+                      opt: OptimConfig, objs: list[Objective]) -> list[TrainResult]:
         """:func:`~fedproto.training.train_group` of a group whose clients live in ``store``, from and
         back into their rows (:meth:`ClientStore.stacked`, :meth:`ClientStore.write`): the same stacked
         weights, the same :func:`~fedproto.training.train_stacked` call, with the first client's model
@@ -293,10 +302,12 @@ class BatchedExecutor(LocalExecutor):
         there are any), the rest one by one (:func:`client_step`)."""
         alg, S, D = self.setup.algorithm, self.setup.states, self.setup.data
         opt = alg.opt.at_round(round)  # the round's lr (lr_schedule), passed to every path
-        out = {}
+        out: dict[int, tuple[Message, TrainResult]] = {}
         groups = self.groups(sorted(msgs))
         pool = self._pool or None
-        tasks: dict[int, list] = defaultdict(list)
+        # read only for groups of a worker w > 0, which exist only where _executors started a pool
+        workers = cast("WorkerPool", pool)
+        tasks: dict[int, list[GroupItem]] = defaultdict(list)
         for group, w in groups:  # the workers' parts first: they train while the main process trains its own
             if w == 0:
                 continue
@@ -304,11 +315,11 @@ class BatchedExecutor(LocalExecutor):
             names = arch_model(S[group[0]]).batch_params
             ref = stacked_refs(objs[0], objs, names, len(group))
             obj = portable_objective(objs[0], names)
-            phases = [stack_plans(plans, pi, pool.offsets(group), opt.batch_size) for pi in range(len(obj.phases))]
+            phases = [stack_plans(plans, pi, workers.offsets(group), opt.batch_size) for pi in range(len(obj.phases))]
             tasks[w].append((group, phases, obj, ref))
         models = {w: [[S[i].model for i in g] for g, *_ in items] for w, items in tasks.items()}
         for w, items in tasks.items():
-            pool.submit(w - 1, items, models[w], opt)
+            workers.submit(w - 1, items, models[w], opt)
         threads = torch.get_num_threads()
         if pool:
             torch.set_num_threads(self._worker_threads)
@@ -345,10 +356,10 @@ class BatchedExecutor(LocalExecutor):
             torch.set_num_threads(threads)
             if not trained and tasks:  # the main part raised or was interrupted (Ctrl-C): that is the error to
                 self.close()           # report, not the workers'; they stop without their results awaited
-        done = {w: pool.collect(w - 1, models[w]) for w in tasks}
+        done = {w: workers.collect(w - 1, models[w]) for w in tasks}
         for w, items in tasks.items():
-            for (group, *_), results in zip(items, done[w]):
-                for i, res in zip(group, results):
+            for (ids, *_), results in zip(items, done[w]):
+                for i, res in zip(ids, results):
                     out[i] = (alg.finish(S[i], msgs[i], D[i], res), res)
         return out
 

@@ -13,10 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-from fedproto.algorithms.algorithm import Message
+import torch
+
+from fedproto.algorithms.algorithm import Algorithm, Message
 from fedproto.training import TrainResult
+
+
+class ClientCheckpoint(TypedDict):
+    """One client's state in a checkpoint (:meth:`Executor.client_states`)."""
+
+    model: dict[str, torch.Tensor]  # its model's state dict
+    extra: dict[str, Any]  # ClientState.extra
 
 
 @dataclass
@@ -66,7 +75,7 @@ class Executor:
         (the server builds its first broadcast from them)."""
         raise NotImplementedError
 
-    def initial_message(self, algorithm: Any) -> Message:
+    def initial_message(self, algorithm: Algorithm) -> Message:
         """The server's first broadcast before :meth:`~fedproto.algorithms.algorithm.Algorithm.broadcast`:
         :meth:`~fedproto.algorithms.algorithm.Algorithm.initial_message_from` of the :meth:`join_messages`."""
         return algorithm.initial_message_from(self.join_messages())
@@ -100,12 +109,12 @@ class Executor:
         """How logs name client ``cid``."""
         return f"client {cid}"
 
-    def client_states(self) -> list[dict] | None:
+    def client_states(self) -> list[ClientCheckpoint] | None:
         """The clients' state for a checkpoint (model state dict and extras per client), or None
         where the clients keep their own state (Flower nodes)."""
         return None
 
-    def restore_clients(self, states: list[dict]) -> None:
+    def restore_clients(self, states: list[ClientCheckpoint]) -> None:
         """Load :meth:`client_states` from a checkpoint. Raises ``KeyError``/``RuntimeError`` when
         they do not fit."""
 

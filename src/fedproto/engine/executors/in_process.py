@@ -9,13 +9,14 @@ reference every other executor is checked against (float64 equivalence tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fedproto.algorithms.algorithm import Algorithm, ClientData, ClientState, Message
 from fedproto.engine.client_store import StoredClientState, borrowed, transient_modules
-from fedproto.engine.executors.executor import Executor, RoundReplies
+from fedproto.engine.executors.executor import ClientCheckpoint, Executor, RoundReplies
 from fedproto.engine.seeding import client_rng, client_seed
 from fedproto.engine.setup import Setup
 from fedproto.models.proto_model import count_parameters
@@ -74,7 +75,8 @@ class LocalExecutor(Executor):
         with transient_modules(self.setup.states):  # stored clients: no module kept per client (store.py)
             return algorithm.initial_message(self.setup.states)
 
-    def train(self, round: int, sent: dict[int, Message], downlink=None) -> RoundReplies:
+    def train(self, round: int, sent: dict[int, Message],
+              downlink: Callable[[int], Message] | None = None) -> RoundReplies:
         return RoundReplies(self.train_clients(round, sent), sent)
 
     def train_clients(self, round: int, sent: dict[int, Message]) -> dict[int, tuple[Message, TrainResult]]:
@@ -97,11 +99,11 @@ class LocalExecutor(Executor):
     def client_report(self, cid: int) -> dict[str, float]:
         return self.setup.algorithm.client_report(self.setup.states[cid])
 
-    def left_out(self, history: list[dict], rounds: int) -> dict[int, str]:
+    def left_out(self, history: list[dict[str, Any]], rounds: int) -> dict[int, str]:
         """Clients left out of the headline accuracy, and why: those whose test inputs, read from a
         Dataset, held NaN or inf in an item when read at evaluation, not when set-up read it
         (:data:`fedproto.federation.own_data.NAN_SCAN_ITEMS`; the items are in ``bad`` of its inputs)."""
-        out = {}
+        out: dict[int, str] = {}
         for i, d in enumerate(self.setup.data):
             bad = getattr(d.held_test_x, "bad", None)
             if bad:
@@ -130,14 +132,14 @@ class LocalExecutor(Executor):
                 "device_in_use": str(self.setup.device), "precision_in_use": self.precision_in_use,
                 "partition_summary": self.setup.partition.summary()}
 
-    def client_states(self) -> list[dict]:
-        return [{"model": s.store.state_dict(s.cid) if isinstance(s, StoredClientState) and not s.materialized
+    def client_states(self) -> list[ClientCheckpoint]:
+        return [{"model": s.row_store.state_dict(s.cid) if isinstance(s, StoredClientState) and not s.materialized
                  else s.model.state_dict(), "extra": dict(s.extra)} for s in self.setup.states]
 
-    def restore_clients(self, states: list[dict]) -> None:
+    def restore_clients(self, states: list[ClientCheckpoint]) -> None:
         for s, c in zip(self.setup.states, states):
             if isinstance(s, StoredClientState) and not s.materialized:
-                s.store.load_state_dict(s.cid, c["model"])
+                s.row_store.load_state_dict(s.cid, c["model"])
             else:
                 s.model.load_state_dict(c["model"])
             s.extra = dict(c["extra"])

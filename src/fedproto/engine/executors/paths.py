@@ -7,21 +7,32 @@ otherwise, and this module logs that choice with its reason (:func:`explain_path
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fedproto.data.inputs import describe
 
+if TYPE_CHECKING:
+    from fedproto.engine.setup import Setup
+
 log = logging.getLogger(__name__)
 
 
-def plain_images(x) -> bool:
+class PathsExecutor(Protocol):
+    """What :func:`explain_paths` reads of the batched executor."""
+
+    setup: Setup
+    mode: str
+
+
+def plain_images(x: object) -> bool:
     """True for floating-point tensor inputs (images, tabular features): the paths chosen for them
     are the engine's defaults, not logged per client."""
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-def explain_paths(executor, groups: list[tuple[list[int], int]]) -> None:
+def explain_paths(executor: PathsExecutor, groups: list[tuple[list[int], int]]) -> None:
     """Log once per client, for clients whose inputs are not floating-point tensors, the path it
     trains on (``batched``: in a group of two or more; ``sequential``) and why.
 
@@ -30,7 +41,7 @@ def explain_paths(executor, groups: list[tuple[list[int], int]]) -> None:
             ``mode``; the set ``_paths_said`` records the clients already logged).
         groups: this round's groups (:meth:`BatchedExecutor.groups`).
     """
-    said = executor.__dict__.setdefault("_paths_said", set())
+    said: set[int] = executor.__dict__.setdefault("_paths_said", set())
     data = executor.setup.data
     for members, _ in groups:
         for i in members:

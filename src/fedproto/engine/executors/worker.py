@@ -12,14 +12,20 @@ import os
 import pickle
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 import torch
 
 from fedproto.training import train_stacked
+
+if TYPE_CHECKING:
+    from fedproto.models.proto_model import ProtoModel
+    from fedproto.training import Objective, OptimConfig, StackedPhase, TrainResult
 
 # ----------------------------------------------------------------------------------------------
 # Shared arrays
@@ -39,7 +45,8 @@ def _attach(spec: SharedSpec) -> tuple[shared_memory.SharedMemory, torch.Tensor]
     # the creating process owns the block; do not let this process's tracker unlink it at exit
     # (Python < 3.13 registers attached blocks too)
     try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        # _name: the name the tracker registered (the stub lists only the public name, without its "/")
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # noqa: SLF001
     except Exception:  # pragma: no cover - tracker internals differ across versions
         pass
     arr = np.ndarray(spec.shape, dtype=np.dtype(spec.dtype), buffer=shm.buf)
@@ -49,7 +56,7 @@ def _attach(spec: SharedSpec) -> tuple[shared_memory.SharedMemory, torch.Tensor]
 class _Blocks:
     """Shared blocks created by the main process (freed by :meth:`free`)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._blocks: list[shared_memory.SharedMemory] = []
         self._tensors: list[torch.Tensor] = []
 
@@ -84,12 +91,56 @@ class _Blocks:
         self._blocks.clear()
 
 
+# ----------------------------------------------------------------------------------------------
+# The messages (pickled): the pool's first message, then a round's task per part, None to stop; the worker
+# answers each task with a list of TrainResult lists (one per group) or WorkerError
 
-def _send(conn, obj) -> None:
+
+class StoreInit(TypedDict):
+    """One architecture's stacked weights in shared blocks."""
+
+    m0: ProtoModel  # a model of the architecture (its grouped forward)
+    names: tuple[str, ...]  # its batch_params
+    specs: dict[str, SharedSpec]  # name -> the (N, *shape) block
+
+
+class PoolInit(TypedDict):
+    """The pool's first message: the shared inputs, labels and stores."""
+
+    X: SharedSpec
+    Y: SharedSpec
+    stores: list[StoreInit]
+
+
+class GroupTask(TypedDict):
+    """One group of a task: rows of one store to train."""
+
+    store: int
+    rows: np.ndarray  # the clients' rows in that store
+    phases: Sequence[StackedPhase]
+    obj: Objective
+    ref: dict[str, torch.Tensor] | None
+
+
+class PartTask(TypedDict):
+    """A round's part for one worker."""
+
+    groups: list[GroupTask]
+    opt: OptimConfig
+
+
+class WorkerError(TypedDict):
+    """A worker's answer when its task raised."""
+
+    error: str  # the traceback
+
+
+def _send(conn: Connection, obj: object) -> None:
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _recv(conn):
+def _recv(conn: Connection) -> Any:
+    """The next message, unpickled: any of the module's messages (the caller knows which)."""
     return pickle.loads(conn.recv_bytes())
 
 
@@ -100,26 +151,26 @@ def _recv(conn):
 def _serve(address: str, key: bytes, threads: int) -> None:
     torch.set_num_threads(threads)
     conn = Client(address, family="AF_UNIX", authkey=key)
-    init = _recv(conn)
+    init: PoolInit = _recv(conn)
     shm_x, X = _attach(init["X"])
     shm_y, Y = _attach(init["Y"])
     keep = [shm_x, shm_y]  # the mappings must outlive the tensors viewing them
-    stores = []
+    stores: list[tuple[ProtoModel, tuple[str, ...], dict[str, torch.Tensor]]] = []
     for s in init["stores"]:
-        P = {}
+        P: dict[str, torch.Tensor] = {}
         for k, spec in s["specs"].items():
             shm, P[k] = _attach(spec)
             keep.append(shm)
         stores.append((s["m0"], s["names"], P))
     while True:
         try:
-            task = _recv(conn)
+            task: PartTask | None = _recv(conn)
         except (EOFError, OSError):
             return
         if task is None:
             return
         try:
-            replies = []
+            replies: list[list[TrainResult]] = []
             for g in task["groups"]:
                 m0, names, P_all = stores[g["store"]]
                 rows = torch.from_numpy(g["rows"])
@@ -130,7 +181,7 @@ def _serve(address: str, key: bytes, threads: int) -> None:
                         P_all[k][rows] = P[k]
             _send(conn, replies)
         except Exception:
-            _send(conn, {"error": traceback.format_exc()})
+            _send(conn, WorkerError(error=traceback.format_exc()))
 
 
 if __name__ == "__main__":

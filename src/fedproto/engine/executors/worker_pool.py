@@ -34,15 +34,31 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection, Listener
+from typing import IO, TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from fedproto.engine.executors.worker import SharedSpec, _Blocks, _recv, _send
-from fedproto.training import OptimConfig, TrainResult
+from fedproto.engine.executors.worker import (
+    GroupTask,
+    PartTask,
+    PoolInit,
+    SharedSpec,
+    StoreInit,
+    _Blocks,
+    _recv,
+    _send,
+)
+from fedproto.training import Objective, OptimConfig, StackedPhase, TrainResult
+
+if TYPE_CHECKING:
+    from fedproto.models.proto_model import ProtoModel
+
+GroupItem = tuple[Sequence[int], Sequence[StackedPhase], Objective, "dict[str, torch.Tensor] | None"]
+"""A group :meth:`WorkerPool.submit` sends: ``(ids, phases, obj, ref)``."""
 
 CLIENTS_PER_WORKER = 8
 """Auto mode gives each process at least this many clients of a round (fewer clients do not pay
@@ -103,7 +119,7 @@ def plan_workers(workers: int, threads: int, batched_clients: int, device: str =
 class _Store:
     """One architecture's clients in shared memory: client id -> row, stacked weights."""
 
-    m0: torch.nn.Module
+    m0: ProtoModel
     names: tuple[str, ...]
     row: dict[int, int]
     P: dict[str, torch.Tensor]
@@ -126,12 +142,12 @@ class WorkerPool:
         RuntimeError: a worker failed to start (its error output is included).
     """
 
-    def __init__(self, models: dict[int, torch.nn.Module], data_x: dict[int, torch.Tensor],
-                 data_y: dict[int, torch.Tensor], n_workers: int, threads: int):
+    def __init__(self, models: Mapping[int, ProtoModel], data_x: Mapping[int, torch.Tensor],
+                 data_y: Mapping[int, torch.Tensor], n_workers: int, threads: int):
         self._blocks = _Blocks()
-        self._procs: list[subprocess.Popen] = []
-        self._conns = []
-        self._pending: dict[int, list] = {}
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        self._pending: dict[int, list[Sequence[int]]] = {}
         self._dir = tempfile.mkdtemp(prefix="fedproto-pool-")
         try:
             self._setup(models, data_x, data_y, n_workers, threads)
@@ -139,14 +155,15 @@ class WorkerPool:
             self.close()
             raise
 
-    def _setup(self, models, data_x, data_y, n_workers, threads):
+    def _setup(self, models: Mapping[int, ProtoModel], data_x: Mapping[int, torch.Tensor],
+               data_y: Mapping[int, torch.Tensor], n_workers: int, threads: int) -> None:
         ids = sorted(models)
         sizes = [len(data_y[i]) for i in ids]
         offsets = np.cumsum([0] + sizes)[:-1]
         self.offset = {i: int(o) for i, o in zip(ids, offsets)}
         x_spec, self.X = self._fill(data_x, ids, sizes)
         y_spec, self.Y = self._blocks.new(torch.cat([data_y[i] for i in ids]))
-        by_arch: dict = {}
+        by_arch: dict[Hashable, list[int]] = {}
         for i in ids:
             by_arch.setdefault(models[i].arch_key(), []).append(i)
         self.stores: list[_Store] = []
@@ -154,7 +171,8 @@ class WorkerPool:
         for members in by_arch.values():
             m0 = models[members[0]]
             names = tuple(m0.batch_params)
-            P, specs = {}, {}
+            P: dict[str, torch.Tensor] = {}
+            specs: dict[str, SharedSpec] = {}
             for k in names:
                 specs[k], P[k] = self._blocks.new(
                     torch.stack([dict(models[i].named_parameters())[k].detach() for i in members]))
@@ -168,7 +186,7 @@ class WorkerPool:
             # the key goes in the environment, readable by this user only, not on the command line (ps)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                        FEDPROTO_POOL_KEY=key.hex())
-            self._logs = []
+            self._logs: list[IO[str]] = []
             for _ in range(n_workers):
                 log = tempfile.TemporaryFile("w+")  # no name on disk: nothing is left if this process is killed
                 self._logs.append(log)
@@ -180,7 +198,8 @@ class WorkerPool:
                     # killed by it would turn the interruption into a "worker died" error
                     start_new_session=True))
             try:  # Listener.accept() has no timeout of its own: a worker that cannot start must not hang the run
-                listener._listener._socket.settimeout(START_TIMEOUT_S)
+                # private attributes the stub does not list (the listening socket)
+                listener._listener._socket.settimeout(START_TIMEOUT_S)  # type: ignore[attr-defined]
             except AttributeError:  # pragma: no cover - another multiprocessing implementation
                 pass
             for _ in range(n_workers):
@@ -195,12 +214,13 @@ class WorkerPool:
                 os.rmdir(self._dir)
             except OSError:
                 pass
-        init = {"X": x_spec, "Y": y_spec,
-                "stores": [{"m0": s.m0, "names": s.names, "specs": s.specs} for s in self.stores]}
+        init = PoolInit(X=x_spec, Y=y_spec,
+                        stores=[StoreInit(m0=s.m0, names=s.names, specs=s.specs) for s in self.stores])
         for c in self._conns:
             _send(c, init)
 
-    def _fill(self, data_x, ids: list[int], sizes: list[int]) -> tuple[SharedSpec, torch.Tensor]:
+    def _fill(self, data_x: Mapping[int, torch.Tensor], ids: list[int],
+              sizes: list[int]) -> tuple[SharedSpec, torch.Tensor]:
         """One shared block holding the inputs of clients ``ids`` one after another, read client by client."""
         first = data_x[ids[0]]
         spec, X = self._blocks.empty((sum(sizes), *first.shape[1:]), first.dtype)
@@ -215,7 +235,7 @@ class WorkerPool:
         return spec, X
 
     @property
-    def processes(self) -> list[subprocess.Popen]:
+    def processes(self) -> list[subprocess.Popen[bytes]]:
         """The worker processes (one per worker, in worker order; empty once closed)."""
         return list(self._procs)
 
@@ -223,7 +243,7 @@ class WorkerPool:
     def n_workers(self) -> int:
         return len(self._conns)
 
-    def submit(self, w: int, items: Sequence[tuple], models: Sequence[Sequence[torch.nn.Module]],
+    def submit(self, w: int, items: Sequence[GroupItem], models: Sequence[Sequence[torch.nn.Module]],
                opt: OptimConfig) -> None:
         """Send worker ``w`` groups to train, one after another.
 
@@ -235,7 +255,7 @@ class WorkerPool:
             models: per group, the clients' models in the order of ``ids``.
         Collect the results with :meth:`collect` before submitting to ``w`` again.
         """
-        sent = []
+        sent: list[GroupTask] = []
         with torch.no_grad():
             for (ids, phases, obj, ref), ms in zip(items, models):
                 s = self.store_of[ids[0]]
@@ -244,10 +264,10 @@ class WorkerPool:
                 named = [dict(m.named_parameters()) for m in ms]
                 for k in st.names:
                     st.P[k][rows] = torch.stack([n[k].detach() for n in named])
-                sent.append({"store": s, "rows": rows.numpy(), "phases": phases, "obj": obj, "ref": ref})
+                sent.append(GroupTask(store=s, rows=rows.numpy(), phases=phases, obj=obj, ref=ref))
         self._pending[w] = [ids for ids, *_ in items]
         try:
-            _send(self._conns[w], {"groups": sent, "opt": opt})
+            _send(self._conns[w], PartTask(groups=sent, opt=opt))
         except OSError as e:  # it died between rounds
             raise self._died(w, e) from None
 
@@ -271,7 +291,7 @@ class WorkerPool:
                     named = dict(m.named_parameters())
                     for k in st.names:
                         named[k].copy_(st.P[k][st.row[i]])
-        return reply
+        return cast("list[list[TrainResult]]", reply)  # not an error: the worker's results, per group and client
 
     def _died(self, w: int, e: BaseException) -> RuntimeError:
         return RuntimeError(f"worker process {w + 1} died ({str(e) or type(e).__name__}; {self._exit(w)}); its "
@@ -358,7 +378,7 @@ class WorkerPool:
         except OSError:
             pass
 
-    def __del__(self):  # a pool that was not closed (an exception in the run) still frees its memory
+    def __del__(self) -> None:  # a pool that was not closed (an exception in the run) still frees its memory
         try:
             self.close()
         except Exception:

@@ -4,12 +4,11 @@ every client's model and the ensemble of all client models on the dataset's full
 from __future__ import annotations
 
 import logging
-from typing import Any, TypedDict, cast
+from typing import Any, TypedDict
 
 import torch
 
 from fedproto.algorithms.algorithm import Message
-from fedproto.data.datasets import Dataset
 from fedproto.engine.loop import Observer, RoundLoop
 from fedproto.engine.setup import Setup
 from fedproto.engine.summary import ClientMetrics, Summary, summarize
@@ -40,8 +39,7 @@ def full_test_evaluation(setup: Setup, message: Message, num_classes: int) -> Fu
     Returns:
         ``{"summary": {...}, "clients": [per-client dict]}``; accuracies in [0, 1].
     """
-    # Setup.dataset is annotated Dataset, but prepare() leaves it None for your own clients
-    ds = cast("Dataset | None", setup.dataset)
+    ds = setup.dataset  # None for your own clients
     if ds is None:
         log.warning("eval_full_test: your own clients have no shared test split; only the per-client test sets "
                     "are evaluated")
