@@ -310,7 +310,7 @@ def test_begin_puts_a_finished_run_back_when_it_fails(tmp_path, monkeypatch):
     files = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
     rd = results.RunDir(d)
 
-    def full(path, data):
+    def full(path, data, *args, **kwargs):  # atomic_write_bytes's signature, whatever its options
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(results, "atomic_write_bytes", full)
