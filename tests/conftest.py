@@ -23,6 +23,11 @@ from fedproto.federation import Client
 from fedproto.models.resnet import ResNet18
 from fedproto.simulation import Simulation
 
+# tests/flower/flower_helpers.py (the Flower tests' LocalGrid, node folders, ...) imports as ``from flower_helpers
+# import ...`` in every test folder, also where a file of another folder (tests/engine/test_method_executors.py)
+# is collected before tests/flower or runs alone: pytest puts a test file's own folder on sys.path, no other
+sys.path.insert(0, str(Path(__file__).resolve().parent / "flower"))
+
 DATA = os.environ.get("FEDPROTO_DATA")
 
 

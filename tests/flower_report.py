@@ -1,7 +1,7 @@
 """Pytest hooks (imported by conftest.py) that say which Flower tests ran and which were skipped, and why.
 
 Without the flower extra a test module that skips itself at import (``pytest.importorskip("flwr")``
-at module level, as tests/flower/test_flower.py) would show as one SKIPPED line for all its tests. Here
+at module level, as tests/flower/test_flower_*.py) would show as one SKIPPED line for all its tests. Here
 such a module is collected as one skipped test per test function it defines (read from its
 source, not imported), each with the reason and the install command, and the end of the run
 prints one line: how many tests marked ``flower`` passed, failed and were skipped, with the skip

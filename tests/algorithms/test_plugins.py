@@ -288,10 +288,10 @@ def test_it_runs_with_your_own_clients_through_federate(centerproto):
 @pytest.mark.flower
 def test_it_runs_on_the_flower_app_with_the_simulators_numbers(centerproto, monkeypatch, tmp_path):
     pytest.importorskip("flwr")
+    from flower_helpers import LocalGrid, _user_config
     from flwr.supercore.task_identity import TaskIdentity
-    from test_flower import LocalGrid, _user_config
 
-    for k, v in {"_run_id": 1, "_node_id": 0, "_task_id": 0}.items():  # as tests/flower/test_flower.py's ServerApp
+    for k, v in {"_run_id": 1, "_node_id": 0, "_task_id": 0}.items():  # as flower_helpers.flower_process
         monkeypatch.setattr(TaskIdentity, k, v)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 

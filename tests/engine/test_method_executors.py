@@ -1,6 +1,6 @@
 """A method's client hooks and the run's NaN policy are the same on every executor and front end:
 sequential, batched, worker processes (float64) and Flower's ClientApp (:class:`LocalGrid` from
-tests/flower/test_flower.py: the real ClientApp in this process)."""
+tests/flower/flower_helpers.py: the real ClientApp in this process)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytest.importorskip("flwr")
 pytestmark = pytest.mark.flower
 
 from conftest import float64_sim  # noqa: E402
-from test_flower import LocalGrid, _own_cache, _server_process  # noqa: E402, F401  (the Flower tests' fixtures)
+from flower_helpers import LocalGrid, flower_process  # noqa: E402  (the Flower tests' grid)
 
 from fedproto import plugins  # noqa: E402
 from fedproto.algorithms import FedProto, register_algorithm  # noqa: E402
@@ -27,6 +27,14 @@ from fedproto.flower.records import run_config  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
 from fedproto.simulation import Simulation  # noqa: E402
 from fedproto.training import LossTerm  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _flower_process(tmp_path, monkeypatch):
+    """The ServerApp process's task identity and a node-state cache of this test's own
+    (:func:`flower_helpers.flower_process`)."""
+    yield from flower_process(tmp_path, monkeypatch)
+
 
 BASE = dict(dataset="digits", clients=4, ways=3, shots=20, stdev=1, test_shots=10, rounds=2, model="cnn",
             eval_every=0, lr=0.05, threads=1)
@@ -123,9 +131,11 @@ class Keep(Observer):
 @pytest.fixture
 def hook_plugins(monkeypatch):
     """The plug-ins registered; this folder on the worker processes' path (they import the plug-in's
-    module to unpickle its loss term, as they would import an installed plug-in package)."""
-    here = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p))
+    module to unpickle its loss term, as they would import an installed plug-in package), and the
+    folders of what that module imports (tests/conftest.py, tests/flower/flower_helpers.py)."""
+    here = Path(__file__).resolve().parent
+    paths = (str(here), str(here.parent), str(here.parent / "flower"), os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     for cls in (EveryHook, EveryHookStep, DivergingProto):
         register_algorithm(cls)
     yield

@@ -16,13 +16,21 @@ import torch
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.flower
 
-from test_flower import LocalGrid, _own_cache, _own_config, _server_process  # noqa: E402, F401 (fixtures)
+from flower_helpers import LocalGrid, _own_config, flower_process  # noqa: E402
 
 from fedproto.data.folder import load_client_folder  # noqa: E402
 from fedproto.data.inputs import Inputs  # noqa: E402
 from fedproto.errors import ConfigError, DataError  # noqa: E402
 from fedproto.flower.records import run_config  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _flower_process(tmp_path, monkeypatch):
+    """The ServerApp process's task identity and a node-state cache of this test's own
+    (:func:`flower_helpers.flower_process`)."""
+    yield from flower_process(tmp_path, monkeypatch)
+
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 KEYBOARD = dict(classes=10, embedding_dim=32, clients=3, rounds=2, lr=0.1, batch_size=16, seed=7)

@@ -38,7 +38,7 @@ def test_rounds_survive_a_cpu_hog(tmp_path):
     """Three own-data SuperNodes under Flower's default isolation (a ClientApp process per
     message: the slow path) on 127.0.0.1, while busy processes (two per core) hog the CPU for the
     whole run: every round gets the replies of all three clients and the run finishes."""
-    from test_flower import node_configs, write_node_folders
+    from flower_helpers import node_configs, write_node_folders
 
     from fedproto.deploy.local_federation import LocalFederation
 

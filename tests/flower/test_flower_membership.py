@@ -1,7 +1,7 @@
 """`fedproto.flower.membership`: nodes refused at join are recorded under their true reason in the
 server's log, summary.json's ``left_out`` and clients.csv (not as unanswered, not as scored at
 their initial weights); a node's bad array is named. Nodes are the real ClientApp in this process
-(tests/flower/test_flower.py's :class:`LocalGrid`)."""
+(tests/flower/flower_helpers.py's :class:`LocalGrid`)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,23 @@ import pytest
 pytest.importorskip("flwr")
 pytestmark = pytest.mark.flower
 
-from test_flower import (  # noqa: E402, F401  (the Flower tests' grid, node folders and fixtures)
+from flower_helpers import (  # noqa: E402  (the Flower tests' grid and node folders)
     LocalGrid,
-    _own_cache,
     _own_config,
-    _server_process,
+    flower_process,
     node_configs,
     write_node_folders,
 )
 
 from fedproto.flower.records import run_config  # noqa: E402
 from fedproto.flower.server_app import FlowerEngine  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _flower_process(tmp_path, monkeypatch):
+    """The ServerApp process's task identity and a node-state cache of this test's own
+    (:func:`flower_helpers.flower_process`)."""
+    yield from flower_process(tmp_path, monkeypatch)
 
 
 def test_flower_nodes_refused_at_join_are_recorded_as_refused(tmp_path, caplog):

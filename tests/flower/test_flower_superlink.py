@@ -1,10 +1,11 @@
 """A real Flower deployment in the fast suite: a SuperLink and two SuperNodes on 127.0.0.1.
 
 The other fast Flower tests talk to the real ClientApp through an in-process stand-in of the
-SuperLink (tests/flower/test_flower.py's ``LocalGrid``); this one starts Flower's own processes, so the
+SuperLink (tests/flower/flower_helpers.py's ``LocalGrid``); this one starts Flower's own processes, so the
 wire format, the SuperLink's scheduling and the SuperNodes' process isolation are exercised on
 every run of the suite. Kept to one round of two small clients; the longer deployments (restarts,
-TLS, authentication, several rounds) are in tests/flower/test_flower.py.
+TLS, authentication, several rounds) are in tests/flower/test_flower_deployment.py and
+test_flower_secagg.py.
 """
 
 from __future__ import annotations

@@ -117,14 +117,14 @@ def flower_node(monkeypatch, tmp_path, **kw) -> Measure:
     SuperNode keeps them) and measure every node's release and weight change; the nodes' models are
     read from their contexts, their data and initial weights from a simulator of the same config."""
     pytest.importorskip("flwr")
+    from flower_helpers import LocalGrid, _user_config
     from flwr.supercore.task_identity import TaskIdentity
-    from test_flower import LocalGrid, _user_config
 
     from fedproto.flower import client_app
     from fedproto.flower.records import run_config
     from fedproto.flower.server_app import FlowerEngine
 
-    for k, v in {"_run_id": 1, "_node_id": 0, "_task_id": 0}.items():  # as tests/flower/test_flower.py's ServerApp
+    for k, v in {"_run_id": 1, "_node_id": 0, "_task_id": 0}.items():  # as flower_helpers.flower_process
         monkeypatch.setattr(TaskIdentity, k, v)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     uc = _user_config(**{**dict(eval_every=0, threads=1), **kw})

@@ -1,7 +1,7 @@
 """Secure aggregation (fedproto.secagg) in the simulator: the server holds masked vectors only,
 their sum gives the plain aggregation within the fixed-point error, dropouts below the threshold
 are survived, options that need individual replies are refused. The Flower side is in
-tests/flower/test_flower.py (``secagg`` tests)."""
+tests/flower/test_flower_secagg.py."""
 
 from __future__ import annotations
 
