@@ -83,3 +83,14 @@ def test_old_module_paths_still_import_with_a_warning():
             [str(w.message) for w in caught]
     missing = [new for new in fedproto._MOVED.values() if importlib.util.find_spec(new) is None]
     assert not missing, f"the old-path table points at modules that do not exist: {missing}"
+
+
+def test_an_old_module_path_warns_at_the_importing_line_by_default():
+    """Python shows a DeprecationWarning by default only when it is attributed to ``__main__``: the
+    warning of an old path points at the line that imports it, so a script sees it without -W."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import fedproto.cli_run"], capture_output=True, text=True,
+                         check=True)
+    assert "<string>:1: DeprecationWarning: fedproto.cli_run is now fedproto.cli.run_command" in out.stderr, out.stderr
