@@ -104,7 +104,7 @@ class _MovedModules:
 
         name = spec.name  # type: ignore[attr-defined]
         warnings.warn(f"{name} is now {_MOVED[name]}; import it from there (the old path goes in 1.0)",
-                      DeprecationWarning, stacklevel=2)  # the line that imports (the import system's frames are skipped)
+                      DeprecationWarning, stacklevel=2)  # the importing line (import frames skipped)
         module = importlib.import_module(_MOVED[name])
         self._spec = module.__spec__
         return module
