@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -55,28 +56,39 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--command", required=True, help="the command that made it")
     imp.add_argument("--slow", default=None, help="too slow for CI: how long it took (else: made in CI)")
     imp.add_argument("--commit", default=None, help="the commit the cells ran (default: table.json's)")
+    imp.add_argument("--replace", action="store_true", help="overwrite an existing result file of that name")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "import":
+            if args.check:
+                ap.error("--check writes nothing, and import writes a result file: run import without --check")
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name) or ".." in args.name:
+                ap.error(f"--name {args.name!r}: a result file's name is letters, digits, '_', '-' and '.' "
+                         "(it becomes docs/results/NAME.json), e.g. --name mnist-2026-12-06")
+            dest = args.root / RESULTS / f"{args.name}.json"
+            if dest.exists() and not args.replace:
+                ap.error(f"{dest} exists: pick another --name, or add --replace to overwrite it")
             table = args.out / "table.json"
             if not table.is_file():
                 ap.error(f"{table} not found: run fedproto reproduce --out {args.out} first (this version "
                          "writes table.json; an older grid: run its command again, every cell is skipped)")
             res = make_result(table, args.name, args.what, args.command, args.slow is None, args.slow or "",
                               args.commit)
-            dest = args.root / RESULTS / f"{args.name}.json"
             atomic_write_json(dest, res)  # NaN as null
             print(f"wrote {dest}")
             return 0
         if args.list:
             _list(args.root)
             return 0
+        if not (args.root / RESULTS).is_dir() or not load_results(args.root):
+            raise PublishedError(f"no result files in {args.root / RESULTS}: nothing to check or render "
+                                 "(--root is the repository that holds docs/results/*.json)")
         changed = regenerate(args.root, write=not args.check)
         for p, (old, new) in changed.items():
             rel = p.relative_to(args.root)
             if args.check:
                 sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
-                                                           f"{rel} (as committed)", f"{rel} (from its results)"))
+                                                           f"{rel} (as it is)", f"{rel} (from its results)"))
             else:
                 print(f"rewrote {rel}")
         bad = conflicts(args.root)

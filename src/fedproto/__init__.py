@@ -112,6 +112,18 @@ class _MovedModules:
     def exec_module(self, module: object) -> None:
         module.__spec__ = self._spec  # type: ignore[attr-defined]  # the import system wrote the old name's spec
 
+    def get_code(self, fullname: str) -> object:
+        """``python -m <old path>`` (a deployment unit written before 0.2): the new module's code, run as
+        ``__main__``, with a FutureWarning (shown by default) naming the new path."""
+        import importlib.util
+        import warnings
+
+        new = _MOVED[fullname]
+        warnings.warn(f"python -m {fullname} is now python -m {new}; change the command (the old path goes in 1.0)",
+                      FutureWarning, stacklevel=1)
+        spec = importlib.util.find_spec(new)
+        return spec.loader.get_code(new)  # type: ignore[union-attr]
+
 
 import sys as _sys  # noqa: E402
 

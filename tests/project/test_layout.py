@@ -94,3 +94,21 @@ def test_an_old_module_path_warns_at_the_importing_line_by_default():
     out = subprocess.run([sys.executable, "-c", "import fedproto.cli_run"], capture_output=True, text=True,
                          check=True)
     assert "<string>:1: DeprecationWarning: fedproto.cli_run is now fedproto.cli.run_command" in out.stderr, out.stderr
+
+
+def test_python_m_on_an_old_path_runs_the_new_module_and_old_submodule_names_still_resolve():
+    """Reported: ``python -m fedproto.flower.supervise`` (a deployment unit of releases before 0.2) was an
+    AttributeError of the import hook, and ``fedproto.htmath.fd`` no longer an attribute after
+    ``import fedproto.htmath``."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fedproto.flower.supervise", "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0 and "usage: python -m fedproto.deploy.supervisor" in out.stdout, out.stderr
+    assert "FutureWarning: python -m fedproto.flower.supervise is now python -m fedproto.deploy.supervisor" \
+        in out.stderr
+    code = "import fedproto.htmath as h; print(h.fd.__name__, h.heads.lg_aggregate.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["fedproto.algorithms.hetero_math.fd_math",
+                                  "fedproto.algorithms.hetero_math.heads_math"]

@@ -186,7 +186,7 @@ def test_import_and_check_from_the_command_line(tree, tmp_path, capsys):
     main = _script().main
     root = ["--root", str(tree)]
     assert main([*root, "import", str(out), "--name", "toy", "--what", "x", "--command", "fedproto reproduce",
-                 "--slow", "2 h"]) == 0
+                 "--slow", "2 h", "--replace"]) == 0  # toy.json exists: replaced on purpose
     assert math.isclose(load_results(tree)["toy"]["rows"][0]["acc_mean"], 98.0)
     capsys.readouterr()
     assert main([*root, "--check"]) == 1  # the page still shows 98.46: the diff, and nothing written
@@ -216,3 +216,29 @@ def test_the_grid_timing_table_gives_the_median_and_each_pair(tree):
     assert "| 1 | serial (`--threads 1`) | 500.0 | 14.1 15.0 15.2 | 13.9 14.0 15.0 | reference |" in text
     # medians of two: 400 s serial, 380 s with --jobs 2; per run 1.25x and 0.83x
     assert "| median | serial / `--jobs 2` | 400.0 / 380.0 | | | **1.05x** (per run: 1.25x, 0.83x) |" in text
+
+
+def test_import_refuses_what_would_lose_or_misplace_a_result(tree, tmp_path, capsys):
+    """Reported: `--check import` wrote a file, `--name mnist` replaced a committed result, `--name ../../x`
+    wrote outside docs/results, a table.json without rows was a KeyError, and `--check` on a folder with no
+    result files passed. Each is refused, naming the value and the fix, and nothing is written."""
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "table.json").write_text(json.dumps({"rows": [{**ROW, "acc_mean": 98.0}]}))
+    main = _script().main
+    root = ["--root", str(tree)]
+    before = {p: p.read_bytes() for p in (tree / "docs" / "results").iterdir()}
+    existing = next(iter(before)).stem
+    for argv, why in [([*root, "--check", "import", str(out), "--name", "new"], "--check writes nothing"),
+                      ([*root, "import", str(out), "--name", existing], "exists: pick another --name"),
+                      ([*root, "import", str(out), "--name", "../../evil"], "a result file's name is letters")]:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--what", "x", "--command", "c"] if "import" in argv else argv)
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    (out / "table.json").write_text('{"bad": 1}')
+    assert main([*root, "import", str(out), "--name", "bad", "--what", "x", "--command", "c"]) == 2
+    assert "not a table.json of fedproto reproduce" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in (tree / "docs" / "results").iterdir()} == before
+    assert not (tmp_path.parent / "evil.json").exists()
+    assert main(["--root", str(tmp_path / "nothere"), "--check"]) == 2
+    assert "no result files" in capsys.readouterr().err

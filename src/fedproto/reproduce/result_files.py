@@ -56,11 +56,19 @@ def make_result(table_json: Path, name: str, what: str, command: str, ci: bool, 
                 commit: str | None = None) -> dict:
     """A result file's content from a reproduce folder's ``table.json`` (``commit``: the code the
     cells ran, where it differs from the one that wrote the table)."""
-    t = json.loads(Path(table_json).read_text())
+    try:
+        t = json.loads(Path(table_json).read_text())
+    except (OSError, ValueError) as e:
+        raise PublishedError(f"{table_json}: not a readable table.json of fedproto reproduce ({e})") from None
+    rows_in = t.get("rows") if isinstance(t, dict) else None
+    if not isinstance(rows_in, list) or not rows_in or not all(
+            isinstance(r, dict) and {"dataset", "method"} <= r.keys() for r in rows_in):
+        raise PublishedError(f"{table_json}: not a table.json of fedproto reproduce (it needs 'rows', each with "
+                             "'dataset' and 'method'); run fedproto reproduce --out FOLDER and import FOLDER")
     made = dict(t.get("made") or {})
     if commit:
         made["commit"] = commit
-    rows = [{k: v for k, v in r.items() if k != "failed_cells"} for r in t["rows"]]
+    rows = [{k: v for k, v in r.items() if k != "failed_cells"} for r in rows_in]
     return {"name": name, "what": what, "command": command, "ci": ci, "cost": cost, "made": made, "rows": rows}
 
 

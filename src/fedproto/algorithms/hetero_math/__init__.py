@@ -29,6 +29,9 @@ The functions live in one module per family and are all importable from here:
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 from fedproto.algorithms.hetero_math.fd_math import FD_FORMS, class_mean_logits, fd_distill_loss, fd_global_logits
 from fedproto.algorithms.hetero_math.fedtgp_math import (
            TGP_KEYS,
@@ -44,3 +47,14 @@ from fedproto.algorithms.hetero_math.uploads import FD_RULES, class_centers
 __all__ = ["FD_FORMS", "FD_RULES", "TGP_KEYS", "class_centers", "class_mean_logits", "fd_distill_loss",
            "fd_global_logits", "fedgh_train_head", "lg_aggregate", "tgp_generate", "tgp_init", "tgp_loss",
            "tgp_margin", "tgp_server_train"]
+
+_OLD_NAMES = {"common": "uploads", "fd": "fd_math", "fedtgp": "fedtgp_math", "heads": "heads_math"}
+"""The submodules' names when this package was ``fedproto.htmath`` (before 0.2)."""
+
+
+def __getattr__(name: str) -> ModuleType:
+    """``fedproto.htmath.fd`` and the other old submodule names as attributes (a script of releases
+    before 0.2 reaching ``htmath.fd.fd_distill_loss`` after ``import fedproto.htmath``)."""
+    if name in _OLD_NAMES:
+        return importlib.import_module(f"{__name__}.{_OLD_NAMES[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
