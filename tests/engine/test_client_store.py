@@ -4,10 +4,12 @@ client, exact storing and restoring, and runs that give the per-client modules' 
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import digits_config
 
 from fedproto.config.run_config import build_config
 from fedproto.engine.client_store import ClientStore, StoredClientState, borrowed, storable
@@ -181,3 +183,21 @@ def test_a_file_store_is_removed_with_it(tmp_path):
     assert torch.equal(store.state_dict(3)["fc1.weight"], m.fc1.weight.detach())
     store.close()
     assert not (tmp_path / "rows.f32").exists()
+
+
+def test_the_store_is_reported_where_used_and_its_variable_checked(monkeypatch, tmp_path):
+    """Reported: FEDPROTO_CLIENT_STORE=2 made a folder named 2, a file path failed without naming the variable,
+    and no output said whether the store was used. summary.json's ``client_store`` says it (None: modules)."""
+    from fedproto.engine.setup import client_store_from_env
+    from fedproto.errors import ConfigError
+
+    assert client_store_from_env(" YES ") is True and client_store_from_env("off") is False
+    assert client_store_from_env("~/store") == str(Path.home() / "store")
+    (tmp_path / "f").write_text("x")
+    for bad, why in [("2", "a number but not 0 or 1"), (str(tmp_path / "f"), "is a file, not a folder")]:
+        with pytest.raises(ConfigError, match=why):
+            client_store_from_env(bad)
+    for env, want in [("0", None), ("1", "memory"), (str(tmp_path / "store"), "file")]:
+        monkeypatch.setenv("FEDPROTO_CLIENT_STORE", env)
+        summary = Simulation(digits_config(rounds=1, eval_every=0), out=False).run()
+        assert summary["client_store"] == want

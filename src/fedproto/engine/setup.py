@@ -203,11 +203,31 @@ def prepare(cfg: CommonConfig, dataset: Dataset | None = None, progress: bool = 
         log.warning("augment is on for %s: horizontal flips suit natural images (CIFAR-10), not "
                     "digits or letters", cfg.dataset)
     if client_store is None:
-        env = os.environ.get("FEDPROTO_CLIENT_STORE", "0").strip()
-        client_store = env.lower() in ("1", "true", "yes", "on") or (env.lower() not in ("", "0", "false", "no", "off")
-                                                                     and env)
+        client_store = client_store_from_env(os.environ.get("FEDPROTO_CLIENT_STORE", "0"))
     states = client_states(cfg, part, ds, client_store)
     return build_setup(cfg, states, client_views(ds, part.train_idx, part.test_idx), part, ds)
+
+
+def client_store_from_env(value: str) -> bool | str:
+    """``FEDPROTO_CLIENT_STORE``'s value as :func:`prepare`'s ``client_store``: ``1``/``true``/``yes``/``on``:
+    in memory; ``0``/``false``/``no``/``off``/empty: off; else a folder for the store's file (``~`` expanded).
+
+    Raises:
+        ConfigError: a number other than 0 and 1, or a path that exists and is not a folder.
+    """
+    v = value.strip()
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("", "0", "false", "no", "off"):
+        return False
+    hint = ("FEDPROTO_CLIENT_STORE is 1 (the clients' weights in one store in memory), 0 (off) or a folder for "
+            "the store's file, e.g. FEDPROTO_CLIENT_STORE=/tmp/fedproto-store")
+    if v.lstrip("+-").replace(".", "", 1).isdigit():
+        raise ConfigError(f"FEDPROTO_CLIENT_STORE={value!r} is a number but not 0 or 1", hint=hint)
+    folder = os.path.expanduser(v)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"FEDPROTO_CLIENT_STORE={value!r} is a file, not a folder", hint=hint)
+    return folder
 
 
 def client_states(cfg: CommonConfig, part: Partition, ds: Dataset,

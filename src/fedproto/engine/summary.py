@@ -158,7 +158,21 @@ def _run_entries(cfg: CommonConfig, alg: Algorithm, executor: Executor, last: Ro
         "execution": cfg.execution,
         "processes": executor.processes,
         "precision": alg.opt.precision,  # the precision used (the option's bf16 is fp32 on a CPU without bf16)
+        "client_store": _client_store_used(executor),
     }
+
+
+def _client_store_used(executor: Executor) -> str | None:
+    """Where the clients' weights were kept between rounds, when not as one module per client:
+    ``"memory"`` or ``"file"`` (a :class:`~fedproto.engine.client_store.ClientStore`, the
+    ``FEDPROTO_CLIENT_STORE`` environment variable or ``prepare(client_store=...)``); None: modules."""
+    from fedproto.engine.client_store import StoredClientState
+
+    setup = getattr(executor, "setup", None)
+    states = getattr(setup, "states", None) or []
+    if not states or not isinstance(states[0], StoredClientState):
+        return None
+    return "memory" if states[0].row_store.path is None else "file"
 
 
 def _add_accuracy_trained(summary: Summary, cfg: CommonConfig, per_client: list[ClientMetrics], trained: list[int],
