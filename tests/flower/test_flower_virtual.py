@@ -4,7 +4,6 @@ simulation section, run as written."""
 from __future__ import annotations
 
 import gc
-import itertools
 import json
 import os
 import re
@@ -23,8 +22,8 @@ pytest.importorskip("flwr")
 pytestmark = pytest.mark.flower
 
 from conftest import DATA, DOCS, needs_mnist  # noqa: E402
-from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
-from flwr.serverapp import Grid  # noqa: E402
+from flower_helpers import LocalGrid  # noqa: E402
+from flwr.app import Error, Message  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fedproto.config.run_config import build_config  # noqa: E402
@@ -39,36 +38,14 @@ BASE = dict(dataset="digits", clients=6, ways=3, shots=12, stdev=1, test_shots=6
             eval_every=0, lr=0.05, threads=1)
 
 
-class OneProcessGrid(Grid):
+class OneProcessGrid(LocalGrid):
     """A Flower Grid whose virtual nodes (``partition-id`` 0..n-1) all run in this process, as the
     nodes of one Ray actor do: each message goes to the real ClientApp with its node's ``Context``
-    (kept across rounds, as Flower's simulation runtime keeps it)."""
+    (kept across rounds, as Flower's simulation runtime keeps it); ``served``: the partitions served, in order."""
 
     def __init__(self, run_config: dict, n: int):
-        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config={"partition-id": i,
-                                           "num-partitions": n}, state=RecordDict(), run_config=dict(run_config))
-                         for i in range(n)}
-        self._ids = itertools.count()
+        super().__init__(run_config, list(range(n)), n)
         self.served: list[int] = []
-
-    def set_run(self, run):
-        pass
-
-    @property
-    def run(self):
-        return None
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id)
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
 
     def send_and_receive(self, messages, *, timeout=None):
         replies = []
